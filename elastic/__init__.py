@@ -1,0 +1,25 @@
+"""elastic: the fault-tolerant agent and elastic data for distributed training.
+
+Importing this package imports no framework; the torch samplers load torch on first use.
+"""
+
+# --- elastic data (issue 5): samplers; torch is imported lazily on first access ---
+_DATA_EXPORTS = {
+    "ElasticDistributedSampler": "._distributed_sampler",
+    "ShardSampler": "._shard_sampler",
+    "CountingLoader": "._counting",
+}
+
+__all__ = list(_DATA_EXPORTS)
+
+
+def __getattr__(name):
+    module = _DATA_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+# --- end elastic data ---
