@@ -1,0 +1,49 @@
+"""Sharding coordinator: hands out small shards of a data set as leases, takes back the
+shards of workers that died, remembers where every epoch stands, and saves that state as
+small JSON that goes inside a model checkpoint.
+
+>>> import sharding
+>>> ds = sharding.connect("memory://doc").dataset("train", size=10, shard_size=4)
+>>> shard = ds.acquire(worker="w0")
+>>> (shard.index, shard.start, shard.end, list(shard.indices()))
+(0, 0, 4, [0, 1, 2, 3])
+>>> ds.complete(shard)
+
+Backends: ``memory://`` (one process), ``sqlite:///path`` (processes on one machine),
+``redis://host:port/db`` (many machines). ``import sharding`` imports neither redis nor
+any framework.
+"""
+
+from ._connect import connect, mask_url
+from ._coordinator import STATE_VERSION, Coordinator, Dataset, Options, Shard
+from ._definition import Definition
+from ._errors import (
+    AlreadyCompleted,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    InvalidArgument,
+    LeaseLost,
+    UnknownDataset,
+    UnknownWorker,
+)
+from ._order import sample_order, shard_order
+
+__all__ = [
+    "STATE_VERSION",
+    "AlreadyCompleted",
+    "Coordinator",
+    "CoordinatorError",
+    "CoordinatorUnavailable",
+    "Dataset",
+    "Definition",
+    "InvalidArgument",
+    "LeaseLost",
+    "Options",
+    "Shard",
+    "UnknownDataset",
+    "UnknownWorker",
+    "connect",
+    "mask_url",
+    "sample_order",
+    "shard_order",
+]

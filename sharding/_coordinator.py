@@ -1,0 +1,364 @@
+"""The coordinator: data sets, shards as leases, epochs and checkpointable state.
+
+All shard logic lives here once: validating definitions, mapping a store's slots to
+shards through the deterministic order, waiting while leases are out, turning store
+status codes into errors, and the ``state_dict`` format. Backends (``Store``) only run
+the atomic lease operations.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from ._definition import Definition
+from ._errors import (
+    AlreadyCompleted,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    InvalidArgument,
+    LeaseLost,
+    UnknownDataset,
+    UnknownWorker,
+)
+from ._order import sample_order, shard_order
+from ._store import Grant, Status, Store, Wait
+
+__all__ = ["Coordinator", "Dataset", "Options", "Shard", "STATE_VERSION"]
+
+log = logging.getLogger(__name__)
+
+#: version of the ``state_dict`` format
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One leased shard: samples ``[start, end)`` (of ``file`` for file-based data sets).
+
+    ``consumed`` is where this lease resumes: samples of :meth:`indices` before it were
+    already reported by an earlier holder.
+    """
+
+    dataset: str
+    epoch: int
+    index: int
+    start: int
+    end: int
+    file: str | None
+    consumed: int
+    worker: str
+    #: lease token; a later lease of the same shard gets a larger one
+    lease: int
+    slot: int = field(repr=False)
+    seed: int = field(repr=False)
+    shuffle: bool = field(repr=False)
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def indices(self) -> Iterator[int]:
+        """Sample indices (record offsets in ``file``) still to consume, in order."""
+        order = sample_order(
+            self.start, self.end, seed=self.seed, epoch=self.epoch, shard=self.index, shuffle=self.shuffle
+        )
+        return iter(order[self.consumed :])
+
+
+def _check_worker(worker: Any) -> str:
+    if not isinstance(worker, str) or not worker or not worker.isprintable():
+        raise InvalidArgument(f"worker must be a non-empty printable str, got {worker!r}")
+    return worker
+
+
+class Dataset:
+    """A data set's shard queue. Obtain from :meth:`Coordinator.dataset`; thread-safe.
+
+    Call protocol per worker: ``acquire`` -> (``report``)* -> ``complete``, repeated until
+    ``acquire`` returns None; ``heartbeat`` at least every ``lease_timeout / 3`` seconds
+    while holding a lease (``report`` also counts); ``release`` on a clean exit or when a
+    restarted worker reuses its name.
+    """
+
+    def __init__(self, coordinator: "Coordinator", name: str, definition: Definition) -> None:
+        self._coordinator, self._store, self.name, self.definition = coordinator, coordinator._store, name, definition
+
+    def __repr__(self) -> str:
+        return f"Dataset({self.name!r}, {self.definition!r}, at {self._coordinator.url})"
+
+    # -- leases ----------------------------------------------------------------------
+
+    def acquire(self, worker: str, *, timeout: float | None = None) -> Shard | None:
+        """Lease the next shard for ``worker``; None once every epoch is done.
+
+        While other workers hold leases that may still come back, waits (polling every
+        ``poll_interval`` seconds, at most ``timeout`` seconds in all: then raises
+        :class:`CoordinatorUnavailable`).
+        """
+        _check_worker(worker)
+        d = self.definition
+        began = time.monotonic()
+        while True:
+            got = self._store.acquire(
+                self.name, worker, lease_timeout=d.lease_timeout, num_shards=d.num_shards, num_epochs=d.num_epochs
+            )
+            if isinstance(got, Grant):
+                return self._shard(got, worker)
+            if got is None:
+                return None
+            assert isinstance(got, Wait)
+            pause = min(self._coordinator.options.poll_interval_seconds, max(got.seconds, 0.001))
+            if timeout is not None and time.monotonic() - began + pause > timeout:
+                raise CoordinatorUnavailable(
+                    f"{self.name}: no shard for {worker!r} within {timeout}s; other workers still hold leases"
+                )
+            time.sleep(pause)
+
+    def _shard(self, grant: Grant, worker: str) -> Shard:
+        d = self.definition
+        index = shard_order(d.num_shards, seed=d.seed, epoch=grant.epoch, shuffle=d.shuffle)[grant.slot]
+        file, start, end = d.bounds(index)
+        return Shard(
+            dataset=self.name,
+            epoch=grant.epoch,
+            index=index,
+            start=start,
+            end=end,
+            file=file,
+            consumed=grant.consumed,
+            worker=worker,
+            lease=grant.token,
+            slot=grant.slot,
+            seed=d.seed,
+            shuffle=d.shuffle,
+        )
+
+    def report(self, shard: Shard, consumed: int) -> None:
+        """Record that the first ``consumed`` samples of ``shard.indices()`` order are done
+        (an absolute position in the shard) and extend the lease."""
+        self._own(shard)
+        if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= len(shard):
+            raise InvalidArgument(f"consumed must be an int in 0..{len(shard)}, got {consumed!r}")
+        status = self._store.report(
+            self.name,
+            epoch=shard.epoch,
+            slot=shard.slot,
+            token=shard.lease,
+            consumed=consumed,
+            lease_timeout=self.definition.lease_timeout,
+        )
+        self._refuse(shard, *status, action="report on")
+
+    def complete(self, shard: Shard) -> None:
+        """Mark ``shard`` done for its epoch. Raises :class:`LeaseLost` if the lease expired
+        and was handed to another worker, :class:`AlreadyCompleted` if done before."""
+        self._own(shard)
+        status = self._store.complete(self.name, epoch=shard.epoch, slot=shard.slot, token=shard.lease)
+        self._refuse(shard, *status, action="complete")
+
+    def heartbeat(self, worker: str) -> int:
+        """Extend every lease ``worker`` holds by ``lease_timeout``; returns how many.
+        Also makes the worker known, so it may heartbeat before its first shard."""
+        return self._store.heartbeat(self.name, _check_worker(worker), lease_timeout=self.definition.lease_timeout)
+
+    def release(self, worker: str) -> int:
+        """Return all of ``worker``'s leases to the front of the queue now (they resume at
+        their last reported position); returns how many."""
+        count = self._store.release(self.name, _check_worker(worker))
+        if count is None:
+            raise UnknownWorker(f"{self.name}: worker {worker!r} never acquired a shard nor heartbeated")
+        return count
+
+    def _own(self, shard: Any) -> None:
+        if not isinstance(shard, Shard):
+            raise InvalidArgument(f"expected a Shard, got {type(shard).__name__}")
+        if shard.dataset != self.name:
+            raise InvalidArgument(f"shard of data set {shard.dataset!r} given to data set {self.name!r}")
+
+    def _refuse(self, shard: Shard, status: Status, holder: str | None, *, action: str) -> None:
+        what = f"{self.name}: cannot {action} shard {shard.index} of epoch {shard.epoch} (lease {shard.lease} of {shard.worker!r})"
+        if status is Status.OK:
+            return
+        if status is Status.DONE:
+            raise AlreadyCompleted(f"{what}: it was already completed")
+        if status is Status.HELD:
+            raise LeaseLost(f"{what}: the lease expired and the shard is now held by {holder!r}")
+        if status is Status.RETURNED:
+            raise LeaseLost(f"{what}: the lease expired or was released; the shard waits to be handed out again")
+        raise LeaseLost(f"{what}: no such lease was handed out")
+
+    # -- state -----------------------------------------------------------------------
+
+    def progress(self) -> dict[str, Any]:
+        """Where the data set stands: ``epoch``, ``num_epochs``, ``num_shards``, ``todo``,
+        ``leased``, ``expired`` (leased, past deadline), ``done`` (this epoch),
+        ``finished``, and ``workers`` (name -> acquired, completed, leased)."""
+        snap = self._store.snapshot(self.name)
+        d = self.definition
+        leased = len(snap["leases"])
+        done = snap["cursor"] - len(snap["queue"]) - leased
+        workers = {w: {"acquired": a, "completed": c, "leased": 0} for w, (a, c) in snap["workers"].items()}
+        for lease in snap["leases"].values():
+            workers.setdefault(lease["worker"], {"acquired": 0, "completed": 0, "leased": 0})["leased"] += 1
+        return {
+            "dataset": self.name,
+            "epoch": snap["epoch"],
+            "num_epochs": d.num_epochs,
+            "num_shards": d.num_shards,
+            "todo": d.num_shards - snap["cursor"] + len(snap["queue"]),
+            "leased": leased,
+            "expired": sum(1 for lease in snap["leases"].values() if lease["expires_in"] <= 0),
+            "done": done,
+            "finished": done == d.num_shards and d.num_epochs is not None and snap["epoch"] + 1 >= d.num_epochs,
+            "workers": workers,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data set's position as a small JSON-able dict: epoch, cursor into the
+        epoch's shard order, and the queue of unfinished positions ``[slot, consumed]``
+        (leases held now come first: after a restore they resume where last reported)."""
+        snap = self._store.snapshot(self.name)
+        held = [[int(slot), lease["consumed"]] for slot, lease in snap["leases"].items()]
+        return {
+            "version": STATE_VERSION,
+            "dataset": self.name,
+            "definition": self.definition.to_json(),
+            "epoch": snap["epoch"],
+            "cursor": snap["cursor"],
+            "queue": sorted(held) + snap["queue"],
+            "workers": snap["workers"],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Roll the data set back (or forward) to exactly ``state``: every lease held now
+        is dropped, the queue, cursor and epoch become the saved ones."""
+        self._store.restore(self.name, self._checked_state(state))
+
+    def _checked_state(self, state: Any) -> dict[str, Any]:
+        try:
+            if state["version"] != STATE_VERSION:
+                raise InvalidArgument(f"state version {state['version']!r} is not {STATE_VERSION}")
+            saved = Definition.from_json(state["definition"])
+            if saved.canonical() != self.definition.canonical():
+                raise InvalidArgument(
+                    f"state of data set {state.get('dataset')!r} has another definition: {saved} != {self.definition}"
+                )
+            epoch, cursor = int(state["epoch"]), int(state["cursor"])
+            queue = [[int(slot), int(consumed)] for slot, consumed in state["queue"]]
+            workers = {str(w): [int(a), int(c)] for w, (a, c) in state["workers"].items()}
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, CoordinatorError):
+                raise
+            raise InvalidArgument(f"{self.name}: malformed state_dict: {exc!r}") from exc
+        n = self.definition.num_shards
+        slots = [slot for slot, _ in queue]
+        if not 0 <= cursor <= n or epoch < 0 or (self.definition.num_epochs is not None and epoch >= self.definition.num_epochs):
+            raise InvalidArgument(f"{self.name}: state epoch {epoch} / cursor {cursor} out of range")
+        if len(set(slots)) != len(slots) or any(not 0 <= slot < cursor for slot in slots):
+            raise InvalidArgument(f"{self.name}: state queue {queue} is not distinct slots below the cursor")
+        for slot, consumed in queue:
+            _, start, end = self.definition.bounds(shard_order(n, seed=self.definition.seed, epoch=epoch, shuffle=self.definition.shuffle)[slot])
+            if not 0 <= consumed <= end - start:
+                raise InvalidArgument(f"{self.name}: state position {consumed} outside shard at slot {slot}")
+        return {"epoch": epoch, "cursor": cursor, "queue": queue, "workers": workers}
+
+
+@dataclass(kw_only=True, slots=True)
+class Options:
+    """Options of :func:`sharding.connect` (each applies to the backends named)."""
+
+    #: seconds between acquire attempts while other workers hold leases (all)
+    poll_interval_seconds: float = 0.05
+    #: seconds to keep retrying an unreachable server before CoordinatorUnavailable (redis)
+    retry_seconds: float = 30.0
+    #: seconds a socket connect or reply may take (redis)
+    socket_timeout_seconds: float = 5.0
+    #: seconds to wait for SQLite's write lock (sqlite)
+    busy_timeout_seconds: float = 30.0
+    #: prefix of every key (redis)
+    key_prefix: str = "sharding:"
+
+    def __post_init__(self) -> None:
+        for name in ("poll_interval_seconds", "retry_seconds", "socket_timeout_seconds", "busy_timeout_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise InvalidArgument(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.key_prefix, str):
+            raise InvalidArgument(f"key_prefix must be a str, got {self.key_prefix!r}")
+
+
+class Coordinator:
+    """Entry point to the data sets of one store. Obtain from :func:`sharding.connect`."""
+
+    def __init__(self, store: Store, *, url: str, options: Options) -> None:
+        self._store, self.url, self.options = store, url, options
+
+    def __repr__(self) -> str:
+        return f"Coordinator({self.url!r})"
+
+    def __enter__(self) -> "Coordinator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release connections."""
+        self._store.close()
+
+    def dataset(
+        self,
+        name: str,
+        *,
+        size: int | None = None,
+        files: list[tuple[str, int]] | None = None,
+        shard_size: int | None = None,
+        num_epochs: int | None = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        lease_timeout: float = 60.0,
+    ) -> Dataset:
+        """Create the data set ``name``, or open it if it exists with the same definition.
+
+        With only ``name``, opens an existing data set (:class:`UnknownDataset` if none).
+        Safe to call from every process at once; a different definition raises
+        :class:`InvalidArgument`.
+        """
+        if not isinstance(name, str) or not name or not name.isprintable() or "{" in name or "}" in name:
+            raise InvalidArgument(f"data set name must be a non-empty printable str without braces, got {name!r}")
+        if size is None and files is None and shard_size is None:
+            stored = self._store.define(name, None)
+            if stored is None:
+                raise UnknownDataset(f"{self.url}: no data set {name!r}; create it with size= or files= and shard_size=")
+            return Dataset(self, name, Definition.from_json(_loads(stored, name, self.url)))
+        if shard_size is None:
+            raise InvalidArgument("shard_size is required to define a data set")
+        wanted = Definition(
+            size=size,
+            files=tuple(files) if files is not None else None,  # type: ignore[arg-type]
+            shard_size=shard_size,
+            num_epochs=num_epochs,
+            shuffle=shuffle,
+            seed=seed,
+            lease_timeout=lease_timeout,
+        )
+        stored = self._store.define(name, wanted.canonical())
+        if stored != wanted.canonical():
+            existing = Definition.from_json(_loads(stored or "null", name, self.url))
+            raise InvalidArgument(
+                f"{self.url}: data set {name!r} exists with another definition: {existing} (asked for {wanted})"
+            )
+        return Dataset(self, name, wanted)
+
+
+def _loads(text: str, name: str, url: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        return data
+    except ValueError as exc:
+        raise CoordinatorError(f"{url}: stored definition of {name!r} is unreadable: {exc}") from exc

@@ -1,0 +1,78 @@
+"""``memory://NAME``: lease state in this process, guarded by a lock.
+
+For tests and notebooks. Every ``connect`` with the same URL in one process shares one
+store; nothing is shared between processes and nothing survives the process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ._store import Grant, Status, Wait
+from ._table import LeaseTable
+
+__all__ = ["MemoryStore", "memory_store"]
+
+_registry: dict[str, "MemoryStore"] = {}
+_registry_lock = threading.Lock()
+
+
+def memory_store(name: str) -> "MemoryStore":
+    """The process-wide store called ``name``."""
+    with _registry_lock:
+        return _registry.setdefault(name, MemoryStore())
+
+
+class MemoryStore:
+    """In-process store: a dict of definitions and lease tables under one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._definitions: dict[str, str] = {}
+        self._tables: dict[str, LeaseTable] = {}
+
+    def define(self, name: str, definition: str | None) -> str | None:
+        with self._lock:
+            if definition is not None and name not in self._definitions:
+                self._definitions[name] = definition
+                self._tables[name] = LeaseTable()
+            return self._definitions.get(name)
+
+    def acquire(
+        self, name: str, worker: str, *, lease_timeout: float, num_shards: int, num_epochs: int | None
+    ) -> Grant | Wait | None:
+        with self._lock:
+            return self._tables[name].acquire(
+                worker, time.time(), lease_timeout=lease_timeout, num_shards=num_shards, num_epochs=num_epochs
+            )
+
+    def report(
+        self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float
+    ) -> tuple[Status, str | None]:
+        with self._lock:
+            return self._tables[name].report(epoch, slot, token, consumed, time.time(), lease_timeout=lease_timeout)
+
+    def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
+        with self._lock:
+            return self._tables[name].complete(epoch, slot, token)
+
+    def heartbeat(self, name: str, worker: str, *, lease_timeout: float) -> int:
+        with self._lock:
+            return self._tables[name].heartbeat(worker, time.time(), lease_timeout=lease_timeout)
+
+    def release(self, name: str, worker: str) -> int | None:
+        with self._lock:
+            return self._tables[name].release(worker)
+
+    def snapshot(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            return self._tables[name].to_json(time.time())
+
+    def restore(self, name: str, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._tables[name].restore(state)
+
+    def close(self) -> None:
+        """Nothing to release: the state lives as long as the process."""

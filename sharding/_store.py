@@ -1,0 +1,88 @@
+"""The storage protocol: the few atomic operations a backend supplies.
+
+A store keeps, per data set, its definition and its lease state: the epoch, a cursor
+into the epoch's shard order, a queue of returned positions (front first), the leases
+(position -> worker, token, consumed, deadline) and per-worker counters. Positions
+("slots") index the epoch's shard order; mapping a slot to a shard, and everything
+else about shards, lives in the coordinator, written once.
+
+Each operation is atomic. Status codes (:class:`Status`) tell the coordinator what
+happened; it turns them into exceptions with messages.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["Grant", "Status", "Store", "Wait"]
+
+
+class Status(str, enum.Enum):
+    """Outcome of an operation on a lease."""
+
+    OK = "ok"
+    #: the lease is held by another token (expired, then re-leased)
+    HELD = "held"
+    #: the lease expired or was released, and its shard waits in the queue
+    RETURNED = "returned"
+    #: the shard is already completed in that epoch
+    DONE = "done"
+    #: the slot was never handed out in that epoch
+    UNKNOWN = "unknown"
+    #: the worker never acquired nor heartbeated
+    UNKNOWN_WORKER = "unknown_worker"
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A lease handed out by :meth:`Store.acquire`."""
+
+    epoch: int
+    slot: int
+    consumed: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """No shard now, but leases are out; ``seconds`` until the earliest could expire."""
+
+    seconds: float
+
+
+class Store(Protocol):
+    """Atomic storage operations for lease bookkeeping (one implementation per backend)."""
+
+    def define(self, name: str, definition: str | None) -> str | None:
+        """Store ``definition`` if ``name`` is new; return the stored one (None if absent)."""
+
+    def acquire(
+        self, name: str, worker: str, *, lease_timeout: float, num_shards: int, num_epochs: int | None
+    ) -> Grant | Wait | None:
+        """Reclaim expired leases to the queue front, then lease the queue front or the next
+        slot, advancing the epoch when the last one is done. None when all epochs are done."""
+
+    def report(
+        self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float
+    ) -> tuple[Status, str | None]:
+        """Record the position inside a held lease and extend it; the holder on HELD."""
+
+    def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
+        """Finish a held lease; the holder on HELD."""
+
+    def heartbeat(self, name: str, worker: str, *, lease_timeout: float) -> int:
+        """Extend all of ``worker``'s leases (registering the worker); return how many."""
+
+    def release(self, name: str, worker: str) -> int | None:
+        """Return all of ``worker``'s leases to the queue front; None for an unknown worker."""
+
+    def snapshot(self, name: str) -> dict[str, Any]:
+        """A consistent copy of the lease state (see ``_table.LeaseTable.to_json``)."""
+
+    def restore(self, name: str, state: dict[str, Any]) -> None:
+        """Replace the lease state: no leases, the given queue, cursor, epoch and counters."""
+
+    def close(self) -> None:
+        """Release connections."""
