@@ -199,6 +199,8 @@ class RedisStore:
         socket_timeout: float,
     ) -> None:
         import redis  # imported here: `import sharding` must not need redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         self._redis_errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
         self._url, self._prefix, self._retry_seconds = url, key_prefix, retry_seconds
@@ -209,8 +211,7 @@ class RedisStore:
             password=password,
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_timeout,
-            retry=None,
-            retry_on_timeout=False,
+            retry=Retry(NoBackoff(), 0),  # retries are ours, with backoff and a budget
         )
         scripts = {
             "acquire": _ACQUIRE,

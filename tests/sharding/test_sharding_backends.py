@@ -1,0 +1,248 @@
+"""One body per behaviour, run against every backend (memory, sqlite, redis)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+
+import pytest
+
+import sharding
+
+from sharding_fixtures import Backend
+
+
+def covered(ds: sharding.Dataset, worker: str = "w") -> list[tuple[int, int, int]]:
+    """Drain the data set with one worker; the (epoch, start, end) of each completed shard."""
+    seen = []
+    while (shard := ds.acquire(worker)) is not None:
+        ds.complete(shard)
+        seen.append((shard.epoch, shard.start, shard.end))
+    return seen
+
+
+def test_drains_every_sample_once_per_epoch(backend: Backend) -> None:
+    ds = backend.connect().dataset("train", size=103, shard_size=10, num_epochs=3, shuffle=True, seed=7)
+    seen = covered(ds)
+    for epoch in range(3):
+        samples = sorted(i for e, s, t in seen if e == epoch for i in range(s, t))
+        assert samples == list(range(103))
+    assert ds.acquire("w") is None
+    progress = ds.progress()
+    assert (progress["epoch"], progress["done"], progress["todo"], progress["leased"]) == (2, 11, 0, 0)
+    assert progress["finished"] is True
+    assert progress["workers"]["w"] == {"acquired": 33, "completed": 33, "leased": 0}
+
+
+def test_file_based_shards_never_cross_files(backend: Backend) -> None:
+    files = [("a.rec", 25), ("empty.rec", 0), ("b.rec", 10)]
+    ds = backend.connect().dataset("files", files=files, shard_size=10)
+    shards = []
+    while (shard := ds.acquire("w")) is not None:
+        shards.append((shard.file, shard.start, shard.end, list(shard.indices())))
+        ds.complete(shard)
+    assert sorted(shards) == [
+        ("a.rec", 0, 10, list(range(10))),
+        ("a.rec", 10, 20, list(range(10, 20))),
+        ("a.rec", 20, 25, list(range(20, 25))),
+        ("b.rec", 0, 10, list(range(10))),
+    ]
+
+
+def test_reopen_is_idempotent_and_rejects_another_definition(backend: Backend) -> None:
+    coord = backend.connect()
+    first = coord.dataset("d", size=100, shard_size=10, shuffle=True, seed=1)
+    again = backend.connect().dataset("d", size=100, shard_size=10, shuffle=True, seed=1)
+    assert again.definition == first.definition
+    assert coord.dataset("d").definition == first.definition  # open by name alone
+    with pytest.raises(sharding.InvalidArgument, match="another definition"):
+        coord.dataset("d", size=100, shard_size=20, shuffle=True, seed=1)
+    with pytest.raises(sharding.UnknownDataset, match="no data set 'missing'"):
+        coord.dataset("missing")
+
+
+def test_same_seed_same_order_on_every_backend(backend: Backend) -> None:
+    ds = backend.connect().dataset("o", size=50, shard_size=5, num_epochs=2, shuffle=True, seed=11)
+    got = []
+    while (shard := ds.acquire("w")) is not None:
+        got.append((shard.epoch, shard.index, list(shard.indices())))
+        ds.complete(shard)
+    expected = [
+        (epoch, index, list(sharding.sample_order(index * 5, index * 5 + 5, seed=11, epoch=epoch, shard=index, shuffle=True)))
+        for epoch in range(2)
+        for index in sharding.shard_order(10, seed=11, epoch=epoch, shuffle=True)
+    ]
+    assert got == expected
+
+
+def test_released_lease_goes_to_front_and_resumes_at_reported_position(backend: Backend) -> None:
+    ds = backend.connect().dataset("r", size=40, shard_size=10, shuffle=True, seed=3)
+    a = ds.acquire("a")
+    b = ds.acquire("b")
+    ds.report(a, consumed=4)
+    assert ds.release("a") == 1
+    again = ds.acquire("c")
+    assert (again.index, again.consumed, again.lease > b.lease) == (a.index, 4, True)
+    assert list(again.indices()) == list(a.indices())[4:]
+    with pytest.raises(sharding.LeaseLost, match="now held by 'c'"):
+        ds.complete(a)
+    ds.complete(again)
+    ds.complete(b)
+    assert ds.progress()["done"] == 2
+
+
+def test_expired_lease_is_reclaimed_and_late_complete_refused(backend: Backend) -> None:
+    ds = backend.connect(poll_interval_seconds=0.01).dataset("x", size=20, shard_size=10, lease_timeout=0.3)
+    slow = ds.acquire("slow")
+    ds.report(slow, consumed=3)
+    other = ds.acquire("other")
+    ds.complete(other)
+    # the only shard left is leased to "slow": acquire waits until that lease expires
+    taken = ds.acquire("fast", timeout=30)
+    assert (taken.index, taken.consumed) == (slow.index, 3)
+    with pytest.raises(sharding.LeaseLost, match="expired and the shard is now held by 'fast'"):
+        ds.complete(slow)
+    with pytest.raises(sharding.LeaseLost):
+        ds.report(slow, consumed=5)
+    ds.complete(taken)
+    assert ds.acquire("fast") is None
+
+
+def test_expired_lease_waiting_in_queue_refuses_complete(backend: Backend) -> None:
+    ds = backend.connect().dataset("q", size=30, shard_size=10, lease_timeout=0.2)
+    lost = ds.acquire("lost")
+    time.sleep(0.3)
+    other = ds.acquire("other")  # reclaims "lost"'s lease to the front, then takes it
+    assert other.index == lost.index
+    ds.release("other")
+    with pytest.raises(sharding.LeaseLost, match="waits to be handed out again"):
+        ds.complete(lost)
+
+
+def test_heartbeat_keeps_leases(backend: Backend) -> None:
+    ds = backend.connect().dataset("h", size=10, shard_size=10, lease_timeout=0.5)
+    assert ds.heartbeat("agent-before-first-shard") == 0
+    shard = ds.acquire("w")
+    for _ in range(4):
+        time.sleep(0.2)
+        assert ds.heartbeat("w") == 1
+    ds.complete(shard)  # 0.8 s after acquire, alive only by heartbeats
+    assert ds.progress()["workers"]["agent-before-first-shard"]["acquired"] == 0
+
+
+def test_bad_input(backend: Backend) -> None:
+    coord = backend.connect()
+    for kwargs, pattern in [
+        (dict(size=-1, shard_size=10), "size must be >= 1"),
+        (dict(size=10, shard_size=0), "shard_size must be >= 1"),
+        (dict(size=10, shard_size=-5), "shard_size must be >= 1"),
+        (dict(files=[("a", -3)], shard_size=2), "num_records of a must be >= 0"),
+        (dict(size=10, files=[("a", 3)], shard_size=2), "exactly one of"),
+        (dict(size=10, shard_size=2, num_epochs=0), "num_epochs"),
+        (dict(size=10, shard_size=2, lease_timeout=-1), "lease_timeout"),
+        (dict(size=10.5, shard_size=2), "size must be an int"),
+    ]:
+        with pytest.raises(sharding.InvalidArgument, match=pattern):
+            coord.dataset("bad", **kwargs)
+    ds = coord.dataset("ok", size=10, shard_size=5)
+    with pytest.raises(sharding.UnknownWorker, match="'nobody' never acquired"):
+        ds.release("nobody")
+    with pytest.raises(sharding.InvalidArgument, match="worker"):
+        ds.acquire("")
+    shard = ds.acquire("w")
+    with pytest.raises(sharding.InvalidArgument, match="consumed must be"):
+        ds.report(shard, consumed=6)
+    ds.complete(shard)
+    with pytest.raises(sharding.AlreadyCompleted, match="already completed"):
+        ds.complete(shard)
+    with pytest.raises(sharding.AlreadyCompleted):
+        ds.report(shard, consumed=1)
+    with pytest.raises(sharding.InvalidArgument, match="data set 'ok' given to data set 'other'"):
+        coord.dataset("other", size=10, shard_size=5).complete(shard)
+
+
+def test_state_dict_round_trip_mid_epoch(backend: Backend) -> None:
+    ds = backend.connect().dataset("s", size=100, shard_size=10, num_epochs=2, shuffle=True, seed=5)
+    for _ in range(13):  # into epoch 1
+        ds.complete(ds.acquire("w"))
+    held = ds.acquire("w")
+    ds.report(held, consumed=6)
+    state = ds.state_dict()
+    assert json.loads(json.dumps(state)) == state and len(json.dumps(state)) < 1000
+    after_save = [ds.acquire("w") for _ in range(3)]  # work that the rollback undoes
+    ds.complete(after_save[0])
+    ds.load_state_dict(state)
+    with pytest.raises(sharding.LeaseLost):
+        ds.complete(after_save[1])
+    first = ds.acquire("w2")
+    assert (first.epoch, first.index, first.consumed) == (1, held.index, 6)
+    ds.complete(first)
+    rest = [first.index]
+    while (shard := ds.acquire("w2")) is not None and shard.epoch == 1:
+        rest.append(shard.index)
+        ds.complete(shard)
+    # epoch 1 holds exactly the 7 shards not completed before the save
+    done_before = list(sharding.shard_order(10, seed=5, epoch=1, shuffle=True))[:3]
+    assert sorted(rest) == sorted(set(range(10)) - set(done_before))
+    assert shard is None
+    assert ds.progress()["finished"]
+
+
+def test_load_state_dict_rejects_bad_state(backend: Backend) -> None:
+    ds = backend.connect().dataset("bad-state", size=100, shard_size=10)
+    good = ds.state_dict()
+    other = backend.connect().dataset("other", size=100, shard_size=20)
+    with pytest.raises(sharding.InvalidArgument, match="another definition"):
+        other.load_state_dict(good)
+    for broken in [{}, {**good, "version": 99}, {**good, "cursor": 11}, {**good, "cursor": 1, "queue": [[0, 0], [0, 1]]},
+                   {**good, "cursor": 2, "queue": [[1, 11]]}, {**good, "queue": "nope"}]:
+        with pytest.raises(sharding.InvalidArgument):
+            ds.load_state_dict(broken)
+
+
+def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
+    """The Redis transitions are Lua, the others Python: same calls, same answers, same state."""
+    reference = sharding.connect(f"memory://ref-{uuid.uuid4().hex}")
+    pair = [b.dataset("diff", size=200, shard_size=7, num_epochs=3, shuffle=True, seed=2) for b in (reference, backend.connect())]
+    rng = random.Random(1234)
+    held: list[list[sharding.Shard]] = [[], []]
+    workers = [f"w{i}" for i in range(5)]
+
+    def outcome(call):  # type: ignore[no-untyped-def]
+        try:
+            result = call()
+            return ("ok", result)
+        except sharding.CoordinatorError as exc:
+            return (type(exc).__name__, None)
+
+    for step in range(400):
+        op = rng.choice(["acquire", "acquire", "report", "complete", "complete", "release", "heartbeat", "stale"])
+        worker = rng.choice(workers)
+        pick = rng.randrange(1_000_000)
+        answers = []
+        for side, ds in enumerate(pair):
+            mine = held[side]
+            if op == "acquire":
+                try:
+                    shard = ds.acquire(worker, timeout=0.01)
+                    answers.append(("ok", shard and (shard.epoch, shard.index, shard.consumed)))
+                    if shard is not None:
+                        mine.append(shard)
+                except sharding.CoordinatorError as exc:
+                    answers.append((type(exc).__name__, None))
+            elif op in ("report", "complete", "stale") and mine:
+                shard = mine[pick % len(mine)]
+                if op == "report":
+                    answers.append(outcome(lambda: ds.report(shard, consumed=pick % (len(shard) + 1))))
+                else:
+                    answers.append(outcome(lambda: ds.complete(shard)))
+                    if op == "complete":
+                        mine.remove(shard)
+            elif op == "release":
+                answers.append(outcome(lambda: ds.release(worker)))
+            elif op == "heartbeat":
+                answers.append(outcome(lambda: ds.heartbeat(worker)))
+        assert answers[:1] == answers[1:], f"step {step}: {op} by {worker}"
+        assert pair[0].state_dict() == pair[1].state_dict(), f"step {step}"
