@@ -1,0 +1,26 @@
+"""flashckpt: checkpoints that cost training one memory copy.
+
+``save`` copies the training state into host shared memory and returns; a saver
+process per node writes it to storage in the background and outlives a crashed
+trainer; a restarted trainer loads from memory. Framework adapters live in
+subpackages (``flashckpt.torch``, ...); importing ``flashckpt`` imports no framework.
+"""
+
+from ._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    SharedMemoryError,
+    StateMismatchError,
+)
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "SharedMemoryError",
+    "StateMismatchError",
+    "__version__",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,418 @@
+"""The framework-neutral flash checkpoint engine.
+
+One :class:`Engine` per training process. ``save`` copies the state's tensors into
+one of this rank's two shared-memory slots and asks the node's saver to persist it;
+``load`` agrees with every rank on one step (memory when all ranks hold it and it is
+not older than the newest committed step, else storage) and copies it into the
+caller's tensors in place. Framework adapters supply the tensor kind (how to view and
+copy tensors) and a :class:`Collective` (how ranks exchange small objects).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import _events, _names, _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
+from ._client import SaverClient
+from ._errors import CheckpointError, CorruptCheckpointError
+from ._format import Entry, Image, parse_header, plan_image
+from ._slot import HEADER_SIZE, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
+from ._storage import LocalStorage
+from ._tree import Flat, Merge, flatten, kind_named, merge_into
+
+__all__ = ["Collective", "Engine", "Options", "Placement", "SingleProcess"]
+
+log = logging.getLogger("flashckpt")
+
+NUM_SLOTS = 2
+_READ_CHUNK = 64 << 20
+
+
+class Collective(Protocol):
+    """How the ranks of a job exchange small picklable objects (a process group)."""
+
+    rank: int
+    world_size: int
+
+    def all_gather(self, obj: Any) -> list[Any]: ...
+
+
+class SingleProcess:
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+@dataclass(kw_only=True, slots=True)
+class Options:
+    """Options shared by every checkpointer."""
+
+    persist_every: int = 1
+    """Every this many saves also go to storage (the others stay in memory only)."""
+    keep_last: int = 3
+    """Committed steps kept on storage; older ones are deleted at commit (0 keeps all)."""
+    job_id: str | None = None
+    """Names this job's shared memory; default: a hash of the checkpoint directory."""
+    allow_pickle: bool = False
+    """Store non-tensor, non-plain leaves pickled, and unpickle them on load."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.persist_every, int) or self.persist_every < 1:
+            raise ValueError(f"persist_every must be an int >= 1, got {self.persist_every!r}")
+        if not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise ValueError(f"keep_last must be an int >= 0, got {self.keep_last!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one process's state lives, in memory and on storage."""
+
+    local_rank: int
+    memory_rank: int
+    """The local rank whose slots hold this process's state (0 for replicated state)."""
+    writes_memory: bool
+    storage_rank: int
+    storage_world: int
+    persists: bool
+    token: str
+    """Shared by all ranks of one run; keeps shards of different runs from mixing."""
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+class Engine:
+    """Save and load one process's state through shared memory and storage."""
+
+    def __init__(self, directory: str, options: Options, placement: Placement,
+                 collective: Collective | None = None) -> None:
+        self.options = options
+        self.placement = placement
+        self.collective = collective or SingleProcess()
+        self.storage = LocalStorage(directory)
+        self.job_id = options.job_id or _names.default_job_id(self.storage.root)
+        _names.job_prefix(self.job_id)  # validates the name
+        if placement.persists:
+            self.storage.check_writable()
+        self._slot_paths = [_names.slot_path(self.job_id, placement.memory_rank, i) for i in range(NUM_SLOTS)]
+        self._lock = RankLock(_names.slot_path(self.job_id, placement.memory_rank, 0).rsplit(".slot", 1)[0] + ".lock")
+        self._slots: list[Slot | None] = [None] * NUM_SLOTS
+        self._views: dict[tuple, list[Any]] = {}
+        self._prepare: threading.Thread | None = None
+        self._saves = 0
+        self._closed = False
+        own_slots = self._slot_paths if placement.writes_memory else []
+        self._client = SaverClient(self.job_id, own_slots)
+
+    # -- slots --------------------------------------------------------------------
+
+    def _slot(self, i: int, *, create: bool) -> Slot | None:
+        if self._slots[i] is None:
+            self._slots[i] = Slot.open(self._slot_paths[i], writable=True, create=create)
+        return self._slots[i]
+
+    def _headers(self) -> list[SlotHeader]:
+        return [s.read_header() if (s := self._slot(i, create=False)) is not None else SlotHeader()
+                for i in range(NUM_SLOTS)]
+
+    def _choose_slot(self) -> int:
+        """A slot the saver is not reading, preferring the one without the newest copy."""
+        while True:
+            with self._lock.held():
+                headers = self._headers()
+                free = [i for i, h in enumerate(headers) if not (h.reader_pid and pid_alive(h.reader_pid))]
+                complete = [i for i, h in enumerate(headers) if h.state == SlotState.COMPLETE]
+                newest = max(complete, key=lambda i: headers[i].saved_at, default=None)
+                choice = [i for i in free if i != newest] or free
+                if choice:
+                    return choice[0]
+            time.sleep(0.001)
+
+    def _prepare_other(self, used: int, size: int) -> None:
+        """Reserve and map the other slot in the background, so the next save does not
+        pay for fresh pages."""
+        other = (used + 1) % NUM_SLOTS
+
+        def run() -> None:
+            try:
+                slot = self._slot(other, create=True)
+                slot.ensure_capacity(size)
+            except Exception:  # the next save raises it in the foreground
+                log.debug("preparing slot %d failed", other, exc_info=True)
+
+        self._prepare = threading.Thread(target=run, name="flashckpt-prepare", daemon=True)
+        self._prepare.start()
+
+    # -- save ---------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, persist: bool | None = None) -> None:
+        """Copy ``state`` into shared memory and, if due, have it persisted."""
+        if self._closed:
+            raise CheckpointError("save() on a closed checkpointer")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        start = time.perf_counter()
+        self._raise_persist_errors()
+        self._saves += 1
+        if not self.placement.writes_memory:
+            return
+        flat = flatten(state, allow_pickle=self.options.allow_pickle)
+        image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves],
+                           self._meta(step, flat))
+        if self._prepare is not None:
+            self._prepare.join()
+            self._prepare = None
+        index = self._choose_slot()
+        slot = self._slot(index, create=True)
+        if slot.ensure_capacity(image.size):
+            self._views = {k: v for k, v in self._views.items() if k[0] != index}
+        with self._lock.held():
+            header = mark_writing(slot, step, image.size, self._info())
+        slot.mm[HEADER_SIZE:HEADER_SIZE + len(image.header)] = image.header
+        self._copy_in(index, slot, image, flat)
+        with self._lock.held():
+            header.state = SlotState.COMPLETE
+            header.saved_at = time.time()
+            slot.write_header(header)
+        due = persist if persist is not None else self._saves % self.options.persist_every == 0
+        if due and self.placement.persists:
+            self._client.persist(slot.path, header.generation)
+        other = self._slots[(index + 1) % NUM_SLOTS]
+        if other is None or other.capacity < HEADER_SIZE + image.size:
+            self._prepare_other(index, image.size)
+        blocking = time.perf_counter() - start
+        log.debug("saved step %d to memory in %.3fs (%.1f MiB)", step, blocking, image.size / 2**20)
+        _events.emit("save", step=step, blocking_seconds=blocking)
+
+    def _meta(self, step: int, flat: Flat) -> dict[str, Any]:
+        return {"format": "flashckpt/1", "step": step, "tree": flat.skeleton,
+                "rank": self.placement.storage_rank, "world_size": self.placement.storage_world,
+                "kinds": {leaf.name: leaf.kind.name for leaf in flat.leaves}}
+
+    def _info(self) -> dict[str, Any]:
+        p = self.placement
+        return {"directory": self.storage.root, "storage_rank": p.storage_rank, "storage_world": p.storage_world,
+                "persist": p.persists, "token": p.token, "keep_last": self.options.keep_last}
+
+    def _copy_in(self, index: int, slot: Slot, image: Image, flat: Flat) -> None:
+        by_name = {leaf.name: leaf for leaf in flat.leaves}
+        groups: dict[str, list[Entry]] = {}
+        for entry in image.entries:
+            groups.setdefault(by_name[entry.name].kind.name, []).append(entry)
+        for kind_name, entries in groups.items():
+            key = (index, kind_name, len(image.header), tuple((e.name, e.dtype, e.shape, e.offset) for e in entries))
+            views = self._views.get(key)
+            kind = kind_named(kind_name)
+            if views is None:
+                views = self._views[key] = kind.views(slot.mm, HEADER_SIZE + len(image.header), entries)
+            kind.copy(views, [by_name[e.name].obj for e in entries])
+
+    def _raise_persist_errors(self) -> None:
+        self._client.drain()
+        errors = self._client.take_errors()
+        if errors:
+            raise CheckpointError(f"persisting to {self.storage.root} failed (the previous committed step "
+                                  f"is intact): {'; '.join(errors)}")
+
+    # -- load ---------------------------------------------------------------------
+
+    def memory_steps(self) -> dict[int, tuple[int, int]]:
+        """Steps held complete in this process's memory slots: step -> (slot, generation)."""
+        found: dict[int, tuple[int, int]] = {}
+        with self._lock.held():
+            for i, h in enumerate(self._headers()):
+                if (h.state == SlotState.COMPLETE and h.info.get("directory") == self.storage.root
+                        and h.info.get("storage_rank") == self.placement.storage_rank
+                        and h.info.get("storage_world") == self.placement.storage_world):
+                    found[h.step] = (i, h.generation)
+        return found
+
+    def load(self, state: Any, *, step: int | None = None) -> int | None:
+        """Load the agreed step into ``state`` in place; all ranks must call this."""
+        start = time.perf_counter()
+        self._client.wait()  # a crash flush of the previous run finishes first
+        local = {"memory": self.memory_steps(),
+                 "committed": self.storage.latest_step() if self.collective.rank == 0 else None}
+        views = self.collective.all_gather(local)
+        committed = views[0]["committed"]
+        common = set.intersection(*(set(v["memory"]) for v in views))
+        if step is not None:
+            source = "memory" if step in common else "storage"
+        elif common and (committed is None or max(common) >= committed):
+            step, source = max(common), "memory"
+        elif committed is not None:
+            step, source = committed, "storage"
+        else:
+            self._invalidate_newer_than(-1)
+            log.info("no checkpoint in memory or in %s: starting fresh", self.storage.root)
+            _events.emit("load", step=None, source=None, seconds=time.perf_counter() - start)
+            return None
+        if source == "memory":
+            errors = self._gather_errors(lambda: self._load_memory(state, *local["memory"][step]))
+            if errors:
+                log.warning("loading step %d from memory failed on some ranks (%s); falling back to storage",
+                            step, "; ".join(errors))
+                source = "storage"
+                if committed is None:
+                    raise CheckpointError(f"loading step {step} from memory failed and nothing is committed "
+                                          f"in {self.storage.root}: {'; '.join(errors)}")
+                step = committed if committed is not None else step
+        if source == "storage":
+            errors = self._gather_errors(lambda: self._load_storage(state, step))
+            if errors:
+                raise CheckpointError(f"loading step {step} from {self.storage.root} failed: " + "; ".join(errors))
+        self._invalidate_newer_than(step)
+        seconds = time.perf_counter() - start
+        log.info("restored step %d from %s in %.2fs", step, source, seconds)
+        _events.emit("load", step=step, source=source, seconds=seconds)
+        return step
+
+    def _gather_errors(self, attempt) -> list[str]:
+        """Run ``attempt`` on every rank; every rank gets every rank's error."""
+        try:
+            attempt()
+            mine = None
+        except (CheckpointError, OSError, ValueError) as exc:
+            mine = f"rank {self.collective.rank}: {exc}"
+        return [e for e in self.collective.all_gather(mine) if e]
+
+    def _invalidate_newer_than(self, step: int) -> None:
+        """After a rollback, copies of later steps belong to an abandoned timeline."""
+        if not self.placement.writes_memory:
+            return
+        with self._lock.held():
+            for i in range(NUM_SLOTS):
+                slot = self._slot(i, create=False)
+                if slot is not None and (h := slot.read_header()).state == SlotState.COMPLETE and h.step > step:
+                    h.state = SlotState.EMPTY
+                    slot.write_header(h)
+
+    def _load_memory(self, state: Any, index: int, generation: int) -> None:
+        slot = self._slot(index, create=False)
+        if slot is None:
+            raise CheckpointError(f"memory slot {self._slot_paths[index]} vanished")
+        header = slot.read_header()
+        image = parse_header(slot.image(header.image_len), slot.path)
+        merge = self._merge(state, image)
+        targets = dict(merge.fills)
+        kinds = image.meta["kinds"]
+        groups: dict[str, list[Entry]] = {}
+        for entry in image.entries:
+            groups.setdefault(kinds[entry.name], []).append(entry)
+        for kind_name, entries in groups.items():
+            kind = kind_named(kind_name)
+            kind.copy([targets[e.name] for e in entries], kind.views(slot.mm, HEADER_SIZE + len(image.header), entries))
+        with self._lock.held():
+            after = slot.read_header()
+        if after.generation != generation or after.state != SlotState.COMPLETE:
+            raise CheckpointError(f"memory slot {slot.path} changed while loading")
+        merge.apply_plain()
+
+    def _merge(self, state: Any, image: Image) -> Merge:
+        entries = {e.name: (e.dtype, e.shape) for e in image.entries}
+        return merge_into(state, image.meta["tree"], entries, allow_pickle=self.options.allow_pickle)
+
+    def _load_storage(self, state: Any, step: int) -> None:
+        path, record = self.storage.shard_path(step, self.placement.storage_rank)
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != record["size"]:
+                raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {record['size']} (truncated?)")
+            head = _read_exact(f, 8, path)
+            (n,) = struct.unpack("<Q", head)
+            head += _read_exact(f, min(n, size - 8), path)
+            image = parse_header(head, path, size)
+            merge = self._merge(state, image)
+            targets = dict(merge.fills)
+            kinds = image.meta["kinds"]
+            crc = zlib.crc32(head)
+            pos = len(head)
+            for entry in image.entries:  # sorted by offset
+                at = len(image.header) + entry.offset
+                if at > pos:
+                    crc = zlib.crc32(_read_exact(f, at - pos, path), crc)
+                kind = kind_named(kinds[entry.name])
+                target = targets[entry.name]
+                view = kind.host_bytes(target)
+                scratch = None
+                if view is None:
+                    scratch = bytearray(entry.nbytes)
+                    view = memoryview(scratch)
+                _readinto_exact(f, view, path)
+                crc = zlib.crc32(view, crc)
+                if scratch is not None:
+                    kind.copy([target], kind.views(scratch, 0, [Entry(entry.name, entry.dtype, entry.shape, 0, entry.nbytes)]))
+                pos = at + entry.nbytes
+            while chunk := f.read(_READ_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+        if crc != record["crc32"]:
+            raise CorruptCheckpointError(f"{path}: checksum {crc:#010x} does not match the recorded "
+                                         f"{record['crc32']:#010x}; an older step may still load")
+        merge.apply_plain()
+
+    # -- storage ------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._client.wait(timeout)
+        self._raise_persist_errors()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Persist the newest in-memory step now, unless it is on storage already, and wait."""
+        if self.placement.persists:
+            self._client.flush(timeout)
+        self._raise_persist_errors()
+
+    def latest_step(self) -> int | None:
+        return self.storage.latest_step()
+
+    def close(self, *, unlink: bool = True) -> None:
+        """Flush the newest step, disconnect from the saver, free this rank's shared memory."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._prepare is not None:
+                self._prepare.join()
+            self._client.close()
+            self._views.clear()
+            for i, slot in enumerate(self._slots):
+                if slot is not None:
+                    slot.close()
+                    self._slots[i] = None
+            if unlink and self.placement.writes_memory:
+                for path in self._slot_paths + [self._lock.path]:
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+            self._lock.close()
+
+
+def _read_exact(f, n: int, path: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise CorruptCheckpointError(f"{path}: truncated (wanted {n} more bytes, got {len(data)})")
+    return data
+
+
+def _readinto_exact(f, view: memoryview, path: str) -> None:
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise CorruptCheckpointError(f"{path}: truncated inside the tensor data")
+        done += n

@@ -1,0 +1,70 @@
+"""Persisting one complete slot to storage; shared by the saver process and the CLI.
+
+Everything needed comes from the slot header (its ``info`` names the directory, the
+storage rank and world size, the save's token and the retention), so a slot left by
+a dead job can be persisted by a process that never saw the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from ._slot import RankLock, Slot, SlotState
+from ._storage import LocalStorage
+
+__all__ = ["PersistResult", "persist_slot", "lock_path_of"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PersistResult:
+    step: int
+    committed: bool
+    skipped: bool = False
+    """True when the slot no longer held that generation (a newer save replaced it)."""
+    seconds: float = 0.0
+    nbytes: int = 0
+
+
+def lock_path_of(slot_path: str) -> str:
+    return slot_path.rsplit(".slot", 1)[0] + ".lock"
+
+
+def persist_slot(slot_path: str, generation: int | None = None) -> PersistResult:
+    """Write the image in ``slot_path`` to its storage and commit its step if complete.
+
+    With ``generation`` given, does nothing (``skipped``) unless the slot still holds
+    exactly that save. The slot is marked as being read, so the trainer writes its
+    next save into the other slot meanwhile.
+    """
+    slot = Slot.open(slot_path, writable=True)
+    if slot is None:
+        return PersistResult(-1, False, skipped=True)
+    lock = RankLock(lock_path_of(slot_path))
+    try:
+        with lock.held():
+            h = slot.read_header()
+            if h.state != SlotState.COMPLETE or (generation is not None and h.generation != generation):
+                return PersistResult(h.step, False, skipped=True)
+            slot.set_reader(os.getpid())
+        try:
+            start = time.perf_counter()
+            info = h.info
+            storage = LocalStorage(info["directory"])
+            storage.write_shard(h.step, info["storage_rank"], info["token"], slot.image(h.image_len))
+            committed = storage.try_commit(h.step, info["storage_world"], info["token"], info["keep_last"])
+            seconds = time.perf_counter() - start
+            log.info("persisted step %d rank %d: %.1f MiB in %.2fs (%.0f MiB/s)%s", h.step, info["storage_rank"],
+                     h.image_len / 2**20, seconds, h.image_len / 2**20 / max(seconds, 1e-9),
+                     ", committed" if committed else "")
+            return PersistResult(h.step, committed, seconds=seconds, nbytes=h.image_len)
+        finally:
+            with lock.held():
+                slot.set_reader(0)
+    finally:
+        slot.close()
+        lock.close()

@@ -1,0 +1,296 @@
+"""The saver: one process per node and job that persists shared-memory slots.
+
+Trainers connect over a Unix socket next to the job's segments and send small JSON
+messages (``hello``, ``persist``, ``flush``, ``wait``, ``close``). A worker thread
+writes slots to storage one at a time, so persisting never competes with training
+for the trainer's GIL. When a trainer disconnects without ``close`` (it crashed or
+was killed), the saver persists that trainer's newest complete slots itself. It exits
+once no trainer is connected and nothing is left to write.
+
+Run as ``python -m flashckpt._saver --job-id ID``; trainers start it (spawned, in a
+new session, so a signal to the training process group does not reach it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import os
+import queue
+import selectors
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _names
+from ._persist import PersistResult, persist_slot
+from ._slot import Slot, SlotState
+from ._storage import LocalStorage
+
+log = logging.getLogger("flashckpt.saver")
+
+PROTOCOL = 1
+_TICK_SECONDS = 0.5
+
+
+@dataclass(eq=False)
+class _Client:
+    conn: socket.socket
+    pid: int
+    slots: list[str] = field(default_factory=list)
+    closed_cleanly: bool = False
+    buffer: bytes = b""
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        data = json.dumps(msg).encode() + b"\n"
+        with self.send_lock:
+            try:
+                self.conn.sendall(data)
+            except OSError:
+                pass  # the trainer is gone; what it asked for still happens
+
+
+@dataclass
+class _Job:
+    slot: str
+    generation: int
+    client: _Client | None
+    reply: dict[str, Any] | None = None
+    """Message to send once done (for flush/wait); None sends a ``persisted`` note."""
+
+
+class Saver:
+    def __init__(self, job_id: str, linger_seconds: float) -> None:
+        self.job_id = job_id
+        self.linger_seconds = linger_seconds
+        self.sock_path = _names.socket_path(job_id)
+        self.sel = selectors.DefaultSelector()
+        self.clients: dict[int, _Client] = {}
+        self.jobs: "queue.Queue[_Job | None]" = queue.Queue()
+        self.persisted: dict[str, int] = {}  # slot path -> generation written to storage
+        self.busy = 0
+        self.busy_lock = threading.Lock()
+        self.idle_since = time.monotonic()
+
+    # -- socket handling ----------------------------------------------------------
+
+    def serve(self) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            os.unlink(self.sock_path)
+        except FileNotFoundError:
+            pass
+        listener.bind(self.sock_path)
+        os.chmod(self.sock_path, 0o600)
+        listener.listen(256)
+        listener.setblocking(False)
+        self.sel.register(listener, selectors.EVENT_READ, "accept")
+        worker = threading.Thread(target=self._work, name="flashckpt-persist", daemon=True)
+        worker.start()
+        log.info("saver for job %s listening on %s (pid %d)", self.job_id, self.sock_path, os.getpid())
+        watchdog = _load_watchdog()
+        try:
+            while not self._should_exit():
+                for key, _ in self.sel.select(_TICK_SECONDS):
+                    if key.data == "accept":
+                        self._accept(listener)
+                    elif isinstance(key.data, tuple):  # (pidfd, client): the process exited
+                        self._drop(key.data[1], "process exited")
+                    else:
+                        self._read(key.data)
+                if watchdog is not None:
+                    watchdog(self.job_id)
+        finally:
+            self.jobs.put(None)
+            worker.join()
+            try:
+                os.unlink(self.sock_path)
+            except FileNotFoundError:
+                pass
+            log.info("saver for job %s exits", self.job_id)
+
+    def _should_exit(self) -> bool:
+        with self.busy_lock:
+            idle = not self.clients and self.busy == 0 and self.jobs.empty()
+        if not idle:
+            self.idle_since = time.monotonic()
+            return False
+        return time.monotonic() - self.idle_since >= self.linger_seconds
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return
+        pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        conn.setblocking(False)
+        client = _Client(conn, pid)
+        self.clients[conn.fileno()] = client
+        self.sel.register(conn, selectors.EVENT_READ, client)
+        try:  # a pidfd turns readable when the process exits, even if a forked child keeps the socket
+            pidfd = os.pidfd_open(pid)
+            self.sel.register(pidfd, selectors.EVENT_READ, (pidfd, client))
+        except (AttributeError, OSError):
+            pass
+
+    def _read(self, client: _Client) -> None:
+        try:
+            data = client.conn.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(client, "disconnected")
+            return
+        client.buffer += data
+        while b"\n" in client.buffer:
+            line, client.buffer = client.buffer.split(b"\n", 1)
+            try:
+                self._handle(client, json.loads(line))
+            except Exception:
+                log.exception("bad message from pid %d: %r", client.pid, line[:200])
+
+    def _drop(self, client: _Client, why: str) -> None:
+        if self.clients.pop(client.conn.fileno(), None) is None:
+            return
+        for key in list(self.sel.get_map().values()):
+            if key.data is client or (isinstance(key.data, tuple) and key.data[1] is client):
+                self.sel.unregister(key.fileobj)
+                if isinstance(key.data, tuple):
+                    os.close(key.data[0])
+        client.conn.close()
+        if client.closed_cleanly:
+            log.info("trainer pid %d closed", client.pid)
+            return
+        log.warning("trainer pid %d %s without closing: persisting its newest memory checkpoint", client.pid, why)
+        for path, generation in self._unpersisted(client.slots):
+            self.jobs.put(_Job(path, generation, None))
+
+    def _unpersisted(self, slot_paths: list[str]) -> list[tuple[str, int]]:
+        """(slot, generation) of complete slots not on storage yet, newest step first."""
+        found = []
+        for path in slot_paths:
+            slot = Slot.open(path)
+            if slot is None:
+                continue
+            try:
+                h = slot.read_header()
+            finally:
+                slot.close()
+            if h.state != SlotState.COMPLETE or not h.info.get("persist") or self.persisted.get(path) == h.generation:
+                continue
+            latest = LocalStorage(h.info["directory"]).latest_step()
+            if latest is None or h.step > latest:
+                found.append((h.step, path, h.generation))
+        return [(path, gen) for _, path, gen in sorted(found, reverse=True)]
+
+    def _handle(self, client: _Client, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        if op == "hello":
+            if msg.get("v") != PROTOCOL:
+                client.send({"op": "error", "message": f"saver speaks protocol {PROTOCOL}, got {msg.get('v')}"})
+                return
+            client.slots = list(msg.get("slots", []))
+            client.send({"op": "welcome", "pid": os.getpid()})
+        elif op == "persist":
+            self.jobs.put(_Job(msg["slot"], msg["generation"], client))
+        elif op == "flush":
+            paths = self._unpersisted(client.slots)
+            for path, generation in paths[:1]:
+                self.jobs.put(_Job(path, generation, client))
+            self.jobs.put(_Job("", 0, client, reply={"op": "flushed", "id": msg["id"]}))
+        elif op == "wait":
+            self.jobs.put(_Job("", 0, client, reply={"op": "waited", "id": msg["id"]}))
+        elif op == "close":
+            client.closed_cleanly = True
+        else:
+            client.send({"op": "error", "message": f"unknown op {op!r}"})
+
+    # -- persisting ---------------------------------------------------------------
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            with self.busy_lock:
+                self.busy += 1
+            try:
+                self._run(job)
+            finally:
+                with self.busy_lock:
+                    self.busy -= 1
+
+    def _run(self, job: _Job) -> None:
+        if job.reply is not None:  # a marker: everything queued before it is done
+            job.client.send(job.reply)
+            return
+        if self.persisted.get(job.slot) == job.generation:
+            result = PersistResult(-1, False, skipped=True)
+            if job.client is not None:
+                job.client.send(_result_message(result, job.slot))
+            return
+        try:
+            result = persist_slot(job.slot, job.generation)
+        except Exception as exc:
+            log.exception("persisting %s failed", job.slot)
+            if job.client is not None:
+                job.client.send({"op": "persisted", "error": f"{type(exc).__name__}: {exc}",
+                                 "slot": job.slot})
+            return
+        if not result.skipped:
+            self.persisted[job.slot] = job.generation
+        if job.client is not None:
+            job.client.send(_result_message(result, job.slot))
+
+
+def _result_message(result: PersistResult, slot: str) -> dict[str, Any]:
+    return {"op": "persisted", "slot": slot, "step": result.step, "committed": result.committed,
+            "skipped": result.skipped, "seconds": result.seconds, "bytes": result.nbytes}
+
+
+def _load_watchdog():
+    """The agent's hang backstop, when present (see ``flashckpt._watchdog``)."""
+    try:
+        from ._watchdog import poll
+    except ImportError:
+        return None
+
+    def guarded(job_id: str) -> None:
+        try:
+            poll(job_id)
+        except Exception:
+            log.exception("watchdog poll failed")
+
+    return guarded
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashckpt._saver")
+    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--linger-seconds", type=float, default=5.0)
+    parser.add_argument("--log-file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(filename=args.log_file, level=logging.INFO,
+                        format="%(asctime)s flashckpt-saver[%(process)d] %(levelname)s %(message)s")
+    # one saver per node and job: the holder of this lock serves, later ones leave
+    lock_path = _names.job_prefix(args.job_id) + ".saver.lock"
+    lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0
+    try:
+        Saver(args.job_id, args.linger_seconds).serve()  # unlinks the socket first ...
+    finally:
+        os.unlink(lock_path)  # ... so a successor can bind only once this lock is gone
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""A slot: one shared-memory file holding a 4 KiB header and a safetensors image.
+
+Each rank that keeps a copy in memory owns two slots, so that a save never
+overwrites the newest complete copy while the saver may be reading it. The header
+says whether the image is WRITING or COMPLETE, with a generation counter bumped on
+every write; a reader trusts an image only if it saw COMPLETE with the same
+generation before and after reading. Header updates happen under an ``flock`` on the
+rank's lock file, which the kernel releases when a holder dies (a POSIX semaphore
+would stay taken by a process killed inside its critical section).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import mmap
+import os
+import struct
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Iterator
+
+from ._errors import SharedMemoryError
+
+__all__ = ["HEADER_SIZE", "SlotState", "SlotHeader", "Slot", "RankLock", "mark_writing", "shm_free_bytes", "pid_alive"]
+
+HEADER_SIZE = 4096
+_MAGIC = b"FCKSLOT1"
+_FMT = "<8sIIQqQIIdI"  # magic, state, pad, generation, step, image_len, writer, reader, saved_at, info_len
+_FIXED = struct.calcsize(_FMT)
+_GROW_HEADROOM = 1 << 20
+
+
+class SlotState(IntEnum):
+    EMPTY = 0
+    WRITING = 1
+    COMPLETE = 2
+
+
+@dataclass(slots=True)
+class SlotHeader:
+    state: SlotState = SlotState.EMPTY
+    generation: int = 0
+    step: int = -1
+    image_len: int = 0
+    writer_pid: int = 0
+    reader_pid: int = 0
+    saved_at: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+    """Who wrote the image and where it belongs on storage (rank, world, directory, ...)."""
+
+
+def shm_free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RankLock:
+    """An exclusive ``flock`` guarding the slot headers of one rank."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class Slot:
+    """One mapped shared-memory slot file."""
+
+    def __init__(self, path: str, fd: int, writable: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self._writable = writable
+        self.mm: mmap.mmap | None = None
+        self.capacity = 0
+        self._map()
+
+    @classmethod
+    def open(cls, path: str, *, writable: bool = False, create: bool = False) -> "Slot | None":
+        """Map an existing slot (None if there is none); ``create`` makes an empty one."""
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileNotFoundError:
+            return None
+        return cls(path, fd, writable)
+
+    def _map(self) -> None:
+        size = os.fstat(self._fd).st_size
+        self.mm = None  # views into an old mapping keep it alive until they go
+        self.capacity = size
+        if size >= HEADER_SIZE:
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self._writable else 0)
+            self.mm = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
+
+    def ensure_capacity(self, image_size: int) -> bool:
+        """Grow the file to hold ``image_size`` bytes of image; True if it was remapped.
+
+        Checks free space first and reserves the pages with ``fallocate``, so a full
+        ``/dev/shm`` is a clear :class:`SharedMemoryError`, never a SIGBUS mid-copy.
+        """
+        need = HEADER_SIZE + image_size
+        if need <= self.capacity:
+            return False
+        new = need + min(_GROW_HEADROOM, image_size // 16 + 4096)
+        new += -new % mmap.PAGESIZE
+        directory = os.path.dirname(self.path)
+        free = shm_free_bytes(directory)
+        if new - self.capacity > free:
+            raise SharedMemoryError(
+                f"the state needs {new / 2**20:.1f} MiB of shared memory in {directory} for {self.path}, "
+                f"but only {free / 2**20:.1f} MiB are free; enlarge it (docker run --shm-size=..., "
+                f"or mount -o remount,size=... {directory}) or set FLASHCKPT_SHM_DIR to a larger tmpfs")
+        try:
+            os.posix_fallocate(self._fd, 0, new)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise SharedMemoryError(f"shared memory in {directory} ran out while reserving "
+                                        f"{new / 2**20:.1f} MiB for {self.path}: {exc}") from exc
+            raise
+        self._map()
+        return True
+
+    # -- header ---------------------------------------------------------------------
+
+    def read_header(self) -> SlotHeader:
+        if self.mm is None:
+            return SlotHeader()
+        magic, state, _, gen, step, image_len, writer, reader, saved_at, info_len = struct.unpack_from(_FMT, self.mm, 0)
+        if magic != _MAGIC:
+            return SlotHeader()
+        info = json.loads(bytes(self.mm[_FIXED:_FIXED + info_len])) if info_len else {}
+        return SlotHeader(SlotState(state), gen, step, image_len, writer, reader, saved_at, info)
+
+    def write_header(self, h: SlotHeader) -> None:
+        info = json.dumps(h.info, separators=(",", ":")).encode()
+        if _FIXED + len(info) > HEADER_SIZE:
+            raise SharedMemoryError(f"slot info too large for the header of {self.path}")
+        self.mm[_FIXED:_FIXED + len(info)] = info
+        struct.pack_into(_FMT, self.mm, 0, _MAGIC, int(h.state), 0, h.generation, h.step, h.image_len,
+                         h.writer_pid, h.reader_pid, h.saved_at, len(info))
+
+    def set_reader(self, pid: int) -> None:
+        h = self.read_header()
+        h.reader_pid = pid
+        self.write_header(h)
+
+    def image(self, length: int) -> memoryview:
+        return memoryview(self.mm)[HEADER_SIZE:HEADER_SIZE + length]
+
+    def close(self) -> None:
+        self.mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def mark_writing(slot: Slot, step: int, image_len: int, info: dict[str, Any]) -> SlotHeader:
+    """Claim ``slot`` for a new image (caller holds the rank lock)."""
+    h = slot.read_header()
+    h = SlotHeader(SlotState.WRITING, h.generation + 1, step, image_len, os.getpid(), 0, time.time(), info)
+    slot.write_header(h)
+    return h

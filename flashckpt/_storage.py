@@ -1,0 +1,235 @@
+"""Committed checkpoints on a file system.
+
+Layout under the checkpoint directory::
+
+    step-<N>/rank-<R>.safetensors   one shard per rank (a byte copy of its memory image)
+    step-<N>/metadata.json          world size, per-shard size and crc32; present = committed
+    latest                          the newest committed step, replaced atomically
+
+Shards of a save in progress go to ``step-<N>.tmp-<token>/`` with a small done
+marker per rank; whoever writes the last marker commits by writing the metadata and
+renaming the directory to ``step-<N>``, then moves ``latest`` forward, all under an
+``flock`` on ``<dir>/.commit.lock``. A crash at any moment leaves only ``*.tmp-*``
+directories, which the next commit removes. Readers trust only committed steps.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+
+__all__ = ["ShardRecord", "LocalStorage", "shard_name"]
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 64 << 20
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_RE = re.compile(r"^step-(\d+)\.tmp-(.+)$")
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank}.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRecord:
+    rank: int
+    size: int
+    crc32: int
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+class LocalStorage:
+    """Committed steps of one checkpoint directory on a local or shared file system."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+
+    # -- writing ------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Create the directory and prove a file can be written there."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            probe = os.path.join(self.root, f".probe-{os.getpid()}")
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.unlink(probe)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint directory {self.root} is not writable: {exc}") from exc
+
+    def _tmp_dir(self, step: int, token: str) -> str:
+        return os.path.join(self.root, f"step-{step}.tmp-{token}")
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{step}")
+
+    def write_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord:
+        """Write one rank's image durably into the step's pending directory."""
+        pending = self._tmp_dir(step, token)
+        os.makedirs(pending, exist_ok=True)
+        path = os.path.join(pending, shard_name(rank))
+        crc = 0
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            for start in range(0, len(image), _CHUNK):
+                chunk = image[start:start + _CHUNK]
+                crc = zlib.crc32(chunk, crc)
+                view = chunk
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        record = ShardRecord(rank, len(image), crc)
+        _write_atomic(os.path.join(pending, f"rank-{rank}.done"),
+                      json.dumps({"rank": rank, "size": record.size, "crc32": record.crc32}).encode())
+        return record
+
+    @contextmanager
+    def _commit_lock(self) -> Iterator[None]:
+        fd = os.open(os.path.join(self.root, ".commit.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def try_commit(self, step: int, world_size: int, token: str, keep_last: int) -> bool:
+        """Commit ``step`` if all ``world_size`` shards of this save are durable."""
+        pending = self._tmp_dir(step, token)
+        with self._commit_lock():
+            if not os.path.isdir(pending):
+                return os.path.exists(os.path.join(self.step_dir(step), "metadata.json"))
+            shards = {}
+            for rank in range(world_size):
+                try:
+                    with open(os.path.join(pending, f"rank-{rank}.done"), "rb") as f:
+                        shards[str(rank)] = json.load(f)
+                except FileNotFoundError:
+                    return False
+            meta = {"format": "flashckpt/1", "step": step, "world_size": world_size, "token": token,
+                    "committed_at": time.time(),
+                    "shards": {r: {"file": shard_name(int(r)), "size": s["size"], "crc32": s["crc32"]}
+                               for r, s in shards.items()}}
+            _write_atomic(os.path.join(pending, "metadata.json"), json.dumps(meta, indent=1).encode())
+            final = self.step_dir(step)
+            if os.path.exists(final):  # the same step saved again after a rollback
+                os.replace(final, f"{final}.tmp-replaced-{token}")
+            os.replace(pending, final)
+            _fsync_dir(self.root)
+            latest = self._read_latest()
+            if latest is None or step >= latest:
+                _write_atomic(os.path.join(self.root, "latest"), f"{step}\n".encode())
+            self._retain(keep_last)
+        log.info("committed step %d (%d shards, %.1f MiB) in %s", step, world_size,
+                 sum(s["size"] for s in shards.values()) / 2**20, self.root)
+        return True
+
+    def _retain(self, keep_last: int) -> None:
+        committed = self.committed_steps()
+        newest = committed[-1] if committed else -1
+        doomed = [self.step_dir(s) for s in committed[:-keep_last]] if keep_last > 0 else []
+        for name in os.listdir(self.root):
+            m = _TMP_RE.match(name)
+            if m and (int(m.group(1)) < newest or m.group(2).startswith("replaced-")):
+                doomed.append(os.path.join(self.root, name))
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # -- reading ------------------------------------------------------------------
+
+    def _read_latest(self) -> int | None:
+        try:
+            with open(os.path.join(self.root, "latest")) as f:
+                return int(f.read().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def committed_steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        steps = [int(m.group(1)) for n in names if (m := _STEP_RE.match(n))]
+        return sorted(s for s in steps if os.path.exists(os.path.join(self.step_dir(s), "metadata.json")))
+
+    def latest_step(self) -> int | None:
+        """The newest committed step (``latest`` if it names a committed step)."""
+        latest = self._read_latest()
+        if latest is not None and os.path.exists(os.path.join(self.step_dir(latest), "metadata.json")):
+            return latest
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def metadata(self, step: int) -> dict:
+        path = os.path.join(self.step_dir(step), "metadata.json")
+        try:
+            with open(path, "rb") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {path})") from None
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{path}: unreadable metadata: {exc}") from exc
+
+    def shard_path(self, step: int, rank: int) -> tuple[str, dict]:
+        """The path of a committed shard and its record (size, crc32)."""
+        meta = self.metadata(step)
+        record = meta["shards"].get(str(rank))
+        if record is None:
+            raise CheckpointNotFoundError(
+                f"step {step} in {self.root} has no shard for rank {rank} (world size {meta['world_size']})")
+        path = os.path.join(self.step_dir(step), record["file"])
+        if not os.path.exists(path):
+            raise CheckpointNotFoundError(f"missing shard file {path} of committed step {step}")
+        return path, record
+
+    def verify(self, step: int) -> list[str]:
+        """Re-read every shard of ``step``; the problems found (empty when intact)."""
+        problems = []
+        meta = self.metadata(step)
+        for rank in range(meta["world_size"]):
+            try:
+                path, record = self.shard_path(step, rank)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            size = os.path.getsize(path)
+            if size != record["size"]:
+                problems.append(f"{path}: {size} bytes, metadata says {record['size']} (truncated?)")
+                continue
+            crc = 0
+            with open(path, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+            if crc != record["crc32"]:
+                problems.append(f"{path}: checksum {crc:#010x} != recorded {record['crc32']:#010x}")
+        return problems

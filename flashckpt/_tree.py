@@ -1,0 +1,239 @@
+"""Flattening a nested training state into tensors plus a JSON skeleton, and back.
+
+A state is any nesting of dict / list / tuple whose leaves are tensors (of a
+registered :class:`TensorKind`) or plain values (int, float, str, bool, None). The
+skeleton keeps the structure and the plain values; tensors become named entries of
+the safetensors body. Loading walks the caller's state and the skeleton together and
+fills the caller's tensors in place.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Protocol
+
+from ._errors import CheckpointError, StateMismatchError
+
+__all__ = ["TensorKind", "Leaf", "Flat", "Merge", "flatten", "merge_into", "register_kind"]
+
+PLAIN_TYPES = (int, float, str, bool, type(None))
+KEY_TYPES = (str, int, float, bool, type(None))
+
+
+class TensorKind(Protocol):
+    """How the engine handles one framework's tensors (torch, numpy, ...)."""
+
+    name: str
+
+    def matches(self, obj: Any) -> bool: ...
+
+    def describe(self, obj: Any) -> tuple[str, tuple[int, ...]]:
+        """Safetensors dtype name and shape."""
+
+    def identity(self, obj: Any) -> Hashable | None:
+        """A key equal for two objects that are views of the same bytes, else None."""
+
+    def empty(self, dtype: str, shape: tuple[int, ...]) -> Any:
+        """A new host tensor to load into (for entries the caller's state lacks)."""
+
+
+_kinds: list[TensorKind] = []
+
+
+def register_kind(kind: TensorKind) -> None:
+    if all(k.name != kind.name for k in _kinds):
+        _kinds.append(kind)
+
+
+def kind_of(obj: Any) -> TensorKind | None:
+    for kind in _kinds:
+        if kind.matches(obj):
+            return kind
+    return None
+
+
+def kind_named(name: str) -> TensorKind:
+    for kind in _kinds:
+        if kind.name == name:
+            return kind
+    raise CheckpointError(f"checkpoint holds {name!r} tensors but that framework is not loaded")
+
+
+@dataclass(slots=True)
+class Leaf:
+    """One tensor entry of a flattened state."""
+
+    name: str
+    obj: Any
+    kind: TensorKind
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Flat:
+    skeleton: Any
+    leaves: list[Leaf]
+
+
+def _escape(part: Any) -> str:
+    return str(part).replace("~", "~0").replace("/", "~1")
+
+
+def flatten(state: Any, *, allow_pickle: bool = False) -> Flat:
+    """Split ``state`` into a JSON skeleton and its tensor leaves (deduplicated views)."""
+    leaves: list[Leaf] = []
+    names: set[str] = set()
+    seen: dict[Hashable, str] = {}
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, bool) or type(obj) in PLAIN_TYPES:
+            return {"v": obj}
+        kind = kind_of(obj)
+        if kind is not None:
+            key = kind.identity(obj)
+            if key is not None and key in seen:
+                return {"t": seen[key], "k": kind.name}
+            name = path or "_"
+            while name in names:
+                name += "#"
+            names.add(name)
+            if key is not None:
+                seen[key] = name
+            dtype, shape = kind.describe(obj)
+            leaves.append(Leaf(name, obj, kind, dtype, shape))
+            return {"t": name, "k": kind.name}
+        if type(obj) is tuple or type(obj) is list:
+            items = [walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj)]
+            return {"u" if type(obj) is tuple else "l": items}
+        if isinstance(obj, dict) and all(type(k) in KEY_TYPES for k in obj):
+            return {"d": [[k, walk(v, f"{path}/{_escape(k)}" if path else _escape(k))]
+                          for k, v in obj.items()]}
+        if not allow_pickle:
+            raise CheckpointError(
+                f"state entry {path or '<root>'!r} is a {type(obj).__qualname__}, which is neither "
+                "a tensor nor a plain value (int, float, str, bool, None, dict, list, tuple); "
+                "pass allow_pickle=True to store it pickled")
+        try:
+            blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise CheckpointError(f"state entry {path!r} ({type(obj).__qualname__}) cannot be pickled: {exc}") from exc
+        return {"p": base64.b64encode(blob).decode("ascii")}
+
+    if not isinstance(state, (dict, list)):
+        raise CheckpointError(f"a state must be a dict or list, got {type(state).__qualname__}")
+    return Flat(walk(state, ""), leaves)
+
+
+@dataclass(slots=True)
+class Merge:
+    """What loading a checkpoint into a state takes: tensors to fill, then plain writes."""
+
+    fills: list[tuple[str, Any]]
+    """(entry name, the caller's tensor, or a new one where its container was empty)."""
+    writes: list[Callable[[], None]]
+
+    def apply_plain(self) -> None:
+        """Write the plain values (and new containers) into the state; call after the fills."""
+        for write in self.writes:
+            write()
+
+
+def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[int, ...]]],
+               *, allow_pickle: bool) -> Merge:
+    """Match ``state`` against the checkpoint described by ``skeleton``.
+
+    Returns the tensors to fill in place and the plain values to write. Every mismatch
+    (keys, shapes, dtypes, kinds) is collected and raised together as
+    :class:`StateMismatchError` before anything is modified. An empty dict in the state
+    where the checkpoint has entries (an optimizer before its first step) is filled.
+    """
+    problems: list[str] = []
+    plain_writes: list[Callable[[], None]] = []
+    fills: list[tuple[str, Any]] = []
+
+    def build(node: Any, path: str) -> Any:
+        """A fresh object for a checkpoint node the caller's state has no place for."""
+        if "v" in node:
+            return node["v"]
+        if "p" in node:
+            return unpickle(node, path)
+        if "t" in node:
+            dtype, shape = entries[node["t"]]
+            obj = kind_named(node["k"]).empty(dtype, shape)
+            fills.append((node["t"], obj))
+            return obj
+        if "d" in node:
+            return {k: build(v, f"{path}/{k}") for k, v in node["d"]}
+        items = [build(v, f"{path}/{i}") for i, v in enumerate(node.get("l", node.get("u")))]
+        return tuple(items) if "u" in node else items
+
+    def unpickle(node: Any, path: str) -> Any:
+        if not allow_pickle:
+            raise CheckpointError(f"checkpoint entry {path!r} is pickled; pass allow_pickle=True "
+                                  "to load it (only for checkpoints you trust)")
+        return pickle.loads(base64.b64decode(node["p"]))
+
+    def walk(obj: Any, node: Any, path: str) -> Any:
+        where = path or "<root>"
+        if "t" in node:
+            kind = kind_of(obj)
+            if kind is None:
+                problems.append(f"{where}: checkpoint has a tensor, state has {type(obj).__qualname__}")
+                return obj
+            if kind.name != node["k"]:
+                problems.append(f"{where}: checkpoint has a {node['k']} tensor, state a {kind.name} one")
+                return obj
+            dtype, shape = kind.describe(obj)
+            want_dtype, want_shape = entries[node["t"]]
+            if (dtype, shape) != (want_dtype, want_shape):
+                problems.append(f"{where}: checkpoint has {want_dtype}{list(want_shape)}, "
+                                f"state has {dtype}{list(shape)}")
+            fills.append((node["t"], obj))
+            return obj
+        if "v" in node or "p" in node:
+            if kind_of(obj) is not None:
+                problems.append(f"{where}: checkpoint has a plain value, state has a tensor")
+                return obj
+            return build(node, path)
+        if "d" in node:
+            if not isinstance(obj, dict):
+                problems.append(f"{where}: checkpoint has a dict, state has {type(obj).__qualname__}")
+                return obj
+            if not obj and node["d"]:  # an empty container is a place to fill (Adam before step 1)
+                new = build(node, path)
+                plain_writes.append(lambda: obj.update(new))
+                return obj
+            keys = [k for k, _ in node["d"]]
+            missing = [k for k in keys if k not in obj]
+            extra = [k for k in obj if k not in set(keys)]
+            if missing or extra:
+                problems.append(f"{where}: keys differ; only in checkpoint: {missing[:8]}, "
+                                f"only in state: {extra[:8]}")
+                return obj
+            for k, child in node["d"]:
+                new = walk(obj[k], child, f"{path}/{k}" if path else str(k))
+                if new is not obj[k]:
+                    plain_writes.append(lambda o=obj, k=k, v=new: o.__setitem__(k, v))
+            return obj
+        items = node.get("l", node.get("u"))
+        if not isinstance(obj, (list, tuple)) or len(obj) != len(items):
+            got = f"{type(obj).__qualname__} of {len(obj)}" if isinstance(obj, (list, tuple)) else type(obj).__qualname__
+            problems.append(f"{where}: checkpoint has a sequence of {len(items)}, state has {got}")
+            return obj
+        new_items = [walk(o, child, f"{path}/{i}" if path else str(i)) for i, (o, child) in enumerate(zip(obj, items))]
+        if isinstance(obj, tuple):
+            return obj if all(a is b for a, b in zip(obj, new_items)) else tuple(new_items)
+        for i, (old, new) in enumerate(zip(obj, new_items)):
+            if new is not old:
+                plain_writes.append(lambda o=obj, i=i, v=new: o.__setitem__(i, v))
+        return obj
+
+    walk(state, skeleton, "")
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise StateMismatchError(f"checkpoint does not match the state ({len(problems)} problems):\n  {shown}{more}")
+    return Merge(fills, plain_writes)
