@@ -1,0 +1,335 @@
+"""``ShardSampler``: yield the samples of shards leased from the sharding coordinator.
+
+Each rank pulls small shards on demand, so a fast rank takes more and a dead rank's
+shards go to the others (:mod:`sharding`). The sampler keeps, per lease it holds, how
+far it *yielded* and how far the training loop *received*; only what was received is
+reported to the coordinator and completes a shard. Iterating the sampler directly (or
+``DataLoader(num_workers=0)``) counts each yielded sample as received; under a
+prefetching ``DataLoader`` wrap the loader in :class:`elastic.CountingLoader`.
+
+One iteration is one epoch of the coordinator. A shard of the next epoch that arrives
+at the end of an iteration is kept for the next one. Under ``CountingLoader`` a rank
+that still holds undelivered (prefetched) samples does not wait for other ranks'
+leases at the end of an epoch — it would wait for itself — it ends its iteration, and
+a shard that comes back later (from a dead rank) is taken up in a later iteration.
+
+Trade-offs: ranks get different numbers of samples (that is the point), so a DDP loop
+must cope with uneven inputs (``Join``, or an all-reduce of "has data"); a background
+thread heartbeats the held leases every ``lease_timeout / 3`` seconds, so a rank that
+hangs keeps its leases — detecting hangs is the agent's job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional, Union
+
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+import sharding
+
+from ._progress import tick_agent
+
+__all__ = ["ShardSampler"]
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+_KIND = "ShardSampler"
+
+
+@dataclass(slots=True, eq=False)
+class _Lease:
+    shard: sharding.Shard
+    sent: int  # absolute position in the shard's order yielded so far
+    done: int  # absolute position received by the training loop
+    completed: bool = False
+
+
+def default_worker() -> str:
+    """``host-rankR`` under torch.distributed or torchrun (stable across restarts), else
+    ``host-pidP``."""
+    host = socket.gethostname()
+    if dist.is_available() and dist.is_initialized():
+        return f"{host}-rank{dist.get_rank()}"
+    if os.environ.get("RANK", "").isdigit():
+        return f"{host}-rank{os.environ['RANK']}"
+    return f"{host}-pid{os.getpid()}"
+
+
+def _heartbeat(ref: "weakref.ref[ShardSampler]", stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        sampler = ref()
+        if sampler is None:
+            return
+        try:
+            sampler._ds.heartbeat(sampler.worker)
+        except Exception as e:  # keep trying: the lease may still be saved by the next one
+            log.warning("heartbeat of %s to %s failed: %s", sampler.worker, sampler._ds, e)
+        del sampler
+
+
+class ShardSampler(Sampler[int]):
+    """Yield sample indices of shards leased from a :mod:`sharding` coordinator.
+
+    ``coordinator`` is a URL (``memory://``, ``sqlite:///path``, ``redis://...``) or a
+    ``sharding.Coordinator``; every rank names the same data set ``name`` with the same
+    definition. ``worker`` names this rank at the coordinator (default
+    :func:`default_worker`); a restarted rank with the same name takes back its leases.
+
+    ``state_dict()`` / ``load_state_dict()`` carry the coordinator's state: under
+    torch.distributed both are collectives (all ranks must call them); load rolls the
+    shared coordinator back once, on rank 0.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        coordinator: Union[str, "sharding.Coordinator"],
+        name: str,
+        shard_size: int,
+        shuffle: bool = False,
+        seed: int = 0,
+        num_epochs: Optional[int] = 1,
+        worker: Optional[str] = None,
+        lease_timeout: float = 60.0,
+    ) -> None:
+        if isinstance(coordinator, str):
+            coordinator = sharding.connect(coordinator)
+        elif not isinstance(coordinator, sharding.Coordinator):
+            raise TypeError(
+                f"coordinator must be a URL or a sharding.Coordinator, got {type(coordinator).__name__}"
+            )
+        self._coord = coordinator
+        self._ds = coordinator.dataset(
+            name,
+            size=num_samples,
+            shard_size=shard_size,
+            num_epochs=num_epochs,
+            shuffle=shuffle,
+            seed=seed,
+            lease_timeout=lease_timeout,
+        )
+        self.name = name
+        self.worker = default_worker() if worker is None else worker
+        self.epoch = 0
+        self._held: deque[_Lease] = deque()  # leases with samples not yet received
+        self._unreceived: deque[list[Any]] = deque()  # [lease, count] in yield order
+        self._pending: Optional[sharding.Shard] = None  # next epoch's first shard
+        self._track_delivery = False
+        self._iter_received = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        try:
+            if self._ds.release(self.worker):
+                log.info("%s: took back the leases of an earlier %s", name, self.worker)
+        except sharding.UnknownWorker:
+            pass
+
+    def __repr__(self) -> str:
+        return f"ShardSampler({self.name!r}, worker={self.worker!r}, {self._coord.url})"
+
+    @property
+    def dataset_state(self) -> "sharding.Dataset":
+        """The coordinator's data set (``progress()`` tells where the epoch stands)."""
+        return self._ds
+
+    def set_epoch(self, epoch: int) -> None:
+        """Accepted for DataLoader loops; the coordinator decides the epoch."""
+        self.epoch = epoch
+
+    def close(self) -> None:
+        """Stop heartbeating and give back held leases at their received positions."""
+        self._stop.set()
+        self._report_positions()
+        try:
+            self._ds.release(self.worker)
+        except sharding.UnknownWorker:
+            pass
+        self._held.clear()
+        self._unreceived.clear()
+        self._pending = None
+
+    # -- iteration ----------------------------------------------------------------------
+    def __iter__(self) -> Iterator[int]:
+        self._iter_received = 0
+        self._unreceived.clear()
+        for lease in self._held:  # prefetched but never received: yield again
+            lease.sent = lease.done
+        self._finish_done()
+        return self._generate()
+
+    def _generate(self) -> Iterator[int]:
+        carried = list(self._held)
+        epoch: Optional[int] = carried[0].shard.epoch if carried else None
+        while True:
+            lease = carried.pop(0) if carried else self._next_lease(epoch)
+            if lease is None:
+                return
+            epoch = lease.shard.epoch if epoch is None else epoch
+            shard = lease.shard
+            order = sharding.sample_order(
+                shard.start, shard.end, seed=shard.seed, epoch=shard.epoch, shard=shard.index,
+                shuffle=shard.shuffle,
+            )
+            for pos in range(lease.sent, len(order)):
+                lease.sent = pos + 1
+                if self._unreceived and self._unreceived[-1][0] is lease:
+                    self._unreceived[-1][1] += 1
+                else:
+                    self._unreceived.append([lease, 1])
+                if not self._track_delivery:
+                    self._receive(1)
+                tick_agent()
+                yield int(order[pos])
+            self.epoch = shard.epoch
+
+    def _next_lease(self, epoch: Optional[int]) -> Optional[_Lease]:
+        self._finish_done()
+        shard = self._pending
+        self._pending = None
+        if shard is None:
+            shard = self._acquire()
+        if shard is None:
+            return None
+        self._start_heartbeat()
+        if epoch is not None and shard.epoch != epoch:
+            self._pending = shard
+            return None
+        lease = _Lease(shard, sent=shard.consumed, done=shard.consumed)
+        self._held.append(lease)
+        return lease
+
+    def _acquire(self) -> Optional[sharding.Shard]:
+        if not self._held:
+            return self._ds.acquire(self.worker)
+        # we hold prefetched samples: waiting for other leases could wait for our own
+        try:
+            return self._ds.acquire(self.worker, timeout=0)
+        except sharding.CoordinatorUnavailable as e:
+            if "still hold leases" not in str(e):
+                raise
+            log.debug("%s: %s holds undelivered samples; ends this iteration", self.name, self.worker)
+            return None
+
+    def _start_heartbeat(self) -> None:
+        if self._thread is None:
+            interval = self._ds.definition.lease_timeout / 3
+            self._thread = threading.Thread(
+                target=_heartbeat, args=(weakref.ref(self), self._stop, interval),
+                name=f"shard-heartbeat-{self.worker}", daemon=True,
+            )
+            self._thread.start()
+
+    # -- what the loop received -----------------------------------------------------------
+    def _receive(self, n: int) -> None:
+        """The loop received ``n`` more samples, in yield order."""
+        self._iter_received += n
+        while n and self._unreceived:
+            entry = self._unreceived[0]
+            take = min(n, entry[1])
+            entry[0].done += take
+            entry[1] -= take
+            n -= take
+            if entry[1] == 0:
+                self._unreceived.popleft()
+
+    def _delivered(self, n: Optional[int]) -> None:
+        """CountingLoader: the loop received ``n`` samples of this iteration (None: all
+        that were yielded)."""
+        if n is None:
+            n = self._iter_received + sum(entry[1] for entry in self._unreceived)
+        if n > self._iter_received:
+            self._receive(n - self._iter_received)
+        self._finish_done()
+
+    def _finish_done(self) -> None:
+        """Complete every held shard the loop received entirely."""
+        while self._held and self._held[0].done >= len(self._held[0].shard):
+            lease = self._held.popleft()
+            self._call("complete", lease, lambda: self._ds.complete(lease.shard))
+        if any(lease.done >= len(lease.shard) for lease in self._held):  # out of order
+            for lease in [x for x in self._held if x.done >= len(x.shard)]:
+                self._held.remove(lease)
+                self._call("complete", lease, lambda: self._ds.complete(lease.shard))
+
+    def _report_positions(self) -> None:
+        self._finish_done()
+        for lease in list(self._held):
+            self._call("report", lease, lambda: self._ds.report(lease.shard, lease.done))
+
+    def _call(self, what: str, lease: _Lease, fn: Any) -> None:
+        try:
+            fn()
+        except sharding.LeaseLost as e:
+            # the lease expired and went to another worker: its samples may be trained twice
+            log.warning("%s: could not %s shard %d: %s", self.name, what, lease.shard.index, e)
+            if lease in self._held:
+                self._held.remove(lease)
+
+    # -- state ----------------------------------------------------------------------------
+    def state_dict(self, sync: Optional[bool] = None) -> dict[str, Any]:
+        """Report received positions and return the coordinator's state (JSON-able).
+
+        ``sync`` (default: whether torch.distributed is initialised) brackets the snapshot
+        with barriers so it holds every rank's position: all ranks must call this.
+        """
+        sync = _default_sync(sync)
+        self._report_positions()
+        if sync:
+            dist.barrier()
+        coordinator = self._ds.state_dict()
+        if sync:
+            dist.barrier()
+        return {"version": STATE_VERSION, "kind": _KIND, "name": self.name, "coordinator": coordinator}
+
+    def load_state_dict(self, state: Mapping[str, Any], sync: Optional[bool] = None) -> None:
+        """Roll the coordinator back to ``state`` (every lease is dropped; partly consumed
+        shards resume at their saved positions). Under torch.distributed all ranks must
+        call this; rank 0 restores, the others wait for it."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"sampler state must be a dict, got {type(state).__name__}")
+        if state.get("kind") != _KIND or state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"not a {_KIND} state of version {STATE_VERSION}: "
+                f"kind={state.get('kind')!r} version={state.get('version')!r}"
+            )
+        if state.get("name") != self.name:
+            raise ValueError(f"sampler state is of data set {state.get('name')!r}, not {self.name!r}")
+        try:  # checked on every rank, so that all ranks fail alike
+            saved = sharding.Definition.from_json(state["coordinator"]["definition"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed {_KIND} state: {e!r}") from e
+        mine = self._ds.definition
+        if saved.canonical() != mine.canonical():
+            diff = {k: (v, mine.to_json()[k]) for k, v in saved.to_json().items() if mine.to_json()[k] != v}
+            raise ValueError(
+                f"sampler state of {self.name!r} was taken for another data set: "
+                + ", ".join(f"{k}={a!r} in the state but {b!r} here" for k, (a, b) in diff.items())
+            )
+        sync = _default_sync(sync)
+        if sync:
+            dist.barrier()
+        try:
+            if not sync or dist.get_rank() == 0:
+                self._ds.load_state_dict(state["coordinator"])
+        finally:
+            if sync:
+                dist.barrier()
+        self._held.clear()
+        self._unreceived.clear()
+        self._pending = None
+
+
+def _default_sync(sync: Optional[bool]) -> bool:
+    if sync is None:
+        return dist.is_available() and dist.is_initialized()
+    return bool(sync)
