@@ -50,7 +50,7 @@ def tick_agent() -> None:
     agent = _current_agent()
     if agent is None:
         return
-    hook = getattr(agent, "tick", None) or getattr(agent, "heartbeat", None)
+    hook = getattr(agent, "tick", None)
     if hook is None:
         return
     try:

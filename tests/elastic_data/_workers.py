@@ -55,3 +55,41 @@ def train_elastic(
         "padding": sampler.padding,
         "world": sampler.num_replicas,
     }
+
+
+def train_shards(
+    rank: int,
+    world: int,
+    url: str,
+    n: int,
+    shard_size: int,
+    steps: Optional[int],
+    state: Optional[dict],
+    sleep_per_sample: Optional[list] = None,
+    after_checkpoint: int = 0,
+) -> dict[str, Any]:
+    """Iterate a ShardSampler for ``steps`` samples (None: to the end of the epoch), then
+    checkpoint (collective), then take ``after_checkpoint`` more samples (trained after
+    the checkpoint: a rollback must replay them)."""
+    import time
+
+    from elastic import ShardSampler
+
+    sampler = ShardSampler(
+        n, coordinator=url, name="train", shard_size=shard_size, shuffle=True, seed=SEED, num_epochs=1
+    )
+    if state is not None:
+        sampler.load_state_dict(state)
+    delay = sleep_per_sample[rank] if sleep_per_sample else 0.0
+    it = iter(sampler)
+    seen: list[int] = []
+    for i in (range(steps) if steps is not None else iter(int, 1)):
+        try:
+            seen.append(next(it))
+        except StopIteration:
+            break
+        if delay:
+            time.sleep(delay)
+    ckpt = sampler.state_dict() if steps is not None else None
+    later = [i for _, i in zip(range(after_checkpoint), it)]
+    return {"seen": seen, "state": ckpt, "later": later, "worker": sampler.worker}

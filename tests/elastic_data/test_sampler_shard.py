@@ -1,0 +1,140 @@
+"""ShardSampler against real coordinators: memory (one process), SQLite (processes)."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections import Counter
+
+import pytest
+from torch.utils.data import DataLoader
+
+import sharding
+from elastic import CountingLoader, ShardSampler
+
+from ._spawn import run_group
+from ._workers import IndexDataset, train_shards
+
+
+def mem() -> str:
+    return f"memory://{uuid.uuid4().hex}"
+
+
+def sampler(url, n=100, **kw):
+    kw = {"shard_size": 8, "shuffle": True, "seed": 3, "num_epochs": 2, "worker": "w0", **kw}
+    return ShardSampler(n, coordinator=url, name="train", **kw)
+
+
+def test_one_iteration_is_one_epoch_of_every_sample():
+    s = sampler(mem())
+    first, second = list(s), list(s)
+    assert sorted(first) == sorted(second) == list(range(100))
+    assert first != second  # reshuffled per epoch
+    assert list(s) == []  # num_epochs=2: exhausted
+
+
+def test_rollback_replays_exactly_what_was_trained_after_the_checkpoint():
+    s = sampler(mem(), num_epochs=1)
+    it = iter(s)
+    before = [next(it) for _ in range(37)]
+    state = s.state_dict()
+    after = [next(it) for _ in range(20)]  # trained, then the job failed
+    s.load_state_dict(state)
+    replay = list(s)
+    assert set(after) <= set(replay)
+    assert Counter(before + replay) == Counter(range(100))
+
+
+def test_state_survives_a_new_sampler_with_another_worker_name():
+    url = mem()
+    s = sampler(url, num_epochs=1)
+    it = iter(s)
+    before = [next(it) for _ in range(21)]
+    state = s.state_dict()
+    t = sampler(url, num_epochs=1, worker="other")
+    t.load_state_dict(state)
+    assert Counter(before + list(t)) == Counter(range(100))
+
+
+@pytest.mark.parametrize("counting", [True, False])
+def test_prefetching_loader_completes_only_received_shards(counting):
+    url = mem()
+    ds = IndexDataset(200)
+    s = sampler(url, n=200, num_epochs=1)
+    loader = DataLoader(ds, batch_size=4, sampler=s, num_workers=2, prefetch_factor=4)
+    it = iter(CountingLoader(loader) if counting else loader)
+    got = [int(i) for _ in range(5) for i in next(it)]  # the loop received 20 samples
+    state = s.state_dict()
+    del it
+    fresh = sampler(url, n=200, num_epochs=1, worker="w1")
+    fresh.load_state_dict(state)
+    rest = list(fresh)
+    counts = Counter(got + rest)
+    if counting:
+        assert counts == Counter(range(200))
+    else:
+        # without the wrapper the prefetched samples count as consumed: they are lost
+        missing = set(range(200)) - set(counts)
+        assert missing, "DataLoader should have prefetched past the loop"
+
+
+def test_counting_loader_runs_whole_epochs():
+    url = mem()
+    s = sampler(url, n=150)
+    loader = CountingLoader(DataLoader(IndexDataset(150), batch_size=8, sampler=s, num_workers=2))
+    for _ in range(2):
+        seen = [int(i) for b in loader for i in b]
+        assert Counter(seen) == Counter(range(150))
+    assert s.dataset_state.progress()["finished"]
+
+
+def test_bad_input_gets_clear_errors():
+    url = mem()
+    s = sampler(url, num_epochs=1)
+    next(iter(s))
+    state = s.state_dict()
+    with pytest.raises(ValueError, match="size=100 in the state but 101 here"):
+        ShardSampler(101, coordinator=mem(), name="train", shard_size=8, shuffle=True, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=3 in the state but 4 here"):
+        ShardSampler(100, coordinator=mem(), name="train", shard_size=8, shuffle=True, seed=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="not a ShardSampler state"):
+        s.load_state_dict({"kind": "ElasticDistributedSampler", "version": 1})
+    with pytest.raises(ValueError, match="shard_size must be >= 1"):
+        ShardSampler(100, coordinator=mem(), name="x", shard_size=0)
+    with pytest.raises(TypeError, match="URL or a sharding.Coordinator"):
+        ShardSampler(100, coordinator=42, name="x", shard_size=4)
+    with pytest.raises(sharding.CoordinatorError, match="unknown coordinator URL scheme"):
+        ShardSampler(100, coordinator="ftp://x", name="x", shard_size=4)
+    with pytest.raises(ValueError, match="another definition"):  # the same name, another length
+        ShardSampler(99, coordinator=url, name="train", shard_size=8, shuffle=True, seed=3)
+
+
+# -- processes over SQLite ----------------------------------------------------------------
+def test_straggler_takes_fewer_samples_than_its_static_share(tmp_path):
+    """Rank 1 is 4x slower per sample. With a static partition it would take half the
+    data and the epoch would last N/2 slow samples; here it takes far fewer."""
+    n, shard = 1200, 25
+    url = f"sqlite:///{tmp_path}/shards.db"
+    res = run_group(train_shards, 2, url, n, shard, None, None, [0.002, 0.008])
+    fast, slow = len(res[0]["seen"]), len(res[1]["seen"])
+    assert Counter(res[0]["seen"] + res[1]["seen"]) == Counter(range(n))
+    # epoch length in units of a fast sample: dynamic vs static partition
+    dynamic, static = max(fast, 4 * slow), 4 * (n // 2)
+    assert slow < 0.35 * n, f"slow rank took {slow} of {n} samples (fast: {fast})"
+    assert dynamic < 0.75 * static, f"epoch not shorter: {dynamic} vs {static} sample-times"
+
+
+def test_checkpoint_with_two_ranks_rollback_with_three(tmp_path):
+    """2 ranks train, checkpoint (collective), train on, 'fail'; 3 ranks restore the
+    coordinator from the checkpoint and finish: every sample exactly once, counting
+    what was trained before the checkpoint and after the restore."""
+    n, shard = 600, 16
+    url = f"sqlite:///{tmp_path}/shards.db"
+    first = run_group(train_shards, 2, url, n, shard, 90, None, None, 40)
+    assert first[0]["state"] == first[1]["state"]
+    trained_after = set(itertools.chain(*(r["later"] for r in first)))
+    rest = run_group(train_shards, 3, url, n, shard, None, first[1]["state"])
+    before = list(itertools.chain(*(r["seen"] for r in first)))
+    replay = list(itertools.chain(*(r["seen"] for r in rest)))
+    assert trained_after <= set(replay), "samples trained after the checkpoint were not replayed"
+    assert Counter(before + replay) == Counter(range(n))
