@@ -47,6 +47,7 @@ class SaverClient:
         self.errors: list[str] = []
         self.outstanding = 0
         self.last_committed: int | None = None
+        self.saver_pid = 0
         self.sock = self._connect(slots)
 
     def _connect(self, slots: list[str]) -> socket.socket:
@@ -61,6 +62,7 @@ class SaverClient:
                 sock.sendall(self._encode({"op": "hello", "v": _PROTOCOL, "pid": os.getpid(), "slots": slots}))
                 reply = self._read_message(sock, timeout=10.0)
                 if reply is not None and reply.get("op") == "welcome":
+                    self.saver_pid = reply["pid"]
                     return sock
                 if reply is not None and reply.get("op") == "error":
                     raise CheckpointError(f"saver refused this trainer: {reply.get('message')}")

@@ -20,7 +20,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from . import _events, _names, _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
+from . import _errors, _events, _names, _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
 from ._client import SaverClient
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._format import Entry, Image, parse_header, plan_image
@@ -127,7 +127,10 @@ class Engine:
                 for i in range(NUM_SLOTS)]
 
     def _choose_slot(self) -> int:
-        """A slot the saver is not reading, preferring the one without the newest copy."""
+        """A slot the saver is not holding (reading, or due to read), preferring the one
+        without the newest copy. Waits only when storage lags the requested persists."""
+        waited = time.perf_counter()
+        warned = False
         while True:
             with self._lock.held():
                 headers = self._headers()
@@ -137,6 +140,10 @@ class Engine:
                 choice = [i for i in free if i != newest] or free
                 if choice:
                     return choice[0]
+            if not warned and time.perf_counter() - waited > 1.0:
+                log.warning("save waits for storage: persisting is slower than the saves asked to persist "
+                            "(raise persist_every to keep saves from waiting)")
+                warned = True
             time.sleep(0.001)
 
     def _prepare_other(self, used: int, size: int) -> None:
@@ -181,12 +188,14 @@ class Engine:
             header = mark_writing(slot, step, image.size, self._info())
         slot.mm[HEADER_SIZE:HEADER_SIZE + len(image.header)] = image.header
         self._copy_in(index, slot, image, flat)
+        due = persist if persist is not None else self._saves % self.options.persist_every == 0
+        due = due and self.placement.persists
         with self._lock.held():
             header.state = SlotState.COMPLETE
             header.saved_at = time.time()
+            header.reader_pid = self._client.saver_pid if due else 0  # held for the saver
             slot.write_header(header)
-        due = persist if persist is not None else self._saves % self.options.persist_every == 0
-        if due and self.placement.persists:
+        if due:
             self._client.persist(slot.path, header.generation)
         other = self._slots[(index + 1) % NUM_SLOTS]
         if other is None or other.capacity < HEADER_SIZE + image.size:
@@ -261,31 +270,39 @@ class Engine:
         if source == "memory":
             errors = self._gather_errors(lambda: self._load_memory(state, *local["memory"][step]))
             if errors:
-                log.warning("loading step %d from memory failed on some ranks (%s); falling back to storage",
-                            step, "; ".join(errors))
-                source = "storage"
                 if committed is None:
-                    raise CheckpointError(f"loading step {step} from memory failed and nothing is committed "
-                                          f"in {self.storage.root}: {'; '.join(errors)}")
-                step = committed if committed is not None else step
+                    self._raise(errors, f"loading step {step} from memory failed and nothing is committed "
+                                        f"in {self.storage.root}")
+                log.warning("loading step %d from memory failed on some ranks (%s); falling back to "
+                            "committed step %d", step, "; ".join(m for _, m in errors), committed)
+                step, source = committed, "storage"
         if source == "storage":
             errors = self._gather_errors(lambda: self._load_storage(state, step))
             if errors:
-                raise CheckpointError(f"loading step {step} from {self.storage.root} failed: " + "; ".join(errors))
+                self._raise(errors, f"loading step {step} from {self.storage.root} failed")
         self._invalidate_newer_than(step)
         seconds = time.perf_counter() - start
         log.info("restored step %d from %s in %.2fs", step, source, seconds)
         _events.emit("load", step=step, source=source, seconds=seconds)
         return step
 
-    def _gather_errors(self, attempt) -> list[str]:
-        """Run ``attempt`` on every rank; every rank gets every rank's error."""
+    def _gather_errors(self, attempt) -> list[tuple[str, str]]:
+        """Run ``attempt`` on every rank; every rank gets every rank's (error class, message)."""
         try:
             attempt()
             mine = None
-        except (CheckpointError, OSError, ValueError) as exc:
-            mine = f"rank {self.collective.rank}: {exc}"
+        except Exception as exc:  # any rank's failure must reach all ranks, never hang them
+            mine = (type(exc).__name__, f"rank {self.collective.rank}: {exc}")
         return [e for e in self.collective.all_gather(mine) if e]
+
+    @staticmethod
+    def _raise(errors: list[tuple[str, str]], prefix: str) -> None:
+        """One exception on every rank, of the ranks' common flashckpt class if they share one."""
+        names = {name for name, _ in errors}
+        cls = getattr(_errors, names.pop(), CheckpointError) if len(names) == 1 else CheckpointError
+        if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+            cls = CheckpointError
+        raise cls(f"{prefix}: " + "; ".join(message for _, message in errors))
 
     def _invalidate_newer_than(self, step: int) -> None:
         """After a rollback, copies of later steps belong to an abandoned timeline."""
@@ -305,14 +322,15 @@ class Engine:
         header = slot.read_header()
         image = parse_header(slot.image(header.image_len), slot.path)
         merge = self._merge(state, image)
-        targets = dict(merge.fills)
         kinds = image.meta["kinds"]
         groups: dict[str, list[Entry]] = {}
         for entry in image.entries:
             groups.setdefault(kinds[entry.name], []).append(entry)
         for kind_name, entries in groups.items():
             kind = kind_named(kind_name)
-            kind.copy([targets[e.name] for e in entries], kind.views(slot.mm, HEADER_SIZE + len(image.header), entries))
+            views = dict(zip((e.name for e in entries), kind.views(slot.mm, HEADER_SIZE + len(image.header), entries)))
+            fills = [(obj, views[name]) for name, obj in merge.fills if name in views]
+            kind.copy([dst for dst, _ in fills], [src for _, src in fills])
         with self._lock.held():
             after = slot.read_header()
         if after.generation != generation or after.state != SlotState.COMPLETE:
@@ -334,7 +352,9 @@ class Engine:
             head += _read_exact(f, min(n, size - 8), path)
             image = parse_header(head, path, size)
             merge = self._merge(state, image)
-            targets = dict(merge.fills)
+            targets: dict[str, list[Any]] = {}
+            for name, obj in merge.fills:
+                targets.setdefault(name, []).append(obj)
             kinds = image.meta["kinds"]
             crc = zlib.crc32(head)
             pos = len(head)
@@ -343,7 +363,7 @@ class Engine:
                 if at > pos:
                     crc = zlib.crc32(_read_exact(f, at - pos, path), crc)
                 kind = kind_named(kinds[entry.name])
-                target = targets[entry.name]
+                target, *ties = targets.get(entry.name) or [kind.empty(entry.dtype, entry.shape)]
                 view = kind.host_bytes(target)
                 scratch = None
                 if view is None:
@@ -353,6 +373,7 @@ class Engine:
                 crc = zlib.crc32(view, crc)
                 if scratch is not None:
                     kind.copy([target], kind.views(scratch, 0, [Entry(entry.name, entry.dtype, entry.shape, 0, entry.nbytes)]))
+                kind.copy(ties, [target] * len(ties))
                 pos = at + entry.nbytes
             while chunk := f.read(_READ_CHUNK):
                 crc = zlib.crc32(chunk, crc)

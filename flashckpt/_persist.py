@@ -34,12 +34,13 @@ def lock_path_of(slot_path: str) -> str:
     return slot_path.rsplit(".slot", 1)[0] + ".lock"
 
 
-def persist_slot(slot_path: str, generation: int | None = None) -> PersistResult:
+def persist_slot(slot_path: str, generation: int | None = None, *, already_persisted: bool = False) -> PersistResult:
     """Write the image in ``slot_path`` to its storage and commit its step if complete.
 
     With ``generation`` given, does nothing (``skipped``) unless the slot still holds
     exactly that save. The slot is marked as being read, so the trainer writes its
-    next save into the other slot meanwhile.
+    next save into the other slot meanwhile, and released at the end.
+    ``already_persisted`` only releases the slot (a repeated request).
     """
     slot = Slot.open(slot_path, writable=True)
     if slot is None:
@@ -51,6 +52,10 @@ def persist_slot(slot_path: str, generation: int | None = None) -> PersistResult
             if h.state != SlotState.COMPLETE or (generation is not None and h.generation != generation):
                 return PersistResult(h.step, False, skipped=True)
             slot.set_reader(os.getpid())
+        if already_persisted:
+            with lock.held():
+                slot.set_reader(0)
+            return PersistResult(h.step, False, skipped=True)
         try:
             start = time.perf_counter()
             info = h.info

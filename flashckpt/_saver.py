@@ -230,13 +230,9 @@ class Saver:
         if job.reply is not None:  # a marker: everything queued before it is done
             job.client.send(job.reply)
             return
-        if self.persisted.get(job.slot) == job.generation:
-            result = PersistResult(-1, False, skipped=True)
-            if job.client is not None:
-                job.client.send(_result_message(result, job.slot))
-            return
         try:
-            result = persist_slot(job.slot, job.generation)
+            result = persist_slot(job.slot, job.generation,
+                                  already_persisted=self.persisted.get(job.slot) == job.generation)
         except Exception as exc:
             log.exception("persisting %s failed", job.slot)
             if job.client is not None:

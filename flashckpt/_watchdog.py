@@ -219,6 +219,7 @@ def _size(path: str) -> int:
 class _Pending:
     """A dump requested from a process, waiting to land."""
 
+    info: "ProgressFile"
     counter: int
     sent_at: float
     size_before: int
@@ -278,7 +279,7 @@ def _finish(info: ProgressFile, pending: _Pending) -> None:
         "diagnosis": {"kind": "hang", "action": "restart_process",
                       "reason": f"no progress for {pending.stalled_seconds:.1f}s with the GIL held"},
     })
-    if info.policy is Policy.EXIT:
+    if info.policy is Policy.EXIT and _alive(info.pid):
         try:
             os.kill(info.pid, signal.SIGKILL)
             log.error("watchdog: killed pid %d (policy exit) so the launcher restarts it", info.pid)
@@ -297,7 +298,9 @@ def poll(job_id: str, now: float | None = None) -> None:
     for pid, path in _job_files(job_id):
         key = (job_id, pid)
         if not _alive(pid):
-            _pending.pop(key, None)
+            gone = _pending.pop(key, None)
+            if gone is not None:  # it died while dumping: still log and record the hang
+                _finish(gone.info, gone)
             try:
                 os.unlink(path)
                 log.info("watchdog: removed the progress file of dead pid %d", pid)
@@ -328,7 +331,7 @@ def poll(job_id: str, now: float | None = None) -> None:
             continue
         _set_handled(path, info.counter)
         size = _size(info.stack_path)
-        _pending[key] = _Pending(info.counter, now, size, size, stalled)
+        _pending[key] = _Pending(info, info.counter, now, size, size, stalled)
         try:
             os.kill(pid, info.dump_signal)
         except ProcessLookupError:

@@ -59,6 +59,8 @@ class TorchKind:
         return [body[e.offset:e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape) for e in entries]
 
     def copy(self, dsts: list[Any], srcs: list[Any]) -> None:
+        if not dsts:
+            return
         with torch.no_grad():
             torch._foreach_copy_(dsts, srcs)
         if any(t.is_cuda for t in srcs) or any(t.is_cuda for t in dsts):
