@@ -295,7 +295,12 @@ def poll(job_id: str, now: float | None = None) -> None:
     process per node. Never raises for a file that vanishes under it.
     """
     now = time.monotonic() if now is None else now
-    for pid, path in _job_files(job_id):
+    files = _job_files(job_id)
+    listed = {pid for pid, _ in files}
+    for key in [k for k in _pending if k[0] == job_id and k[1] not in listed]:
+        gone = _pending.pop(key)  # its file vanished (the process ended): report what we saw
+        _finish(gone.info, gone)
+    for pid, path in files:
         key = (job_id, pid)
         if not _alive(pid):
             gone = _pending.pop(key, None)

@@ -1,0 +1,558 @@
+"""The fault-tolerant agent: one daemon thread per training process.
+
+What it does, and on which thread:
+
+- training thread, per step (``agent.step()``, or a checkpoint save): a lock, a few
+  additions, one ``struct.pack_into`` into the backstop's progress file -- a few
+  microseconds, so the agent costs well under 1% of a 10 ms step;
+- agent thread, a few times a second: checks the adaptive hang timeout (dump stacks,
+  record, and with ``on_hang="exit"`` flush and exit with ``ExitCode.HANG``),
+  heartbeats the coordinator, writes aggregated step records, beats the progress file;
+- on SIGTERM (preemption, or the launcher stopping the group): the agent thread is woken
+  through ``signal.set_wakeup_fd`` -- even while the main thread sits in a C call --
+  records a ``preempted`` diagnosis, flushes the newest checkpoint to storage and exits
+  with ``ExitCode.SIGTERM`` (143);
+- on an uncaught exception (``sys.excepthook``): records the diagnosis, flushes, and lets
+  Python exit with 1;
+- outside the process: ``flashckpt._watchdog`` (the saver's poll, or the agent's own
+  watcher process when there is no checkpointer) handles a hang that holds the GIL.
+
+Restart stays with the launcher (``torchrun --max-restarts`` restarts on any of these
+codes) unless the user asks for in-process restart with :meth:`Agent.run`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import faulthandler
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+from flashckpt import _events, _watchdog
+from flashckpt._names import default_job_id
+from elastic._diagnosis import Diagnosis, Kind, diagnose
+from elastic._errors import ElasticError
+from elastic._goodput import MetricsLog, read_records, summarize
+from elastic._hang import HangTimeout, format_stacks
+from elastic._options import AgentOptions, ExitCode, OnHang
+
+__all__ = ["Agent", "current_agent", "start_agent"]
+
+log = logging.getLogger("elastic.agent")
+T = TypeVar("T")
+
+_current: "Agent | None" = None
+_current_lock = threading.Lock()
+
+
+def start_agent(*, checkpointer: Any = None, coordinator: Any = None,
+                hang_timeout: float | str = "auto", heartbeat_interval: float = 5.0,
+                on_hang: str = "dump", metrics_dir: str | None = None,
+                max_inprocess_restarts: int = 0, **options: Any) -> "Agent":
+    """Start this process's agent, or return the one already running (idempotent).
+
+    ``checkpointer``: a ``flashckpt`` checkpointer (its saves tick the agent; failures
+    flush it). ``coordinator``: a ``sharding`` URL, Coordinator or Dataset to heartbeat.
+    Further keyword options are the fields of :class:`AgentOptions`. Call it from the
+    main thread (SIGTERM handling needs it; from another thread that part is skipped).
+    """
+    global _current
+    with _current_lock:
+        agent = _current
+        if agent is not None and agent._pid == os.getpid() and agent.running:
+            if checkpointer is not None and agent._ckpt is None:
+                agent._ckpt = checkpointer
+            return agent
+        try:
+            opts = AgentOptions(hang_timeout=hang_timeout, heartbeat_interval=heartbeat_interval,
+                                on_hang=on_hang, metrics_dir=metrics_dir,
+                                max_inprocess_restarts=max_inprocess_restarts, **options)
+        except TypeError as err:
+            raise ElasticError(f"start_agent: {err}") from None
+        agent = Agent(opts, checkpointer=checkpointer, coordinator=coordinator)
+        agent._start()
+        _current = agent
+        return agent
+
+
+def current_agent() -> "Agent | None":
+    """The running agent of this process, or None."""
+    agent = _current
+    return agent if agent is not None and agent.running and agent._pid == os.getpid() else None
+
+
+def _rank() -> int:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _job_id(opts: AgentOptions, checkpointer: Any) -> str:
+    if opts.job_id:
+        return opts.job_id
+    if checkpointer is not None and getattr(checkpointer, "job_id", None):
+        return str(checkpointer.job_id)
+    if os.environ.get("FLASHCKPT_JOB_ID"):
+        return os.environ["FLASHCKPT_JOB_ID"]
+    if opts.metrics_dir:
+        return default_job_id(opts.metrics_dir)
+    return f"ppid{os.getppid()}"  # all local ranks under one launcher share it
+
+
+@dataclasses.dataclass(slots=True)
+class _Steps:
+    """Steps since the last ``steps`` record."""
+
+    first: int | None = None
+    last: int | None = None
+    t_begin: float = 0.0
+    t_end: float = 0.0
+    busy: float = 0.0
+    ckpt: float = 0.0
+    saves: int = 0
+    samples: int = 0
+
+
+class Agent:
+    """Use :func:`start_agent`; see the module docstring for what runs where."""
+
+    def __init__(self, options: AgentOptions, *, checkpointer: Any = None,
+                 coordinator: Any = None) -> None:
+        self.options = options
+        self._ckpt = checkpointer
+        self._pid = os.getpid()
+        self.rank = _rank()
+        self.worker = options.worker or f"{socket.gethostname()}-rank{self.rank}"
+        self.job_id = _job_id(options, checkpointer)
+        self.restarts = 0
+        fixed = options.hang_timeout if isinstance(options.hang_timeout, float) else None
+        self._hang = HangTimeout(fixed_seconds=fixed, floor_seconds=options.hang_floor_seconds,
+                                 multiplier=options.hang_multiplier, warmup_steps=options.warmup_steps,
+                                 warmup_seconds=max(options.warmup_timeout_seconds, fixed or 0.0))
+        self._lock = threading.Lock()
+        self._step = 0
+        self._explicit = False  # the user calls agent.step(): saves no longer count steps
+        now = time.monotonic()
+        self._wall = time.time() - now
+        self._last_tick = self._last_progress = now
+        self._acc = _Steps()
+        self._handled = -1
+        self._failing = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._heartbeats: list[tuple[Any, str]] = []
+        self._coordinator = coordinator
+        self._pending_datasets = list(options.datasets)
+        self._hb_error_logged = 0.0
+        self._log = MetricsLog(options.metrics_dir, rank=self.rank)
+        self._stack_path = os.path.join(
+            options.metrics_dir or tempfile.gettempdir(),
+            f"stacks.rank{self.rank}.txt" if options.metrics_dir
+            else f"flashckpt-stacks.{self.job_id}.rank{self.rank}.{self._pid}.txt")
+        self._stack_file = None
+        self._pub: _watchdog.ProgressPublisher | None = None
+        self._watcher = None
+        self._prev: dict[str, Any] = {}
+        self._wake_r = self._wake_w = self._stop_r = self._stop_w = None
+
+    # ---------------------------------------------------------------- public
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def current_step(self) -> int:
+        return self._step
+
+    def step(self, n: int = 1, *, samples: int | None = None) -> None:
+        """Mark ``n`` training steps done (``samples`` optional, for samples/s). Cheap."""
+        self._explicit = True
+        self._advance(n, samples)
+
+    def tick(self) -> None:
+        """Mark progress without a step (a long evaluation, a data loader batch)."""
+        now = time.monotonic()
+        self._last_progress = now
+        if self._pub is not None:
+            self._pub.progress(self._step, now)
+
+    def add_heartbeat(self, dataset: Any, worker: str | None = None) -> None:
+        """Heartbeat ``dataset`` (anything with ``.heartbeat(worker)``) for ``worker``."""
+        with self._lock:
+            self._heartbeats.append((dataset, worker or self.worker))
+
+    def events(self) -> list[dict[str, Any]]:
+        """Events (not step records) of every rank of the job, oldest first.
+
+        Every rank's events when ``metrics_dir`` is shared by the ranks (one file per
+        rank there), else this process's own.
+        """
+        return [r for r in self._records() if r.get("type") != "steps"]
+
+    def metrics(self) -> dict[str, Any]:
+        """The goodput summary (job and per rank), see ``elastic._goodput.summarize``."""
+        self._write_steps()
+        return summarize(self._records())
+
+    def goodput(self) -> float:
+        """Useful step time / wall time of the job so far (across restarts with metrics_dir)."""
+        return self.metrics()["job"].get("goodput", 0.0)
+
+    def run(self, train_fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Call ``train_fn(*args, **kwargs)``; re-run it after a recoverable failure.
+
+        Up to ``max_inprocess_restarts`` times, for failures whose diagnosis is
+        ``restart_process`` (oom, network, ...), without a new process: ``train_fn``
+        restores itself (``ckpt.load(state)`` at its start reads the in-memory copy).
+        Under torch.distributed the process group is re-created first; every rank must
+        fail and re-run alike (a collective error reaches the others as a network error).
+        Other failures, and the last one, are flushed, recorded and re-raised.
+        """
+        attempt = 0
+        while True:
+            try:
+                return train_fn(*args, **kwargs)
+            except Exception as exc:
+                diag = diagnose(exc)
+                retry = diag.retryable and attempt < self.options.max_inprocess_restarts
+                if not retry:
+                    self._fail(diag, exc=exc, inprocess=True)
+                    raise
+                attempt += 1
+                self.restarts += 1
+                log.warning("rank %d: %s; in-process restart %d of %d", self.rank, diag.reason,
+                            attempt, self.options.max_inprocess_restarts)
+                self._write_steps()
+                self._log.write("failure", step=self._step, diagnosis=diag.to_json(),
+                                inprocess=True, retry=True)
+                self._log.write("restart", step=self._step, attempt=attempt, inprocess=True)
+                self._restarted()
+                _reinit_process_group(attempt)
+
+    def stop(self) -> None:
+        """Stop the thread, write the last records, remove the progress file. Idempotent."""
+        global _current
+        if self._stop.is_set() or os.getpid() != self._pid:
+            return
+        self._stop.set()
+        if self._stop_w is not None:
+            os.write(self._stop_w, b"x")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        self._write_steps()
+        self._log.write("stop", step=self._step)
+        self._teardown()
+        with _current_lock:
+            if _current is self:
+                _current = None
+
+    # ---------------------------------------------------------------- start / stop
+    def _start(self) -> None:
+        opts = self.options
+        self._stack_file = open(self._stack_path, "a", encoding="utf-8")
+        faulthandler.register(opts.dump_signal, file=self._stack_file, all_threads=True)
+        policy = _watchdog.Policy.EXIT if opts.on_hang is OnHang.EXIT else _watchdog.Policy.DUMP
+        try:
+            self._pub = _watchdog.ProgressPublisher(
+                self.job_id, rank=self.rank, policy=policy, dump_signal=opts.dump_signal,
+                timeout_seconds=self._hang.current(), grace_seconds=opts.backstop_grace_seconds,
+                stack_path=os.path.abspath(self._stack_path),
+                events_path=os.path.abspath(self._log.path) if self._log.path else None)
+        except OSError as err:
+            log.warning("no hang backstop (cannot create the progress file): %s", err)
+        if self._pub is not None and self._ckpt is None:
+            try:  # no saver process to poll the progress files: run our own watcher
+                self._watcher = _watchdog.ensure_watcher(self.job_id)
+            except OSError as err:
+                log.warning("cannot start the hang watcher: %s", err)
+        self._stop_r, self._stop_w = os.pipe()
+        if opts.handle_failures:
+            self._install_failure_handlers()
+        _events.subscribe(self._on_checkpoint_event)
+        if self._coordinator is not None and hasattr(self._coordinator, "heartbeat"):
+            self._heartbeats.append((self._coordinator, self.worker))
+        self._log.write("start", job_id=self.job_id, worker=self.worker, step=self._step,
+                        hang_timeout=opts.hang_timeout, on_hang=opts.on_hang.value)
+        self._thread = threading.Thread(target=self._loop, name="elastic-agent", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+
+    def _install_failure_handlers(self) -> None:
+        self._prev["excepthook"] = sys.excepthook
+        sys.excepthook = self._excepthook
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("start_agent was called off the main thread: no SIGTERM handling")
+            return
+        self._prev["sigterm"] = signal.signal(signal.SIGTERM, self._on_sigterm)
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        try:
+            previous = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        except ValueError:
+            previous = -2
+        if previous != -1:  # someone (asyncio) owns the wakeup fd: leave it to them
+            if previous >= 0:
+                signal.set_wakeup_fd(previous)
+            r.close()
+            w.close()
+            return
+        self._wake_r, self._wake_w = r, w
+
+    def _teardown(self) -> None:
+        _events.unsubscribe(self._on_checkpoint_event)
+        main = threading.current_thread() is threading.main_thread()
+        if sys.excepthook == self._excepthook and "excepthook" in self._prev:
+            sys.excepthook = self._prev.pop("excepthook")
+        if main and "sigterm" in self._prev:
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, self._prev["sigterm"])
+            if self._wake_w is not None:
+                signal.set_wakeup_fd(-1)
+        if self._pub is not None:
+            self._pub.close()
+            self._pub = None
+        try:
+            faulthandler.unregister(self.options.dump_signal)
+        except (ValueError, RuntimeError):
+            pass
+        if self._stack_file is not None:
+            self._stack_file.close()
+            self._stack_file = None
+        self._log.close()
+        atexit.unregister(self.stop)
+
+    # ---------------------------------------------------------------- progress
+    def _advance(self, n: int, samples: int | None = None, ckpt: float = 0.0) -> None:
+        now = time.monotonic()
+        with self._lock:
+            dt = now - self._last_tick
+            self._last_tick = self._last_progress = now
+            acc = self._acc
+            if acc.first is None:
+                acc.first = self._step + 1
+                acc.t_begin = now - dt + self._wall
+            self._step += n
+            acc.last = self._step
+            acc.t_end = now + self._wall
+            acc.busy += dt
+            if samples:
+                acc.samples += samples
+        warmed_up = self._hang.observe_step(dt / max(1, n))
+        if self._pub is not None:
+            if warmed_up:  # do not wait for the agent thread: it may not run again (GIL)
+                self._pub.set_timeout(self._hang.current())
+            self._pub.progress(self._step, now)
+
+    def _on_checkpoint_event(self, event: str, **info: Any) -> None:
+        if event == "save":
+            blocking = float(info.get("blocking_seconds") or 0.0)
+            self._hang.observe_checkpoint(blocking)
+            with self._lock:
+                self._acc.ckpt += blocking
+                self._acc.saves += 1
+            step = info.get("step")
+            if not self._explicit and isinstance(step, int) and step > self._step:
+                self._advance(step - self._step)
+            else:
+                self.tick()
+        elif event == "load":
+            self._write_steps()
+            step = info.get("step")
+            with self._lock:
+                self._step = int(step) if step is not None else 0
+            self._restarted()
+            self._log.write("load", step=step, source=info.get("source"),
+                            seconds=info.get("seconds"))
+
+    def _restarted(self) -> None:
+        """A restore or an in-process restart: the next steps get warm-up room again."""
+        now = time.monotonic()
+        with self._lock:
+            self._last_tick = self._last_progress = now
+        self._hang.restart()
+        if self._pub is not None:
+            self._pub.progress(self._step, now)
+
+    def _write_steps(self) -> None:
+        with self._lock:
+            acc, self._acc = self._acc, _Steps()
+        if acc.first is not None:
+            self._log.write("steps", first=acc.first, last=acc.last, t_begin=acc.t_begin,
+                            t_end=acc.t_end, busy_seconds=acc.busy, ckpt_seconds=acc.ckpt,
+                            saves=acc.saves, samples=acc.samples)
+        elif acc.saves:  # saves without steps: keep their blocking time
+            with self._lock:
+                self._acc.ckpt += acc.ckpt
+                self._acc.saves += acc.saves
+
+    def _records(self) -> list[dict[str, Any]]:
+        if self.options.metrics_dir is not None:
+            return read_records(self.options.metrics_dir)
+        return self._log.records()
+
+    # ---------------------------------------------------------------- the thread
+    def _loop(self) -> None:
+        opts = self.options
+        next_hb = next_metrics = time.monotonic()
+        published = -1.0
+        waitables = [fd for fd in (self._stop_r, self._wake_r) if fd is not None]
+        while not self._stop.is_set():
+            now = time.monotonic()
+            timeout = self._hang.current()
+            if self._pub is not None:
+                self._pub.beat(now)
+                if timeout != published:
+                    self._pub.set_timeout(timeout)
+                    published = timeout
+            try:
+                self._check_hang(now, timeout)
+                if now >= next_hb:
+                    next_hb = now + opts.heartbeat_interval
+                    self._heartbeat()
+                if now >= next_metrics:
+                    next_metrics = now + opts.metrics_interval_seconds
+                    self._write_steps()
+            except Exception:  # the agent must never die of its own bug
+                log.exception("elastic agent iteration failed")
+            wait = min(0.5, opts.heartbeat_interval, opts.metrics_interval_seconds,
+                       max(0.05, timeout / 10))
+            ready, _, _ = select.select(waitables, [], [], wait)
+            if self._wake_r is not None and self._wake_r in ready:
+                self._on_wakeup()
+
+    def _on_wakeup(self) -> None:
+        try:
+            data = self._wake_r.recv(512)
+        except (BlockingIOError, InterruptedError):
+            return
+        if signal.SIGTERM in data:
+            self._on_sigterm(signal.SIGTERM, None)
+
+    def _check_hang(self, now: float, timeout: float) -> None:
+        stalled = now - self._last_progress
+        step = self._step
+        if stalled <= timeout or self._handled == step:
+            return
+        self._handled = step
+        if self._pub is not None:
+            self._pub.mark_handled(step)
+        exit_ = self.options.on_hang is OnHang.EXIT
+        header = (f"elastic agent: hang on rank {self.rank} at step {step}: no progress for "
+                  f"{stalled:.1f}s (timeout {timeout:.1f}s)")
+        text = format_stacks(header)
+        log.error("%s", text)
+        if self._stack_file is not None:
+            self._stack_file.write(text + "\n")
+            self._stack_file.flush()
+        diag = Diagnosis.of(Kind.HANG, f"no progress for {stalled:.1f}s (timeout {timeout:.1f}s)")
+        self._log.write("hang", source="agent", step=step, stalled_seconds=stalled,
+                        timeout_seconds=timeout, action="exit" if exit_ else "dump",
+                        stack_file=os.path.abspath(self._stack_path), diagnosis=diag.to_json())
+        if exit_:
+            if self._failing.acquire(blocking=False):
+                self._flush_checkpoint()
+                self._write_steps()
+            self._exit(ExitCode.HANG)
+
+    def _heartbeat(self) -> None:
+        if isinstance(self._coordinator, str):  # a URL: connect here, off the training thread
+            import sharding
+            self._coordinator = sharding.connect(self._coordinator)
+        if self._pending_datasets and hasattr(self._coordinator, "dataset"):
+            for name in list(self._pending_datasets):
+                try:  # opens an existing data set; it may not be created yet
+                    self._heartbeats.append((self._coordinator.dataset(name), self.worker))
+                    self._pending_datasets.remove(name)
+                except Exception as err:
+                    log.debug("data set %r not open yet: %s", name, err)
+        for target, worker in list(self._heartbeats):
+            try:
+                target.heartbeat(worker)
+            except Exception as err:
+                if time.monotonic() - self._hb_error_logged > 60:
+                    self._hb_error_logged = time.monotonic()
+                    log.warning("heartbeat of %s to %r failed: %s", worker, target, err)
+
+    # ---------------------------------------------------------------- failures
+    def _fail(self, diag: Diagnosis, *, exc: BaseException | None = None, **extra: Any) -> None:
+        """Record a failure and flush the newest checkpoint, once per process."""
+        if not self._failing.acquire(blocking=False):
+            return
+        if exc is not None:
+            exc.__elastic_recorded__ = True  # type: ignore[attr-defined]
+        log.error("rank %d failed at step %d: %s (%s -> %s)", self.rank, self._step, diag.reason,
+                  diag.kind.value, diag.action.value)
+        self._write_steps()
+        self._log.write("failure", step=self._step, diagnosis=diag.to_json(), **extra)
+        self._flush_checkpoint()
+
+    def _flush_checkpoint(self) -> None:
+        ckpt = self._ckpt
+        if ckpt is None or not hasattr(ckpt, "flush"):
+            return
+        began = time.monotonic()
+        try:
+            ckpt.flush(timeout=self.options.flush_timeout_seconds)
+            latest = ckpt.latest_step() if hasattr(ckpt, "latest_step") else None
+            self._log.write("flush", ok=True, step=latest, seconds=time.monotonic() - began)
+        except Exception as err:
+            log.error("flush of the newest checkpoint failed: %s", err)
+            self._log.write("flush", ok=False, error=str(err), seconds=time.monotonic() - began)
+
+    def _excepthook(self, etype: type, value: BaseException, tb: Any) -> None:
+        if not issubclass(etype, SystemExit) and not getattr(value, "__elastic_recorded__", False):
+            try:
+                self._fail(diagnose(value), exception=f"{etype.__name__}: {value}"[:1000])
+            except Exception:
+                log.exception("elastic agent: recording the failure failed")
+        self._prev.get("excepthook", sys.__excepthook__)(etype, value, tb)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # Runs on the agent thread (woken by the wakeup fd) or on the main thread,
+        # whichever comes first; the other finds _failing taken and returns.
+        if os.getpid() != self._pid:
+            return
+        prev = self._prev.get("sigterm")
+        self._fail(Diagnosis.of(Kind.PREEMPTED, "SIGTERM received"), signal=int(signum))
+        if callable(prev) and threading.current_thread() is threading.main_thread():
+            prev(signum, frame)  # the user's own handler decides what happens next
+            return
+        if callable(prev):
+            return  # the main thread will call the user's handler
+        self._exit(ExitCode.SIGTERM)
+
+    def _exit(self, code: int) -> None:
+        self._log.write("exit", code=int(code), step=self._step)
+        if self._pub is not None:
+            self._pub.close()
+        for handler in logging.getLogger().handlers:
+            try:
+                handler.flush()
+            except Exception:
+                pass
+        os._exit(int(code))
+
+
+def _reinit_process_group(attempt: int) -> None:
+    """Re-create the default process group after an in-process restart (best effort)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    backend, rank, world = dist.get_backend(), dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    dist.init_process_group(backend, store=dist.PrefixStore(f"elastic/restart{attempt}", store),
+                            rank=rank, world_size=world)
