@@ -23,3 +23,17 @@ def __getattr__(name):
     globals()[name] = value
     return value
 # --- end elastic data ---
+
+# --- fault-tolerant agent (issue 6): imports no framework; torch only when used ---
+from elastic._errors import ElasticError  # noqa: E402
+from elastic._diagnosis import Action, Diagnosis, Kind, diagnose  # noqa: E402
+from elastic._options import AgentOptions, ExitCode, OnHang  # noqa: E402
+from elastic._agent import Agent, current_agent, start_agent  # noqa: E402
+from elastic._node_check import NodeCheckResult, Straggler, check_node, find_stragglers  # noqa: E402
+
+__all__ += [
+    "Action", "Agent", "AgentOptions", "Diagnosis", "ElasticError", "ExitCode", "Kind",
+    "NodeCheckResult", "OnHang", "Straggler", "check_node", "current_agent", "diagnose",
+    "find_stragglers", "start_agent",
+]
+# --- end fault-tolerant agent ---
