@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from typing import Any
 
@@ -11,21 +12,13 @@ from ._errors import CoordinatorError, InvalidArgument
 
 __all__ = ["connect", "mask_url"]
 
+# scheme://user:PASSWORD@ (the user may be empty; the password runs to the last @ of the authority)
+_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/?#@]*:)[^/?#]*@")
+
 
 def mask_url(url: str) -> str:
     """``url`` with any password replaced by ``****``."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{user}:****@{host}" + (f":{parts.port}" if parts.port is not None else "")
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-    except ValueError:
-        return "<malformed URL>"
+    return _PASSWORD.sub(r"\1****@", url)
 
 
 def connect(url: str, **options: Any) -> Coordinator:

@@ -6,12 +6,15 @@ tests/sharding would shadow the library called sharding.)
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections import Counter, defaultdict
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +27,7 @@ import sharding
 REDIS_PASSWORD = "s3cret-pw"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -48,7 +51,7 @@ class RedisServer:
     def start(self) -> None:
         """Start (again, on the same port and data once one was chosen)."""
         for _ in range(5):  # another process may take a free port before we bind it
-            port = self.port or _free_port()
+            port = self.port or free_port()
             args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.directory),
                     "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--protected-mode", "yes",
                     "--logfile", str(self.directory / "redis.log")]
@@ -115,3 +118,97 @@ def make_backend(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> B
         return Backend(kind, f"sqlite://{tmp_path / f'shards-{tag}.db'}")
     server = request.getfixturevalue("redis_server")
     return Backend(kind, server.url, {"key_prefix": f"test-{tag}:", "retry_seconds": 5.0})
+
+
+WORKER = str(Path(__file__).with_name("sharding_worker.py"))
+
+
+class Fleet:
+    """Worker processes started from one config, each logging to its own file."""
+
+    def __init__(self, backend: Backend, logs: Path, env: dict[str, str], **config: Any) -> None:
+        self.backend, self.logs, self.env, self.config = backend, logs, env, config
+        logs.mkdir(exist_ok=True)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.born = 0
+
+    def start(self, worker: str, **extra: Any) -> None:
+        self.born += 1
+        config = {**self.config, **extra, "url": self.backend.url, "options": self.backend.options,
+                  "worker": worker, "log": str(self.logs / f"{worker}.{self.born}.log")}
+        self.procs[f"{worker}.{self.born}"] = subprocess.Popen([sys.executable, WORKER, json.dumps(config)], env=self.env)
+
+    def alive(self) -> list[str]:
+        return [key for key, p in self.procs.items() if p.poll() is None]
+
+    def wait(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        for key, proc in self.procs.items():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for p in self.procs.values():
+                    p.kill()
+                pytest.fail(f"worker {key} did not finish within {seconds}s")
+
+    def working(self) -> list[str]:
+        """Live incarnations that have acquired a shard (their log is not empty)."""
+        return [key for key in self.alive() if (self.logs / f"{key}.log").exists() and (self.logs / f"{key}.log").stat().st_size]
+
+    def killed(self) -> set[str]:
+        return {key for key, p in self.procs.items() if p.returncode == -signal.SIGKILL}
+
+    def records(self) -> list[tuple[str, str, int, int, int, int]]:
+        """(incarnation, event, epoch, shard, value, lease) from every log."""
+        rows = []
+        for path in self.logs.glob("*.log"):
+            for line in path.read_text().splitlines():
+                event, epoch, shard, value, lease = line.split()
+                rows.append((path.stem, event, int(epoch), int(shard), int(value), int(lease)))
+        return rows
+
+
+def check_exactly_once(fleet: Fleet, ds: sharding.Dataset, *, size: int, epochs: int) -> int:
+    """Every sample belongs to exactly one completed shard per epoch; every re-handed shard
+    resumed from where its previous holder last reported."""
+    d = ds.definition
+    rows = fleet.records()
+    completes = Counter((e, s) for _, ev, e, s, _, _ in rows if ev == "complete")
+    assert max(completes.values()) == 1, "a shard was completed twice"
+    completing = {(e, s) for _, ev, e, s, _, _ in rows if ev == "completing"}
+    expected = {(e, s) for e in range(epochs) for s in range(d.num_shards)}
+    # a worker killed between `completing` and `complete` may or may not have landed it;
+    # either way nobody else completed it, and the coordinator's counts settle the sum
+    assert set(completes) <= expected and expected - set(completes) <= completing
+    progress = ds.progress()
+    assert progress["finished"] and progress["leased"] == 0
+    assert sum(w["completed"] for w in progress["workers"].values()) == len(expected)
+    for epoch in range(epochs):  # completed shards tile the samples
+        tiles = sorted(i for e, s in expected if e == epoch for i in range(*d.bounds(s)[1:]))
+        assert tiles == list(range(size))
+        seen = {v for _, ev, e, _, v, _ in rows if ev == "sample" and e == epoch}
+        assert seen == set(range(size)), "some samples were never handed out"
+    # resumption: order each shard's leases by token; each later lease starts between the
+    # last confirmed and the last attempted report of the lease before it
+    leases: dict[tuple[int, int], list[int]] = defaultdict(list)
+    first: dict[int, int] = {}
+    reported: dict[int, int] = defaultdict(int)
+    attempted: dict[int, int] = defaultdict(int)
+    for _, ev, e, s, v, lease in rows:
+        if ev == "acquire":
+            leases[(e, s)].append(lease)
+            first[lease] = v
+        elif ev == "reported":
+            reported[lease] = max(reported[lease], v)
+        elif ev == "reporting":
+            attempted[lease] = max(attempted[lease], v)
+    rehanded = 0
+    for (e, s), tokens in leases.items():
+        tokens.sort()
+        assert first[tokens[0]] == 0
+        for before, after in zip(tokens, tokens[1:]):
+            rehanded += 1
+            low = max(reported[before], first[before])
+            high = max(attempted[before], first[before])
+            assert low <= first[after] <= high, f"epoch {e} shard {s}: lease {after} resumed at {first[after]}"
+    return rehanded

@@ -1,0 +1,121 @@
+"""Bad URLs, unreachable and restarting servers, corrupt files."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import sharding
+from sharding_fixtures import REDIS_PASSWORD, Backend, Fleet, RedisServer, check_exactly_once, free_port
+
+
+def test_import_pulls_in_no_redis_and_no_framework(repo_env: dict[str, str]) -> None:
+    code = "import sys, sharding; print([m for m in ('redis', 'torch', 'tensorflow', 'numpy') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], env=repo_env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "url, pattern",
+    [
+        ("ftp://host/x", "unknown coordinator URL scheme in 'ftp://host/x'"),
+        ("shards.db", "unknown coordinator URL scheme"),
+        ("sqlite://relative/path.db", "expected sqlite:///absolute/path"),
+        ("sqlite:///no/such/dir/x.db", "directory '/no/such/dir' does not exist"),
+        ("redis://:pw@host:notaport/0", "malformed coordinator URL 'redis://:\\*\\*\\*\\*@host:notaport/0'"),
+        ("redis://localhost:6379/db", "expected redis://"),
+        ("memory://x/y", "expected memory://NAME"),
+    ],
+)
+def test_bad_urls_name_the_url_and_the_reason(url: str, pattern: str) -> None:
+    with pytest.raises(sharding.CoordinatorError, match=pattern) as info:
+        sharding.connect(url)
+    assert ":pw@" not in str(info.value)
+
+
+def test_unknown_option_is_refused() -> None:
+    with pytest.raises(sharding.InvalidArgument, match="no_such_option"):
+        sharding.connect("memory://opt", no_such_option=1)
+    with pytest.raises(sharding.InvalidArgument, match="poll_interval_seconds"):
+        sharding.connect("memory://opt", poll_interval_seconds=0)
+
+
+def test_unreachable_redis_masks_the_password() -> None:
+    url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{free_port()}/0"
+    with pytest.raises(sharding.CoordinatorUnavailable, match="cannot reach redis://:\\*\\*\\*\\*@127.0.0.1") as info:
+        sharding.connect(url, socket_timeout_seconds=1)
+    assert REDIS_PASSWORD not in str(info.value) and info.value.retryable
+
+
+def test_wrong_redis_password_is_fatal(redis_server: RedisServer) -> None:
+    with pytest.raises(sharding.CoordinatorError, match="authentication failed") as info:
+        sharding.connect(f"redis://:wrong@127.0.0.1:{redis_server.port}/0")
+    assert not info.value.retryable and "wrong" not in str(info.value)
+
+
+def test_key_prefixes_keep_jobs_apart(redis_server: RedisServer) -> None:
+    a = sharding.connect(redis_server.url, key_prefix="job-a:").dataset("train", size=10, shard_size=5)
+    b = sharding.connect(redis_server.url, key_prefix="job-b:").dataset("train", size=99, shard_size=3)
+    a.complete(a.acquire("w"))
+    assert (a.progress()["done"], b.progress()["done"], b.definition.size) == (1, 0, 99)
+
+
+def test_corrupt_sqlite_file(tmp_path: Path) -> None:
+    path = tmp_path / "corrupt.db"
+    path.write_bytes(b"this is not a database" * 300)
+    with pytest.raises(sharding.CoordinatorError, match=f"cannot open sqlite://{path}: file is not a database"):
+        sharding.connect(f"sqlite://{path}")
+
+
+def test_corrupt_sqlite_state(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path / 'state.db'}"
+    ds = sharding.connect(url).dataset("d", size=10, shard_size=5)
+    with sqlite3.connect(tmp_path / "state.db") as db:
+        db.execute("UPDATE datasets SET state = '{\"epoch\": ' WHERE name = 'd'")
+    with pytest.raises(sharding.CoordinatorError, match="corrupt or unreadable state of 'd'"):
+        ds.acquire("w")
+
+
+def test_redis_down_mid_run_retries_then_fails_clearly_and_loses_nothing(own_redis: RedisServer) -> None:
+    ds = sharding.connect(own_redis.url, retry_seconds=1.0).dataset("down", size=50, shard_size=10)
+    held = ds.acquire("w")
+    ds.report(held, consumed=4)
+    own_redis.kill()
+    began = time.monotonic()
+    with pytest.raises(sharding.CoordinatorUnavailable, match=r"redis://:\*\*\*\*@127.0.0.1:\d+/0: unreachable after ([3-9]|\d\d+) attempts") as info:
+        ds.complete(held)
+    assert time.monotonic() - began >= 0.5  # it backed off before giving up (a floor, not a speed check)
+    assert info.value.retryable and REDIS_PASSWORD not in str(info.value)
+    own_redis.start()  # same port and AOF directory
+    ds.complete(held)  # the lease survived the restart
+    seen = [held.index]
+    while (shard := ds.acquire("w")) is not None:
+        seen.append(shard.index)
+        ds.complete(shard)
+    assert sorted(seen) == [0, 1, 2, 3, 4]
+
+
+def test_redis_restart_mid_run_loses_and_duplicates_nothing(
+    own_redis: RedisServer, tmp_path: Path, repo_env: dict[str, str]
+) -> None:
+    backend = Backend("redis", own_redis.url, {"retry_seconds": 30.0, "key_prefix": "restart:"})
+    definition = dict(size=1200, shard_size=10, num_epochs=1, shuffle=True, seed=1, lease_timeout=5.0)
+    ds = backend.connect().dataset("restart", **definition)
+    fleet = Fleet(backend, tmp_path / "logs", repo_env, dataset="restart", definition=definition, delay=0.005)
+    for i in range(8):
+        fleet.start(f"w{i}")
+    while ds.progress()["done"] < 20:
+        time.sleep(0.05)
+    own_redis.kill()  # SIGKILL: only what AOF (appendfsync always) holds survives
+    time.sleep(0.5)
+    own_redis.start()
+    done_after_restart = ds.progress()["done"]
+    fleet.wait(120)
+    assert done_after_restart < ds.definition.num_shards, "the run was over before the restart"
+    check_exactly_once(fleet, ds, size=1200, epochs=1)
