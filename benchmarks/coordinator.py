@@ -22,7 +22,6 @@ import platform
 import shutil
 import socket
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile

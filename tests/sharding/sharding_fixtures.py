@@ -7,7 +7,6 @@ tests/sharding would shadow the library called sharding.)
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -18,7 +17,7 @@ from collections import Counter, defaultdict
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 

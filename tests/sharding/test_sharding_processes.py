@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-import sharding
+import sharding_worker
 from sharding_fixtures import Backend, Fleet, check_exactly_once, make_backend
+
 
 def test_exactly_once_with_random_sigkills(shared_backend: Backend, tmp_path: Path, repo_env: dict[str, str]) -> None:
     size, epochs = 1600, 2
@@ -58,7 +54,7 @@ def test_straggler_gets_about_a_fifth(backend: Backend, tmp_path: Path, repo_env
     config = dict(dataset="slow", definition=definition, go_file=str(go), report_every=100)
     speeds = {"fast0": 0.004, "fast1": 0.004, "fast2": 0.004, "slow": 0.02}
     if backend.kind == "memory":  # one process: threads
-        threads = [threading.Thread(target=__import__("sharding_worker").run, args=(
+        threads = [threading.Thread(target=sharding_worker.run, args=(
             {**config, "url": backend.url, "worker": w, "delay": d, "log": str(tmp_path / f"{w}.log")},)) for w, d in speeds.items()]
         for t in threads:
             t.start()
