@@ -148,6 +148,8 @@ class Agent:
         self._acc = _Steps()
         self._handled = -1
         self._failing = threading.Lock()
+        self._failed = threading.Event()
+        self._exiting = threading.Lock()  # set once a failure is recorded and flushed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._heartbeats: list[tuple[Any, str]] = []
@@ -272,7 +274,8 @@ class Agent:
             log.warning("no hang backstop (cannot create the progress file): %s", err)
         if self._pub is not None and self._ckpt is None:
             try:  # no saver process to poll the progress files: run our own watcher
-                self._watcher = _watchdog.ensure_watcher(self.job_id)
+                self._watcher = _watchdog.ensure_watcher(self.job_id, log_path=(
+                    os.path.join(opts.metrics_dir, "watchdog.log") if opts.metrics_dir else None))
             except OSError as err:
                 log.warning("cannot start the hang watcher: %s", err)
         self._stop_r, self._stop_w = os.pipe()
@@ -488,8 +491,17 @@ class Agent:
     def _fail(self, diag: Diagnosis, *, exc: BaseException | None = None, **extra: Any) -> None:
         """Record a failure and flush the newest checkpoint, once per process."""
         if not self._failing.acquire(blocking=False):
+            # another thread is already recording and flushing: wait for it to finish
+            self._failed.wait(self.options.flush_timeout_seconds + 5.0)
             return
+        try:
+            self._record_failure(diag, exc, extra)
+        finally:
+            self._failed.set()
+
+    def _record_failure(self, diag: Diagnosis, exc: BaseException | None, extra: dict) -> None:
         if exc is not None:
+            extra.setdefault("exception", f"{type(exc).__name__}: {exc}"[:1000])
             exc.__elastic_recorded__ = True  # type: ignore[attr-defined]
         log.error("rank %d failed at step %d: %s (%s -> %s)", self.rank, self._step, diag.reason,
                   diag.kind.value, diag.action.value)
@@ -533,7 +545,8 @@ class Agent:
         self._exit(ExitCode.SIGTERM)
 
     def _exit(self, code: int) -> None:
-        self._log.write("exit", code=int(code), step=self._step)
+        if self._exiting.acquire(blocking=False):  # one record, whichever thread comes first
+            self._log.write("exit", code=int(code), step=self._step)
         if self._pub is not None:
             self._pub.close()
         for handler in logging.getLogger().handlers:

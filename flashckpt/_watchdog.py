@@ -43,6 +43,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -389,23 +390,29 @@ def _watcher_running(job_id: str) -> bool:
         os.close(fd)
 
 
-def ensure_watcher(job_id: str, *, idle_exit_seconds: float = 60.0) -> subprocess.Popen | None:
+def ensure_watcher(job_id: str, *, log_path: str | None = None,
+                   idle_exit_seconds: float = 60.0) -> subprocess.Popen | None:
     """Start the node's watcher for ``job_id`` (own session) unless one holds the lock.
 
-    For jobs without a saver process; returns the started process, or None. Two callers
-    racing both start one; the loser of the lock exits at once.
+    For jobs without a saver process; returns the started process, or None. Its log
+    goes to ``log_path`` (default ``<tmpdir>/flashckpt-watchdog.<job_id>.log``), not to
+    the caller's stderr, which it would otherwise hold open after the caller exits.
+    Two callers racing both start one; the loser of the lock exits at once.
     """
     if _watcher_running(job_id):
         return None
+    if log_path is None:
+        log_path = os.path.join(tempfile.gettempdir(), f"flashckpt-watchdog.{job_id}.log")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return subprocess.Popen(
-        [sys.executable, "-m", "flashckpt._watchdog", "--job-id", job_id,
-         "--idle-exit", str(idle_exit_seconds)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
-        start_new_session=True, close_fds=True,
-    )
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "flashckpt._watchdog", "--job-id", job_id,
+             "--idle-exit", str(idle_exit_seconds)],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
+            start_new_session=True, close_fds=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

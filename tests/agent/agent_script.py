@@ -108,7 +108,7 @@ def main() -> int:
             start = ckpt.load(state) or 0
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])
-        bad = args.fault_step * 8 if faulty and args.fault == "data" else None
+        bad = (args.fault_step - 1) * 8 if faulty and args.fault == "data" else None
         loader = torch.utils.data.DataLoader(Data(bad), batch_size=8, shuffle=False)
         it = iter(loader)
         for _ in range(start):

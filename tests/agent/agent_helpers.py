@@ -1,0 +1,73 @@
+"""Shared helpers of the agent tests: run the training script, read what the agents wrote."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "agent", "agent_script.py")
+VENV_BIN = os.path.dirname(sys.executable)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_id() -> str:
+    return "t" + uuid.uuid4().hex[:12]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, e.get("PYTHONPATH")) if p)
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def run(out: str, *args: str, nproc: int = 1, max_restarts: int = 0, timeout: float = 120,
+        torchrun: bool | None = None) -> subprocess.CompletedProcess:
+    """Run the training script (under torchrun when nproc > 1 or asked) and wait."""
+    torchrun = nproc > 1 if torchrun is None else torchrun
+    if torchrun:
+        cmd = [os.path.join(VENV_BIN, "torchrun"), f"--nproc_per_node={nproc}",
+               f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.5", SCRIPT]
+    else:
+        cmd = [sys.executable, SCRIPT]
+    cmd += ["--out", out, *args]
+    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def start(out: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, SCRIPT, "--out", out, *args], env=env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def records(out: str, rank: int | None = None) -> list[dict]:
+    pattern = f"rank{rank}.jsonl" if rank is not None else "rank*.jsonl"
+    found = []
+    for path in sorted(glob.glob(os.path.join(out, "metrics", pattern))):
+        with open(path) as f:
+            found += [json.loads(line) for line in f if line.strip()]
+    return sorted(found, key=lambda r: r["time"])
+
+
+def of_type(recs: list[dict], kind: str) -> list[dict]:
+    return [r for r in recs if r["type"] == kind]
+
+
+def stacks(out: str, rank: int) -> str:
+    path = os.path.join(out, "metrics", f"stacks.rank{rank}.txt")
+    return open(path).read() if os.path.exists(path) else ""
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"

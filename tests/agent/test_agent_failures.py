@@ -1,0 +1,86 @@
+"""Failure handling with real triggers: SIGTERM, MemoryError, a gloo collective timeout, a
+data error; each leaves the newest step committed on storage and a diagnosis event.
+Also the in-process restart (agent.run)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.agent.agent_helpers import explain, of_type, records, run
+
+pytest.importorskip("flashckpt.torch")
+
+
+def committed(ckpt_dir: str) -> int | None:
+    """The committed step as a reader of the storage sees it."""
+    path = os.path.join(ckpt_dir, "latest")
+    if not os.path.exists(path):
+        return None
+    step = int(open(path).read().strip())
+    assert os.path.exists(os.path.join(ckpt_dir, f"step-{step}", "metadata.json"))
+    return step
+
+
+@pytest.mark.parametrize("fault, kind, code", [
+    ("sigterm", "preempted", 143),  # ExitCode.SIGTERM
+    ("memory", "oom", 1),           # a real MemoryError
+    ("data", "data", 1),            # raised from inside the DataLoader
+])
+def test_failure_flushes_newest_step_and_records_diagnosis(tmp_path, fault, kind, code):
+    out, ck = str(tmp_path), str(tmp_path / "ck")
+    # persist_every=1000 in the script: only the flush puts a step on storage
+    proc = run(out, "--ckpt", ck, "--fault", fault, "--fault-step", "6", "--steps", "10", timeout=120)
+    assert proc.returncode == code, explain(proc)
+    recs = records(out, 0)
+    failures = of_type(recs, "failure")
+    assert len(failures) == 1 and failures[0]["diagnosis"]["kind"] == kind, recs
+    assert failures[0]["step"] == 5
+    flush = of_type(recs, "flush")
+    assert flush and flush[0]["ok"], recs
+    assert committed(ck) == 5
+
+
+def test_gloo_collective_timeout_is_a_network_failure_and_the_peer_is_preempted(tmp_path):
+    out, ck = str(tmp_path), str(tmp_path / "ck")
+    # rank 1 stalls at step 6; rank 0's all_reduce hits the 3 s gloo timeout; torchrun
+    # then stops rank 1 with SIGTERM.
+    proc = run(out, "--ckpt", ck, "--fault", "gloo", "--fault-rank", "1", "--fault-step", "6",
+               "--fault-seconds", "40", "--pg-timeout", "3", "--steps", "10", nproc=2, timeout=150)
+    assert proc.returncode != 0, explain(proc)
+    f0 = of_type(records(out, 0), "failure")
+    assert f0 and f0[0]["diagnosis"]["kind"] == "network", (f0, explain(proc))
+    assert "Timed out" in f0[0]["exception"] or "timed out" in f0[0]["exception"].lower()
+    f1 = of_type(records(out, 1), "failure")
+    assert f1 and f1[0]["diagnosis"]["kind"] == "preempted", (f1, explain(proc))
+    assert committed(ck) == 5, explain(proc)
+
+
+def test_inprocess_restart_survives_a_transient_error_with_the_same_final_state(tmp_path):
+    clean, faulty = str(tmp_path / "clean"), str(tmp_path / "faulty")
+    proc = run(clean, "--ckpt", str(tmp_path / "ck1"), "--steps", "12", timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    proc = run(faulty, "--ckpt", str(tmp_path / "ck2"), "--steps", "12", "--fault", "transient",
+               "--fault-step", "7", "--restarts", "2", timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    recs = records(faulty, 0)
+    assert len({r["pid"] for r in recs}) == 1  # no new process
+    assert [r["inprocess"] for r in of_type(recs, "restart")] == [True]
+    assert of_type(recs, "failure")[0]["diagnosis"]["kind"] == "network"
+    loads = of_type(recs, "load")
+    assert loads[-1]["step"] == 6 and loads[-1]["source"] == "memory", loads
+    a = json.load(open(os.path.join(clean, "rank0.attempt0.json")))
+    b = json.load(open(os.path.join(faulty, "rank0.attempt0.json")))
+    assert a["params"] == b["params"]
+
+
+def test_inprocess_restart_gives_up_on_non_retryable_errors(tmp_path):
+    out = str(tmp_path)
+    proc = run(out, "--ckpt", str(tmp_path / "ck"), "--steps", "10", "--fault", "data",
+               "--fault-step", "4", "--restarts", "3", timeout=120)
+    assert proc.returncode == 1, explain(proc)
+    recs = records(out, 0)
+    assert not of_type(recs, "restart")
+    assert [f["diagnosis"]["action"] for f in of_type(recs, "failure")] == ["abort"]
