@@ -18,6 +18,7 @@ from ._connect import connect, mask_url
 from ._coordinator import STATE_VERSION, Coordinator, Dataset, Options, Shard
 from ._definition import Definition
 from ._errors import (
+    AcquireTimeout,
     AlreadyCompleted,
     CoordinatorError,
     CoordinatorUnavailable,
@@ -30,6 +31,7 @@ from ._order import sample_order, shard_order
 
 __all__ = [
     "STATE_VERSION",
+    "AcquireTimeout",
     "AlreadyCompleted",
     "Coordinator",
     "CoordinatorError",

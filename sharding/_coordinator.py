@@ -16,9 +16,9 @@ from typing import Any, Iterator
 
 from ._definition import Definition
 from ._errors import (
+    AcquireTimeout,
     AlreadyCompleted,
     CoordinatorError,
-    CoordinatorUnavailable,
     InvalidArgument,
     LeaseLost,
     UnknownDataset,
@@ -95,8 +95,8 @@ class Dataset:
         """Lease the next shard for ``worker``; None once every epoch is done.
 
         While other workers hold leases that may still come back, waits (polling every
-        ``poll_interval`` seconds, at most ``timeout`` seconds in all: then raises
-        :class:`CoordinatorUnavailable`).
+        ``poll_interval_seconds``, at most ``timeout`` seconds in all: then raises
+        :class:`AcquireTimeout`; ``timeout=0`` never waits).
         """
         _check_worker(worker)
         d = self.definition
@@ -112,8 +112,9 @@ class Dataset:
             assert isinstance(got, Wait)
             pause = min(self._coordinator.options.poll_interval_seconds, max(got.seconds, 0.001))
             if timeout is not None and time.monotonic() - began + pause > timeout:
-                raise CoordinatorUnavailable(
-                    f"{self.name}: no shard for {worker!r} within {timeout}s; other workers still hold leases"
+                raise AcquireTimeout(
+                    f"{self.name}: no shard for {worker!r} within {timeout}s; workers (maybe {worker!r}) "
+                    "still hold leases that may come back"
                 )
             time.sleep(pause)
 

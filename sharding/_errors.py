@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "AcquireTimeout",
     "AlreadyCompleted",
     "CoordinatorError",
     "CoordinatorUnavailable",
@@ -26,6 +27,10 @@ class CoordinatorUnavailable(CoordinatorError):
     """The backing store could not be reached or stayed busy past the retry budget."""
 
     retryable = True
+
+
+class AcquireTimeout(CoordinatorUnavailable):
+    """``acquire(timeout=...)`` ran out while workers (maybe the caller) still hold leases."""
 
 
 class InvalidArgument(CoordinatorError, ValueError):

@@ -246,3 +246,11 @@ def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
                 answers.append(outcome(lambda: ds.heartbeat(worker)))
         assert answers[:1] == answers[1:], f"step {step}: {op} by {worker}"
         assert pair[0].state_dict() == pair[1].state_dict(), f"step {step}"
+
+
+def test_acquire_timeout_while_leases_are_out(backend: Backend) -> None:
+    ds = backend.connect().dataset("t", size=10, shard_size=10)
+    ds.acquire("a")
+    with pytest.raises(sharding.AcquireTimeout, match="still hold leases") as info:
+        ds.acquire("b", timeout=0)
+    assert info.value.retryable
