@@ -84,6 +84,12 @@ class ShardSampler(Sampler[int]):
     definition. ``worker`` names this rank at the coordinator (default
     :func:`default_worker`); a restarted rank with the same name takes back its leases.
 
+    ``wait``: when no shard is left but other ranks still hold leases, wait for them
+    (they may come back) or end the iteration. Default: wait only without
+    torch.distributed — ranks in lock-step collectives must not wait for each other's
+    leases (a rank blocked in ``acquire`` while its peer waits in an all-reduce is a
+    deadlock); a dead rank restarts the whole group there, which rolls back anyway.
+
     ``state_dict()`` / ``load_state_dict()`` carry the coordinator's state: under
     torch.distributed both are collectives (all ranks must call them); load rolls the
     shared coordinator back once, on rank 0.
@@ -101,6 +107,7 @@ class ShardSampler(Sampler[int]):
         num_epochs: Optional[int] = 1,
         worker: Optional[str] = None,
         lease_timeout: float = 60.0,
+        wait: Optional[bool] = None,
     ) -> None:
         if isinstance(coordinator, str):
             coordinator = sharding.connect(coordinator)
@@ -120,6 +127,7 @@ class ShardSampler(Sampler[int]):
         )
         self.name = name
         self.worker = default_worker() if worker is None else worker
+        self._wait = not _default_sync(None) if wait is None else bool(wait)
         self.epoch = 0
         self._held: deque[_Lease] = deque()  # leases with samples not yet received
         self._unreceived: deque[list[Any]] = deque()  # [lease, count] in yield order
@@ -209,15 +217,16 @@ class ShardSampler(Sampler[int]):
         return lease
 
     def _acquire(self) -> Optional[sharding.Shard]:
-        if not self._held:
+        if self._wait and not self._held:
             return self._ds.acquire(self.worker)
-        # we hold prefetched samples: waiting for other leases could wait for our own
+        # we hold prefetched samples (waiting for other leases could wait for our own),
+        # or lock-step peers could be waiting for us in a collective
         try:
             return self._ds.acquire(self.worker, timeout=0)
         except sharding.CoordinatorUnavailable as e:
             if "still hold leases" not in str(e):
                 raise
-            log.debug("%s: %s holds undelivered samples; ends this iteration", self.name, self.worker)
+            log.debug("%s: no shard free for %s now; ends this iteration", self.name, self.worker)
             return None
 
     def _start_heartbeat(self) -> None:

@@ -93,3 +93,23 @@ def train_shards(
     ckpt = sampler.state_dict() if steps is not None else None
     later = [i for _, i in zip(range(after_checkpoint), it)]
     return {"seen": seen, "state": ckpt, "later": later, "worker": sampler.worker}
+
+
+def lockstep_shards(rank: int, world: int, url: str, n: int, shard_size: int) -> list[int]:
+    """A DDP-style loop over a ShardSampler: one sample per rank per step, and an
+    all-reduce of "has data" so ranks that run out keep stepping with the others."""
+    import torch.distributed as dist
+
+    from elastic import ShardSampler
+
+    sampler = ShardSampler(n, coordinator=url, name="lockstep", shard_size=shard_size)
+    it = iter(sampler)
+    seen: list[int] = []
+    while True:
+        i = next(it, None)
+        has = torch.tensor([0 if i is None else 1])
+        dist.all_reduce(has)
+        if has.item() == 0:
+            return seen
+        if i is not None:
+            seen.append(i)

@@ -13,7 +13,7 @@ import sharding
 from elastic import CountingLoader, ShardSampler
 
 from ._spawn import run_group
-from ._workers import IndexDataset, train_shards
+from ._workers import IndexDataset, lockstep_shards, train_shards
 
 
 def mem() -> str:
@@ -138,3 +138,13 @@ def test_checkpoint_with_two_ranks_rollback_with_three(tmp_path):
     replay = list(itertools.chain(*(r["seen"] for r in rest)))
     assert trained_after <= set(replay), "samples trained after the checkpoint were not replayed"
     assert Counter(before + replay) == Counter(range(n))
+
+
+def test_lockstep_ranks_never_wait_for_each_others_leases(tmp_path):
+    """Shards of 10, 10, 10, 5: after the first round one rank gets the short shard and
+    runs out while its peer still holds a lease. Waiting for that lease in ``acquire``
+    would deadlock against the peer's all-reduce; the rank must end its iteration."""
+    url = f"sqlite:///{tmp_path}/shards.db"
+    res = run_group(lockstep_shards, 2, url, 35, 10)
+    assert Counter(res[0] + res[1]) == Counter(range(35))
+    assert sorted(map(len, res)) == [15, 20]
