@@ -223,9 +223,7 @@ class ShardSampler(Sampler[int]):
         # or lock-step peers could be waiting for us in a collective
         try:
             return self._ds.acquire(self.worker, timeout=0)
-        except sharding.CoordinatorUnavailable as e:
-            if "still hold leases" not in str(e):
-                raise
+        except sharding.AcquireTimeout:
             log.debug("%s: no shard free for %s now; ends this iteration", self.name, self.worker)
             return None
 
