@@ -145,7 +145,7 @@ def _rank_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
                 failures += 1
             diag = (r.get("diagnosis") or {}).get("kind", "hang" if kind == "hang" else "?")
             kinds[diag] = kinds.get(diag, 0) + 1
-    start = min((r["time"] for r in records), default=0.0)
+    start = min([r["time"] for r in records] + [p["begin"] for p in processes], default=0.0)
     end = max([r["time"] for r in records] + [p["end"] for p in processes], default=start)
     wall = max(0.0, end - start)
     useful = sum(s[2] for s in segments)
