@@ -16,6 +16,15 @@ from ._spawn import run_group
 from ._workers import IndexDataset, lockstep_shards, train_shards
 
 
+def sqlite_url(tmp_path) -> str:
+    """A SQLite coordinator file, created here before the workers start. Workaround:
+    processes opening a *new* file at the same moment sometimes fail with "cannot open
+    ...: database is locked" (reported to the sharding owner)."""
+    url = f"sqlite:///{tmp_path}/shards.db"
+    sharding.connect(url).close()
+    return url
+
+
 def mem() -> str:
     return f"memory://{uuid.uuid4().hex}"
 
@@ -114,7 +123,7 @@ def test_straggler_takes_fewer_samples_than_its_static_share(tmp_path):
     """Rank 1 is 4x slower per sample. With a static partition it would take half the
     data and the epoch would last N/2 slow samples; here it takes far fewer."""
     n, shard = 1200, 25
-    url = f"sqlite:///{tmp_path}/shards.db"
+    url = sqlite_url(tmp_path)
     res = run_group(train_shards, 2, url, n, shard, None, None, [0.002, 0.008])
     fast, slow = len(res[0]["seen"]), len(res[1]["seen"])
     assert Counter(res[0]["seen"] + res[1]["seen"]) == Counter(range(n))
@@ -129,7 +138,7 @@ def test_checkpoint_with_two_ranks_rollback_with_three(tmp_path):
     coordinator from the checkpoint and finish: every sample exactly once, counting
     what was trained before the checkpoint and after the restore."""
     n, shard = 600, 16
-    url = f"sqlite:///{tmp_path}/shards.db"
+    url = sqlite_url(tmp_path)
     first = run_group(train_shards, 2, url, n, shard, 90, None, None, 40)
     assert first[0]["state"] == first[1]["state"]
     trained_after = set(itertools.chain(*(r["later"] for r in first)))
@@ -144,7 +153,7 @@ def test_lockstep_ranks_never_wait_for_each_others_leases(tmp_path):
     """Shards of 10, 10, 10, 5: after the first round one rank gets the short shard and
     runs out while its peer still holds a lease. Waiting for that lease in ``acquire``
     would deadlock against the peer's all-reduce; the rank must end its iteration."""
-    url = f"sqlite:///{tmp_path}/shards.db"
+    url = sqlite_url(tmp_path)
     res = run_group(lockstep_shards, 2, url, 35, 10)
     assert Counter(res[0] + res[1]) == Counter(range(35))
     assert sorted(map(len, res)) == [15, 20]

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from ._spawn import free_port
+from .test_sampler_shard import sqlite_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 203
@@ -21,12 +22,13 @@ N = 203
 @pytest.mark.parametrize("mode", ["static", "shard"])
 def test_kill_9_mid_epoch_then_restart_trains_each_sample_once(tmp_path, mode):
     out = tmp_path / "final.json"
+    url = sqlite_url(tmp_path)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
         "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "--monitor-interval=0.2",
         os.path.join(ROOT, "tests", "elastic_data", "_torchrun_train.py"),
-        mode, str(N), str(tmp_path / "ckpt"), str(out), f"sqlite:///{tmp_path}/shards.db",
+        mode, str(N), str(tmp_path / "ckpt"), str(out), url,
     ]
     env = dict(os.environ, PYTHONPATH=ROOT, FLASHCKPT_SHM_DIR=os.environ.get("FLASHCKPT_SHM_DIR", "/dev/shm"))
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
