@@ -1,0 +1,138 @@
+"""The training state the save/load benchmark checkpoints, and small helpers over it.
+
+The state is a real ``torch.optim.AdamW`` state over a module with GPT-2's parameter
+shapes (token and position embeddings, blocks of layer norms, fused QKV attention and a
+4x MLP; the LM head is tied to the token embedding, so it adds no parameter), after one
+optimizer step: ``{"model": model.state_dict(), "optim": optim.state_dict(), "step": n}``.
+Every parameter is fp32 and has two fp32 Adam moments, so the state is 12 bytes a parameter.
+
+This module imports only torch, so the DLRover peer script (another venv) can use it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SPECS", "StateSpec", "build_state", "copy_into", "fingerprint", "nbytes", "tensors"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateSpec:
+    """Shape of a GPT-2-like model; the benchmark state is its AdamW training state."""
+
+    name: str
+    vocab: int
+    positions: int
+    width: int
+    layers: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: GPT-2 shapes, vocab {self.vocab}, {self.positions} positions, "
+            f"width {self.width}, {self.layers} blocks"
+        )
+
+
+SPECS: dict[str, StateSpec] = {
+    # GPT-2 small: 124.4M parameters, 1.49 GB with the two Adam moments.
+    "large": StateSpec(name="large", vocab=50257, positions=1024, width=768, layers=12),
+    # Same width and block shapes, 3 blocks and a 10k vocabulary: 29.7M parameters, 357 MB.
+    "small": StateSpec(name="small", vocab=10000, positions=1024, width=768, layers=3),
+}
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.c_proj = nn.Linear(width, width)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(width, 4 * width)
+        self.c_proj = nn.Linear(4 * width, width)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = _Attention(width)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = _Mlp(width)
+
+
+class _Gpt2Shaped(nn.Module):
+    """Parameters only: the benchmark never runs a forward pass."""
+
+    def __init__(self, spec: StateSpec) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(spec.vocab, spec.width)
+        self.wpe = nn.Embedding(spec.positions, spec.width)
+        self.h = nn.ModuleList(_Block(spec.width) for _ in range(spec.layers))
+        self.ln_f = nn.LayerNorm(spec.width)
+
+
+def build_state(spec: StateSpec, *, seed: int = 0) -> dict[str, Any]:
+    """AdamW state after one step with random gradients; every tensor is touched."""
+    torch.manual_seed(seed)
+    model = _Gpt2Shaped(spec)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p).mul_(1e-2)
+    optim.step()
+    model.zero_grad(set_to_none=True)
+    return {"model": model.state_dict(), "optim": optim.state_dict(), "step": 1}
+
+
+def _walk(tree: Any) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _walk(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _walk(value)
+
+
+def tensors(tree: Any) -> list[torch.Tensor]:
+    """Every tensor of a nested dict/list/tuple, in a deterministic order."""
+    return list(_walk(tree))
+
+
+def nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors(tree))
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy the tensors of ``src`` into the same places of ``dst`` (what an in-place load does)."""
+    _map_pairs(dst, src, lambda d, s: d.copy_(s))
+
+
+def _map_pairs(dst: Any, src: Any, fn: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+    if isinstance(dst, torch.Tensor):
+        fn(dst, src)
+    elif isinstance(dst, dict):
+        for key, value in dst.items():
+            _map_pairs(value, src[key], fn)
+    elif isinstance(dst, (list, tuple)):
+        for value, other in zip(dst, src, strict=True):
+            _map_pairs(value, other, fn)
+
+
+def fingerprint(tree: Any) -> float:
+    """A cheap checksum of a strided sample of every tensor, to check a load's bytes."""
+    total = 0.0
+    for t in tensors(tree):
+        flat = t.reshape(-1)
+        stride = max(1, flat.numel() // 4096)
+        total += float(flat[::stride].double().sum())
+    return total
