@@ -28,7 +28,7 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch.distributed as dist
 from torch.utils.data import Sampler
@@ -145,10 +145,9 @@ class ShardSampler(Sampler[int]):
     def __repr__(self) -> str:
         return f"ShardSampler({self.name!r}, worker={self.worker!r}, {self._coord.url})"
 
-    @property
-    def dataset_state(self) -> "sharding.Dataset":
-        """The coordinator's data set (``progress()`` tells where the epoch stands)."""
-        return self._ds
+    def progress(self) -> dict[str, Any]:
+        """Where the data set stands at the coordinator (``sharding.Dataset.progress``)."""
+        return self._ds.progress()
 
     def set_epoch(self, epoch: int) -> None:
         """Accepted for DataLoader loops; the coordinator decides the epoch."""
@@ -260,20 +259,16 @@ class ShardSampler(Sampler[int]):
 
     def _finish_done(self) -> None:
         """Complete every held shard the loop received entirely."""
-        while self._held and self._held[0].done >= len(self._held[0].shard):
-            lease = self._held.popleft()
+        for lease in [x for x in self._held if x.done >= len(x.shard)]:
+            self._held.remove(lease)
             self._call("complete", lease, lambda: self._ds.complete(lease.shard))
-        if any(lease.done >= len(lease.shard) for lease in self._held):  # out of order
-            for lease in [x for x in self._held if x.done >= len(x.shard)]:
-                self._held.remove(lease)
-                self._call("complete", lease, lambda: self._ds.complete(lease.shard))
 
     def _report_positions(self) -> None:
         self._finish_done()
         for lease in list(self._held):
             self._call("report", lease, lambda: self._ds.report(lease.shard, lease.done))
 
-    def _call(self, what: str, lease: _Lease, fn: Any) -> None:
+    def _call(self, what: str, lease: _Lease, fn: Callable[[], None]) -> None:
         try:
             fn()
         except sharding.LeaseLost as e:

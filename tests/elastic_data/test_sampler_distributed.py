@@ -210,3 +210,28 @@ def test_two_changes_with_per_rank_counts(first_part):
     parts = [r["seen"] for run in (first_part, mid, late, end) for r in run]
     assert len(end[0]["state"]["segments"]) == 4
     check_exactly_once(parts, end[0]["padding"])
+
+
+def test_samplers_tick_the_real_agent(tmp_path):
+    """With ``elastic.start_agent()`` running, both samplers call ``agent.tick()``.
+    In a subprocess: the agent installs process-wide handlers."""
+    import subprocess
+    import sys
+
+    code = f"""
+import elastic
+agent = elastic.start_agent(metrics_dir={str(tmp_path / "metrics")!r})
+calls = []
+real_tick = agent.tick
+agent.tick = lambda: (calls.append(1), real_tick())[1]
+from elastic import _progress, ElasticDistributedSampler, ShardSampler
+_progress._last_tick = -1e9
+list(ElasticDistributedSampler(range(10), 1, 0))
+_progress._last_tick = -1e9
+list(ShardSampler(10, coordinator="memory://tick", name="t", shard_size=4, worker="w"))
+agent.stop()
+print(len(calls))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "2", out.stdout + out.stderr[-2000:]

@@ -94,7 +94,7 @@ def test_counting_loader_runs_whole_epochs():
     for _ in range(2):
         seen = [int(i) for b in loader for i in b]
         assert Counter(seen) == Counter(range(150))
-    assert s.dataset_state.progress()["finished"]
+    assert s.progress()["finished"]
 
 
 def test_bad_input_gets_clear_errors():
