@@ -127,6 +127,22 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> Flat:
     return Flat(walk(state, ""), leaves)
 
 
+def _holds_tensors(node: Any) -> bool:
+    if "t" in node:
+        return True
+    if "d" in node:
+        return any(_holds_tensors(child) for _, child in node["d"])
+    return any(_holds_tensors(child) for child in node.get("l", node.get("u", ())))
+
+
+def _obj_holds_tensors(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return any(_obj_holds_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_obj_holds_tensors(v) for v in obj)
+    return kind_of(obj) is not None
+
+
 @dataclass(slots=True)
 class Merge:
     """What loading a checkpoint into a state takes: tensors to fill, then plain writes."""
@@ -148,7 +164,8 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
     Returns the tensors to fill in place and the plain values to write. Every mismatch
     (keys, shapes, dtypes, kinds) is collected and raised together as
     :class:`StateMismatchError` before anything is modified. An empty dict in the state
-    where the checkpoint has entries (an optimizer before its first step) is filled.
+    where the checkpoint has entries (an optimizer before its first step) is filled, and
+    a subtree without tensors on either side (a sampler's state) is replaced whole.
     """
     problems: list[str] = []
     plain_writes: list[Callable[[], None]] = []
@@ -178,6 +195,8 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
 
     def walk(obj: Any, node: Any, path: str) -> Any:
         where = path or "<root>"
+        if path and not _holds_tensors(node) and not _obj_holds_tensors(obj):
+            return build(node, path)  # plain data (a sampler's state, say) is replaced whole
         if "t" in node:
             kind = kind_of(obj)
             if kind is None:
