@@ -163,8 +163,13 @@ class Engine:
 
     # -- save ---------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, *, persist: bool | None = None) -> None:
-        """Copy ``state`` into shared memory and, if due, have it persisted."""
+    def save(self, step: int, state: Any, *, persist: bool | None = None,
+             export: dict[str, Any] | None = None) -> None:
+        """Copy ``state`` into shared memory and, if due, have it persisted.
+
+        ``export`` (``{"name": ..., "params": {...}}``, see ``flashckpt._exporters``) has
+        the saver also write the framework's own layout once this step is committed.
+        """
         if self._closed:
             raise CheckpointError("save() on a closed checkpointer")
         if not isinstance(step, int) or step < 0:
@@ -185,7 +190,7 @@ class Engine:
         if slot.ensure_capacity(image.size):
             self._views = {k: v for k, v in self._views.items() if k[0] != index}
         with self._lock.held():
-            header = mark_writing(slot, step, image.size, self._info())
+            header = mark_writing(slot, step, image.size, self._info(export))
         slot.mm[HEADER_SIZE:HEADER_SIZE + len(image.header)] = image.header
         self._copy_in(index, slot, image, flat)
         due = persist if persist is not None else self._saves % self.options.persist_every == 0
@@ -209,10 +214,13 @@ class Engine:
                 "rank": self.placement.storage_rank, "world_size": self.placement.storage_world,
                 "kinds": {leaf.name: leaf.kind.name for leaf in flat.leaves}}
 
-    def _info(self) -> dict[str, Any]:
+    def _info(self, export: dict[str, Any] | None) -> dict[str, Any]:
         p = self.placement
-        return {"directory": self.storage.root, "storage_rank": p.storage_rank, "storage_world": p.storage_world,
+        info = {"directory": self.storage.root, "storage_rank": p.storage_rank, "storage_world": p.storage_world,
                 "persist": p.persists, "token": p.token, "keep_last": self.options.keep_last}
+        if export is not None:
+            info["export"] = export
+        return info
 
     def _copy_in(self, index: int, slot: Slot, image: Image, flat: Flat) -> None:
         by_name = {leaf.name: leaf for leaf in flat.leaves}

@@ -12,6 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from ._exporters import run_exporter
 from ._slot import RankLock, Slot, SlotState
 from ._storage import LocalStorage
 
@@ -62,6 +63,8 @@ def persist_slot(slot_path: str, generation: int | None = None, *, already_persi
             storage = LocalStorage(info["directory"])
             storage.write_shard(h.step, info["storage_rank"], info["token"], slot.image(h.image_len))
             committed = storage.try_commit(h.step, info["storage_world"], info["token"], info["keep_last"])
+            if committed and info.get("export"):
+                run_exporter(info["export"], storage.root, h.step)
             seconds = time.perf_counter() - start
             log.info("persisted step %d rank %d: %.1f MiB in %.2fs (%.0f MiB/s)%s", h.step, info["storage_rank"],
                      h.image_len / 2**20, seconds, h.image_len / 2**20 / max(seconds, 1e-9),
