@@ -6,19 +6,25 @@ shapes (token and position embeddings, blocks of layer norms, fused QKV attentio
 optimizer step: ``{"model": model.state_dict(), "optim": optim.state_dict(), "step": n}``.
 Every parameter is fp32 and has two fp32 Adam moments, so the state is 12 bytes a parameter.
 
-This module imports only torch, so the DLRover peer script (another venv) can use it too.
+Also here: ``ShmFloor``, the state's plain image in shared memory that the benchmark's
+floor copies into and out of. This module imports only torch and the standard library,
+so the DLRover peer script (another venv) can use it too.
 """
 
 from __future__ import annotations
 
+import gc
+import mmap
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["SPECS", "StateSpec", "build_state", "copy_into", "fingerprint", "nbytes", "tensors"]
+__all__ = ["SPECS", "ShmFloor", "StateSpec", "build_state", "copy_into", "fingerprint", "nbytes", "tensors"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +50,9 @@ SPECS: dict[str, StateSpec] = {
     # Same width and block shapes, 3 blocks and a 10k vocabulary: 29.7M parameters, 357 MB.
     "small": StateSpec(name="small", vocab=10000, positions=1024, width=768, layers=3),
 }
+
+
+_ALIGN = 64
 
 
 class _Attention(nn.Module):
@@ -136,3 +145,50 @@ def fingerprint(tree: Any) -> float:
         stride = max(1, flat.numel() // 4096)
         total += float(flat[::stride].double().sum())
     return total
+
+
+class ShmFloor:
+    """A /dev/shm file mapped once, with one ``torch.frombuffer`` view per tensor."""
+
+    def __init__(self, path: Path, like: list[torch.Tensor], *, create: bool) -> None:
+        self.path = path
+        offsets, size = _layout(like)
+        self._fd = os.open(path, (os.O_CREAT | os.O_EXCL if create else 0) | os.O_RDWR, 0o600)
+        if create:
+            os.ftruncate(self._fd, max(size, 1))
+        self._mm = mmap.mmap(self._fd, max(size, 1))
+        self._views = [_view(self._mm, t, offset) for t, offset in zip(like, offsets, strict=True)]
+        if create:
+            for view in self._views:
+                view.zero_()  # touch every page before anything is timed
+
+    def save(self, ts: list[torch.Tensor]) -> None:
+        for view, t in zip(self._views, ts, strict=True):
+            view.copy_(t)
+
+    def load(self, ts: list[torch.Tensor]) -> None:
+        for view, t in zip(self._views, ts, strict=True):
+            t.copy_(view)
+
+    def close(self, *, unlink: bool) -> None:
+        self._views = []
+        gc.collect()  # the views export the mmap's buffer; it cannot close before they go
+        self._mm.close()
+        os.close(self._fd)
+        if unlink:
+            self.path.unlink()
+
+
+def _layout(like: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Each tensor's byte offset in the image (64-byte aligned), and the image's size."""
+    offsets, end = [], 0
+    for t in like:
+        offsets.append(end)
+        end = -(-(end + t.numel() * t.element_size()) // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def _view(buf: mmap.mmap, like: torch.Tensor, offset: int) -> torch.Tensor:
+    if not like.numel():
+        return like.new_empty(like.shape)
+    return torch.frombuffer(buf, dtype=like.dtype, count=like.numel(), offset=offset).view(like.shape)
