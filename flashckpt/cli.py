@@ -1,0 +1,192 @@
+"""The ``flashckpt`` command: inspect, verify and rescue checkpoints.
+
+    flashckpt ls DIR                 committed steps with sizes and ranks
+    flashckpt verify DIR [--step N]  re-read shards and check their checksums
+    flashckpt gc [--dry-run] [--force]
+                                     remove shared memory of jobs whose processes are gone
+    flashckpt persist [--job-id J]   write what a dead job left in shared memory to storage
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import logging
+import os
+import re
+import sys
+import time
+
+from . import _names
+from ._errors import CheckpointError
+from ._persist import persist_slot
+from ._slot import Slot, SlotState, pid_alive
+from ._storage import LocalStorage
+
+__all__ = ["main"]
+
+log = logging.getLogger("flashckpt.cli")
+
+_SEGMENT_RE = re.compile(r"^flashckpt\.(?P<user>[^.]+)\.(?P<job>[^.]+)\.(?P<rest>.+)$")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    storage = LocalStorage(args.directory)
+    steps = storage.committed_steps()
+    if not steps:
+        print(f"no committed steps in {storage.root}")
+        return 1
+    latest = storage.latest_step()
+    print(f"{'step':>10}  {'ranks':>5}  {'size':>10}  committed")
+    for step in steps:
+        meta = storage.metadata(step)
+        size = sum(s["size"] for s in meta["shards"].values())
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["committed_at"]))
+        mark = "  (latest)" if step == latest else ""
+        print(f"{step:>10}  {meta['world_size']:>5}  {_size(size):>10}  {when}{mark}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    storage = LocalStorage(args.directory)
+    steps = [args.step] if args.step is not None else storage.committed_steps()
+    if not steps:
+        print(f"no committed steps in {storage.root}")
+        return 1
+    bad = 0
+    for step in steps:
+        try:
+            problems = storage.verify(step)
+        except CheckpointError as exc:
+            problems = [str(exc)]
+        print(f"step {step}: {'ok' if not problems else 'DAMAGED'}")
+        for problem in problems:
+            print(f"  {problem}")
+        bad += bool(problems)
+    return 1 if bad else 0
+
+
+def _segments() -> dict[str, list[str]]:
+    """This user's shared-memory objects, by job id."""
+    prefix = os.path.basename(_names.job_prefix("x"))[: -len(".x")]
+    jobs: dict[str, list[str]] = {}
+    for path in glob.glob(os.path.join(_names.SHM_DIR, prefix + ".*")):
+        m = _SEGMENT_RE.match(os.path.basename(path))
+        if m:
+            jobs.setdefault(m.group("job"), []).append(path)
+    return jobs
+
+
+def _slot_headers(paths: list[str]):
+    for path in sorted(p for p in paths if ".slot" in p):
+        slot = Slot.open(path)
+        if slot is not None:
+            try:
+                yield path, slot.read_header()
+            finally:
+                slot.close()
+
+
+def _job_alive(job: str, paths: list[str]) -> bool:
+    """A saver serves the job, or a process that wrote one of its slots still runs."""
+    if os.path.exists(_names.socket_path(job)):
+        import socket
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(_names.socket_path(job))
+                return True
+            except OSError:
+                pass
+    return any(pid_alive(h.writer_pid) for _, h in _slot_headers(paths))
+
+
+def _unpersisted(paths: list[str]) -> list[tuple[str, int, int]]:
+    """(slot, generation, step) of complete slots newer than their directory's latest commit."""
+    found = []
+    for path, h in _slot_headers(paths):
+        if h.state == SlotState.COMPLETE and h.info.get("persist"):
+            latest = LocalStorage(h.info["directory"]).latest_step()
+            if latest is None or h.step > latest:
+                found.append((path, h.generation, h.step))
+    return found
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    removed = kept = 0
+    for job, paths in sorted(_segments().items()):
+        if _job_alive(job, paths):
+            continue
+        pending = _unpersisted(paths)
+        if pending and not args.force:
+            steps = sorted({step for _, _, step in pending})
+            print(f"job {job}: keeping {len(paths)} objects, steps {steps} are in memory only "
+                  f"(run `flashckpt persist --job-id {job}` first, or gc --force)")
+            kept += len(paths)
+            continue
+        for path in paths:
+            print(f"{'would remove' if args.dry_run else 'removing'} {path}")
+            if not args.dry_run:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            removed += 1
+    print(f"{removed} stale objects {'found' if args.dry_run else 'removed'}, {kept} kept")
+    return 0
+
+
+def cmd_persist(args: argparse.Namespace) -> int:
+    jobs = _segments()
+    if args.job_id:
+        jobs = {args.job_id: jobs.get(args.job_id, [])}
+    done = 0
+    for job, paths in sorted(jobs.items()):
+        if _job_alive(job, paths) and not args.job_id:
+            continue  # its own saver takes care of it
+        for path, generation, step in sorted(_unpersisted(paths), key=lambda x: -x[2]):
+            result = persist_slot(path, generation)
+            if not result.skipped:
+                print(f"job {job}: persisted step {result.step} from {os.path.basename(path)}"
+                      f"{' and committed it' if result.committed else ' (other ranks still missing)'}")
+                done += 1
+    if not done:
+        print("nothing in shared memory needed persisting")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashckpt", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("ls", help="list committed steps")
+    p.add_argument("directory")
+    p.set_defaults(run=cmd_ls)
+    p = sub.add_parser("verify", help="check shard checksums")
+    p.add_argument("directory")
+    p.add_argument("--step", type=int)
+    p.set_defaults(run=cmd_verify)
+    p = sub.add_parser("gc", help="remove stale shared memory of dead jobs")
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--force", action="store_true", help="also remove steps that exist only in memory")
+    p.set_defaults(run=cmd_gc)
+    p = sub.add_parser("persist", help="persist what dead jobs left in shared memory")
+    p.add_argument("--job-id")
+    p.set_defaults(run=cmd_persist)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return args.run(args)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
