@@ -1,18 +1,24 @@
 # `make demo` and `make test` set up .venv themselves on a fresh machine
 # (Python 3.11, pip, Debian's apt).
-VENV   := .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-stamp
+VENV  := .venv
+PY    := $(VENV)/bin/python
+CORE  := $(VENV)/.stamp-core
+FULL  := $(VENV)/.stamp-full
 
 .PHONY: demo test bench redis-server clean
 
-$(STAMP): pyproject.toml
+# torch first, pinned exactly: that takes the local CPU wheel, so nothing pulls a CUDA build
+$(CORE): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# the exact pin takes the CPU wheel; install it first so nothing pulls a CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
-	touch $(STAMP)
+	$(PY) -m pip install -q torch==2.13.0 "numpy==1.26.4"
+	$(PY) -m pip install -q -e ".[torch,redis]"
+	touch $@
+
+# every framework the suite tests against (about 2.4 GB)
+$(FULL): $(CORE)
+	$(PY) -m pip install -q -e ".[test]" torch==2.13.0 "numpy==1.26.4"
+	touch $@
 
 redis-server:
 	@command -v redis-server >/dev/null || { \
@@ -20,13 +26,13 @@ redis-server:
 	  $$SUDO apt-get install -y -q redis-server >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q redis-server >/dev/null; }; }
 
-demo: $(STAMP)
+demo: $(CORE)
 	$(PY) examples/demo.py
 
-test: $(STAMP) redis-server
+test: $(FULL) redis-server
 	$(PY) -m pytest tests
 
-bench: $(STAMP)
+bench: $(CORE)
 	$(PY) benchmarks/save_load.py
 
 clean:

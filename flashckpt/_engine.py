@@ -28,7 +28,7 @@ from ._slot import HEADER_SIZE, RankLock, Slot, SlotHeader, SlotState, mark_writ
 from ._storage import LocalStorage
 from ._tree import Flat, Merge, flatten, kind_named, merge_into
 
-__all__ = ["Collective", "Engine", "Options", "Placement", "SingleProcess"]
+__all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SingleProcess"]
 
 log = logging.getLogger("flashckpt")
 
@@ -88,6 +88,16 @@ class Placement:
     """Shared by all ranks of one run; keeps shards of different runs from mixing."""
 
 
+@dataclass(frozen=True, slots=True)
+class LoadInfo:
+    """What the last ``load`` did."""
+
+    step: int | None
+    source: str | None
+    """"memory", "storage", or None when there was nothing to load."""
+    seconds: float
+
+
 def new_token() -> str:
     return uuid.uuid4().hex[:12]
 
@@ -112,6 +122,7 @@ class Engine:
         self._prepare: threading.Thread | None = None
         self._saves = 0
         self._closed = False
+        self.last_load: LoadInfo | None = None
         own_slots = self._slot_paths if placement.writes_memory else []
         self._client = SaverClient(self.job_id, own_slots)
 
@@ -273,7 +284,7 @@ class Engine:
         else:
             self._invalidate_newer_than(-1)
             log.info("no checkpoint in memory or in %s: starting fresh", self.storage.root)
-            _events.emit("load", step=None, source=None, seconds=time.perf_counter() - start)
+            self._loaded(None, None, start)
             return None
         if source == "memory":
             errors = self._gather_errors(lambda: self._load_memory(state, *local["memory"][step]))
@@ -289,10 +300,14 @@ class Engine:
             if errors:
                 self._raise(errors, f"loading step {step} from {self.storage.root} failed")
         self._invalidate_newer_than(step)
-        seconds = time.perf_counter() - start
-        log.info("restored step %d from %s in %.2fs", step, source, seconds)
-        _events.emit("load", step=step, source=source, seconds=seconds)
+        self._loaded(step, source, start)
         return step
+
+    def _loaded(self, step: int | None, source: str | None, start: float) -> None:
+        self.last_load = LoadInfo(step, source, time.perf_counter() - start)
+        if step is not None:
+            log.info("restored step %d from %s in %.3fs", step, source, self.last_load.seconds)
+        _events.emit("load", step=step, source=source, seconds=self.last_load.seconds)
 
     def _gather_errors(self, attempt) -> list[tuple[str, str]]:
         """Run ``attempt`` on every rank; every rank gets every rank's (error class, message)."""

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _names
-from .._engine import Engine, Options, Placement, SingleProcess, new_token
+from .._engine import Engine, LoadInfo, Options, Placement, SingleProcess, new_token
 from . import _tensors  # noqa: F401  (registers the torch tensor kind)
 
 __all__ = ["Checkpointer", "DdpCheckpointer"]
@@ -83,6 +83,11 @@ class Checkpointer:
     def job_id(self) -> str:
         """Names this job's shared memory on the node (see ``flashckpt ls``/``gc``)."""
         return self._engine.job_id
+
+    @property
+    def last_load(self) -> LoadInfo | None:
+        """Step, source ("memory" / "storage" / None) and seconds of the last :meth:`load`."""
+        return self._engine.last_load
 
     def save(self, step: int, state: Any, *, persist: bool | None = None) -> None:
         """Copy ``state`` into shared memory; persist it if due (or if ``persist``)."""
