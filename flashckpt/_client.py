@@ -48,6 +48,7 @@ class SaverClient:
         self.outstanding = 0
         self.last_committed: int | None = None
         self.saver_pid = 0
+        self._slots = slots
         self.sock = self._connect(slots)
 
     def _connect(self, slots: list[str]) -> socket.socket:
@@ -110,7 +111,16 @@ class SaverClient:
         try:
             self.sock.sendall(self._encode(msg))
         except OSError as exc:
-            raise CheckpointError(f"lost the connection to the flashckpt saver: {exc}") from exc
+            log.warning("lost the flashckpt saver (%s); starting a new one", exc)
+            self._reconnect()
+            self.sock.sendall(self._encode(msg))
+
+    def _reconnect(self) -> None:
+        """A new saver (the old one died); what the old one had not reported is forgotten."""
+        self.sock.close()
+        self._buffer = b""
+        self.outstanding = 0
+        self.sock = self._connect(self._slots)
 
     def persist(self, slot: str, generation: int) -> None:
         self._send({"op": "persist", "slot": slot, "generation": generation})
@@ -125,15 +135,22 @@ class SaverClient:
         ident = next(self._ids)
         self._send({"op": op, "id": ident})
         deadline = None if timeout is None else time.monotonic() + timeout
+        retried = False
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(f"flashckpt saver did not finish {op} within {timeout}s")
             msg = self._read_message(self.sock, remaining)
             if msg is None:
-                if remaining is None or deadline - time.monotonic() > 0:
-                    raise CheckpointError("the flashckpt saver went away; see its log in "
+                if deadline is not None and deadline - time.monotonic() <= 0:
+                    continue
+                if retried:
+                    raise CheckpointError("the flashckpt saver went away twice; see its log in "
                                           f"{tempfile.gettempdir()}/flashckpt.{self.job_id}.saver.log")
+                log.warning("the flashckpt saver went away during %s; starting a new one", op)
+                self._reconnect()
+                self._send({"op": op, "id": ident})
+                retried = True
                 continue
             if msg.get("op") == answer and msg.get("id") == ident:
                 return

@@ -122,3 +122,21 @@ def test_restart_loads_from_memory_not_storage(tmp_path, job_id):
         assert ck.load(state) == 3
     assert ("load", "memory") in [(e, i.get("source")) for e, i in seen]
     assert check(state) == 3
+
+
+def test_trainer_survives_its_saver_being_killed(tmp_path, job_id):
+    """A new saver takes over; what the dead one held is released; nothing is lost."""
+    with Checkpointer(tmp_path, job_id=job_id, persist_every=1) as ck:
+        ck.save(1, {"w": torch.full((1000,), 1.0)})
+        ck.wait()
+        for pid in saver_pids(job_id):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+        for step in (2, 3, 4):  # would wait forever if a slot stayed held by the dead saver
+            ck.save(step, {"w": torch.full((1000,), float(step))})
+        ck.wait()
+        assert ck.latest_step() == 4
+        assert len(saver_pids(job_id)) == 1
+    target = {"w": torch.zeros(1000)}
+    with Checkpointer(tmp_path, job_id=job_id) as ck:
+        assert ck.load(target) == 4 and target["w"][0] == 4
