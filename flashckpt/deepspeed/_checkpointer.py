@@ -1,0 +1,286 @@
+"""Flash checkpoints for a DeepSpeed engine (ZeRO stages 0-3)."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import struct
+from typing import Any
+
+import torch.distributed as dist
+
+from .._errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
+from .._format import parse_header
+from ..torch import Checkpointer
+from . import _objects
+from ._engine import FlashCheckpointEngine
+
+__all__ = ["DeepSpeedCheckpointer"]
+
+log = logging.getLogger(__name__)
+
+FLASH_SUBDIR = "flashckpt"
+
+
+class DeepSpeedCheckpointer:
+    """Flash checkpoints through DeepSpeed's own ``save_checkpoint`` / ``load_checkpoint``.
+
+    Construction installs a :class:`FlashCheckpointEngine` as ``engine.checkpoint_engine``
+    (DeepSpeed has no registry of checkpoint engines). From then on every
+    ``engine.save_checkpoint(...)`` — or :meth:`save` — blocks only while the rank's
+    state dicts are copied into shared memory; the node's saver persists them under
+    ``<directory>/flashckpt/`` and writes DeepSpeed's own tag
+    (``<directory>/<tag>/*.pt``, ``latest``) in the background, so stock DeepSpeed and
+    ``zero_to_fp32.py`` read the result. :meth:`load` restores the newest step every
+    rank holds in memory, else the newest committed one.
+
+    All ranks construct it together (after ``deepspeed.initialize``) and all ranks call
+    :meth:`save`, :meth:`load`, :meth:`wait` and :meth:`close`. Options are those of
+    :class:`flashckpt.torch.Checkpointer`. DeepSpeed's own non-tensor objects (loss
+    scaler, ZeRO stage enum, ...) are stored pickled and read back through an
+    allow-list (see ``flashckpt.deepspeed._objects``); ``allow_pickle`` governs
+    everything else, e.g. objects in ``client_state``.
+    """
+
+    def __init__(self, engine: Any, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
+                 job_id: str | None = None, allow_pickle: bool = False, process_group: Any = None) -> None:
+        if not hasattr(engine, "save_checkpoint") or not hasattr(engine, "checkpoint_engine"):
+            raise TypeError(f"expected a DeepSpeedEngine, got {type(engine).__qualname__}")
+        self.engine = engine
+        self.directory = os.path.abspath(os.fspath(directory))
+        self._ckpt = Checkpointer(os.path.join(self.directory, FLASH_SUBDIR), persist_every=persist_every,
+                                  keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
+                                  process_group=process_group)
+        self._flash = self._ckpt._engine
+        self._previous_engine = engine.checkpoint_engine
+        self.checkpoint_engine = FlashCheckpointEngine(self)
+        engine.checkpoint_engine = self.checkpoint_engine
+        self._step: int | None = None
+        self._persist: bool | None = None
+        self._latest_on_export = False
+
+    @property
+    def job_id(self) -> str:
+        return self._ckpt.job_id
+
+    # -- save ---------------------------------------------------------------------
+
+    def save(self, step: int, client_state: dict | None = None, *, tag: str | None = None,
+             persist: bool | None = None) -> None:
+        """``engine.save_checkpoint(directory, tag)`` as a flash save (all ranks call it).
+
+        ``tag`` defaults to ``global_step<step>``. ``latest`` is moved to the tag only
+        once the tag's files are durable.
+        """
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._step, self._persist, self._latest_on_export = step, persist, True
+        try:
+            self.engine.save_checkpoint(self.directory, tag=tag or f"global_step{step}",
+                                        client_state=client_state or {}, save_latest=False)
+        finally:
+            self._step, self._persist, self._latest_on_export = None, None, False
+
+    def _flash_save(self, tag: str, save_dir: str, files: dict[str, Any], *, save_latest: bool) -> None:
+        """Called by the checkpoint engine's ``commit``: one flash save of the rank's files."""
+        step = self._step if self._step is not None else int(self.engine.global_steps)
+        state = {"deepspeed": {"tag": tag, "save_dir": save_dir,
+                               "files": {rel: _objects.encode(sd) for rel, sd in files.items()}}}
+        options = self._flash.options
+        export = {"name": "deepspeed", "params": {
+            "save_dir": save_dir, "tag": tag, "save_latest": save_latest or self._latest_on_export,
+            "keep_last": options.keep_last, "allow_pickle": options.allow_pickle}}
+        self._flash.save(step, state, persist=self._persist, export=export)
+
+    # -- load ---------------------------------------------------------------------
+
+    def load(self, *, step: int | None = None, tag: str | None = None, load_optimizer_states: bool = True,
+             load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> int | None:
+        """Restore the engine; returns the step, or None when there is no checkpoint.
+
+        Without ``step``/``tag``: the newest step every rank holds in memory if it is not
+        older than the newest committed one, else the newest committed step, else a
+        DeepSpeed tag named by ``<directory>/latest`` (a checkpoint stock DeepSpeed
+        wrote). The client state of the loaded tag is in :attr:`client_state` after.
+        All ranks must call this.
+        """
+        if tag is not None:
+            if step is not None:
+                raise ValueError("pass step or tag, not both")
+            step = self._step_of_tag(tag)
+            if step is None:
+                return self._load_stock(tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        target: dict[str, Any] = {}
+        got = self._flash.load(target, step=step)
+        if got is None:
+            latest = os.path.join(self.directory, "latest")
+            if os.path.isfile(latest):
+                with open(latest) as f:
+                    return self._load_stock(f.read().strip(), load_optimizer_states, load_lr_scheduler_states,
+                                            load_module_only)
+            return None
+        ds = target["deepspeed"]
+        save_dir, loaded_tag = ds["save_dir"], ds["tag"]
+        files = {os.path.join(save_dir, rel): _objects.decode(sd) for rel, sd in ds["files"].items()}
+        pattern = self.engine._get_ckpt_name(save_dir, loaded_tag, mp_placeholder="*")
+        self._share_missing(files, pattern)
+        self._agree(lambda: self._check(files, pattern, loaded_tag), f"cannot load tag {loaded_tag} (step {got})")
+        self.checkpoint_engine.served = files
+        try:
+            self._run_ds_load(save_dir, loaded_tag, load_optimizer_states, load_lr_scheduler_states,
+                              load_module_only, names=lambda path, t: sorted(p for p in files
+                                                                             if fnmatch.fnmatch(p, pattern)))
+        finally:
+            self.checkpoint_engine.served = {}
+        return got
+
+    def _load_stock(self, tag: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                    load_module_only: bool) -> int:
+        """A tag that only exists in DeepSpeed's layout (stock DeepSpeed saved it)."""
+        tag_dir = os.path.join(self.directory, tag)
+        if not os.path.isdir(tag_dir):
+            known = sorted(n for n in os.listdir(self.directory)
+                           if os.path.isdir(os.path.join(self.directory, n)) and n != FLASH_SUBDIR) \
+                if os.path.isdir(self.directory) else []
+            raise CheckpointNotFoundError(f"no checkpoint tag {tag!r} in {self.directory} (in memory, in "
+                                          f"{FLASH_SUBDIR}/ or as a DeepSpeed tag); tags there: {known}")
+        self._run_ds_load(self.directory, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        return int(self.engine.global_steps)
+
+    def _run_ds_load(self, save_dir: str, tag: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                     load_module_only: bool, names: Any = None) -> None:
+        engine = self.engine
+        if names is not None:
+            engine._get_all_ckpt_names = names  # DeepSpeed globs the file system for model files
+        try:
+            def attempt() -> None:
+                path, client_state = engine.load_checkpoint(
+                    save_dir, tag, load_optimizer_states=load_optimizer_states,
+                    load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                if path is None:
+                    raise CheckpointNotFoundError(f"DeepSpeed found no model states for tag {tag} in {save_dir}")
+                self.client_state = client_state
+            self._agree(attempt, f"DeepSpeed could not load tag {tag} from {save_dir}")
+        finally:
+            if names is not None:
+                del engine._get_all_ckpt_names
+
+    def _agree(self, attempt: Any, prefix: str) -> None:
+        """Run ``attempt`` on every rank; raise one error on every rank if any failed."""
+        errors = self._flash._gather_errors(attempt)
+        if errors:
+            self._flash._raise(errors, prefix)
+
+    def _share_missing(self, files: dict[str, Any], pattern: str) -> None:
+        """Model states written by one data-parallel rank go to the ranks that read them."""
+        collective = self._flash.collective
+        if collective.world_size == 1:
+            return
+        have = collective.all_gather(sorted(files))
+        everything = sorted(set().union(*have))
+        wanted = [p for p in everything if fnmatch.fnmatch(p, pattern)]
+        for path in wanted:
+            owners = [r for r, paths in enumerate(have) if path in paths]
+            if len(owners) == collective.world_size:
+                continue
+            box = [files.get(path)]
+            group = getattr(collective, "group", None)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, owners[0]) if group else owners[0],
+                                       group=group)
+            files.setdefault(path, box[0])
+
+    def _check(self, files: dict[str, Any], pattern: str, tag: str) -> None:
+        """Stage and model shapes must match before DeepSpeed touches the engine."""
+        engine = self.engine
+        models = [sd for p, sd in sorted(files.items()) if fnmatch.fnmatch(p, pattern)]
+        if not models:
+            raise CheckpointNotFoundError(f"tag {tag} holds no model states matching {os.path.basename(pattern)}")
+        model = models[0]
+        saved_stage = int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+        stage = int(engine.zero_optimization_stage())
+        if saved_stage != stage:
+            raise StateMismatchError(f"tag {tag} was saved with ZeRO stage {saved_stage}; this engine runs "
+                                     f"ZeRO stage {stage}")
+        if engine.zero_optimization() and model.get("param_shapes") is not None:
+            saved = {k: tuple(v) for group in model["param_shapes"] for k, v in group.items()}
+            mine = {k: tuple(v) for group in engine._get_zero_param_shapes() for k, v in group.items()}
+        else:
+            saved = {k: tuple(v.shape) for k, v in model["module"].items()}
+            mine = {k: tuple(v.shape) for k, v in engine.module_state_dict().items()}
+        if saved != mine:
+            diff = [f"{k}: checkpoint {saved.get(k)}, model {mine.get(k)}"
+                    for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
+            raise StateMismatchError(f"tag {tag} is of another model ({len(diff)} parameters differ): "
+                                     + "; ".join(diff[:8]))
+
+    def _step_of_tag(self, tag: str) -> int | None:
+        """The flash step that saved ``tag`` (committed, or in this rank's memory); agreed."""
+        mine = None
+        storage = self._flash.storage
+        for step in reversed(storage.committed_steps()):
+            try:
+                path, record = storage.shard_path(step, self._flash.placement.storage_rank)
+            except CheckpointError:
+                continue
+            if _tag_in_header(_read_header(path), path) == tag:
+                mine = step
+                break
+        if mine is None:
+            for step, (index, _) in self._flash.memory_steps().items():
+                slot = self._flash._slot(index, create=False)
+                if slot is not None and _tag_in_header(slot.image(slot.read_header().image_len), slot.path) == tag:
+                    mine = step
+        found = {s for s in self._flash.collective.all_gather(mine) if s is not None}
+        if len(found) > 1:
+            raise CheckpointError(f"ranks disagree on the step of tag {tag!r}: {sorted(found)}")
+        return found.pop() if found else None
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every persist asked for so far, and its DeepSpeed tag, is on storage.
+        All ranks must call this (it ends with a barrier)."""
+        self._ckpt.wait(timeout)
+        self._flash.collective.all_gather(None)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Persist the newest in-memory step now if it is not on storage yet, and wait."""
+        self._ckpt.flush(timeout)
+        self._flash.collective.all_gather(None)
+
+    def latest_step(self) -> int | None:
+        """The newest step committed on storage."""
+        return self._ckpt.latest_step()
+
+    def close(self) -> None:
+        """Persist the newest step if needed, free shared memory, restore DeepSpeed's engine."""
+        try:
+            self._ckpt.close()
+        finally:
+            if self.engine.checkpoint_engine is self.checkpoint_engine:
+                self.engine.checkpoint_engine = self._previous_engine
+
+    def __enter__(self) -> "DeepSpeedCheckpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _read_header(path: str) -> bytes:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return head
+        (n,) = struct.unpack("<Q", head)
+        return head + f.read(n)
+
+
+def _tag_in_header(buf: Any, where: str) -> str | None:
+    try:
+        tree = parse_header(buf, where).meta["tree"]
+        ds = dict(dict(tree["d"])["deepspeed"]["d"])
+        return ds["tag"]["v"]
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return None

@@ -1,0 +1,103 @@
+"""The DeepSpeed ``CheckpointEngine`` that turns ``engine.save_checkpoint`` into a flash save.
+
+Call protocol inside ``DeepSpeedEngine.save_checkpoint`` (DeepSpeed 0.19): every rank
+calls ``create(info)``, then ``save(state_dict, path)`` for each of its files (model
+states on the writers, ZeRO optimizer states on every rank), then ``commit(info)``.
+``save`` only keeps a reference to the state dict; ``commit`` copies every state dict
+of the rank into shared memory in one flash save (the only blocking copy) and lets the
+node's saver persist it and write DeepSpeed's own files in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from .._errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ._checkpointer import DeepSpeedCheckpointer
+
+__all__ = ["FlashCheckpointEngine"]
+
+log = logging.getLogger(__name__)
+
+ENGINE_NAME = "FlashCheckpointEngine"
+
+
+@dataclass(slots=True)
+class _Pending:
+    tag: str
+    save_dir: str
+    files: dict[str, Any] = field(default_factory=dict)
+    """Path relative to ``save_dir`` -> the state dict DeepSpeed handed over (by reference)."""
+
+
+class FlashCheckpointEngine(CheckpointEngine):
+    """A DeepSpeed checkpoint engine backed by a :class:`DeepSpeedCheckpointer`.
+
+    Installed on the DeepSpeed engine by the checkpointer; not meant to be built alone.
+    ``load(path)`` returns the state dict from the checkpointer's agreed step while
+    :meth:`DeepSpeedCheckpointer.load` runs (memory or flashckpt storage), and falls
+    back to ``torch.load`` of the DeepSpeed file otherwise, like the default engine.
+    """
+
+    def __init__(self, owner: "DeepSpeedCheckpointer") -> None:
+        super().__init__(None)
+        self.name = ENGINE_NAME
+        self._owner = owner
+        self._pending: _Pending | None = None
+        self.served: dict[str, Any] = {}
+        """Absolute path -> state dict, filled by the checkpointer for the length of a load."""
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        if self._pending is not None:
+            log.warning("checkpoint tag %s was created but never committed; dropping it", self._pending.tag)
+        self._pending = _Pending(tag=str(info.tag), save_dir=os.path.abspath(info.save_dir))
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        pending = self._pending
+        if pending is not None and _inside(os.path.abspath(path), os.path.join(pending.save_dir, pending.tag)):
+            return  # the exporter creates the tag directory once the step is durable
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        pending = self._pending
+        if pending is None:
+            raise CheckpointError(f"{ENGINE_NAME}.save({path!r}) outside create()/commit()")
+        full = os.path.abspath(path)
+        if not _inside(full, os.path.join(pending.save_dir, pending.tag)):
+            raise CheckpointError(f"{ENGINE_NAME}.save: {full} is not inside the tag directory "
+                                  f"{os.path.join(pending.save_dir, pending.tag)}")
+        pending.files[os.path.relpath(full, pending.save_dir)] = state_dict
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        pending, self._pending = self._pending, None
+        if pending is None or pending.tag != str(info.tag):
+            raise CheckpointError(f"{ENGINE_NAME}.commit({info.tag!r}) without a matching create()")
+        self._owner._flash_save(pending.tag, pending.save_dir, pending.files, save_latest=bool(info.save_latest))
+        return True
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        state = self.served.get(os.path.abspath(path))
+        if state is not None:
+            return state
+        import torch
+        if not os.path.exists(path):
+            raise CheckpointError(f"DeepSpeed checkpoint file {path} is neither in the step being loaded "
+                                  "nor on storage")
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # we copy once, into shared memory; DeepSpeed need not clone first
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        return dp_rank == 0
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)

@@ -1,0 +1,112 @@
+"""Write DeepSpeed's own checkpoint layout from a committed flashckpt step.
+
+Runs in the node's saver process after the step commits (see ``flashckpt._exporters``),
+never in the trainer. Each rank's committed shard holds
+``{"deepspeed": {"tag", "save_dir", "files": {relative path: state dict}}}``; every
+state dict is written with ``torch.save`` to ``<save_dir>/<relative path>`` exactly as
+DeepSpeed's default ``TorchCheckpointEngine`` would. The tag is written to
+``<save_dir>/<tag>.tmp-flashckpt`` and renamed into place, and only then is
+``<save_dir>/latest`` replaced (atomically), so stock ``engine.load_checkpoint`` and
+``zero_to_fp32.py`` never see a half-written tag.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import pickle
+import shutil
+from typing import Any
+
+from .._errors import CheckpointError, CorruptCheckpointError
+from .._storage import LocalStorage, _fsync_dir, _write_atomic
+from . import _objects
+
+__all__ = ["export", "read_shard_tree"]
+
+log = logging.getLogger(__name__)
+
+_MANIFEST = ".flashckpt-tags.json"
+
+
+def read_shard_tree(path: str, *, allow_pickle: bool = False) -> Any:
+    """The state a committed shard holds, with new tensors (any safetensors reader works)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = json.loads(f.metadata()["flashckpt"])
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:
+        raise CorruptCheckpointError(f"{path}: cannot read shard: {exc}") from exc
+
+    def build(node: Any) -> Any:
+        if "v" in node:
+            return node["v"]
+        if "t" in node:
+            return tensors[node["t"]]
+        if "p" in node:
+            if not allow_pickle:
+                raise CheckpointError(f"{path} holds pickled entries; the checkpointer had allow_pickle=False")
+            return pickle.loads(base64.b64decode(node["p"]))
+        if "d" in node:
+            return {k: build(v) for k, v in node["d"]}
+        items = [build(v) for v in node.get("l", node.get("u"))]
+        return tuple(items) if "u" in node else items
+
+    return build(meta["tree"])
+
+
+def export(directory: str, step: int, params: dict[str, Any]) -> None:
+    """Write the DeepSpeed tag of committed ``step`` of ``directory`` (see module doc)."""
+    import torch
+
+    storage = LocalStorage(directory)
+    meta = storage.metadata(step)
+    save_dir, tag = params["save_dir"], params["tag"]
+    final = os.path.join(save_dir, tag)
+    pending = f"{final}.tmp-flashckpt"
+    shutil.rmtree(pending, ignore_errors=True)
+    os.makedirs(pending)
+    written: set[str] = set()
+    for rank in range(meta["world_size"]):
+        path, _ = storage.shard_path(step, rank)
+        ds = read_shard_tree(path, allow_pickle=params.get("allow_pickle", False))["deepspeed"]
+        for rel, state in ds["files"].items():
+            if rel in written:  # one copy of a file two ranks both handed over
+                continue
+            written.add(rel)
+            inside = os.path.relpath(rel, tag)
+            target = os.path.join(pending, inside)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "wb") as f:
+                torch.save(_objects.decode(state), f)
+                f.flush()
+                os.fsync(f.fileno())
+    _fsync_dir(pending)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(pending, final)
+    _fsync_dir(save_dir)
+    if params.get("save_latest", True):
+        _write_atomic(os.path.join(save_dir, "latest"), tag.encode())
+    _retain(save_dir, tag, int(params.get("keep_last", 0)))
+    log.info("exported step %d as DeepSpeed tag %s (%d files)", step, final, len(written))
+
+
+def _retain(save_dir: str, tag: str, keep_last: int) -> None:
+    """Delete tags this exporter wrote beyond the newest ``keep_last`` (0 keeps all)."""
+    manifest = os.path.join(save_dir, _MANIFEST)
+    try:
+        with open(manifest) as f:
+            tags = [t for t in json.load(f) if t != tag]
+    except (FileNotFoundError, ValueError):
+        tags = []
+    tags.append(tag)
+    if keep_last > 0:
+        for old in tags[:-keep_last]:
+            shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
+        tags = tags[-keep_last:]
+    _write_atomic(manifest, json.dumps(tags).encode())
