@@ -3,3 +3,4 @@
 from ._checkpointer import Checkpointer, DdpCheckpointer
 
 __all__ = ["Checkpointer", "DdpCheckpointer"]
+from ._fsdp import FsdpCheckpointer; __all__ += ["FsdpCheckpointer"]  # noqa: E402,E702  (issue 7)

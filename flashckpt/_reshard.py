@@ -1,0 +1,336 @@
+"""Reading a sharded checkpoint into another sharding: geometry and ranged reads.
+
+A sharded adapter (FSDP, ZeRO, Megatron) saves, next to each rank's local tensors, a
+plain JSON *layout* under :data:`LAYOUT_KEY`: for every tensor its global shape and
+the piece this rank holds (``offsets`` and ``lengths`` per dimension). To load with
+another world size or mesh, every rank parses the headers of all committed shards
+(only the first bytes of each file), intersects the pieces there with the piece it
+needs now, and reads just those byte ranges: ``preadv`` straight into the target when
+both sides of a range are contiguous (the usual dim-0 sharding), else an ``mmap`` of
+the source file from which only the touched pages are read. No other rank's file is
+ever read whole into memory.
+
+Pieces of one tensor are either identical (replicated) or disjoint; identical pieces
+are read once, preferring the caller's own rank. Trade-off: a resharded load checks
+every file's size and header but not its whole-file crc32 (that would mean reading
+every byte of every shard on every rank); a same-layout load verifies checksums.
+
+Framework neutral: targets are numpy ``uint8`` arrays whose last dimension is in
+bytes (an adapter views its host tensors that way), so any dtype works, bfloat16
+included.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+from ._format import DTYPE_SIZES, Entry, Image, parse_header
+from ._storage import LocalStorage
+
+__all__ = ["LAYOUT_KEY", "Piece", "Source", "RangeReader", "chunk_pieces", "path_key", "tensor_names",
+           "plain_value", "read_sources", "byte_shape"]
+
+LAYOUT_KEY = "__flashckpt_layout__"
+"""Reserved top-level key of a sharded state: the rank's layout as a JSON string."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A box of a tensor in global coordinates (one rank's shard)."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for length in self.lengths:
+            n *= length
+        return n
+
+    def intersect(self, other: "Piece") -> "Piece | None":
+        """The common box, or None when it is empty."""
+        offsets, lengths = [], []
+        for a, la, b, lb in zip(self.offsets, self.lengths, other.offsets, other.lengths):
+            lo, hi = max(a, b), min(a + la, b + lb)
+            if hi <= lo:
+                return None
+            offsets.append(lo)
+            lengths.append(hi - lo)
+        return Piece(tuple(offsets), tuple(lengths))
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"offsets": list(self.offsets), "lengths": list(self.lengths)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Piece":
+        return cls(tuple(obj["offsets"]), tuple(obj["lengths"]))
+
+
+def full_piece(shape: Iterable[int]) -> Piece:
+    shape = tuple(shape)
+    return Piece((0,) * len(shape), shape)
+
+
+def chunk_pieces(shape: tuple[int, ...], world: int, dim: int = 0) -> list[Piece]:
+    """Each rank's piece under ``torch.chunk`` on ``dim`` (FSDP's rule): ranks get
+    ``ceil(n / world)`` rows in order, the last ones fewer or none."""
+    n = shape[dim]
+    size = -(-n // world) if n else 0
+    pieces = []
+    for r in range(world):
+        lo = min(r * size, n)
+        hi = min(lo + size, n)
+        offsets = tuple(lo if d == dim else 0 for d in range(len(shape)))
+        lengths = tuple(hi - lo if d == dim else s for d, s in enumerate(shape))
+        pieces.append(Piece(offsets, lengths))
+    return pieces
+
+
+def byte_shape(lengths: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The shape of a tensor viewed as bytes: the last dimension times the item size."""
+    if not lengths:
+        return (itemsize,)
+    return tuple(lengths[:-1]) + (lengths[-1] * itemsize,)
+
+
+def _byte_piece(piece: Piece, itemsize: int) -> Piece:
+    if not piece.lengths:
+        return Piece((0,), (itemsize,))
+    return Piece(piece.offsets[:-1] + (piece.offsets[-1] * itemsize,), byte_shape(piece.lengths, itemsize))
+
+
+def _contiguous_range(shape: tuple[int, ...], start: tuple[int, ...], length: tuple[int, ...]) -> tuple[int, int] | None:
+    """(byte offset, byte count) of a box of a C-contiguous array if the box is one run."""
+    partial = [d for d in range(len(shape)) if length[d] != shape[d]]
+    if partial and any(length[d] != 1 for d in range(partial[-1])):
+        return None
+    stride, offset = 1, 0
+    for d in reversed(range(len(shape))):
+        offset += start[d] * stride
+        stride *= shape[d]
+    count = 1
+    for x in length:
+        count *= x
+    return offset, count
+
+
+# -- tree skeletons (see flashckpt._tree) ---------------------------------------------
+
+def _escape(part: Any) -> str:
+    return str(part).replace("~", "~0").replace("/", "~1")
+
+
+def path_key(parts: Iterable[Any]) -> str:
+    """The key of a tree position in layouts: escaped parts joined by "/"."""
+    return "/".join(_escape(p) for p in parts)
+
+
+def tensor_names(skeleton: Any) -> dict[str, str]:
+    """Every tensor position of a saved tree (its :func:`path_key`) -> its entry name."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, parts: tuple) -> None:
+        if "t" in node:
+            out[path_key(parts)] = node["t"]
+        elif "d" in node:
+            for k, child in node["d"]:
+                walk(child, parts + (k,))
+        else:
+            for i, child in enumerate(node.get("l", node.get("u", ()))):
+                walk(child, parts + (i,))
+
+    walk(skeleton, ())
+    return out
+
+
+def plain_value(skeleton: Any, key: str) -> Any:
+    """A top-level plain leaf of a saved tree, or None if absent."""
+    for k, child in skeleton.get("d", ()):
+        if k == key:
+            return child.get("v")
+    return None
+
+
+# -- sources --------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Source:
+    """One committed shard: its parsed header and layout, no tensor bytes."""
+
+    rank: int
+    path: str
+    size: int
+    image: Image
+    layout: dict[str, Any]
+    names: dict[str, str]
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+    def piece(self, key: str) -> Piece | None:
+        rec = self.layout["tensors"].get(key)
+        return Piece.from_json(rec) if rec is not None else None
+
+    def entry(self, key: str) -> Entry:
+        return self.entries[self.names[key]]
+
+    def file_offset(self, entry: Entry) -> int:
+        return len(self.image.header) + entry.offset
+
+
+def read_layout(image: Image, where: str) -> dict[str, Any]:
+    raw = plain_value(image.meta.get("tree", {}), LAYOUT_KEY)
+    if not isinstance(raw, str):
+        raise CheckpointError(f"{where} holds no sharded layout ({LAYOUT_KEY}); it was not saved by a "
+                              "sharded checkpointer and cannot be resharded")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: unreadable layout: {exc}") from exc
+
+
+def read_header(path: str, expected_size: int | None = None) -> tuple[Image, int]:
+    """Parse a shard's header from its first bytes; returns (image, file size)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if expected_size is not None and size != expected_size:
+            raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {expected_size} (truncated?)")
+        head = f.read(8)
+        if len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            head += f.read(min(n, max(size - 8, 0)))
+    return parse_header(head, path, size), size
+
+
+def read_sources(storage: LocalStorage, step: int) -> list[Source]:
+    """Headers and layouts of every rank's shard of a committed step (by rank)."""
+    meta = storage.metadata(step)
+    sources = []
+    for rank in range(int(meta["world_size"])):
+        path, record = storage.shard_path(step, rank)
+        image, size = read_header(path, record["size"])
+        sources.append(Source(rank, path, size, image, read_layout(image, path),
+                              tensor_names(image.meta["tree"]), {e.name: e for e in image.entries}))
+    return sources
+
+
+# -- ranged reads ---------------------------------------------------------------------
+
+class RangeReader:
+    """Fills target pieces from the byte ranges of source shards that overlap them.
+
+    Keeps one file descriptor (and, when needed, one read-only mmap) per source file;
+    use as a context manager.
+    """
+
+    def __init__(self, sources: list[Source]) -> None:
+        self.sources = sources
+        self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self.bytes_read = 0
+
+    def __enter__(self) -> "RangeReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive; the GC unmaps it
+                pass
+        self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _fd(self, path: str) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return self._fds[path]
+
+    def _map(self, path: str) -> mmap.mmap:
+        if path not in self._maps:
+            self._maps[path] = mmap.mmap(self._fd(path), 0, access=mmap.ACCESS_READ)
+        return self._maps[path]
+
+    def fill(self, key: str, dst: np.ndarray, want: Piece, dtype: str, global_shape: tuple[int, ...],
+             prefer: int = 0) -> None:
+        """Fill ``dst`` (C-contiguous uint8, shape :func:`byte_shape` of ``want``) with
+        the box ``want`` of tensor ``key``, from every source whose piece overlaps it;
+        identical pieces are read once, from rank ``prefer`` first."""
+        if want.numel == 0:
+            return
+        itemsize = DTYPE_SIZES[dtype]
+        order = sorted(self.sources, key=lambda s: (s.rank != prefer, s.rank))
+        seen: set[Piece] = set()
+        covered = 0
+        for src in order:
+            piece = src.piece(key)
+            if piece is None:
+                raise StateMismatchError(f"{src.path} has no entry {key!r} in its layout")
+            if piece in seen:
+                continue
+            seen.add(piece)
+            box = piece.intersect(want)
+            if box is None or box.numel == 0:
+                continue
+            entry = src.entry(key)
+            if entry.dtype != dtype:
+                raise StateMismatchError(f"{key}: checkpoint has {entry.dtype}, state has {dtype}")
+            if tuple(entry.shape) != piece.lengths:
+                raise CorruptCheckpointError(f"{src.path}: entry {key!r} has shape {list(entry.shape)} "
+                                             f"but its layout says {list(piece.lengths)}")
+            self._copy(src, entry, _byte_piece(piece, itemsize), dst, _byte_piece(want, itemsize),
+                       _byte_piece(box, itemsize))
+            covered += box.numel
+        if covered != want.numel:
+            raise CorruptCheckpointError(
+                f"{key}: the shards cover {covered} of the {want.numel} elements needed at offsets "
+                f"{list(want.offsets)} (global shape {list(global_shape)}); a shard is missing or the layouts overlap")
+
+    def read_entry(self, src: Source, entry: Entry, dst: np.ndarray) -> None:
+        """Read one whole entry of ``src`` into ``dst`` (C-contiguous, ``entry.nbytes`` bytes)."""
+        flat = dst.reshape(-1)
+        if flat.nbytes != entry.nbytes:
+            raise StateMismatchError(f"{src.path}: entry {entry.name!r} has {entry.nbytes} bytes, "
+                                     f"the target {flat.nbytes}")
+        _pread_exact(self._fd(src.path), memoryview(flat), src.file_offset(entry), src.path)
+        self.bytes_read += entry.nbytes
+
+    def _copy(self, src: Source, entry: Entry, spiece: Piece, dst: np.ndarray, dpiece: Piece, box: Piece) -> None:
+        s_start = tuple(b - o for b, o in zip(box.offsets, spiece.offsets))
+        d_start = tuple(b - o for b, o in zip(box.offsets, dpiece.offsets))
+        s_run = _contiguous_range(spiece.lengths, s_start, box.lengths)
+        d_run = _contiguous_range(dpiece.lengths, d_start, box.lengths)
+        base = src.file_offset(entry)
+        if s_run is not None and d_run is not None:
+            flat = dst.reshape(-1)
+            view = memoryview(flat[d_run[0]:d_run[0] + d_run[1]])
+            _pread_exact(self._fd(src.path), view, base + s_run[0], src.path)
+        else:
+            mm = self._map(src.path)
+            whole = np.frombuffer(mm, dtype=np.uint8, count=entry.nbytes, offset=base).reshape(spiece.lengths)
+            s_idx = tuple(slice(a, a + n) for a, n in zip(s_start, box.lengths))
+            d_idx = tuple(slice(a, a + n) for a, n in zip(d_start, box.lengths))
+            dst[d_idx] = whole[s_idx]
+            del whole
+        self.bytes_read += box.numel
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{path}: truncated at byte {offset + done}")
+        done += n

@@ -1,0 +1,383 @@
+"""Flash checkpoints of FSDP training (FSDP2 ``fully_shard`` and FSDP1), with resharding.
+
+Each rank saves only its local shards: ``get_state_dict`` with sharded options gives
+DTensors (FSDP2) or ShardedTensors (FSDP1); their local tensors go into the state tree
+as plain tensors, and this rank's *layout* (every tensor's global shape and the piece
+this rank holds) goes next to them as one JSON string under
+:data:`flashckpt._reshard.LAYOUT_KEY`, so the engine stores it in the shard's header
+without knowing about sharding.
+
+Loading with the same layout goes through the engine: from memory when every rank
+holds the step, else from storage with checksums, in place into the local tensors
+(FSDP2's state-dict tensors are the live parameters and optimizer states, so nothing
+else is copied; FSDP1's are copies and are handed to ``set_state_dict``). Loading with
+another world size or mesh reads every committed shard's header and then only the byte
+ranges that overlap this rank's new pieces (see :mod:`flashckpt._reshard`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import functools
+import types
+
+import torch
+
+from .. import _events
+from .._engine import Engine
+from .._errors import CheckpointError, StateMismatchError
+from .._format import parse_header
+from .._reshard import LAYOUT_KEY, Piece, RangeReader, path_key, read_header, read_layout, read_sources
+from .._tree import merge_into
+from ._checkpointer import Checkpointer
+from ._tensors import DTYPE_NAMES
+
+__all__ = ["FsdpCheckpointer"]
+
+log = logging.getLogger("flashckpt")
+
+LAYOUT_VERSION = 1
+
+
+@functools.cache
+def _api() -> types.SimpleNamespace:
+    """torch.distributed's state-dict and tensor APIs, imported on first use (they
+    take about a second to import, which ``import flashckpt.torch`` should not pay)."""
+    from torch.distributed.checkpoint import state_dict as sd
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover - torch without the FSDP1 shard package
+        ShardedTensor = None
+    return types.SimpleNamespace(sd=sd, options=sd.StateDictOptions(full_state_dict=False), DTensor=DTensor,
+                                 Shard=Shard, Replicate=Replicate, ShardedTensor=ShardedTensor,
+                                 local_shape_and_offset=compute_local_shape_and_global_offset)
+
+
+@dataclass(slots=True)
+class _Target:
+    """One rank's view of model and optimizer for a save or a load."""
+
+    tree: dict[str, Any]
+    """What the engine saves or loads: local tensors, plain values, the layout string."""
+    msd: dict[str, Any]
+    osd: dict[str, Any] | None
+    layout: dict[str, Any]
+    locals: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Layout key -> the local tensor that holds (or receives) this rank's piece."""
+
+
+def _local_piece(value: Any, key: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The local tensor of a (possibly sharded) tensor and its layout record."""
+    api = _api()
+    if isinstance(value, api.DTensor):
+        for p in value.placements:
+            if type(p) not in (api.Shard, api.Replicate):
+                raise CheckpointError(f"{key}: placement {p} is not supported (only Shard and Replicate)")
+        local = value.to_local()
+        lengths, offsets = api.local_shape_and_offset(value.shape, value.device_mesh, value.placements)
+        if tuple(local.shape) != tuple(lengths):
+            raise CheckpointError(f"{key}: local shard has shape {list(local.shape)}, its placements "
+                                  f"{value.placements} imply {list(lengths)} (uneven sharding is not supported)")
+        return local, {"shape": list(value.shape), "offsets": list(offsets), "lengths": list(lengths),
+                       "placements": [str(p) for p in value.placements], "mesh": list(value.device_mesh.shape)}
+    if api.ShardedTensor is not None and isinstance(value, api.ShardedTensor):
+        shards = value.local_shards()
+        shape = list(value.size())
+        if len(shards) > 1:
+            raise CheckpointError(f"{key}: {len(shards)} local shards on one rank are not supported")
+        if not shards:
+            lengths = [0] * len(shape)
+            return torch.empty(lengths, dtype=value.dtype), {"shape": shape, "offsets": lengths, "lengths": lengths}
+        md = shards[0].metadata
+        return shards[0].tensor, {"shape": shape, "offsets": list(md.shard_offsets), "lengths": list(md.shard_sizes)}
+    shape = list(value.shape)
+    return value, {"shape": shape, "offsets": [0] * len(shape), "lengths": shape, "replicated": True}
+
+
+def _host_bytes(t: torch.Tensor):
+    """``t`` as a writable numpy uint8 array (last dimension in bytes), or None."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    flat = t.detach().reshape(1) if t.dim() == 0 else t.detach()
+    return flat.view(torch.uint8).numpy()
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if isinstance(t, _api().DTensor) else t
+
+
+class FsdpCheckpointer:
+    """Flash checkpoints of an FSDP2 (``fully_shard``) or FSDP1 model and its optimizer.
+
+    ``save(step, model, optimizer, extra=...)`` blocks only while this rank's local
+    shards are copied into shared memory; storage gets
+    ``<directory>/step-<N>/rank-<R>.safetensors`` in the background, each with this
+    rank's layout. ``load(model, optimizer)`` fills both in place: from memory or
+    storage when the layout is unchanged, else resharded from storage reading only
+    the byte ranges each rank needs. Same options as
+    :class:`flashckpt.torch.Checkpointer`.
+
+    Call protocol: every rank of the process group constructs the checkpointer and
+    calls ``save`` and ``load`` with its part of the same model; ``load`` is collective
+    (ranks agree on one step). FSDP1 models must use ``SHARDED_STATE_DICT``-compatible
+    settings (the default of ``get_state_dict(full_state_dict=False)``).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
+                 job_id: str | None = None, allow_pickle: bool = False, process_group: Any = None) -> None:
+        self._ckpt = Checkpointer(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id,
+                                  allow_pickle=allow_pickle, process_group=process_group)
+        self._engine: Engine = self._ckpt._engine
+        self.extra: Any = None
+        """What ``extra`` held at the step the last ``load`` restored (None before)."""
+
+    @property
+    def directory(self) -> str:
+        return self._ckpt.directory
+
+    @property
+    def job_id(self) -> str:
+        return self._ckpt.job_id
+
+    # -- state ----------------------------------------------------------------------
+
+    def _collect(self, model: torch.nn.Module, optimizer: Any, extra: Any) -> _Target:
+        api = _api()
+        if optimizer is None:
+            msd, osd = api.sd.get_model_state_dict(model, options=api.options), None
+        else:
+            msd, osd = api.sd.get_state_dict(model, optimizer, options=api.options)
+        records: dict[str, dict[str, Any]] = {}
+        locals_: dict[str, torch.Tensor] = {}
+
+        def leaf(value: Any, parts: tuple) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            key = path_key(parts)
+            local, records[key] = _local_piece(value, key)
+            locals_[key] = local
+            return local
+
+        tree: dict[str, Any] = {"model": {fqn: leaf(v, ("model", fqn)) for fqn, v in msd.items()}}
+        if osd is not None:
+            tree["optim"] = {
+                "state": {fqn: {k: leaf(v, ("optim", "state", fqn, k)) for k, v in st.items()}
+                          for fqn, st in osd["state"].items()},
+                "param_groups": osd["param_groups"],
+            }
+        tree["extra"] = extra
+        coll = self._engine.collective
+        layout = {"version": LAYOUT_VERSION, "rank": coll.rank, "world_size": coll.world_size,
+                  "optimizer": osd is not None, "tensors": records}
+        tree[LAYOUT_KEY] = json.dumps(layout, separators=(",", ":"))
+        return _Target(tree, msd, osd, layout, locals_)
+
+    # -- save -----------------------------------------------------------------------
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: Any = None, *, extra: Any = None,
+             persist: bool | None = None) -> None:
+        """Copy this rank's shards of ``model`` (and ``optimizer``) and ``extra`` into
+        shared memory; persist them if due (or if ``persist``). Every rank calls this
+        for the same step; it needs no communication."""
+        target = self._collect(model, optimizer, extra)
+        self._engine.save(step, target.tree, persist=persist)
+
+    # -- load -----------------------------------------------------------------------
+
+    def load(self, model: torch.nn.Module, optimizer: Any = None, *, step: int | None = None) -> int | None:
+        """Restore ``model`` (and ``optimizer``) in place; returns the step, or None if
+        there is none. ``extra`` of that step is then in :attr:`extra`.
+
+        All ranks must call this. The ranks agree on one step like
+        :meth:`flashckpt.torch.Checkpointer.load`; if the step was saved with another
+        world size or mesh it is resharded from storage.
+        """
+        start = time.perf_counter()
+        eng = self._engine
+        coll = eng.collective
+        target = self._collect(model, optimizer, {})
+        eng._client.wait()  # a crash flush of the previous run commits first
+        memory = eng.memory_steps()
+        local = {"memory": sorted(memory), "committed": eng.storage.latest_step() if coll.rank == 0 else None}
+        views = coll.all_gather(local)
+        committed = views[0]["committed"]
+        common = set.intersection(*(set(v["memory"]) for v in views))
+        if step is None:
+            if common and (committed is None or max(common) >= committed):
+                step, source = max(common), "memory"
+            elif committed is not None:
+                step, source = committed, "storage"
+            else:
+                return eng.load(target.tree)  # nothing anywhere: the engine reports a fresh start
+        else:
+            source = "memory" if step in common else "storage"
+        peeks = self._on_all_ranks(lambda: self._peek(target, step, source, memory),
+                                   f"reading the layout of step {step} from {source}")
+        if optimizer is not None and not all(has_optim for _, has_optim in peeks):
+            raise StateMismatchError(f"step {step} in {eng.storage.root} holds no optimizer state (it was saved "
+                                     "without an optimizer); call load(model) without one, or load another step")
+        if optimizer is None and any(has_optim for _, has_optim in peeks):
+            target.tree["optim"] = {}  # read and dropped: a model-only load of a checkpoint with optimizer
+        if all(same for same, _ in peeks):
+            loaded = eng.load(target.tree, step=step)
+        else:
+            if step not in eng.storage.committed_steps():
+                raise CheckpointError(f"step {step} has another layout than this job and is not committed in "
+                                      f"{eng.storage.root}; only committed steps can be resharded")
+            self._on_all_ranks(lambda: self._reshard(target, step), f"resharding step {step} from {eng.storage.root}")
+            eng._invalidate_newer_than(step)
+            seconds = time.perf_counter() - start
+            log.info("restored step %d resharded from storage in %.2fs", step, seconds)
+            _events.emit("load", step=step, source="storage", seconds=seconds, resharded=True)
+            loaded = step
+        self._apply(model, optimizer, target)
+        self.extra = target.tree["extra"]
+        return loaded
+
+    def _on_all_ranks(self, fn: Any, what: str) -> list[Any]:
+        """Run ``fn`` on every rank; every rank gets every result, or one exception
+        naming every failed rank (never a hang)."""
+        coll = self._engine.collective
+        try:
+            mine: tuple = ("ok", fn())
+        except Exception as exc:  # noqa: BLE001 - must reach the other ranks
+            mine = ("error", type(exc).__name__, f"rank {coll.rank}: {exc}")
+        results = coll.all_gather(mine)
+        errors = [(r[1], r[2]) for r in results if r[0] == "error"]
+        if errors:
+            Engine._raise(errors, what)
+        return [r[1] for r in results]
+
+    def _peek(self, target: _Target, step: int, source: str, memory: dict[int, tuple[int, int]]) -> tuple[bool, bool]:
+        """(same layout as ``target``, holds optimizer state) for this rank's copy of ``step``."""
+        coll = self._engine.collective
+        if source == "memory":
+            index, _ = memory[step]
+            slot = self._engine._slot(index, create=False)
+            if slot is None:
+                raise CheckpointError(f"the memory slot of step {step} vanished")
+            image = parse_header(slot.image(slot.read_header().image_len), slot.path)
+            layout, world = read_layout(image, slot.path), coll.world_size
+        else:
+            world = int(self._engine.storage.metadata(step)["world_size"])
+            path, record = self._engine.storage.shard_path(step, coll.rank if coll.rank < world else 0)
+            layout = read_layout(read_header(path, record["size"])[0], path)
+        theirs, mine = layout["tensors"], target.layout["tensors"]
+        same = world == coll.world_size and all(
+            (theirs[k]["shape"], theirs[k]["offsets"], theirs[k]["lengths"]) == (r["shape"], r["offsets"], r["lengths"])
+            for k, r in mine.items() if k in theirs)
+        return same, bool(layout.get("optimizer"))
+
+    def _reshard(self, target: _Target, step: int) -> None:
+        """Fill ``target`` from the overlapping byte ranges of every shard of ``step``."""
+        rank = self._engine.collective.rank
+        sources = read_sources(self._engine.storage, step)
+        home = sources[rank] if rank < len(sources) else sources[0]
+        skeleton = home.image.meta["tree"]
+        if "optim" not in target.tree or target.tree["optim"] == {}:
+            target.tree.pop("optim", None)
+            skeleton = {"d": [[k, v] for k, v in skeleton["d"] if k != "optim"]}
+        theirs, mine = home.layout["tensors"], target.layout["tensors"]
+        problems = [f"{k}: checkpoint has global shape {theirs[k]['shape']}, state has {r['shape']}"
+                    for k, r in mine.items() if k in theirs and theirs[k]["shape"] != r["shape"]]
+        if problems:
+            raise StateMismatchError(f"checkpoint does not match the state ({len(problems)} problems):\n  "
+                                     + "\n  ".join(problems[:20]))
+        entries = {e.name: (e.dtype, tuple(e.shape)) for e in home.image.entries}
+        keys_by_name: dict[str, str] = {}
+        for key, rec in mine.items():
+            name = home.names.get(key)
+            if name is not None and key in theirs:
+                entries[name] = (entries[name][0], tuple(rec["lengths"]))
+                keys_by_name.setdefault(name, key)
+        merge = merge_into(target.tree, skeleton, entries, allow_pickle=self._engine.options.allow_pickle)
+        with RangeReader(sources) as reader:
+            for name, obj in merge.fills:
+                key = keys_by_name.get(name)
+                if key is not None and target.locals.get(key) is obj:
+                    rec = mine[key]
+                    want = Piece(tuple(rec["offsets"]), tuple(rec["lengths"]))
+                    self._fill(obj, lambda dst, k=key, w=want, r=rec: reader.fill(
+                        k, dst, w, DTYPE_NAMES[obj.dtype], tuple(r["shape"]), prefer=home.rank))
+                else:  # not in the layout (extra): this rank's home shard holds it whole
+                    self._fill(obj, lambda dst, n=name: reader.read_entry(home, home.entries[n], dst))
+            log.debug("resharded step %d: read %d bytes of tensor data", step, reader.bytes_read)
+        merge.apply_plain()
+
+    @staticmethod
+    def _fill(obj: torch.Tensor, read: Any) -> None:
+        if obj.numel() == 0:
+            return
+        dst = _host_bytes(obj)
+        if dst is not None:
+            read(dst)
+            return
+        scratch = torch.empty(obj.shape, dtype=obj.dtype)
+        read(_host_bytes(scratch))
+        with torch.no_grad():
+            obj.copy_(scratch)
+
+    # -- hand over to the model and optimizer ----------------------------------------------
+
+    def _apply(self, model: torch.nn.Module, optimizer: Any, target: _Target) -> None:
+        if optimizer is not None:
+            target.osd["param_groups"] = target.tree["optim"]["param_groups"]
+        if self._aliased(model, optimizer, target):  # FSDP2: we filled the live tensors
+            if optimizer is not None:
+                self._set_hyperparameters(optimizer, target.osd["param_groups"])
+        elif optimizer is None:
+            _api().sd.set_model_state_dict(model, target.msd, options=_api().options)
+        else:
+            _api().sd.set_state_dict(model, optimizer, model_state_dict=target.msd, optim_state_dict=target.osd,
+                                     options=_api().options)
+
+    @staticmethod
+    def _aliased(model: torch.nn.Module, optimizer: Any, target: _Target) -> bool:
+        """Whether every filled local tensor is a live parameter, buffer or optimizer state."""
+        live = {_local(t).data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+        if optimizer is not None:
+            live |= {_local(v).data_ptr() for st in optimizer.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor)}
+        return all(t.numel() == 0 or t.data_ptr() in live for t in target.locals.values())
+
+    @staticmethod
+    def _set_hyperparameters(optimizer: Any, saved: list[dict[str, Any]]) -> None:
+        if len(saved) != len(optimizer.param_groups):
+            raise StateMismatchError(f"the checkpoint has {len(saved)} optimizer param groups, "
+                                     f"the optimizer {len(optimizer.param_groups)}")
+        for group, values in zip(optimizer.param_groups, saved):
+            for k, v in values.items():
+                if k != "params":
+                    group[k] = v
+
+    # -- storage --------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every persist asked for so far is durable (raises what failed)."""
+        self._ckpt.wait(timeout)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Persist the newest in-memory step now if it is not on storage yet, and wait."""
+        self._ckpt.flush(timeout)
+
+    def latest_step(self) -> int | None:
+        """The newest step committed on storage."""
+        return self._ckpt.latest_step()
+
+    def close(self) -> None:
+        """Persist the newest step if needed, wait for storage, free shared memory."""
+        self._ckpt.close()
+
+    def __enter__(self) -> "FsdpCheckpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
