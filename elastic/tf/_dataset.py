@@ -1,0 +1,111 @@
+"""``ShardDataset``: a ``tf.data.Dataset`` of shards leased from the sharding coordinator.
+
+Each element is a :data:`ShardSpec` (``start``, ``end``, ``indices``, ``file``, ``index``,
+``epoch``) pulled from the coordinator when the pipeline asks for the next shard, so a
+fast worker takes more shards and a dead worker's shards go to the others. The user's
+reader turns a shard into records (``.flat_map(read)``); records are counted as
+consumed by the training step (estimator hook / Keras callback), never when prefetched.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+import sharding
+
+from ._positions import ShardPositions
+
+__all__ = ["ShardDataset", "ShardSpec"]
+
+log = logging.getLogger(__name__)
+
+ShardSpec = collections.namedtuple("ShardSpec", ["start", "end", "indices", "file", "index", "epoch"])
+ShardSpec.__doc__ = """One shard to read. ``indices``: the record indices (offsets in ``file``) still to
+read, in order. ``[start, end)``: the same records as a range when the data set is not
+shuffled (after a resume, ``start`` is past the records already trained); with
+``shuffle=True`` read ``indices``. ``file`` is "" for ``size=`` data sets."""
+
+_SIGNATURE = ShardSpec(
+    start=tf.TensorSpec([], tf.int64), end=tf.TensorSpec([], tf.int64), indices=tf.TensorSpec([None], tf.int64),
+    file=tf.TensorSpec([], tf.string), index=tf.TensorSpec([], tf.int64), epoch=tf.TensorSpec([], tf.int64))
+
+
+def _connect(coordinator: Any) -> sharding.Coordinator:
+    if isinstance(coordinator, str):
+        return sharding.connect(coordinator)
+    if isinstance(coordinator, sharding.Coordinator):
+        return coordinator
+    raise TypeError(f"coordinator must be a URL or a sharding.Coordinator, got {type(coordinator).__name__}")
+
+
+def open_positions(coordinator: Any, name: str, *, size: int | None = None,
+                   files: list[tuple[str, int]] | None = None, shard_size: int, shuffle: bool = False,
+                   seed: int = 0, num_epochs: int | None = 1, worker: str | None = None,
+                   lease_timeout: float = 60.0) -> ShardPositions:
+    """Define (or open) the data set at the coordinator and track this worker's leases."""
+    ds = _connect(coordinator).dataset(name, size=size, files=files, shard_size=shard_size, num_epochs=num_epochs,
+                                       shuffle=shuffle, seed=seed, lease_timeout=lease_timeout)
+    return ShardPositions(ds, worker)
+
+
+class ShardDataset(tf.data.Dataset):
+    """A ``tf.data.Dataset`` of :data:`ShardSpec` leased from ``coordinator`` on demand.
+
+    ``coordinator`` is a URL (``memory://``, ``sqlite:///path``, ``redis://...``) or a
+    ``sharding.Coordinator``; every worker names the same data set ``name`` with the same
+    definition (``size=`` records, or ``files=[(path, records), ...]``). ``worker`` names
+    this worker at the coordinator (default :func:`elastic.tf.default_worker`); a restarted
+    worker with the same name takes its leases back.
+
+    Shards complete when the training step consumed their records: pass this data set
+    (or :attr:`positions`) to ``FlashCheckpointCallback`` / ``FlashCheckpointHook`` /
+    :class:`elastic.tf.ShardReportHook`. The reader must yield one record per index and
+    the pipeline must keep the records in order (``flat_map``, ``map``, ``batch``,
+    ``prefetch``; not a shuffle buffer across shards: use ``shuffle=True``). One pass
+    over the data set runs until the coordinator has no shard left for this worker.
+    """
+
+    def __init__(self, coordinator: Any, name: str, *, size: int | None = None,
+                 files: list[tuple[str, int]] | None = None, shard_size: int, shuffle: bool = False, seed: int = 0,
+                 num_epochs: int | None = 1, worker: str | None = None, lease_timeout: float = 60.0) -> None:
+        positions = open_positions(coordinator, name, size=size, files=files, shard_size=shard_size,
+                                   shuffle=shuffle, seed=seed, num_epochs=num_epochs, worker=worker,
+                                   lease_timeout=lease_timeout)
+        self._init_from(positions)
+
+    @classmethod
+    def from_positions(cls, positions: ShardPositions) -> "ShardDataset":
+        """A new pipeline source over existing positions (one per ``input_fn`` call)."""
+        self = cls.__new__(cls)
+        self._init_from(positions)
+        return self
+
+    def _init_from(self, positions: ShardPositions) -> None:
+        self.positions = positions
+        definition = positions.dataset.definition
+
+        def generate():
+            for shard, position in positions.shards():
+                order = sharding.sample_order(shard.start, shard.end, seed=shard.seed, epoch=shard.epoch,
+                                              shard=shard.index, shuffle=shard.shuffle)
+                rest = np.asarray(order[position:], dtype=np.int64)
+                start = shard.start if definition.shuffle else shard.start + position
+                yield ShardSpec(start, shard.end, rest, shard.file or "", shard.index, shard.epoch)
+
+        self._source = tf.data.Dataset.from_generator(generate, output_signature=_SIGNATURE)
+        super().__init__(self._source._variant_tensor)
+
+    def _inputs(self) -> list[tf.data.Dataset]:
+        return []
+
+    @property
+    def element_spec(self) -> Any:
+        return self._source.element_spec
+
+    def __repr__(self) -> str:
+        return f"ShardDataset({self.positions.dataset.name!r}, worker={self.positions.worker!r})"

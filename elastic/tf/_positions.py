@@ -1,0 +1,306 @@
+"""``ShardPositions``: which records of the leased shards the training step consumed.
+
+Pure Python (no TensorFlow), shared by the tf.data source (the producer: it leases
+shards and hands them to the pipeline) and the estimator hook / Keras callback (the
+consumer: it says how many records each training step took). Records flow through
+``flat_map(reader).batch(b)`` in the order the shards were handed out, so a count of
+consumed records maps to positions in the shards, first handed out first; that holds
+when the reader yields exactly one record per index of the shard and nothing reorders
+records across shards (use the coordinator's ``shuffle=True``, not a shuffle buffer).
+
+Committing to the coordinator (report positions, complete shards) happens after each
+step, or — when a flash checkpointer owns the positions (``deferred``) — right after
+each checkpoint, so the coordinator never runs ahead of the newest checkpoint: after a
+kill and restore, the worker's leases resume exactly where its model was saved. The
+checkpoint also carries the positions, so a commit lost to a kill between the save and
+the report is re-applied on restore. Trade-off: with ``Rollback.WORKER`` a restore from
+*storage* (memory lost with the node) cannot undo shards completed after that step; one
+worker (or all workers restarting together) can use ``Rollback.DATASET`` instead, which
+rolls the whole data set back to the saved coordinator state.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import socket
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import sharding
+
+from .._errors import ElasticError
+from .._progress import tick_agent
+
+__all__ = ["Rollback", "ShardPositions", "ShardReadError", "default_worker"]
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+class Rollback(enum.Enum):
+    """What a restore of the positions rolls back."""
+
+    WORKER = "worker"
+    """This worker's leases go back to the saved positions; other workers are untouched."""
+    DATASET = "dataset"
+    """The whole data set at the coordinator goes back to the saved state (one worker)."""
+
+
+class ShardReadError(ElasticError):
+    """Reading a shard failed; its lease went back to the coordinator's queue."""
+
+
+def default_worker() -> str:
+    """A name stable across restarts: ``host-<task>`` from ``TF_CONFIG``, else
+    ``host-rank<RANK>``, else ``host-pid<pid>`` (pass ``worker=`` to take leases back)."""
+    import json
+
+    host = socket.gethostname()
+    try:
+        task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+    except ValueError:
+        task = {}
+    if "type" in task and "index" in task:
+        return f"{host}-{task['type']}{task['index']}"
+    if os.environ.get("RANK", "").isdigit():
+        return f"{host}-rank{os.environ['RANK']}"
+    return f"{host}-pid{os.getpid()}"
+
+
+@dataclass(slots=True, eq=False)
+class _Lease:
+    shard: sharding.Shard
+    done: int  # absolute position in the shard's order the training step consumed
+    committed: int  # absolute position the coordinator knows
+
+
+def _heartbeat(ref: "weakref.ref[ShardPositions]", stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        positions = ref()
+        if positions is None:
+            return
+        try:
+            if positions._held:
+                positions.dataset.heartbeat(positions.worker)
+        except Exception as exc:  # keep trying: the next beat may still save the leases
+            log.warning("heartbeat of %s failed: %s", positions.worker, exc)
+        del positions
+
+
+class ShardPositions:
+    """Leases of one worker and how far the training step consumed each.
+
+    Producer side: :meth:`shards` (a generator, one call per pass of the pipeline).
+    Consumer side: :meth:`consumed` after each training step, :meth:`commit` after each
+    checkpoint when ``deferred``. Checkpoint side: :meth:`state` / :meth:`restore`.
+    Thread-safe (tf.data runs the producer on its own threads).
+    """
+
+    def __init__(self, dataset: sharding.Dataset, worker: str | None = None) -> None:
+        self.dataset = dataset
+        self.worker = default_worker() if worker is None else worker
+        self.deferred = False
+        """True while a flash checkpointer commits the positions at its saves."""
+        self.batch_size: int | None = None
+        """Records per training step, when the pipeline's batch size is known."""
+        self._lock = threading.RLock()
+        self._held: list[_Lease] = []
+        self._fifo: deque[list[Any]] = deque()  # [lease, records handed out, not consumed]
+        self._pass = 0
+        self._started = False
+        self._over_consumed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"ShardPositions({self.dataset.name!r}, worker={self.worker!r})"
+
+    # -- producer -----------------------------------------------------------------
+    def shards(self) -> Iterator[tuple[sharding.Shard, int]]:
+        """Yield ``(shard, position)`` to read from, leasing shards on demand. A new pass
+        first re-yields what an abandoned pass handed out but the step never consumed."""
+        with self._lock:
+            self._pass += 1
+            me = self._pass
+            if not self._started:
+                self._take_back()
+            self._fifo.clear()
+            replay = [lease for lease in self._held if lease.done < len(lease.shard)]
+        for lease in replay:
+            with self._lock:
+                if me != self._pass:
+                    return
+                self._fifo.append([lease, len(lease.shard) - lease.done])
+            yield lease.shard, lease.done
+        while True:
+            shard = self._acquire()
+            if shard is None:
+                return
+            with self._lock:
+                lease = _Lease(shard, done=shard.consumed, committed=shard.consumed)
+                self._held.append(lease)
+                self._start_heartbeat()
+                if me != self._pass:  # kept in _held: the current pass never saw it
+                    return
+                if shard.consumed >= len(shard):
+                    self._commit_lease(lease)
+                    continue
+                self._fifo.append([lease, len(shard) - shard.consumed])
+            tick_agent()
+            yield shard, shard.consumed
+
+    def _acquire(self) -> sharding.Shard | None:
+        with self._lock:
+            holding = bool(self._held)
+        if not holding:  # nothing of ours can be what we wait for
+            return self.dataset.acquire(self.worker)
+        try:  # records of ours are still in flight: waiting could wait for ourselves
+            return self.dataset.acquire(self.worker, timeout=0)
+        except sharding.AcquireTimeout:
+            log.debug("%s: no shard free for %s now; this pass ends", self.dataset.name, self.worker)
+            return None
+
+    def _take_back(self) -> None:
+        self._started = True
+        try:
+            if self.dataset.release(self.worker):
+                log.info("%s: took back the leases of an earlier %s", self.dataset.name, self.worker)
+        except sharding.UnknownWorker:
+            pass
+
+    def _start_heartbeat(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_heartbeat, args=(weakref.ref(self), self._stop, self.dataset.definition.lease_timeout / 3),
+                name=f"shard-heartbeat-{self.worker}", daemon=True)
+            self._thread.start()
+
+    # -- consumer -----------------------------------------------------------------
+    def consumed(self, records: int) -> None:
+        """The training step took ``records`` more records (in hand-out order)."""
+        with self._lock:
+            left = records
+            while left and self._fifo:
+                entry = self._fifo[0]
+                take = min(left, entry[1])
+                entry[0].done += take
+                entry[1] -= take
+                left -= take
+                if entry[1] == 0:
+                    self._fifo.popleft()
+            if left and not self._over_consumed:
+                self._over_consumed = True
+                log.warning("%s: the step consumed %d records more than the shards handed out hold; "
+                            "the reader must yield one record per index of the shard", self.dataset.name, left)
+            if not self.deferred:
+                self.commit()
+
+    def consumed_steps(self, steps: int) -> None:
+        """``steps`` training steps of ``batch_size`` records (the last may be short)."""
+        if self.batch_size is None:
+            raise ElasticError(f"{self}: batch_size is unknown; pass batch_size= to the hook or callback")
+        with self._lock:
+            for _ in range(steps):
+                outstanding = sum(entry[1] for entry in self._fifo)
+                self.consumed(min(self.batch_size, outstanding) if outstanding else self.batch_size)
+
+    def commit(self) -> None:
+        """Tell the coordinator the consumed positions; complete the finished shards."""
+        with self._lock:
+            for lease in list(self._held):
+                self._commit_lease(lease)
+
+    def _commit_lease(self, lease: _Lease) -> None:
+        try:
+            if lease.done >= len(lease.shard):
+                self.dataset.complete(lease.shard)
+                self._held.remove(lease)
+            elif lease.done != lease.committed:
+                self.dataset.report(lease.shard, lease.done)
+            lease.committed = lease.done
+        except sharding.AlreadyCompleted:  # a commit re-applied on restore
+            log.debug("%s: shard %d was completed already", self.dataset.name, lease.shard.index)
+            if lease in self._held:
+                self._held.remove(lease)
+        except sharding.LeaseLost as exc:  # expired and re-leased: its records may train twice
+            log.warning("%s: %s", self.dataset.name, exc)
+            if lease in self._held:
+                self._held.remove(lease)
+            self._fifo = deque(e for e in self._fifo if e[0] is not lease)
+
+    def fail(self, error: BaseException) -> ShardReadError:
+        """Reading stopped with ``error``: give every lease back to the queue (at the
+        committed positions) and return the error naming the shard being read."""
+        with self._lock:
+            reading = self._fifo[-1][0].shard if self._fifo else None
+            self._fifo.clear()
+            self._held.clear()
+            try:
+                self.dataset.release(self.worker)
+            except sharding.CoordinatorError as exc:
+                log.warning("%s: could not give back the leases of %s: %s", self.dataset.name, self.worker, exc)
+        if reading is None:
+            where = "no shard was being read"
+        else:
+            where = (f"shard {reading.index} of epoch {reading.epoch} (records {reading.start}..{reading.end}"
+                     + (f" of {reading.file}" if reading.file else "") + ")")
+        message = (f"data set {self.dataset.name!r}, worker {self.worker!r}: reading failed in {where}; "
+                   f"the shard went back to the queue: {type(error).__name__}: {error}")
+        log.error(message)
+        return ShardReadError(message)
+
+    # -- checkpoint ---------------------------------------------------------------
+    def state(self, rollback: Rollback = Rollback.WORKER) -> dict[str, Any]:
+        """The positions as a small JSON-able dict (taken right before a checkpoint)."""
+        with self._lock:
+            if rollback is Rollback.DATASET:
+                self.commit()  # the snapshot restores the coordinator itself
+            leases = [[l.shard.epoch, l.shard.slot, l.shard.index, l.shard.lease, l.done] for l in self._held]
+            state: dict[str, Any] = {"version": STATE_VERSION, "dataset": self.dataset.name,
+                                     "worker": self.worker, "rollback": rollback.value, "leases": leases}
+            if rollback is Rollback.DATASET:
+                state["coordinator"] = self.dataset.state_dict()
+            return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go back to ``state`` (from :meth:`state`): re-apply this worker's saved
+        positions, or roll the whole data set back; then lease anew."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ElasticError(f"{self}: not a ShardPositions state of version {STATE_VERSION}: {state!r:.200}")
+        if state.get("dataset") != self.dataset.name:
+            raise ElasticError(f"{self}: the checkpoint holds positions of data set {state.get('dataset')!r}")
+        with self._lock:
+            self._fifo.clear()
+            self._held.clear()
+            if state.get("rollback") == Rollback.DATASET.value:
+                self.dataset.load_state_dict(state["coordinator"])
+            else:
+                for epoch, slot, index, token, done in state["leases"]:
+                    lease = _Lease(self._shard(epoch, slot, index, token), done=done, committed=-1)
+                    self._held.append(lease)
+                    self._commit_lease(lease)
+                self._held.clear()
+            self._take_back()
+
+    def _shard(self, epoch: int, slot: int, index: int, token: int) -> sharding.Shard:
+        d = self.dataset.definition
+        file, start, end = d.bounds(index)
+        return sharding.Shard(dataset=self.dataset.name, epoch=epoch, index=index, start=start, end=end, file=file,
+                              consumed=0, worker=self.worker, lease=token, slot=slot, seed=d.seed, shuffle=d.shuffle)
+
+    def close(self) -> None:
+        """Stop heartbeating and give the leases back at their committed positions."""
+        self._stop.set()
+        with self._lock:
+            self._fifo.clear()
+            self._held.clear()
+            try:
+                self.dataset.release(self.worker)
+            except sharding.UnknownWorker:
+                pass

@@ -1,0 +1,58 @@
+"""What the TF checkpointer, the estimator hook and the Keras callback share: the
+engine for one worker, the shape of the saved state, and the data positions."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from .._engine import Engine, Options, Placement, SingleProcess, new_token
+from .._errors import CheckpointError
+
+__all__ = ["FORMAT", "data_state", "new_engine", "positions_of", "restore_data"]
+
+log = logging.getLogger("flashckpt.tf")
+
+FORMAT = "flashckpt.tf/1"
+
+
+def new_engine(directory: str | os.PathLike, *, persist_every: int, keep_last: int, job_id: str | None) -> Engine:
+    """An engine for one TF worker: its own directory, memory slot and shard ``rank-0``."""
+    options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id)
+    placement = Placement(local_rank=0, memory_rank=0, writes_memory=True, storage_rank=0, storage_world=1,
+                          persists=True, token=new_token())
+    return Engine(os.fspath(directory), options, placement, SingleProcess())
+
+
+def positions_of(data: Any) -> Any:
+    """The ``elastic.tf.ShardPositions`` of a ``ShardDataset``, positions, or None."""
+    if data is None:
+        return None
+    from elastic.tf import ShardPositions
+
+    positions = getattr(data, "positions", data)
+    if not isinstance(positions, ShardPositions):
+        raise TypeError(f"data must be an elastic.tf.ShardDataset or ShardPositions, got {type(data).__name__}")
+    positions.deferred = True  # the coordinator learns positions at our saves
+    return positions
+
+
+def data_state(positions: Any, rollback: Any) -> str | None:
+    """The positions as a JSON string leaf (None without data)."""
+    return None if positions is None else json.dumps(positions.state(rollback), separators=(",", ":"))
+
+
+def restore_data(positions: Any, saved: Any, step: int) -> None:
+    """Put the data positions back where checkpoint ``step`` left them."""
+    if positions is None:
+        return
+    if saved is None:
+        log.warning("step %d holds no data positions; %s resumes from the coordinator as it is", step, positions)
+        return
+    try:
+        state = json.loads(saved)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"step {step}: the data positions are not JSON: {exc}") from exc
+    positions.restore(state)

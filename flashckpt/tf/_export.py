@@ -1,0 +1,107 @@
+"""Write a committed flashckpt.tf step as a stock TensorFlow checkpoint.
+
+Runs in the trainer (``Checkpointer.export``) or in the node's saver process after a
+step commits (``save(..., export=True)``; allow-listed as "tf" in
+``flashckpt._exporters``). Reads the committed safetensors shard (checksum verified),
+writes its variables under their own checkpoint keys with ``SaveV2`` plus the object
+graph proto that ``tf.train.Checkpoint.restore`` matches objects by, and the
+``checkpoint`` state file that ``tf.train.latest_checkpoint`` and estimators read.
+Checkpoints of the estimator hook have no object graph: they export as name-based
+(TF1) checkpoints, which ``tf.compat.v1.train.Saver`` and estimators restore.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import mmap
+import os
+import zlib
+from typing import Any
+
+import numpy as np
+
+from .._errors import CheckpointError, CorruptCheckpointError
+from .._format import parse_header
+from .._storage import LocalStorage
+
+__all__ = ["export", "read_step", "write_tf_checkpoint"]
+
+log = logging.getLogger("flashckpt.tf")
+
+_OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+           "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+           "BOOL": np.bool_, "C64": np.complex64}
+
+
+def _children(node: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in node.get("d", [])}
+
+
+def read_step(directory: str, step: int) -> tuple[dict[str, np.ndarray], str | None, Any]:
+    """``({checkpoint key: array}, object graph (base64) or None, mmap)`` of a committed
+    step; the arrays view the mmap (close it when done)."""
+    storage = LocalStorage(directory)
+    path, record = storage.shard_path(step, 0)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != record["size"]:
+            raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {record['size']} (truncated?)")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    crc = 0
+    for at in range(0, size, 64 << 20):
+        crc = zlib.crc32(mm[at:at + (64 << 20)], crc)
+    if crc != record["crc32"]:
+        mm.close()
+        raise CorruptCheckpointError(f"{path}: checksum {crc:#010x} does not match the recorded {record['crc32']:#010x}")
+    (n,) = np.frombuffer(mm, dtype="<u8", count=1)
+    image = parse_header(mm[:8 + int(n)], path, size)
+    root = _children(image.meta["tree"])
+    tf_node = {k: v.get("v") for k, v in _children(root.get("tf", {})).items()}
+    if "variables" not in root or not tf_node.get("format", "").startswith("flashckpt.tf/"):
+        mm.close()
+        raise CheckpointError(f"{path}: not a flashckpt.tf checkpoint")
+    entries = {e.name: e for e in image.entries}
+    base = len(image.header)
+    arrays: dict[str, np.ndarray] = {}
+    for key, node in _children(root["variables"]).items():
+        e = entries[node["t"]]
+        dtype = np.dtype(_DTYPES[e.dtype])
+        arrays[key] = np.frombuffer(mm, dtype=dtype, count=e.nbytes // dtype.itemsize, offset=base + e.offset).reshape(e.shape)
+    return arrays, tf_node.get("object_graph"), mm
+
+
+def write_tf_checkpoint(directory: str, step: int, prefix: str) -> str:
+    """Write committed ``step`` of ``directory`` as a TF checkpoint at ``prefix``."""
+    import tensorflow as tf
+
+    arrays, graph, mm = read_step(directory, step)
+    try:
+        names = sorted(arrays)
+        tensors: list[Any] = [arrays[name] for name in names]
+        if graph is not None:
+            names.append(_OBJECT_GRAPH_KEY)
+            tensors.append(tf.constant(base64.b64decode(graph), dtype=tf.string))
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        with tf.device("/cpu:0"):
+            tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=tensors)
+        from tensorflow.python.checkpoint import checkpoint_management
+
+        checkpoint_management.update_checkpoint_state_internal(
+            os.path.dirname(os.path.abspath(prefix)), os.path.abspath(prefix), save_relative_paths=True)
+    finally:
+        del arrays
+        tensors = []
+        try:
+            mm.close()
+        except BufferError:  # a view is still referenced somewhere; the mapping goes with it
+            log.debug("export mapping of step %d still referenced", step)
+    log.info("exported step %d of %s as TF checkpoint %s", step, directory, prefix)
+    return prefix
+
+
+def export(directory: str, step: int, params: dict[str, Any]) -> None:
+    """Saver-process entry point: ``params["path"]`` or ``<dir>/step-<N>/tf/ckpt``."""
+    prefix = params.get("path") or os.path.join(directory, f"step-{step}", "tf", "ckpt")
+    write_tf_checkpoint(directory, step, prefix)

@@ -1,0 +1,116 @@
+"""TF variables as checkpoint leaves: naming them, reading them with one copy, writing back.
+
+Names are the keys a stock ``tf.train.Checkpoint`` gives the variables
+(``model/layer_with_weights-0/kernel/.ATTRIBUTES/VARIABLE_VALUE``), taken from TF's own
+object-graph serialisation, so an export is a byte copy under the same keys plus the
+object graph proto.
+
+One copy on save: ``var.value()._numpy()`` of a CPU variable is a numpy view of the
+variable's own buffer (no copy), and the engine copies that view into shared memory.
+In-place load: when two reads give the same buffer (the variable is not in TF's
+copy-on-read mode), the engine copies straight into that buffer; otherwise the value
+is loaded into a host array and ``assign``-ed (one more copy, measured in
+``benchmarks/tf_save.py``).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from .._errors import CheckpointError
+
+__all__ = ["as_checkpoint", "build_optimizers", "collect", "read_alias", "writable_alias"]
+
+log = logging.getLogger(__name__)
+
+
+def as_checkpoint(obj: Any) -> tf.train.Checkpoint:
+    """A ``tf.train.Checkpoint``; a Keras model is wrapped with its optimizer."""
+    if isinstance(obj, tf.train.Checkpoint):
+        return obj
+    if isinstance(obj, tf.keras.Model):
+        optimizer = getattr(obj, "optimizer", None)
+        return tf.train.Checkpoint(model=obj, optimizer=optimizer) if optimizer is not None else tf.train.Checkpoint(model=obj)
+    if isinstance(obj, dict) and obj:
+        return tf.train.Checkpoint(**obj)
+    raise TypeError("checkpoint must be a tf.train.Checkpoint, a Keras model or a dict of trackables, "
+                    f"got {type(obj).__name__}")
+
+
+def collect(root: tf.train.Checkpoint) -> tuple[dict[str, tf.Variable], str]:
+    """``{checkpoint key: variable}`` and the object graph proto (base64), as TF's own
+    ``Checkpoint.write`` would name them. Raises for state that is not a variable."""
+    from tensorflow.python.checkpoint import graph_view, save_util
+
+    serialized, _, registered, proto = save_util.serialize_graph_view(graph_view.ObjectGraphView(root))
+    if registered:
+        raise CheckpointError(f"flashckpt.tf cannot checkpoint objects with registered savers: {sorted(registered)}")
+    variables: dict[str, tf.Variable] = {}
+    unsupported: list[str] = []
+    for trackable, tensors in serialized.items():
+        for key in tensors:
+            if isinstance(trackable, tf.Variable):
+                variables[key] = trackable
+            else:
+                unsupported.append(f"{key} ({type(trackable).__name__})")
+    if unsupported:
+        raise CheckpointError("flashckpt.tf checkpoints variables only; these entries are not variables: "
+                              + ", ".join(unsupported[:10]))
+    return variables, base64.b64encode(proto.SerializeToString()).decode("ascii")
+
+
+def build_optimizers(root: tf.train.Checkpoint) -> None:
+    """Create the slot variables of Keras optimizers that have not taken a step yet, so
+    that a load before the first step finds every variable of the checkpoint."""
+    children = dict(root._trackable_children())
+    models = [c for c in children.values() if isinstance(c, tf.keras.Model)]
+    var_list = [v for m in models for v in m.trainable_variables]
+    for child in children.values():
+        if isinstance(child, tf.keras.Model) and getattr(child, "optimizer", None) is not None \
+                and all(c is not child.optimizer for c in children.values()):
+            _build(child.optimizer, child.trainable_variables)
+    if not var_list:
+        return
+    for child in children.values():
+        _build(child, var_list)
+
+
+def _build(optimizer: Any, var_list: list[tf.Variable]) -> None:
+    if isinstance(optimizer, tf.keras.optimizers.Optimizer):
+        if not getattr(optimizer, "_built", False):
+            optimizer.build(var_list)
+    elif isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer):
+        optimizer._create_all_weights(var_list)
+
+
+def _on_host(var: tf.Variable) -> bool:
+    return "GPU" not in (var.device or "").upper() and "TPU" not in (var.device or "").upper()
+
+
+def read_alias(var: tf.Variable) -> np.ndarray:
+    """The variable's value as numpy: a view of its buffer on CPU (no copy)."""
+    value = var.value()
+    if value.dtype == tf.bfloat16 or value.dtype == tf.string:
+        raise CheckpointError(f"variable {var.name}: dtype {value.dtype.name} is not supported by flashckpt.tf")
+    array = value._numpy()
+    return array if isinstance(array, np.ndarray) else np.asarray(array)  # a 0-d value comes as a scalar
+
+
+def writable_alias(var: tf.Variable) -> np.ndarray | None:
+    """A writable numpy view of the variable's own buffer, or None where TF hands out
+    copies (copy-on-read mode, device memory): then load must ``assign``."""
+    if not _on_host(var):
+        return None
+    first, second = var.value()._numpy(), var.value()._numpy()
+    if not isinstance(first, np.ndarray) or not isinstance(second, np.ndarray):
+        return None  # 0-d values come as numpy scalars (copies)
+    same = first.ctypes.data == second.ctypes.data and first.nbytes > 0
+    del second
+    if same and first.flags.writeable and first.flags.c_contiguous:
+        return first
+    return None
