@@ -1,0 +1,307 @@
+"""``FlashCheckpointCallback``: flash checkpoints for the Hugging Face ``Trainer``.
+
+How it takes over saving
+    transformers 5.x decides to save inside ``Trainer._maybe_log_save_evaluate``, after
+    the step's logging, evaluation and best-metric bookkeeping, and then calls
+    ``Trainer._save_checkpoint(model, trial)`` followed by ``on_save``. Setting
+    ``control.should_save = False`` in ``on_step_end`` would skip the save, but a
+    snapshot taken there comes too early: ``trainer_state.json`` would lack the step's
+    log entry, the best metric of its evaluation, and the FLOs the save folds in. So the
+    callback replaces ``_save_checkpoint`` on the one Trainer instance it is given to (found
+    once, at ``on_init_end``), keeping the stock save point and the ``on_save`` event.
+    The replacement does the stock bookkeeping (``store_flos``, the best checkpoint,
+    stateful callbacks) and then copies model, optimizer, scheduler, scaler, RNG and
+    trainer state into shared memory: the only stall. The node's saver process
+    persists the step and the exporter (:mod:`flashckpt.hf._export`) writes the stock
+    ``checkpoint-<N>`` folder and rotates old ones, all in the background. Steps between
+    saves (``memory_every``) are snapshots the callback asks for by setting
+    ``control.should_save`` in ``on_step_end``; they stay in memory only.
+
+How resuming prefers memory
+    ``Trainer.train(resume_from_checkpoint=True)`` picks the newest ``checkpoint-<N>``
+    folder before any training callback runs, and derives the data position from it,
+    so memory cannot be swapped in later. Instead, at ``on_init_end`` (the Trainer's
+    constructor, on every rank) the callback compares the newest step that every rank
+    holds in shared memory with the newest folder; when memory is newer it has that
+    step persisted and exported now, so the folder the stock Trainer then picks is the
+    in-memory state. This works with stock transformers and under torchrun restarts:
+    the shared memory and the saver outlive the killed processes, and the restarted
+    ones find them by the output directory. (After a crash the saver usually writes
+    that folder by itself before the restart gets there.)
+
+Unsupported setups (DeepSpeed, FSDP, XLA, SageMaker MP, ``push_to_hub``,
+hyper-parameter search trials) keep the stock save, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+from typing import Any
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import SaveStrategy
+
+from .. import _events
+from .._errors import CheckpointError
+from ..torch import Checkpointer
+from . import _export
+from ._capture import capture_main_state, capture_rank_state, write_static_files
+
+__all__ = ["FlashCheckpointCallback"]
+
+log = logging.getLogger("flashckpt.hf")
+
+_FOLDER_RE = re.compile(r"^checkpoint-(\d+)$")
+STATE_DIR = ".flashckpt"
+"""Under ``output_dir``: the engine's committed steps (the newest only) and static files."""
+
+
+def _newest_folder(run_dir: str) -> int | None:
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return None
+    steps = [int(m.group(1)) for n in names if (m := _FOLDER_RE.match(n)) and os.path.isdir(os.path.join(run_dir, n))]
+    return max(steps, default=None)
+
+
+def _check_positive(name: str, value: int | None, minimum: int) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+        raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
+
+
+def _check_writable(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".flashckpt-probe-{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.unlink(probe)
+    except OSError as exc:
+        raise CheckpointError(f"FlashCheckpointCallback: output_dir {path!r} is not writable ({exc}); "
+                              "Trainer checkpoints could not be written there") from exc
+
+
+class FlashCheckpointCallback(TrainerCallback):
+    """Trainer checkpoints that cost the training loop one memory copy.
+
+    Pass it to the Trainer's constructor, on every rank::
+
+        trainer = Trainer(..., callbacks=[FlashCheckpointCallback()])
+        trainer.train(resume_from_checkpoint=True)
+
+    At every step the Trainer would save (``save_strategy`` / ``save_steps``), the state
+    is copied into shared memory and the stock ``checkpoint-<N>`` folder is written in
+    the background; ``train()`` returns once every folder is on storage.
+
+    Args:
+        memory_every: also snapshot into memory every this many steps (not persisted;
+            written out only when needed to resume after a crash). None: save steps only.
+        persist_every: write a ``checkpoint-<N>`` folder every this many steps (the
+            Trainer's save steps are then memory snapshots). None: at the Trainer's save steps.
+        keep_last: folders to keep. None: ``save_total_limit``.
+
+    Attributes:
+        resumed_from: after construction, ``{"step": N, "source": "memory"}`` when shared
+            memory held a step at least as new as the newest folder (so a
+            ``resume_from_checkpoint=True`` resumes from it), else None.
+    """
+
+    def __init__(self, *, memory_every: int | None = None, persist_every: int | None = None,
+                 keep_last: int | None = None) -> None:
+        _check_positive("memory_every", memory_every, 1)
+        _check_positive("persist_every", persist_every, 1)
+        _check_positive("keep_last", keep_last, 0)
+        self.memory_every = memory_every
+        self.persist_every = persist_every
+        self.keep_last = keep_last
+        self.resumed_from: dict[str, Any] | None = None
+        self._trainer: Any = None
+        self._stock_save: Any = None
+        self._ckpt: Checkpointer | None = None
+        self._static: str | None = None
+        self._persist_at: dict[int, bool] = {}
+        self._persisted: set[int] = set()
+
+    # -- events -------------------------------------------------------------------
+
+    def on_init_end(self, args, state, control, **kwargs):
+        """Attach to the Trainer being constructed; write a newer in-memory step out as a folder."""
+        trainer = self._find_trainer()
+        if trainer is None:
+            raise CheckpointError("FlashCheckpointCallback must be passed to a transformers Trainer "
+                                  "(Trainer(..., callbacks=[FlashCheckpointCallback()]))")
+        if self._attach(trainer):
+            self._open()
+            self._recover()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self._trainer is None:  # added with trainer.add_callback() after construction
+            trainer = self._find_trainer()
+            if trainer is None or not self._attach(trainer):
+                return
+            log.warning("FlashCheckpointCallback was added after the Trainer was built: it saves, but a "
+                        "resume cannot prefer memory (pass it to the Trainer's constructor for that)")
+        if self._stock_save is None:
+            return
+        if self._ckpt is None:
+            self._open()
+        static = write_static_files(self._trainer, self._state_dir()) if self._trainer.args.should_save else None
+        everyone = self._ckpt._engine.collective.all_gather(static)
+        self._static = everyone[0]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Decide whether this step is snapshotted and whether it is persisted."""
+        if self._stock_save is None:
+            return
+        step = state.global_step
+        stock = control.should_save
+        if self.persist_every is None:
+            persist = stock
+        else:
+            persist = step % self.persist_every == 0 or (stock and control.should_training_stop)
+        memory = self.memory_every is not None and step % self.memory_every == 0
+        if stock or memory or persist:
+            control.should_save = True  # the Trainer calls _save_checkpoint after logging and evaluating
+            self._persist_at[step] = persist
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Wait until every folder is on storage, then free the shared memory."""
+        if self._ckpt is not None:
+            ckpt, self._ckpt = self._ckpt, None
+            ckpt.close()
+
+    # -- attaching ----------------------------------------------------------------
+
+    def _find_trainer(self) -> Any:
+        """The Trainer whose callbacks include this one, from the calling frames (the
+        callback API passes no Trainer, but saving needs its bookkeeping)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            handler = getattr(candidate, "callback_handler", None)
+            if handler is not None and any(cb is self for cb in getattr(handler, "callbacks", ())):
+                return candidate
+            frame = frame.f_back
+        return None
+
+    def _attach(self, trainer: Any) -> bool:
+        """Check the setup and take over the Trainer's save; False keeps the stock save."""
+        self._trainer = trainer
+        args = trainer.args
+        unsupported = [name for name, on in (
+            ("DeepSpeed", getattr(trainer, "is_deepspeed_enabled", False)),
+            ("FSDP", getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False)),
+            ("push_to_hub", args.push_to_hub),
+        ) if on]
+        from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+        if is_torch_xla_available():
+            unsupported.append("XLA")
+        if is_sagemaker_mp_enabled():
+            unsupported.append("SageMaker model parallel")
+        if unsupported:
+            log.warning("FlashCheckpointCallback does not support %s yet: the Trainer keeps its own save",
+                        ", ".join(unsupported))
+            return False
+        if args.save_strategy == SaveStrategy.NO and self.memory_every is None:
+            log.warning("FlashCheckpointCallback: save_strategy='no' and no memory_every, so there is nothing "
+                        "to checkpoint; the callback stays idle")
+            return False
+        if args.save_strategy == SaveStrategy.NO:
+            log.info("FlashCheckpointCallback: save_strategy='no': snapshots every %d steps stay in memory; "
+                     "a folder is written only to resume after a crash", self.memory_every)
+        if args.save_only_model:
+            log.info("FlashCheckpointCallback: save_only_model=True: checkpoints (memory and folders) hold the "
+                     "model and trainer state only, as the Trainer's own; a resume starts a fresh optimizer")
+        _check_writable(args.output_dir)
+        self._stock_save = trainer._save_checkpoint
+        trainer._save_checkpoint = self._save_checkpoint
+        return True
+
+    def _state_dir(self) -> str:
+        return os.path.join(self._trainer.args.output_dir, STATE_DIR)
+
+    def _open(self) -> None:
+        # only the newest step is kept here: the checkpoint-N folders are the checkpoints
+        self._ckpt = Checkpointer(self._state_dir(), keep_last=1)
+
+    # -- resuming -----------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """All ranks: if memory holds a step newer than the newest folder, write that folder now."""
+        engine = self._ckpt._engine
+        collective = engine.collective
+        start = time.perf_counter()
+        engine.wait()  # the saver may still be writing what a crashed attempt left in memory
+        run_dir = self._trainer.args.output_dir
+        mine = engine.memory_steps()
+        views = collective.all_gather((sorted(mine), _newest_folder(run_dir) if collective.rank == 0 else None))
+        common = set.intersection(*(set(steps) for steps, _ in views))
+        newest = views[0][1]
+        if not common:
+            return
+        step = max(common)
+        if newest is not None and step < newest:
+            log.info("memory holds step %d, older than %s/checkpoint-%d: a resume reads the folder",
+                     step, run_dir, newest)
+            return
+        if newest != step:
+            log.info("memory holds step %d, newer than the newest folder (%s): writing checkpoint-%d from memory",
+                     step, newest, step)
+            slot, generation = mine[step]
+            engine._client.persist(engine._slot_paths[slot], generation)
+            engine.wait()
+            collective.all_gather(None)  # every rank's shard is on storage: the step is committed
+            if collective.rank == 0 and not os.path.isdir(os.path.join(run_dir, _export.folder_name(step))):
+                _export.export(engine.storage.root, step, {"run_dir": run_dir, "static": None, "limit": None})
+            collective.all_gather(None)
+        engine._invalidate_newer_than(step)
+        self.resumed_from = {"step": step, "source": "memory"}
+        seconds = time.perf_counter() - start
+        log.info("step %d from memory is %s/checkpoint-%d (%.2fs): resume_from_checkpoint=True resumes there",
+                 step, run_dir, step, seconds)
+        _events.emit("load", step=step, source="memory", seconds=seconds)
+
+    # -- saving -------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Replaces ``Trainer._save_checkpoint``: the stock bookkeeping, then one copy into memory."""
+        trainer = self._trainer
+        if trial is not None or trainer.hp_search_backend is not None or self._ckpt is None:
+            return self._stock_save(model, trial)
+        self._snapshot(trainer)
+
+    def _snapshot(self, trainer: Any) -> None:
+        args, state = trainer.args, trainer.state
+        step = state.global_step
+        persist = self._persist_at.pop(step, True)  # a save we did not plan (best metric, epoch end)
+        trainer.store_flos()
+        run_dir = trainer._get_output_dir(trial=None)
+        best_step = state.best_global_step
+        if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and best_step:
+            best = os.path.join(run_dir, _export.folder_name(best_step))
+            if os.path.exists(best) or best_step in self._persisted or (best_step == step and persist):
+                state.best_model_checkpoint = best
+        if args.should_save:  # as the stock save: record the stateful callbacks' state
+            for cb in [cb for cb in trainer.callback_handler.callbacks + [trainer.control]
+                       if isinstance(cb, ExportableState)]:
+                name = cb.__class__.__name__
+                if isinstance(state.stateful_callbacks[name], list):
+                    state.stateful_callbacks[name].append(cb.state())
+                else:
+                    state.stateful_callbacks[name] = cb.state()
+        tree = capture_rank_state(trainer)
+        if args.process_index == 0:
+            tree["hf"] = capture_main_state(trainer)
+        limit = self.keep_last if self.keep_last is not None else args.save_total_limit
+        export = {"name": "hf", "params": {"run_dir": run_dir, "static": self._static, "limit": limit}}
+        self._ckpt._engine.save(step, tree, persist=persist, export=export)
+        if persist:
+            self._persisted.add(step)
+        if args.load_best_model_at_end and (step >= state.max_steps or trainer.control.should_training_stop):
+            self._ckpt.wait()  # the Trainer loads the best folder before on_train_end

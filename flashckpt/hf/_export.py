@@ -1,0 +1,195 @@
+"""The Hugging Face exporter: a committed flashckpt step -> ``checkpoint-<N>``.
+
+Runs in the saver process (``flashckpt._exporters`` calls :func:`export` after the
+step commits), never in the trainer. It reads the committed safetensors shards
+without copying them (every tensor is a view of the mapped file with a storage of its
+own, so ``torch.save`` and ``safetensors`` write exactly the original bytes), writes
+the stock Trainer files into ``<run_dir>/.checkpoint-<N>.tmp-<pid>``, fsyncs them and
+renames the folder to ``checkpoint-<N>``, then rotates folders the way the Trainer
+does (``save_total_limit``, the best checkpoint kept). A crash leaves only a hidden
+temporary folder, which ``get_last_checkpoint`` and the rotation never see.
+
+``params`` (JSON, from the trainer): ``run_dir``, ``static`` (the folder of
+``training_args.bin`` and tokenizer files), ``limit`` (folders to keep, or None).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+import sys
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import CheckpointError, CorruptCheckpointError
+from .._format import parse_header
+from .._storage import LocalStorage, _fsync_dir
+from ..torch._tensors import DTYPE_NAMES
+
+__all__ = ["export", "write_folder", "read_shard", "folder_name"]
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+_NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+                 "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
+                 "U8": np.uint8, "BOOL": np.bool_, "C64": np.complex64}
+
+
+def folder_name(step: int) -> str:
+    return f"checkpoint-{step}"
+
+
+def _unflatten(node: Any, leaves: dict[str, Any]) -> Any:
+    if "v" in node:
+        return node["v"]
+    if "t" in node:
+        return leaves[node["t"]]
+    if "d" in node:  # keys interned as the literals they were, so pickle memoizes them alike
+        return {sys.intern(k) if type(k) is str else k: _unflatten(v, leaves) for k, v in node["d"]}
+    if "p" in node:
+        raise CheckpointError("the Hugging Face exporter does not unpickle state entries")
+    items = [_unflatten(v, leaves) for v in node.get("l", node.get("u"))]
+    return tuple(items) if "u" in node else items
+
+
+def read_shard(path: str) -> tuple[Any, mmap.mmap]:
+    """The state tree of one shard, its tensors viewing the mapped file (keep the map open)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else None
+    if mm is None or size < 8:
+        raise CorruptCheckpointError(f"{path}: empty or truncated shard")
+    (n,) = struct.unpack("<Q", mm[:8])
+    image = parse_header(mm[:8 + n], path, size)
+    base = len(image.header)
+    kinds = image.meta["kinds"]
+    leaves: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only views: only ever read
+        for e in image.entries:
+            count = 1
+            for d in e.shape:
+                count *= d
+            if kinds[e.name] == "numpy":
+                leaves[e.name] = np.frombuffer(mm, dtype=_NUMPY_DTYPES[e.dtype], count=count,
+                                               offset=base + e.offset).reshape(e.shape)
+            elif count == 0:
+                leaves[e.name] = torch.empty(e.shape, dtype=_TORCH_DTYPES[e.dtype])
+            else:  # its own storage over exactly these bytes, as the saved tensor had
+                leaves[e.name] = torch.frombuffer(mm, dtype=_TORCH_DTYPES[e.dtype], count=count,
+                                                  offset=base + e.offset).view(e.shape)
+    return _unflatten(image.meta["tree"], leaves), mm
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_model(main: dict[str, Any], folder: str) -> None:
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    tensors = main["model"]
+    if not main.get("pretrained"):
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        f.write(main["config"])
+    if main.get("generation_config") is not None:
+        with open(os.path.join(folder, "generation_config.json"), "w", encoding="utf-8") as f:
+            f.write(main["generation_config"])
+    split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size="50GB")  # what the Trainer's save_pretrained uses
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: tensors[name] for name in names}, os.path.join(folder, filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_parameters": main["num_parameters"], **split.metadata},
+                 "weight_map": split.tensor_to_filename}
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def write_folder(ranks: list[Any], folder: str, static: str | None) -> None:
+    """Write the stock Trainer files of one step into ``folder`` (which must exist).
+    ``ranks[r]`` is rank r's state tree; rank 0's holds the model and the rest."""
+    main = ranks[0]["hf"]
+    _write_model(main, folder)
+    if static is not None:
+        for name in sorted(os.listdir(static)):
+            shutil.copyfile(os.path.join(static, name), os.path.join(folder, name))
+    if "optimizer" in main:
+        torch.save(main["optimizer"], os.path.join(folder, "optimizer.pt"))
+        torch.save(main["scheduler"], os.path.join(folder, "scheduler.pt"))
+        if main.get("scaler") is not None:
+            torch.save(main["scaler"], os.path.join(folder, "scaler.pt"))
+    for rank, tree in enumerate(ranks):
+        if "rng" in tree:
+            name = "rng_state.pth" if len(ranks) == 1 else f"rng_state_{rank}.pth"
+            torch.save(tree["rng"], os.path.join(folder, name))
+    with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
+        f.write(main["trainer_state"])
+
+
+def _write_pending(storage: LocalStorage, step: int, pending: str, static: str | None) -> str | None:
+    """Write the step's folder into ``pending``; returns the best checkpoint it records."""
+    meta = storage.metadata(step)
+    maps: list[mmap.mmap] = []
+    try:
+        ranks = []
+        for rank in range(meta["world_size"]):
+            path, _ = storage.shard_path(step, rank)
+            tree, mm = read_shard(path)
+            ranks.append(tree)
+            maps.append(mm)
+        if not isinstance(ranks[0], dict) or "hf" not in ranks[0]:
+            raise CheckpointError(f"step {step} in {storage.root} holds no Trainer state on rank 0")
+        write_folder(ranks, pending, static)
+        return json.loads(ranks[0]["hf"]["trainer_state"]).get("best_model_checkpoint")
+    finally:
+        ranks = tree = None  # the views must go before their maps can close
+        for mm in maps:
+            try:
+                mm.close()
+            except BufferError:  # a view still alive somewhere: the map closes with it
+                pass
+
+
+def export(directory: str, step: int, params: dict[str, Any]) -> None:
+    """Write ``<run_dir>/checkpoint-<step>`` from the committed flashckpt ``step``."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    storage = LocalStorage(directory)
+    run_dir = params["run_dir"]
+    final = os.path.join(run_dir, folder_name(step))
+    pending = os.path.join(run_dir, f".{folder_name(step)}.tmp-{os.getpid()}")
+    shutil.rmtree(pending, ignore_errors=True)
+    os.makedirs(pending)
+    try:
+        best = _write_pending(storage, step, pending, params.get("static"))
+        for name in os.listdir(pending):
+            _fsync(os.path.join(pending, name))
+        _fsync_dir(pending)
+    except BaseException:
+        shutil.rmtree(pending, ignore_errors=True)
+        raise
+    if os.path.exists(final):  # the same step saved again after a rollback
+        aside = os.path.join(run_dir, f".{folder_name(step)}.old-{os.getpid()}")
+        os.replace(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    os.replace(pending, final)
+    _fsync_dir(run_dir)
+    log.info("wrote %s", final)
+    rotate_checkpoints(output_dir=run_dir, save_total_limit=params.get("limit"), best_model_checkpoint=best,
+                       use_mtime=True)

@@ -1,0 +1,39 @@
+"""A tiny deterministic GPT-2 Trainer set-up shared by the Hugging Face tests (no downloads)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Fixed random token sequences: sample i is the same in every process and run."""
+
+    def __init__(self, n: int = 64, length: int = 16, vocab: int = 96) -> None:
+        self.n, self.length, self.vocab = n, length, vocab
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, self.vocab, (self.length,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def tiny_model(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    return GPT2LMHeadModel(config)
+
+
+def make_trainer(output_dir: str, callbacks=(), *, model=None, **overrides) -> Trainer:
+    options = dict(max_steps=7, save_steps=3, logging_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+                   report_to=[], seed=1, use_cpu=True, disable_tqdm=True, save_total_limit=None)
+    options.update(overrides)
+    args = TrainingArguments(output_dir, **options)
+    return Trainer(model=model if model is not None else tiny_model(), args=args, train_dataset=TokenData(),
+                   eval_dataset=TokenData(16), callbacks=list(callbacks))
