@@ -3,7 +3,7 @@
 Every tensor of the state saved at step ``s`` is filled with ``s``, so a load can
 prove it got one whole step and not a mix. Prints ``saved <s>`` after each save.
 
-    python _trainer.py DIR JOB STEPS PERSIST_EVERY [MB] [--sleep S] [--close]
+    python _trainer.py DIR JOB STEPS PERSIST_EVERY [MB] [--sleep S] [--close] [--linger S]
 """
 
 import argparse
@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("mb", type=float, nargs="?", default=4.0)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--close", action="store_true")
+    p.add_argument("--linger", type=float, default=0.0, help="seconds to stay alive after the last save")
     p.add_argument("--start", type=int, default=1)
     a = p.parse_args()
     state = make_state(a.mb)
@@ -59,6 +60,7 @@ def main() -> None:
     if a.close:
         ck.close()
     print("done", flush=True)
+    time.sleep(a.linger)
     sys.stdout.flush()
 
 

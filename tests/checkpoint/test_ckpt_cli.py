@@ -35,7 +35,7 @@ def test_ls_and_verify(tmp_path, job_id):
 
 
 def test_persist_rescues_a_dead_job_and_gc_cleans_up(tmp_path, job_id):
-    proc = start_trainer(tmp_path, job_id, 3, 1000, 1, "--sleep", 60)  # nothing reaches storage on its own
+    proc = start_trainer(tmp_path, job_id, 3, 1000, 1, "--linger", 60)  # nothing reaches storage on its own
     wait_for_line(proc, "saved 3")
     for pid in saver_pids(job_id):  # the node's saver dies first, then the trainer
         os.kill(pid, signal.SIGKILL)
