@@ -1,0 +1,135 @@
+"""``FlashCheckpointHook``: flash checkpoints for ``tf.estimator`` (graph mode).
+
+Graph-mode sessions hand variable values to Python as fresh numpy arrays (``Session.run``
+copies a buffer the variable still shares), so a save here costs two copies: TF's into
+the fetched array, ours into shared memory. Loads feed the values back through assign
+ops. Eager code (``Checkpointer``, the Keras callback) copies once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from .._errors import CheckpointError
+from ._common import FORMAT, data_state, new_engine, positions_of, restore_data
+
+__all__ = ["FlashCheckpointHook"]
+
+log = logging.getLogger("flashckpt.tf")
+
+
+class FlashCheckpointHook(tf.estimator.SessionRunHook):
+    """A ``SessionRunHook`` that restores the newest flash checkpoint when the session is
+    created and flash-saves every ``every_steps`` global steps and at the end.
+
+    Use it instead of the estimator's ``CheckpointSaverHook`` (``RunConfig(
+    save_checkpoints_steps=None, save_checkpoints_secs=None)``); one directory per
+    worker. The state is every global variable, keyed by name, and — when the training
+    graph reads an ``elastic.tf.make_input_fn`` (or ``data`` is given) — the data
+    positions: the hook then counts consumed records itself and commits them to the
+    coordinator at each save, so model and data roll back together. ``export``: at
+    the end, also write a TF checkpoint (``<directory>/step-<N>/tf/ckpt``) that
+    estimators and ``tf.compat.v1.train.Saver`` restore. Keyword ``options`` go to the
+    engine (``persist_every``, ``keep_last``, ``job_id``).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, every_steps: int = 100, data: Any = None,
+                 rollback: Any = None, restore: bool = True, export: bool = False, **options: Any) -> None:
+        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
+            raise ValueError(f"every_steps must be an int >= 1, got {every_steps!r}")
+        self._directory = os.fspath(directory)
+        self._every = every_steps
+        self._data = data
+        self._rollback = rollback
+        self._restore = restore
+        self._export = export
+        self._options = {"persist_every": 1, "keep_last": 3, "job_id": None, **options}
+        self._engine: Any = None
+        self.restored_step: int | None = None
+        self.last_saved: int | None = None
+
+    def begin(self) -> None:
+        from elastic.tf import Rollback, ShardReportHook, positions_of_graph
+
+        self._global_step = tf.compat.v1.train.get_global_step()
+        if self._global_step is None:
+            raise CheckpointError("FlashCheckpointHook needs a global step in the graph")
+        self._variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
+        self._feeds = {name: tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape, name=f"flashckpt_load_{i}")
+                       for i, (name, v) in enumerate(self._variables.items())}
+        self._assign = tf.group(*[v.assign(self._feeds[name]) for name, v in self._variables.items()])
+        self._positions = positions_of(self._data if self._data is not None else positions_of_graph())
+        self._reporter = None
+        if self._positions is not None:
+            self._reporter = ShardReportHook(self._positions)
+            self._reporter.begin()
+            self._rollback = self._rollback or Rollback.WORKER
+        if self._engine is None:
+            self._engine = new_engine(self._directory, **self._options)
+
+    def after_create_session(self, session: Any, coord: Any) -> None:
+        self._step = int(session.run(self._global_step))
+        if self._restore:
+            self.restored_step = self._load(session)
+            if self.restored_step is not None:
+                self._step = int(session.run(self._global_step))
+        self.last_saved = self._step if self.restored_step is not None else None
+        self._next = (self._step // self._every + 1) * self._every
+
+    def before_run(self, run_context: Any) -> Any:
+        return tf.estimator.SessionRunArgs(self._global_step)
+
+    def after_run(self, run_context: Any, run_values: Any) -> None:
+        if self._reporter is not None:
+            self._reporter.after_run(run_context, run_values)
+        if int(run_values.results) + 1 >= self._next:  # the fetched step may predate the increment
+            self._step = int(run_context.session.run(self._global_step))
+            if self._step >= self._next:
+                self._save(run_context.session, self._step)
+
+    def end(self, session: Any) -> None:
+        try:
+            step = int(session.run(self._global_step))
+            if step != self.last_saved:
+                self._save(session, step)
+            if self._reporter is not None:
+                self._reporter.end(session)
+            self._engine.flush()
+            if self._export and self.last_saved is not None:
+                from ._export import write_tf_checkpoint
+
+                write_tf_checkpoint(self._directory, self.last_saved,
+                                    os.path.join(self._directory, f"step-{self.last_saved}", "tf", "ckpt"))
+        finally:
+            self._engine.close()
+            self._engine = None
+
+    # -- save / load ----------------------------------------------------------------
+    def _save(self, session: Any, step: int) -> None:
+        values = {name: value if isinstance(value, np.ndarray) else np.asarray(value)  # 0-d come as scalars
+                  for name, value in session.run(self._variables).items()}
+        state = {"variables": values, "tf": {"format": FORMAT, "object_graph": None},
+                 "data": data_state(self._positions, self._rollback)}
+        self._engine.save(step, state)
+        self.last_saved = step
+        self._next = (step // self._every + 1) * self._every
+        if self._positions is not None:
+            self._positions.commit()
+
+    def _load(self, session: Any) -> int | None:
+        targets = {name: np.empty(v.shape, dtype=v.dtype.base_dtype.as_numpy_dtype)
+                   for name, v in self._variables.items()}
+        state: dict[str, Any] = {"variables": targets, "tf": {}, "data": None}
+        step = self._engine.load(state)
+        if step is None:
+            return None
+        if state["tf"].get("format") != FORMAT:
+            raise CheckpointError(f"{self._directory} step {step}: not a flashckpt.tf checkpoint")
+        session.run(self._assign, feed_dict={self._feeds[name]: value for name, value in targets.items()})
+        restore_data(self._positions, state["data"], step)
+        return step
