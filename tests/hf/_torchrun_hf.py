@@ -1,0 +1,65 @@
+"""The Trainer under torchrun (DDP on CPU, gloo) for the kill -9 restart test.
+
+    torchrun --standalone --nproc_per_node=2 --max-restarts=1 _torchrun_hf.py OUT REPORT MODE
+
+MODE "flash": FlashCheckpointCallback(memory_every=2), save_steps=6, 12 steps; on the
+first attempt rank 1 kills itself with SIGKILL at the end of step 9, after the memory
+snapshot of step 8 (no folder holds step 8). The restarted attempt calls
+``train(resume_from_checkpoint=True)``. MODE "stock": the same training, uninterrupted,
+without the callback (the reference).
+"""
+
+import json
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from tests.hf._hf import make_trainer  # noqa: E402
+
+KILL_AT = 9
+
+
+class KillRank1(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == KILL_AT and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def init_process_group(attempt: int) -> None:
+    """Before the Trainer (accelerate leaves an initialised group alone): gloo under
+    torchrun 2.13 would reuse the failed attempt's store keys, so each attempt gets a prefix."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def main() -> None:
+    out, report, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    init_process_group(attempt)
+    callbacks = []
+    if mode == "flash":
+        from flashckpt.hf import FlashCheckpointCallback
+        flash = FlashCheckpointCallback(memory_every=2)
+        callbacks = [flash] + ([KillRank1()] if attempt == 0 else [])
+    trainer = make_trainer(out, callbacks, max_steps=12, save_steps=6, per_device_train_batch_size=2,
+                           ddp_backend="gloo", dataloader_num_workers=0)
+    trainer.train(resume_from_checkpoint=True if attempt > 0 else None)
+    rank = dist.get_rank()
+    torch.save({k: v.clone() for k, v in trainer.model.state_dict().items()}, os.path.join(report, f"final{rank}.pt"))
+    with open(os.path.join(report, f"rank{rank}.json"), "w") as f:
+        json.dump({"attempt": attempt, "resumed_from": flash.resumed_from if mode == "flash" else None,
+                   "global_step": trainer.state.global_step}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Folders the callback wrote resume with stock transformers; memory is preferred when newer."""
+
+import glob
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from flashckpt._names import default_job_id, job_prefix
+from flashckpt.hf import FlashCheckpointCallback
+
+from ._hf import make_trainer
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def _shm_left(output_dir: str) -> list[str]:
+    prefix = job_prefix(default_job_id(os.path.join(output_dir, ".flashckpt")))
+    return [p for p in glob.glob(prefix + ".*") if not p.endswith((".sock", ".saver.lock"))]
+
+
+def test_stock_trainer_resumes_from_a_folder_the_callback_wrote(tmp_path):
+    out = str(tmp_path / "run")
+    make_trainer(out, [FlashCheckpointCallback(), StopAt(6)], max_steps=10).train()
+    assert sorted(os.listdir(out)) == [".flashckpt", "checkpoint-3", "checkpoint-6"]
+    assert not _shm_left(out)
+
+    loaded = AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint-6"))
+    resumed = make_trainer(out, max_steps=10)  # stock Trainer, no flashckpt
+    for a, b in zip(loaded.parameters(), resumed.model.parameters()):
+        assert not torch.equal(a, b)  # a fresh model: the weights must come from the folder
+    resumed.train(resume_from_checkpoint=True)
+
+    reference = make_trainer(str(tmp_path / "reference"), max_steps=10)
+    reference.train()
+    assert resumed.state.global_step == 10
+    for a, b in zip(reference.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
+class Crash(TrainerCallback):
+    """Simulates a crash: the process stops right after step N without any clean-up."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("saver_flushes", [True, False], ids=["saver-wrote-it", "constructor-writes-it"])
+def test_memory_newer_than_the_newest_folder_is_resumed(tmp_path, saver_flushes):
+    out = str(tmp_path / "run")
+    first = FlashCheckpointCallback(memory_every=2)
+    trainer = make_trainer(out, [first, Crash(5)], max_steps=10, save_steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    engine = first._ckpt._engine
+    assert sorted(engine.memory_steps()) == [3, 4]
+    engine.wait()
+    assert sorted(os.listdir(out)) == [".flashckpt", "checkpoint-3"]
+    if saver_flushes:
+        engine._client.sock.close()  # a crash: the saver writes the newest memory step out by itself
+    else:
+        engine._client.close()  # the saver is told all is well, so memory is all there is of step 4
+    first._ckpt = None
+
+    second = FlashCheckpointCallback(memory_every=2)
+    resumed = make_trainer(out, [second], max_steps=10, save_steps=3)
+    assert second.resumed_from == {"step": 4, "source": "memory"}
+    assert os.path.isdir(os.path.join(out, "checkpoint-4"))
+    resumed.train(resume_from_checkpoint=True)
+
+    reference = make_trainer(str(tmp_path / "reference"), max_steps=10, save_steps=3)
+    reference.train()
+    for a, b in zip(reference.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    assert not _shm_left(out)
+
+
+def test_memory_older_than_the_newest_folder_is_not_preferred(tmp_path):
+    out = str(tmp_path / "run")
+    first = FlashCheckpointCallback()
+    make_trainer(out, [first, StopAt(6)], max_steps=10).train()
+    second = FlashCheckpointCallback()
+    make_trainer(out, [second], max_steps=10)
+    assert second.resumed_from is None  # train() ended cleanly: memory was freed, folders are newest
