@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import re
 import socket
 import threading
 import weakref
@@ -91,6 +92,13 @@ def _heartbeat(ref: "weakref.ref[ShardPositions]", stop: threading.Event, interv
         except Exception as exc:  # keep trying: the next beat may still save the leases
             log.warning("heartbeat of %s failed: %s", positions.worker, exc)
         del positions
+
+
+def _brief(error: BaseException) -> str:
+    """The cause line of a long TF error ("OSError: ..."), else its first line."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", line)]
+    return (causes[-1] if causes else lines[0] if lines else "")[:500]
 
 
 class ShardPositions:
@@ -236,22 +244,22 @@ class ShardPositions:
 
     def fail(self, error: BaseException) -> ShardReadError:
         """Reading stopped with ``error``: give every lease back to the queue (at the
-        committed positions) and return the error naming the shard being read."""
+        committed positions) and return the error naming the shards being read.
+
+        The pipeline reads ahead, so the failing shard is one of those handed out and not
+        trained through yet (a reader's own message can say which)."""
         with self._lock:
-            reading = self._fifo[-1][0].shard if self._fifo else None
+            pending = [entry[0].shard for entry in self._fifo]
             self._fifo.clear()
             self._held.clear()
             try:
                 self.dataset.release(self.worker)
             except sharding.CoordinatorError as exc:
                 log.warning("%s: could not give back the leases of %s: %s", self.dataset.name, self.worker, exc)
-        if reading is None:
-            where = "no shard was being read"
-        else:
-            where = (f"shard {reading.index} of epoch {reading.epoch} (records {reading.start}..{reading.end}"
-                     + (f" of {reading.file}" if reading.file else "") + ")")
-        message = (f"data set {self.dataset.name!r}, worker {self.worker!r}: reading failed in {where}; "
-                   f"the shard went back to the queue: {type(error).__name__}: {error}")
+        where = "; ".join(f"shard {s.index} of epoch {s.epoch} (records {s.start}..{s.end}"
+                          + (f" of {s.file}" if s.file else "") + ")" for s in pending) or "no shard"
+        message = (f"data set {self.dataset.name!r}, worker {self.worker!r}: reading failed in one of the "
+                   f"shards being read ({where}); they went back to the queue: {type(error).__name__}: {_brief(error)}")
         log.error(message)
         return ShardReadError(message)
 

@@ -89,7 +89,8 @@ def write_tf_checkpoint(directory: str, step: int, prefix: str) -> str:
         from tensorflow.python.checkpoint import checkpoint_management
 
         checkpoint_management.update_checkpoint_state_internal(
-            os.path.dirname(os.path.abspath(prefix)), os.path.abspath(prefix), save_relative_paths=True)
+            os.path.dirname(os.path.abspath(prefix)), os.path.abspath(prefix), [os.path.abspath(prefix)],
+            save_relative_paths=True)
     finally:
         del arrays
         tensors = []

@@ -30,16 +30,21 @@ log = logging.getLogger(__name__)
 
 
 def as_checkpoint(obj: Any) -> tf.train.Checkpoint:
-    """A ``tf.train.Checkpoint``; a Keras model is wrapped with its optimizer."""
+    """A ``tf.train.Checkpoint``; a Keras model is wrapped with its optimizer. Its
+    ``save_counter`` is created, as ``Checkpoint.save`` does, so that an export restores
+    with ``assert_consumed()``."""
     if isinstance(obj, tf.train.Checkpoint):
-        return obj
-    if isinstance(obj, tf.keras.Model):
+        root = obj
+    elif isinstance(obj, tf.keras.Model):
         optimizer = getattr(obj, "optimizer", None)
-        return tf.train.Checkpoint(model=obj, optimizer=optimizer) if optimizer is not None else tf.train.Checkpoint(model=obj)
-    if isinstance(obj, dict) and obj:
-        return tf.train.Checkpoint(**obj)
-    raise TypeError("checkpoint must be a tf.train.Checkpoint, a Keras model or a dict of trackables, "
-                    f"got {type(obj).__name__}")
+        root = tf.train.Checkpoint(model=obj, optimizer=optimizer) if optimizer is not None else tf.train.Checkpoint(model=obj)
+    elif isinstance(obj, dict) and obj:
+        root = tf.train.Checkpoint(**obj)
+    else:
+        raise TypeError("checkpoint must be a tf.train.Checkpoint, a Keras model or a dict of trackables, "
+                        f"got {type(obj).__name__}")
+    root._maybe_create_save_counter()
+    return root
 
 
 def collect(root: tf.train.Checkpoint) -> tuple[dict[str, tf.Variable], str]:

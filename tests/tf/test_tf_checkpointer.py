@@ -1,0 +1,116 @@
+"""flashckpt.tf.Checkpointer in one process: one-copy save, in-place load from memory and
+from storage, export to a stock TF checkpoint, data positions inside the checkpoint."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import elastic.tf as etf
+from flashckpt import _events
+from flashckpt.tf import Checkpointer
+from flashckpt.tf import _variables
+
+from ._models import dense_model, same, values
+
+
+@pytest.fixture
+def loads():
+    seen = []
+
+    def listen(event, **info):
+        if event == "load":
+            seen.append(info)
+
+    _events.subscribe(listen)
+    yield seen
+    _events.unsubscribe(listen)
+
+
+def test_import_flashckpt_elastic_sharding_never_imports_tensorflow():
+    code = ("import sys, flashckpt, elastic, sharding, flashckpt._engine; "
+            "bad = [m for m in ('tensorflow', 'keras', 'tensorflow_estimator') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_save_reads_each_variable_through_a_view_of_its_own_buffer():
+    model = dense_model()
+    for var in model.variables:
+        view = _variables.read_alias(var)
+        if var.shape.rank:  # the copy into shared memory is the only copy
+            assert view.ctypes.data == var.value()._numpy().ctypes.data
+            assert _variables.writable_alias(var) is not None
+
+
+def test_load_in_place_from_memory_then_from_storage(tmp_path, job_id, loads):
+    model = dense_model()
+    saved = values(model)
+    with Checkpointer(tmp_path, model, job_id=job_id) as ckpt:
+        ckpt.save(7)
+        buffers = [v.value()._numpy().ctypes.data for v in model.variables if v.shape.rank]
+        model.fit(np.ones((8, 4)), np.zeros((8, 1)), verbose=0)
+        assert not same(values(model), saved)
+        assert ckpt.load() == 7
+        assert loads[-1]["source"] == "memory"
+        assert same(values(model), saved)
+        # written into the variables' own buffers where TF had them before the load
+        after = [v.value()._numpy().ctypes.data for v in model.variables if v.shape.rank]
+        assert len(set(after) & set(buffers)) >= 1
+    fresh = dense_model(trained=False, seed=1)  # optimizer slots not built yet
+    with Checkpointer(tmp_path, fresh, job_id=job_id) as ckpt:
+        assert ckpt.load() == 7
+        assert loads[-1]["source"] == "storage"
+        assert same(values(fresh), saved)
+
+
+def test_export_restores_with_plain_tf_train_checkpoint(tmp_path, job_id):
+    model = dense_model()
+    saved = values(model)
+    with Checkpointer(tmp_path / "flash", model, job_id=job_id) as ckpt:
+        ckpt.save(3)
+        prefix = ckpt.export(tmp_path / "stock" / "ckpt")
+        ckpt.save(4, export=True)  # the saver process writes step-4/tf/ckpt after the commit
+        ckpt.wait()
+    other = dense_model(trained=False, seed=2)
+    other.optimizer.build(other.trainable_variables)
+    status = tf.train.Checkpoint(model=other, optimizer=other.optimizer).restore(prefix)
+    status.assert_consumed()
+    assert same(values(other), saved)
+    assert tf.train.latest_checkpoint(tmp_path / "stock").endswith("ckpt")
+    by_saver = tf.train.latest_checkpoint(tmp_path / "flash" / "step-4" / "tf")
+    third = dense_model(trained=False, seed=3)
+    third.optimizer.build(third.trainable_variables)
+    tf.train.Checkpoint(model=third, optimizer=third.optimizer).restore(by_saver).assert_consumed()
+    assert same(values(third), saved)
+
+
+def test_data_positions_roll_back_with_the_model(tmp_path, job_id):
+    n = 40
+    shards = etf.ShardDataset(f"sqlite:///{tmp_path}/c.db", "d", size=n, shard_size=6, worker="w")
+    shards.positions.batch_size = 4
+    model = dense_model()
+    ckpt = Checkpointer(tmp_path / "ck", model, data=shards, job_id=job_id, rollback=etf.Rollback.DATASET)
+    trained = []
+    batches = iter(shards.flat_map(lambda s: tf.data.Dataset.from_tensor_slices(s.indices)).batch(4))
+    for _ in range(3):
+        trained += next(batches).numpy().tolist()
+        shards.positions.consumed_steps(1)
+    ckpt.save(3)
+    at_save = list(trained)
+    for _ in range(4):  # trained after the save: rolled back with the model
+        trained += next(batches).numpy().tolist()
+        shards.positions.consumed_steps(1)
+    del batches
+    assert ckpt.load() == 3
+    rest = []
+    for batch in shards.flat_map(lambda s: tf.data.Dataset.from_tensor_slices(s.indices)).batch(4):
+        rest += batch.numpy().tolist()
+        shards.positions.consumed_steps(1)
+    ckpt.save(4)
+    assert sorted(at_save + rest) == list(range(n))
+    assert shards.positions.dataset.progress()["finished"]
+    ckpt.close()
