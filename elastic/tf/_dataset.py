@@ -67,7 +67,10 @@ class ShardDataset(tf.data.Dataset):
     :class:`elastic.tf.ShardReportHook`. The reader must yield one record per index and
     the pipeline must keep the records in order (``flat_map``, ``map``, ``batch``,
     ``prefetch``; not a shuffle buffer across shards: use ``shuffle=True``). One pass
-    over the data set runs until the coordinator has no shard left for this worker.
+    over the data set runs until the coordinator has no shard free for this worker: at
+    the latest at the end of an epoch while records of it are still in flight here
+    (the next pass starts the next epoch). An abandoned pass's untrained records come
+    again at the start of the next pass.
     """
 
     def __init__(self, coordinator: Any, name: str, *, size: int | None = None,

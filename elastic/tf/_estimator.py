@@ -42,6 +42,10 @@ def make_input_fn(reader: Callable[[Any], tf.data.Dataset], *, coordinator: Any,
     arguments define the data set as in :class:`elastic.tf.ShardDataset`. The returned
     function has ``.positions``; pass ``elastic.tf.ShardReportHook()`` or
     ``flashckpt.tf.FlashCheckpointHook`` to ``train`` so consumed shards complete.
+
+    One ``train`` call reads until no shard is free for this worker: at the latest at
+    the end of an epoch while its last records are still in flight (the next epoch
+    starts once they are trained). Call ``train`` until ``input_fn.finished()``.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -60,6 +64,7 @@ def make_input_fn(reader: Callable[[Any], tf.data.Dataset], *, coordinator: Any,
         return dataset
 
     input_fn.positions = positions  # type: ignore[attr-defined]
+    input_fn.finished = lambda: bool(positions.dataset.progress()["finished"])  # type: ignore[attr-defined]
     return input_fn
 
 

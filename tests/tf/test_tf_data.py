@@ -1,0 +1,84 @@
+"""elastic.tf in one process: records count as consumed when the step takes them, not when
+prefetched; an abandoned pass re-yields what was never trained; the estimator input_fn
+with ShardReportHook completes every shard."""
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+import elastic.tf as etf
+import sharding
+
+
+def read_ids(shard):
+    return tf.data.Dataset.from_tensor_slices(shard.indices)
+
+
+def test_prefetched_records_are_not_completed_and_come_again_in_the_next_pass():
+    shards = etf.ShardDataset("memory://tf-prefetch", "d", size=50, shard_size=5, worker="w", num_epochs=2,
+                              shuffle=True, seed=3)
+    positions = shards.positions
+    positions.batch_size = 4
+    trained = []
+    pipeline = shards.flat_map(read_ids).batch(4).prefetch(8)
+    it = iter(pipeline)
+    for _ in range(3):
+        trained += next(it).numpy().tolist()
+        positions.consumed_steps(1)
+    progress = positions.dataset.progress()
+    assert progress["done"] == 2  # 12 records: shards of 5 -> two complete, one at 2 of 5
+    assert progress["leased"] >= 2  # prefetching leased more than was trained
+    del it  # abandon the pass with prefetched records in flight
+    passes = 0
+    while not positions.dataset.progress()["finished"]:  # a pass ends at the latest with its epoch
+        passes += 1
+        for batch in pipeline:
+            trained += batch.numpy().tolist()
+            positions.consumed_steps(1)
+    assert passes == 2
+    counts = collections.Counter(trained)
+    assert sorted(counts) == list(range(50)) and set(counts.values()) == {2}  # two epochs, each record twice
+    assert positions.dataset.progress()["finished"]
+
+
+def test_uncommitted_positions_stay_with_the_worker_until_a_checkpoint_commits(tmp_path):
+    shards = etf.ShardDataset("memory://tf-deferred", "d", size=20, shard_size=5, worker="w")
+    positions = shards.positions
+    positions.deferred = True  # as under a flash checkpointer
+    positions.batch_size = 5
+    it = iter(shards.flat_map(read_ids).batch(5))
+    next(it)
+    positions.consumed_steps(1)
+    assert positions.dataset.progress()["done"] == 0  # trained, not yet checkpointed
+    state = positions.state()
+    positions.commit()
+    assert positions.dataset.progress()["done"] == 1
+    assert state["leases"] and state["leases"][0][-1] == 5
+
+
+def test_estimator_input_fn_with_report_hook_completes_every_shard(tmp_path):
+    n, batch = 100, 8
+    url = f"sqlite:///{tmp_path}/c.db"
+
+    def reader(shard):
+        x = tf.cast(shard.indices, tf.float32)[:, None] / n
+        return tf.data.Dataset.from_tensor_slices(({"x": x}, 2.0 * x[:, 0]))
+
+    def model_fn(features, labels, mode):
+        w = tf.compat.v1.get_variable("w", [1, 1])
+        loss = tf.reduce_mean((tf.matmul(features["x"], w)[:, 0] - labels) ** 2)
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, global_step=tf.compat.v1.train.get_global_step())
+        return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+    input_fn = etf.make_input_fn(reader, coordinator=url, name="train", size=n, shard_size=10, batch_size=batch,
+                                 worker="est-0")
+    config = tf.estimator.RunConfig(model_dir=str(tmp_path / "model"), save_checkpoints_steps=1000,
+                                    save_summary_steps=None)
+    estimator = tf.estimator.Estimator(model_fn, config=config)
+    estimator.train(input_fn, hooks=[etf.ShardReportHook()])
+    progress = sharding.connect(url).dataset("train").progress()
+    assert progress["finished"] and progress["leased"] == 0
+    assert progress["workers"]["est-0"]["completed"] == n // 10
+    assert estimator.get_variable_value("global_step") == int(np.ceil(n / batch))
