@@ -119,7 +119,7 @@ class Engine:
         self._lock = RankLock(_names.slot_path(self.job_id, placement.memory_rank, 0).rsplit(".slot", 1)[0] + ".lock")
         self._slots: list[Slot | None] = [None] * NUM_SLOTS
         self._views: dict[tuple, list[Any]] = {}
-        self._prepare: threading.Thread | None = None
+        self._preparing: threading.Thread | None = None
         self._saves = 0
         self._closed = False
         self.last_load: LoadInfo | None = None
@@ -157,20 +157,23 @@ class Engine:
                 warned = True
             time.sleep(0.001)
 
-    def _prepare_other(self, used: int, size: int) -> None:
-        """Reserve and map the other slot in the background, so the next save does not
-        pay for fresh pages."""
-        other = (used + 1) % NUM_SLOTS
-
+    def _prepare(self, indices: list[int], size: int) -> None:
+        """Reserve and map slots in the background, so later saves do not pay for fresh
+        pages (the first touch of shared memory costs more than the copy itself)."""
         def run() -> None:
             try:
-                slot = self._slot(other, create=True)
-                slot.ensure_capacity(size)
+                for i in indices:
+                    self._slot(i, create=True).ensure_capacity(size)
             except Exception:  # the next save raises it in the foreground
-                log.debug("preparing slot %d failed", other, exc_info=True)
+                log.debug("preparing slots %s failed", indices, exc_info=True)
 
-        self._prepare = threading.Thread(target=run, name="flashckpt-prepare", daemon=True)
-        self._prepare.start()
+        self._preparing = threading.Thread(target=run, name="flashckpt-prepare", daemon=True)
+        self._preparing.start()
+
+    def _prepared(self) -> None:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
 
     # -- save ---------------------------------------------------------------------
 
@@ -193,9 +196,7 @@ class Engine:
         flat = flatten(state, allow_pickle=self.options.allow_pickle)
         image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves],
                            self._meta(step, flat))
-        if self._prepare is not None:
-            self._prepare.join()
-            self._prepare = None
+        self._prepared()
         index = self._choose_slot()
         slot = self._slot(index, create=True)
         if slot.ensure_capacity(image.size):
@@ -213,9 +214,9 @@ class Engine:
             slot.write_header(header)
         if due:
             self._client.persist(slot.path, header.generation)
-        other = self._slots[(index + 1) % NUM_SLOTS]
-        if other is None or other.capacity < HEADER_SIZE + image.size:
-            self._prepare_other(index, image.size)
+        other = (index + 1) % NUM_SLOTS
+        if self._slots[other] is None or self._slots[other].capacity < HEADER_SIZE + image.size:
+            self._prepare([other], image.size)
         blocking = time.perf_counter() - start
         log.debug("saved step %d to memory in %.3fs (%.1f MiB)", step, blocking, image.size / 2**20)
         _events.emit("save", step=step, blocking_seconds=blocking)
@@ -285,6 +286,7 @@ class Engine:
             self._invalidate_newer_than(-1)
             log.info("no checkpoint in memory or in %s: starting fresh", self.storage.root)
             self._loaded(None, None, start)
+            self._prepare_for(state)
             return None
         if source == "memory":
             errors = self._gather_errors(lambda: self._load_memory(state, *local["memory"][step]))
@@ -301,7 +303,15 @@ class Engine:
                 self._raise(errors, f"loading step {step} from {self.storage.root} failed")
         self._invalidate_newer_than(step)
         self._loaded(step, source, start)
+        self._prepare_for(state)
         return step
+
+    def _prepare_for(self, state: Any) -> None:
+        """Size this rank's slots for ``state`` while training starts (writers only)."""
+        if self.placement.writes_memory:
+            flat = flatten(state, allow_pickle=self.options.allow_pickle)
+            size = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves], self._meta(0, flat)).size
+            self._prepare(list(range(NUM_SLOTS)), size)
 
     def _loaded(self, step: int | None, source: str | None, start: float) -> None:
         self.last_load = LoadInfo(step, source, time.perf_counter() - start)
@@ -428,8 +438,7 @@ class Engine:
             self.flush()
         finally:
             self._closed = True
-            if self._prepare is not None:
-                self._prepare.join()
+            self._prepared()
             self._client.close()
             self._views.clear()
             for i, slot in enumerate(self._slots):

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import queue
+import select
 import selectors
 import socket
 import struct
@@ -30,7 +31,7 @@ from typing import Any
 
 from . import _names
 from ._persist import PersistResult, persist_slot
-from ._slot import Slot, SlotState
+from ._slot import Slot, SlotState, pid_alive
 from ._storage import LocalStorage
 
 log = logging.getLogger("flashckpt.saver")
@@ -43,6 +44,7 @@ _TICK_SECONDS = 0.5
 class _Client:
     conn: socket.socket
     pid: int
+    pidfd: int = -1
     slots: list[str] = field(default_factory=list)
     closed_cleanly: bool = False
     buffer: bytes = b""
@@ -135,10 +137,21 @@ class Saver:
         self.clients[conn.fileno()] = client
         self.sel.register(conn, selectors.EVENT_READ, client)
         try:  # a pidfd turns readable when the process exits, even if a forked child keeps the socket
-            pidfd = os.pidfd_open(pid)
-            self.sel.register(pidfd, selectors.EVENT_READ, (pidfd, client))
+            client.pidfd = os.pidfd_open(pid)
+            self.sel.register(client.pidfd, selectors.EVENT_READ, (client.pidfd, client))
         except (AttributeError, OSError):
             pass
+
+    def _reap(self) -> None:
+        """Handle trainers that exited but whose exit this loop has not seen yet, so that
+        their crash flush is queued before anything asked after it."""
+        for client in list(self.clients.values()):
+            if client.pidfd >= 0:
+                exited = bool(select.select([client.pidfd], [], [], 0)[0])
+            else:
+                exited = not pid_alive(client.pid)
+            if exited:
+                self._drop(client, "process exited")
 
     def _read(self, client: _Client) -> None:
         try:
@@ -203,11 +216,13 @@ class Saver:
         elif op == "persist":
             self.jobs.put(_Job(msg["slot"], msg["generation"], client))
         elif op == "flush":
+            self._reap()
             paths = self._unpersisted(client.slots)
             for path, generation in paths[:1]:
                 self.jobs.put(_Job(path, generation, client))
             self.jobs.put(_Job("", 0, client, reply={"op": "flushed", "id": msg["id"]}))
         elif op == "wait":
+            self._reap()
             self.jobs.put(_Job("", 0, client, reply={"op": "waited", "id": msg["id"]}))
         elif op == "close":
             client.closed_cleanly = True

@@ -40,18 +40,22 @@ class TensorKind(Protocol):
 
 
 _kinds: list[TensorKind] = []
+_kind_by_type: dict[type, TensorKind | None] = {}
 
 
 def register_kind(kind: TensorKind) -> None:
     if all(k.name != kind.name for k in _kinds):
         _kinds.append(kind)
+        _kind_by_type.clear()
 
 
 def kind_of(obj: Any) -> TensorKind | None:
-    for kind in _kinds:
-        if kind.matches(obj):
-            return kind
-    return None
+    cls = type(obj)
+    try:
+        return _kind_by_type[cls]
+    except KeyError:
+        kind = _kind_by_type[cls] = next((k for k in _kinds if k.matches(obj)), None)
+        return kind
 
 
 def kind_named(name: str) -> TensorKind:

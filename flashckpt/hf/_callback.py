@@ -174,7 +174,13 @@ class FlashCheckpointCallback(TrainerCallback):
         """Wait until every folder is on storage, then free the shared memory."""
         if self._ckpt is not None:
             ckpt, self._ckpt = self._ckpt, None
-            ckpt.close()
+            try:
+                ckpt.wait()
+            finally:
+                # snapshots between saves exist to survive a crash; a clean end leaves the
+                # folders the Trainer itself would have left, so close() has nothing to flush
+                ckpt._engine._invalidate_newer_than(-1)
+                ckpt.close()
 
     # -- attaching ----------------------------------------------------------------
 

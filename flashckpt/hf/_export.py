@@ -181,8 +181,10 @@ def export(directory: str, step: int, params: dict[str, Any]) -> None:
         for name in os.listdir(pending):
             _fsync(os.path.join(pending, name))
         _fsync_dir(pending)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(pending, ignore_errors=True)
+        if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
+            raise CheckpointError(f"writing {final} failed: {type(exc).__name__}: {exc}") from exc
         raise
     if os.path.exists(final):  # the same step saved again after a rollback
         aside = os.path.join(run_dir, f".{folder_name(step)}.old-{os.getpid()}")

@@ -232,11 +232,12 @@ class FsdpCheckpointer:
             if step not in eng.storage.committed_steps():
                 raise CheckpointError(f"step {step} has another layout than this job and is not committed in "
                                       f"{eng.storage.root}; only committed steps can be resharded")
-            self._on_all_ranks(lambda: self._reshard(target, step), f"resharding step {step} from {eng.storage.root}")
+            read = self._on_all_ranks(lambda: self._reshard(target, step),
+                                      f"resharding step {step} from {eng.storage.root}")[coll.rank]
             eng._invalidate_newer_than(step)
             seconds = time.perf_counter() - start
-            log.info("restored step %d resharded from storage in %.2fs", step, seconds)
-            _events.emit("load", step=step, source="storage", seconds=seconds, resharded=True)
+            log.info("restored step %d resharded from storage in %.2fs (%.1f MiB read)", step, seconds, read / 2**20)
+            _events.emit("load", step=step, source="storage", seconds=seconds, resharded=True, bytes_read=read)
             loaded = step
         self._apply(model, optimizer, target)
         self.extra = target.tree["extra"]
@@ -276,8 +277,9 @@ class FsdpCheckpointer:
             for k, r in mine.items() if k in theirs)
         return same, bool(layout.get("optimizer"))
 
-    def _reshard(self, target: _Target, step: int) -> None:
-        """Fill ``target`` from the overlapping byte ranges of every shard of ``step``."""
+    def _reshard(self, target: _Target, step: int) -> int:
+        """Fill ``target`` from the overlapping byte ranges of every shard of ``step``;
+        returns the number of tensor bytes read."""
         rank = self._engine.collective.rank
         sources = read_sources(self._engine.storage, step)
         home = sources[rank] if rank < len(sources) else sources[0]
@@ -309,8 +311,8 @@ class FsdpCheckpointer:
                         k, dst, w, DTYPE_NAMES[obj.dtype], tuple(r["shape"]), prefer=home.rank))
                 else:  # not in the layout (extra): this rank's home shard holds it whole
                     self._fill(obj, lambda dst, n=name: reader.read_entry(home, home.entries[n], dst))
-            log.debug("resharded step %d: read %d bytes of tensor data", step, reader.bytes_read)
         merge.apply_plain()
+        return reader.bytes_read
 
     @staticmethod
     def _fill(obj: torch.Tensor, read: Any) -> None:

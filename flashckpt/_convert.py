@@ -1,0 +1,299 @@
+"""``flashckpt convert``: a sharded checkpoint as one consolidated model (and optimizer)
+that stock tools load, and DCP checkpoints imported as flashckpt steps.
+
+Sources:
+
+- ``flashckpt`` -- a committed step of a flashckpt directory saved by a sharded
+  checkpointer (every tensor's pieces are stitched together by global offsets) or by
+  a plain one (taken from rank 0). Every shard's checksum is verified first.
+- ``dcp`` -- a ``torch.distributed.checkpoint`` directory (consolidated with DCP's own
+  ``dcp_to_torch_save``). A top-level ``model`` entry is the model and ``optim`` or
+  ``optimizer`` the optimizer (nested ``{"state", "param_groups"}`` form, as
+  ``get_state_dict`` gives it); without ``model`` the whole dict is the model.
+
+Targets:
+
+- ``torch`` -- one ``torch.save`` file: ``{"step", "model", "optim", "extra"}``;
+  ``torch.load(out)`` (weights only) reads it.
+- ``safetensors`` -- one ``.safetensors`` file: model tensors under their FQNs,
+  optimizer states under ``optim/<fqn>/<state>``, ``step``, ``param_groups`` and
+  ``extra`` as JSON in ``__metadata__["flashckpt"]``.
+- ``dcp`` -- a DCP directory of ``{"model", "optim"}`` that
+  ``torch.distributed.checkpoint.load`` fills (single process, no process group).
+- ``flashckpt`` -- a one-rank flashckpt step in directory ``out`` that
+  :class:`flashckpt.torch.FsdpCheckpointer` loads at any world size (resharding).
+
+The consolidated state is held in host memory once (plus one image for the
+``flashckpt`` target); conversion is an offline tool, not a training-time path.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import tempfile
+from typing import Any
+
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ._reshard import LAYOUT_KEY, RangeReader, full_piece, path_key, read_sources
+from ._storage import LocalStorage
+
+__all__ = ["Format", "convert"]
+
+log = logging.getLogger(__name__)
+
+
+class Format(str, enum.Enum):
+    """Checkpoint formats ``convert`` reads or writes."""
+
+    FLASHCKPT = "flashckpt"
+    TORCH = "torch"
+    SAFETENSORS = "safetensors"
+    DCP = "dcp"
+
+
+SOURCES = (Format.FLASHCKPT, Format.DCP)
+TARGETS = {Format.FLASHCKPT: (Format.TORCH, Format.SAFETENSORS, Format.DCP, Format.FLASHCKPT),
+           Format.DCP: (Format.TORCH, Format.SAFETENSORS, Format.FLASHCKPT)}
+
+
+def _format(value: str | Format, allowed: tuple[Format, ...], what: str) -> Format:
+    try:
+        fmt = Format(value)
+    except ValueError:
+        fmt = None
+    if fmt not in allowed:
+        raise CheckpointError(f"{what} {value!r} is not one of {[f.value for f in allowed]}")
+    return fmt
+
+
+def convert(directory: str | os.PathLike, step: int | None, to: str | Format, out: str | os.PathLike, *,
+            source: str | Format = "flashckpt") -> str:
+    """Convert step ``step`` (None: the newest committed) of the checkpoint in
+    ``directory`` to format ``to`` at ``out``; returns ``out``.
+
+    ``source`` is ``"flashckpt"`` or ``"dcp"`` (then ``directory`` is a DCP directory and
+    ``step`` only names the step written for ``to="flashckpt"``, default 0). Runs in
+    one process; needs torch. Raises :class:`flashckpt.CheckpointError` subclasses for
+    a missing or corrupt checkpoint and unsupported combinations.
+    """
+    src = _format(source, SOURCES, "source format")
+    dst = _format(to, TARGETS[src], f"target format for a {src.value} source")
+    directory, out = os.fspath(directory), os.fspath(out)
+    if src is Format.FLASHCKPT:
+        step, state = consolidate(directory, step)
+    else:
+        state = _read_dcp(directory)
+        step = 0 if step is None else step
+    writer = {Format.TORCH: _write_torch, Format.SAFETENSORS: _write_safetensors,
+              Format.DCP: _write_dcp, Format.FLASHCKPT: _write_flashckpt}[dst]
+    writer(state, step, out)
+    log.info("converted step %d of %s (%s) to %s at %s", step, directory, src.value, dst.value, out)
+    return out
+
+
+# -- reading --------------------------------------------------------------------------
+
+def consolidate(directory: str, step: int | None) -> tuple[int, dict[str, Any]]:
+    """The committed ``step`` (None: newest) as one unsharded state: the saved tree
+    with every sharded tensor whole, the layout entry dropped."""
+    import torch  # noqa: F401
+
+    from ._tree import merge_into
+    from .torch import _tensors  # noqa: F401  (registers the torch tensor kind)
+    storage = LocalStorage(directory)
+    if step is None:
+        step = storage.latest_step()
+        if step is None:
+            raise CheckpointNotFoundError(f"no committed step in {storage.root}")
+    problems = storage.verify(step)
+    if problems:
+        raise CorruptCheckpointError(f"step {step} in {storage.root} is damaged: " + "; ".join(problems))
+    sources = read_sources(storage, step) if _has_layout(storage, step) else None
+    if sources is None:  # a plain (unsharded or replicated) checkpoint: rank 0 holds it whole
+        from ._reshard import Source, read_header, tensor_names
+        path, record = storage.shard_path(step, 0)
+        image, size = read_header(path, record["size"])
+        sources = [Source(0, path, size, image, {"tensors": {}}, tensor_names(image.meta["tree"]),
+                          {e.name: e for e in image.entries})]
+    home = sources[0]
+    layout = home.layout["tensors"]
+    entries = {e.name: (e.dtype, tuple(e.shape)) for e in home.image.entries}
+    keys_by_name: dict[str, str] = {}
+    for key, rec in layout.items():
+        name = home.names[key]
+        entries[name] = (entries[name][0], tuple(rec["shape"]))
+        keys_by_name.setdefault(name, key)
+    state: dict[str, Any] = {}
+    merge = merge_into(state, home.image.meta["tree"], entries, allow_pickle=False)
+    with RangeReader(sources) as reader:
+        for name, obj in merge.fills:
+            dst = _bytes(obj)
+            if dst is None:
+                continue
+            key = keys_by_name.get(name)
+            if key is not None:
+                reader.fill(key, dst, full_piece(obj.shape), entries[name][0], tuple(obj.shape))
+            else:
+                reader.read_entry(home, home.entries[name], dst)
+    merge.apply_plain()
+    state.pop(LAYOUT_KEY, None)
+    return step, state
+
+
+def _has_layout(storage: LocalStorage, step: int) -> bool:
+    from ._reshard import plain_value, read_header
+    path, record = storage.shard_path(step, 0)
+    image, _ = read_header(path, record["size"])
+    return plain_value(image.meta.get("tree", {}), LAYOUT_KEY) is not None
+
+
+def _bytes(t: Any):
+    if t.numel() == 0:
+        return None
+    flat = t.reshape(1) if t.dim() == 0 else t
+    import torch
+    return flat.view(torch.uint8).numpy()
+
+
+def _read_dcp(directory: str) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    if not os.path.exists(os.path.join(directory, ".metadata")):
+        raise CheckpointNotFoundError(f"{directory} is not a torch.distributed.checkpoint directory (no .metadata)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "consolidated.pt")
+        dcp_to_torch_save(directory, path)
+        raw = torch.load(path, weights_only=True)
+    if "model" not in raw:
+        return {"model": raw}
+    state = {"model": raw["model"]}
+    optim = raw.get("optim", raw.get("optimizer"))
+    if optim is not None:
+        if not (isinstance(optim, dict) and "state" in optim):
+            raise CheckpointError(f"{directory}: the optimizer entry is not in the nested "
+                                  "{'state', 'param_groups'} form of get_state_dict")
+        state["optim"] = optim
+    extra = {k: v for k, v in raw.items() if k not in ("model", "optim", "optimizer")}
+    if extra:
+        state["extra"] = extra
+    return state
+
+
+# -- writing --------------------------------------------------------------------------
+
+def _replace_atomically(out: str, write: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_torch(state: dict[str, Any], step: int, out: str) -> None:
+    import torch
+    payload = {"step": step, "model": state.get("model", {}), "optim": state.get("optim"), "extra": state.get("extra")}
+    _replace_atomically(out, lambda tmp: torch.save(payload, tmp))
+
+
+def _write_safetensors(state: dict[str, Any], step: int, out: str) -> None:
+    import torch
+    tensors: dict[str, Any] = {}
+    for fqn, t in state.get("model", {}).items():
+        if isinstance(t, torch.Tensor):
+            tensors[fqn] = t
+    optim = state.get("optim") or {}
+    for fqn, st in optim.get("state", {}).items():
+        for k, t in st.items():
+            if isinstance(t, torch.Tensor):
+                tensors[path_key(("optim", fqn, k))] = t
+    meta = {"format": "flashckpt-convert/1", "step": step,
+            "param_groups": optim.get("param_groups"), "extra": _jsonable(state.get("extra"))}
+    _write_image(out, tensors, meta)
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        json.dumps(obj)
+        return obj
+    except (TypeError, ValueError):
+        return None
+
+
+def _write_image(out: str, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+    from ._format import plan_image
+    from .torch._tensors import DTYPE_NAMES
+    contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    image = plan_image([(n, DTYPE_NAMES[t.dtype], tuple(t.shape)) for n, t in contiguous.items()], meta)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(image.header)
+            for entry in image.entries:  # in body order
+                data = _bytes(contiguous[entry.name])
+                if data is not None:
+                    f.write(memoryview(data.reshape(-1)))
+            f.flush()
+            os.fsync(f.fileno())
+    _replace_atomically(out, write)
+
+
+def _write_dcp(state: dict[str, Any], step: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    if os.path.isdir(out) and os.listdir(out):
+        raise CheckpointError(f"{out} exists and is not empty; DCP output needs a new directory")
+    payload = {"model": state.get("model", {})}
+    if state.get("optim") is not None:
+        payload["optim"] = state["optim"]
+    dcp.save(payload, checkpoint_id=out, no_dist=True)
+
+
+def _write_flashckpt(state: dict[str, Any], step: int, out: str) -> None:
+    """A committed one-rank step whose layout marks every model and optimizer tensor as
+    one whole piece, so a sharded checkpointer reshards it onto any world size."""
+    import torch
+
+    from ._engine import new_token
+    from ._format import plan_image
+    from ._tree import flatten
+    from .torch import _tensors  # noqa: F401  (registers the torch tensor kind)
+    records: dict[str, Any] = {}
+
+    def mark(obj: Any, parts: tuple) -> None:
+        if isinstance(obj, torch.Tensor):
+            shape = list(obj.shape)
+            records[path_key(parts)] = {"shape": shape, "offsets": [0] * len(shape), "lengths": shape}
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                mark(v, parts + (k,))
+    tree: dict[str, Any] = {"model": state.get("model", {})}
+    mark(tree["model"], ("model",))
+    if state.get("optim") is not None:
+        tree["optim"] = state["optim"]
+        mark(tree["optim"].get("state", {}), ("optim", "state"))
+    tree["extra"] = state.get("extra")
+    tree[LAYOUT_KEY] = json.dumps({"version": 1, "rank": 0, "world_size": 1, "optimizer": "optim" in tree,
+                                   "tensors": records}, separators=(",", ":"))
+    flat = flatten(tree)
+    meta = {"format": "flashckpt/1", "step": step, "tree": flat.skeleton, "rank": 0, "world_size": 1,
+            "kinds": {leaf.name: leaf.kind.name for leaf in flat.leaves}}
+    image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves], meta)
+    buf = bytearray(image.size)
+    buf[:len(image.header)] = image.header
+    by_name = {leaf.name: leaf.obj for leaf in flat.leaves}
+    for entry in image.entries:
+        data = _bytes(by_name[entry.name].detach().cpu().contiguous())
+        if data is not None:
+            at = len(image.header) + entry.offset
+            buf[at:at + entry.nbytes] = memoryview(data.reshape(-1))
+    storage = LocalStorage(out)
+    storage.check_writable()
+    token = new_token()
+    storage.write_shard(step, 0, token, memoryview(buf))
+    if not storage.try_commit(step, 1, token, keep_last=0):
+        raise CheckpointError(f"could not commit step {step} in {storage.root}")
