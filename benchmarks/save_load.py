@@ -25,6 +25,9 @@ What is timed, and the floor each ratio is taken against:
 - DLRover 0.6.1 ``DdpCheckpointer`` in .bench-venv (subprocess, _dlrover_peer.py).
 - dd to the same directory, buffered + conv=fsync and oflag=direct: the persist floor.
 
+n in the table counts samples: a repeat takes several of some (floor copies, steady
+saves), and the torchrun restarts of DLRover run in the first repeat only.
+
 Every load is "until the caller's tensors hold the checkpoint" (a load that returns new
 tensors is followed by the copy into the state), from a page cache emptied of the
 checkpoint's files (posix_fadvise DONTNEED) where it reads storage.
@@ -373,14 +376,20 @@ def _kill_marked(run_id: str) -> int:
 
 def _peer(ctx: Context, env: dict[str, str], command: str, directory: Path, *argv: str) -> dict[str, Any]:
     cmd = [str(PEER_PYTHON), str(PEER_SCRIPT), command, "--size", ctx.spec.name, "--dir", str(directory)]
-    cmd += [*argv, "--saves", str(1 + STEADY_SAVES)]
+    return _run_dlrover(ctx, command, cmd + [*argv, "--saves", str(1 + STEADY_SAVES)], env)
+
+
+def _run_dlrover(ctx: Context, what: str, cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
     try:
         return run_json(cmd, env=env)
     except ChildFailed as exc:
         # DLRover's trainer and its saver meet over Unix sockets, and under load its
         # start-up races now and then (a lost first message, a request before the server
-        # is ready). Note it and try once more.
-        ctx.note(f"DLRover {command} failed in repeat {ctx.repeat + 1} ({exc.summary}); retried once")
+        # is ready). Note it, clear what the failed try left, and try once more.
+        ctx.note(f"DLRover {what} failed in repeat {ctx.repeat + 1} ({exc.summary}); retried once")
+    run_id = env["TORCHELASTIC_RUN_ID"]
+    _kill_marked(run_id)
+    shutil.rmtree(DLROVER_SOCKETS / run_id, ignore_errors=True)
     return run_json(cmd, env=env)
 
 
@@ -406,6 +415,8 @@ def bench_dlrover(ctx: Context) -> None:
             evict(directory)
             _dlrover_load(ctx, f"{prefix}.load_new_process", _peer(ctx, env, "load", directory))
         shutil.rmtree(directory)
+    if ctx.repeat:
+        return  # the restarts show where a restarted worker finds its bytes: once is enough
     for crash in ("kill", "raise"):
         directory = ctx.scratch(f"dlrover-torchrun-{crash}")
         with dlrover_job(ctx) as (run_id, env):
@@ -415,7 +426,7 @@ def bench_dlrover(ctx: Context) -> None:
                 f"--rdzv-id={run_id}", str(PEER_SCRIPT), "restart", "--crash", crash,
                 "--size", ctx.spec.name, "--dir", str(directory),
             ]  # fmt: skip
-            _dlrover_load(ctx, f"dlrover.torchrun_{crash}.load", run_json(cmd, env=env))
+            _dlrover_load(ctx, f"dlrover.torchrun_{crash}.load", _run_dlrover(ctx, f"torchrun {crash}", cmd, env))
         shutil.rmtree(directory)
 
 
@@ -563,13 +574,14 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\n{result['spec']['description']} -- {result['bytes'] / 1e6:.0f} MB, medians of {result['repeats']}")
-    print(f"{'method':<56} {'seconds':>8} {'x floor':>8}")
+    print(f"{'method':<64} {'seconds':>8} {'x floor':>8} {'n':>3}")
     for metric in result["metrics"].values():
         sources = metric["sources"]
         where = f" [{'; '.join(sorted(set(sources)))}]" if sources else ""
         ratio = metric["x_floor"]
         x = "" if ratio is None else f"{ratio:.2f}x"
-        print(f"{metric['label'] + where:<56} {_fmt(metric['median_s'], '.3f'):>8} {x:>8}")
+        n = len(metric["samples_s"])
+        print(f"{metric['label'] + where:<64} {_fmt(metric['median_s'], '.3f'):>8} {x:>8} {n:>3}")
     print("throughput, GB/s: " + ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in result["throughput_gb_s"].items()))
     for goal in result["goals"]:
         verdict = {True: "MET", False: "MISSED", None: "(for reference)"}[goal["met"]]
@@ -660,17 +672,18 @@ def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     names = ["small", "large"] if args.size == "both" else [args.size]
-    root = Path(tempfile.mkdtemp(prefix="flashckpt-bench-", dir=args.dir))
-    try:
-        results = {name: run_size(SPECS[name], args.repeats, root) for name in names}
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    for result in results.values():
-        print_table(result)
-    print("\ntimings may be disturbed by other work on this machine: see load_average in the JSON")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "sizes": results}, indent=2) + "\n")
+    root = Path(tempfile.mkdtemp(prefix="flashckpt-bench-", dir=args.dir))
+    results: dict[str, Any] = {}
+    try:
+        for name in names:  # each size's table and JSON as soon as it is done
+            results[name] = run_size(SPECS[name], args.repeats, root)
+            print_table(results[name])
+            out.write_text(json.dumps({"machine": machine(), "sizes": results}, indent=2) + "\n")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("\ntimings may be disturbed by other work on this machine: see load_average in the JSON")
     print(f"wrote {out}")
 
 
