@@ -27,6 +27,7 @@ import os
 import re
 import socket
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ __all__ = ["Rollback", "ShardPositions", "ShardReadError", "default_worker"]
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+REPORT_SECONDS = 5.0
 
 
 class Rollback(enum.Enum):
@@ -123,6 +125,8 @@ class ShardPositions:
         self._pass = 0
         self._started = False
         self._over_consumed = False
+        self._finished = False
+        self._last_report = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -193,34 +197,55 @@ class ShardPositions:
     def consumed(self, records: int) -> None:
         """The training step took ``records`` more records (in hand-out order)."""
         with self._lock:
-            left = records
-            while left and self._fifo:
-                entry = self._fifo[0]
-                take = min(left, entry[1])
-                entry[0].done += take
-                entry[1] -= take
-                left -= take
-                if entry[1] == 0:
-                    self._fifo.popleft()
-            if left and not self._over_consumed:
-                self._over_consumed = True
-                log.warning("%s: the step consumed %d records more than the shards handed out hold; "
-                            "the reader must yield one record per index of the shard", self.dataset.name, left)
-            if not self.deferred:
-                self.commit()
+            self._take(records)
+            self._commit_some()
 
     def consumed_steps(self, steps: int) -> None:
-        """``steps`` training steps of ``batch_size`` records (the last may be short)."""
+        """``steps`` training steps of ``batch_size`` records (the last may be short:
+        a step takes what is left when less than a batch is in flight)."""
         if self.batch_size is None:
             raise ElasticError(f"{self}: batch_size is unknown; pass batch_size= to the hook or callback")
         with self._lock:
             for _ in range(steps):
-                outstanding = sum(entry[1] for entry in self._fifo)
-                self.consumed(min(self.batch_size, outstanding) if outstanding else self.batch_size)
+                self._take(self.batch_size)
+            self._commit_some()
+
+    def _take(self, records: int) -> None:
+        left = records
+        while left and self._fifo:
+            entry = self._fifo[0]
+            take = min(left, entry[1])
+            entry[0].done += take
+            entry[1] -= take
+            left -= take
+            if entry[1] == 0:
+                self._fifo.popleft()
+                if entry[0].done >= len(entry[0].shard):
+                    self._finished = True
+        if records and left == records and not self._over_consumed:  # a short last batch takes some
+            self._over_consumed = True
+            log.warning("%s: a step consumed records beyond the shards handed out; the reader must "
+                        "yield one record per index of the shard", self.dataset.name)
+
+    def _commit_some(self) -> None:
+        """Without a checkpointer: complete finished shards now; report positions inside
+        shards at most every ``REPORT_SECONDS`` (a report per step would cost a
+        coordinator write per batch; a crash re-trains at most that much)."""
+        if self.deferred:
+            return
+        now = time.monotonic()
+        if now - self._last_report >= REPORT_SECONDS:
+            self._last_report = now
+            self.commit()
+        elif self._finished:
+            self._finished = False
+            for lease in [x for x in self._held if x.done >= len(x.shard)]:
+                self._commit_lease(lease)
 
     def commit(self) -> None:
         """Tell the coordinator the consumed positions; complete the finished shards."""
         with self._lock:
+            self._finished = False
             for lease in list(self._held):
                 self._commit_lease(lease)
 

@@ -1,0 +1,284 @@
+"""TensorFlow: flashckpt.tf side by side with TF's own checkpoints, and elastic.tf input speed.
+
+    python benchmarks/tf_save.py [--params 100e6] [--repeats 3] [--records 1000000]
+                                 [--dir DIR] [--json results/tf_save.json]
+
+Part 1, eager (Keras): a stack of Dense layers with about ``--params`` parameters, Adam
+state built (parameters + two moments). Timed, medians over repeats, methods interleaved:
+- floor: one ``np.copyto`` of every variable (through a view of its buffer) into a
+  preallocated, already-touched shared-memory mapping: the memcpy floor.
+- ``Checkpointer.save`` blocking time (steady state, persist on), ``save`` + ``wait``
+  (durable), ``load`` from memory (in place);
+- ``tf.train.Checkpoint.write`` (synchronous, to the same disk), its async variant
+  (``CheckpointOptions(experimental_enable_async_checkpoint=True)``: blocking part only)
+  and ``tf.train.Checkpoint.read`` + ``assert_consumed``.
+
+Part 2, graph mode (tf.estimator's session): the same parameter count as graph variables;
+``FlashCheckpointHook``'s save vs ``tf.compat.v1.train.Saver.save`` (what the estimator's
+``CheckpointSaverHook`` calls).
+
+Part 3, input: records/s of ``make_input_fn``'s pipeline (SQLite coordinator, shards of
+1024, the consumer counting each batch as the hook does) vs a plain
+``tf.data.Dataset.range`` over the same shards with the same reader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import elastic.tf as etf  # noqa: E402
+from flashckpt.tf import Checkpointer, FlashCheckpointHook  # noqa: E402
+from flashckpt.tf import _variables  # noqa: E402
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def dense_stack(params: float) -> tuple[tf.keras.Model, int]:
+    width = 4096
+    layers = max(1, round(params / (width * width)))
+    model = tf.keras.Sequential([tf.keras.Input((width,))] + [tf.keras.layers.Dense(width) for _ in range(layers)])
+    model.compile(tf.keras.optimizers.Adam(1e-4), "mse")
+    model.optimizer.build(model.trainable_variables)
+    return model, int(sum(np.prod(v.shape) for v in model.trainable_variables))
+
+
+class Floor:
+    """A touched shared-memory mapping the size of the state, and one copy into it."""
+
+    def __init__(self, variables: list[tf.Variable]) -> None:
+        self.path = f"/dev/shm/tfbench-{uuid.uuid4().hex[:8]}"
+        self.size = sum(_variables.read_alias(v).nbytes for v in variables)
+        with open(self.path, "w+b") as f:
+            f.truncate(self.size)
+            self.mm = mmap.mmap(f.fileno(), self.size)
+        np.frombuffer(self.mm, np.uint8)[:] = 1
+        self.views, at = [], 0
+        for v in variables:
+            a = _variables.read_alias(v)
+            self.views.append(np.frombuffer(self.mm, a.dtype, a.size, at).reshape(a.shape))
+            at += a.nbytes
+
+    def copy(self, variables: list[tf.Variable]) -> None:
+        for dst, v in zip(self.views, variables):
+            np.copyto(dst, _variables.read_alias(v))
+
+    def close(self) -> None:
+        self.views = []
+        self.mm.close()
+        os.unlink(self.path)
+
+
+def bench_eager(args, root: Path) -> dict:
+    model, nparams = dense_stack(args.params)
+    ckpt_obj = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    variables = list(_variables.collect(_variables.as_checkpoint(ckpt_obj))[0].values())
+    state_bytes = sum(_variables.read_alias(v).nbytes for v in variables)
+    print(f"eager: {nparams / 1e6:.1f}M parameters, state {state_bytes / 2**30:.2f} GiB "
+          f"({len(variables)} variables with Adam moments)", flush=True)
+    floor = Floor(variables)
+    flash = Checkpointer(root / "flash", ckpt_obj, keep_last=1, job_id=f"tfbench{uuid.uuid4().hex[:6]}")
+    flash.save(0)  # first save maps fresh pages; steady state is what training sees
+    flash.wait()
+    flash.save(1)
+    flash.wait()
+    async_opts = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+    r: dict[str, list[float]] = {k: [] for k in ("floor", "flash_save", "flash_durable", "flash_load_memory",
+                                                 "tf_write", "tf_async_write_blocking", "tf_read")}
+    step = 2
+    for rep in range(args.repeats):
+        r["floor"].append(median([timed(lambda: floor.copy(variables)) for _ in range(3)]))
+        r["flash_save"].append(timed(lambda: flash.save(step)))
+        flash.wait()
+        step += 1
+        r["flash_durable"].append(timed(lambda: (flash.save(step), flash.wait())))
+        step += 1
+        r["flash_load_memory"].append(timed(lambda: flash.load()))
+        path = str(root / f"tf-{rep}" / "ckpt")
+        r["tf_write"].append(timed(lambda: ckpt_obj.write(path)))
+        apath = str(root / f"tfa-{rep}" / "ckpt")
+        r["tf_async_write_blocking"].append(timed(lambda: ckpt_obj.write(apath, options=async_opts)))
+        ckpt_obj.sync() if hasattr(ckpt_obj, "sync") else None
+        time.sleep(1)
+        r["tf_read"].append(timed(lambda: ckpt_obj.read(path).assert_consumed()))
+        shutil.rmtree(root / f"tf-{rep}", ignore_errors=True)
+        shutil.rmtree(root / f"tfa-{rep}", ignore_errors=True)
+        print(f"  repeat {rep}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in r.items()), flush=True)
+    flash.close()
+    floor.close()
+    out = {k: median(v) for k, v in r.items()}
+    out.update(params=nparams, state_bytes=state_bytes, samples=r)
+    return out
+
+
+def bench_graph(args, root: Path) -> dict:
+    width = 4096
+    layers = max(1, round(args.params / (width * width)))
+    graph = tf.Graph()
+    with graph.as_default():
+        gs = tf.compat.v1.train.get_or_create_global_step()
+        for i in range(layers):
+            tf.compat.v1.get_variable(f"w{i}", [width, width], initializer=tf.compat.v1.ones_initializer(),
+                                      use_resource=True)
+        hook = FlashCheckpointHook(root / "hook", every_steps=1 << 30, keep_last=1,
+                                   job_id=f"tfbenchg{uuid.uuid4().hex[:6]}")
+        hook.begin()
+        saver = tf.compat.v1.train.Saver(sharded=False, max_to_keep=1)
+        r: dict[str, list[float]] = {"hook_save": [], "hook_durable": [], "saver_save": []}
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for warm in (0, 1, 2):  # both memory slots mapped and touched
+                hook._save(sess, 100 + warm)
+                hook._engine.wait()
+            for rep in range(args.repeats):
+                r["hook_save"].append(timed(lambda: hook._save(sess, 2 * rep + 1)))
+                hook._engine.wait()
+                r["hook_durable"].append(timed(lambda: (hook._save(sess, 2 * rep + 2), hook._engine.wait())))
+                r["saver_save"].append(timed(lambda: saver.save(sess, str(root / "saver" / "model"), global_step=rep)))
+                print(f"  graph repeat {rep}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in r.items()), flush=True)
+            hook._engine.close()
+    out = {k: median(v) for k, v in r.items()}
+    out.update(params=layers * width * width, samples=r)
+    return out
+
+
+def bench_input(args, root: Path) -> dict:
+    n, shard, batch, dim = args.records, 1024, 64, 32
+    features = tf.random.uniform([n, dim])
+    labels = tf.random.uniform([n])
+
+    def reader(s):
+        return tf.data.Dataset.from_tensor_slices((features[s.start:s.end], labels[s.start:s.end]))
+
+    def plain():
+        starts = tf.data.Dataset.range(0, n, shard)
+        spec = starts.map(lambda s: etf.ShardSpec(s, tf.minimum(s + shard, n), tf.zeros([0], tf.int64), "", s, 0))
+        return spec.flat_map(reader).batch(batch).prefetch(tf.data.AUTOTUNE)
+
+    def run(dataset, positions=None) -> tuple[float, float]:
+        """records per wall second and per CPU second of the process (all its threads):
+        the second is steadier on a shared machine."""
+        count, start, cpu = 0, time.perf_counter(), time.process_time()
+        for x, _ in dataset:
+            count += int(x.shape[0])
+            if positions is not None:
+                positions.consumed_steps(1)
+        assert count == n, count
+        return n / (time.perf_counter() - start), n / (time.process_time() - cpu)
+
+    r: dict[str, list[float]] = {k: [] for k in ("plain_records_per_s", "elastic_records_per_s",
+                                                 "plain_records_per_cpu_s", "elastic_records_per_cpu_s")}
+    for rep in range(args.input_repeats):
+        def elastic() -> None:
+            input_fn = etf.make_input_fn(reader, coordinator=f"sqlite:///{root}/input-{rep}.db", name="train",
+                                         size=n, shard_size=shard, batch_size=batch, worker="bench")
+            wall, cpu = run(input_fn(), input_fn.positions)  # as under ShardReportHook
+            input_fn.positions.close()
+            r["elastic_records_per_s"].append(wall)
+            r["elastic_records_per_cpu_s"].append(cpu)
+
+        def base() -> None:
+            wall, cpu = run(plain())
+            r["plain_records_per_s"].append(wall)
+            r["plain_records_per_cpu_s"].append(cpu)
+
+        for fn in ((base, elastic) if rep % 2 == 0 else (elastic, base)):
+            fn()
+        print(f"  input repeat {rep}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in r.items()), flush=True)
+    out = {k: median(v) for k, v in r.items()}
+    out.update(records=n, shard_size=shard, batch_size=batch, samples=r)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("eager", "graph", "input"), action="append",
+                        help="run only these parts (default: all)")
+    parser.add_argument("--params", type=float, default=100e6)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--input-repeats", type=int, default=6)
+    parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir under /tmp)")
+    parser.add_argument("--json", default=str(REPO / "results" / "tf_save.json"))
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="tfbench-", dir=args.dir))
+    try:
+        parts = args.only or ["eager", "graph", "input"]
+        eager = bench_eager(args, root) if "eager" in parts else None
+        graph = bench_graph(args, root) if "graph" in parts else None
+        data = bench_input(args, root) if "input" in parts else None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ratios: dict[str, float] = {}
+    if eager:
+        gib = eager["state_bytes"] / 2**30
+        print(f"\n== eager / Keras, {eager['params'] / 1e6:.0f}M params, {gib:.2f} GiB state (medians) ==")
+        print(f"memcpy floor                       {eager['floor']:.3f}s  ({gib / eager['floor']:.1f} GiB/s)")
+        print(f"flashckpt save (blocking)          {eager['flash_save']:.3f}s  = {eager['flash_save'] / eager['floor']:.2f}x floor")
+        print(f"flashckpt save + wait (durable)    {eager['flash_durable']:.3f}s")
+        print(f"flashckpt load from memory         {eager['flash_load_memory']:.3f}s  = "
+              f"{eager['flash_load_memory'] / eager['floor']:.2f}x floor")
+        print(f"tf.train.Checkpoint.write          {eager['tf_write']:.3f}s  -> flashckpt blocks "
+              f"{eager['tf_write'] / eager['flash_save']:.1f}x less")
+        print(f"  async write, blocking part       {eager['tf_async_write_blocking']:.3f}s  -> "
+              f"{eager['tf_async_write_blocking'] / eager['flash_save']:.2f}x flashckpt's blocking time")
+        print(f"tf.train.Checkpoint.read           {eager['tf_read']:.3f}s  -> "
+              f"{eager['tf_read'] / eager['flash_load_memory']:.1f}x flashckpt's memory load")
+        ratios.update(flash_save_over_floor=eager["flash_save"] / eager["floor"],
+                      tf_write_over_flash_save=eager["tf_write"] / eager["flash_save"],
+                      tf_async_blocking_over_flash_save=eager["tf_async_write_blocking"] / eager["flash_save"],
+                      flash_load_memory_over_floor=eager["flash_load_memory"] / eager["floor"],
+                      tf_read_over_flash_load_memory=eager["tf_read"] / eager["flash_load_memory"])
+    if graph:
+        print(f"\n== graph mode / estimator, {graph['params'] / 1e6:.0f}M params (no optimizer) ==")
+        print(f"FlashCheckpointHook save           {graph['hook_save']:.3f}s (Session.run copies, then one copy into shm)")
+        print(f"FlashCheckpointHook save + wait    {graph['hook_durable']:.3f}s")
+        print(f"Saver.save (CheckpointSaverHook)   {graph['saver_save']:.3f}s  -> "
+              f"{graph['saver_save'] / graph['hook_save']:.1f}x the hook's blocking time")
+        ratios.update(saver_save_over_hook_save=graph["saver_save"] / graph["hook_save"])
+    if data:
+        print(f"\n== input, {data['records']:,} records, shards of {data['shard_size']}, batches of {data['batch_size']} ==")
+        ratio = data["elastic_records_per_s"] / data["plain_records_per_s"]
+        cpu_ratio = data["elastic_records_per_cpu_s"] / data["plain_records_per_cpu_s"]
+        print(f"plain tf.data.Dataset.range        {data['plain_records_per_s']:,.0f} records/s, "
+              f"{data['plain_records_per_cpu_s']:,.0f} per CPU-s")
+        print(f"make_input_fn (SQLite coordinator) {data['elastic_records_per_s']:,.0f} records/s = {ratio:.0%} of plain; "
+              f"{data['elastic_records_per_cpu_s']:,.0f} per CPU-s = {cpu_ratio:.0%}")
+        ratios.update(input_elastic_over_plain=ratio, input_elastic_over_plain_cpu=cpu_ratio)
+    result = {"machine": {"python": platform.python_version(), "tensorflow": tf.__version__, "cpus": os.cpu_count(),
+                          "platform": platform.platform(), "load_average_at_end": os.getloadavg()},
+              "eager": eager, "graph": graph, "input": data, "ratios": ratios}
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
