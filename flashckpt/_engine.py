@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import struct
 import threading
 import time
@@ -28,7 +29,7 @@ from ._slot import HEADER_SIZE, RankLock, Slot, SlotHeader, SlotState, mark_writ
 from ._storage import LocalStorage
 from ._tree import Flat, Merge, flatten, kind_named, merge_into
 
-__all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SingleProcess"]
+__all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SingleProcess", "place"]
 
 log = logging.getLogger("flashckpt")
 
@@ -100,6 +101,29 @@ class LoadInfo:
 
 def new_token() -> str:
     return uuid.uuid4().hex[:12]
+
+
+def node_id() -> str:
+    """Ranks on one node share a /dev/shm; a private tmpfs (container, namespace) is another node."""
+    return f"{socket.gethostname()}:{os.stat(_names.SHM_DIR).st_dev}"
+
+
+def place(collective: Collective, *, replicated: bool) -> Placement:
+    """Where each rank's state lives; a collective call (every rank calls it).
+
+    Own state: every rank keeps its slots and writes ``rank-<R>``. Replicated state: local
+    rank 0 of each node keeps the node's copy and rank 0 alone writes ``rank-0``.
+    """
+    me = (node_id(), new_token() if collective.rank == 0 else None)
+    everyone = collective.all_gather(me)
+    local_rank = sum(1 for node, _ in everyone[:collective.rank] if node == me[0])
+    token = everyone[0][1]
+    if replicated:
+        return Placement(local_rank=local_rank, memory_rank=0, writes_memory=local_rank == 0,
+                         storage_rank=0, storage_world=1, persists=collective.rank == 0, token=token)
+    return Placement(local_rank=local_rank, memory_rank=local_rank, writes_memory=True,
+                     storage_rank=collective.rank, storage_world=collective.world_size,
+                     persists=True, token=token)
 
 
 class Engine:

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from .. import _names
-from .._engine import Engine, LoadInfo, Options, Placement, SingleProcess, new_token
+from .._base import EngineCheckpointer
+from .._engine import Collective, Engine, Options, SingleProcess, place
 from . import _tensors  # noqa: F401  (registers the torch tensor kind)
 
-__all__ = ["Checkpointer", "DdpCheckpointer"]
+__all__ = ["Checkpointer", "DdpCheckpointer", "ProcessGroupCollective", "collective_for"]
 
 
 class ProcessGroupCollective:
@@ -32,12 +30,14 @@ class ProcessGroupCollective:
         return out
 
 
-def _node_id() -> str:
-    """Ranks on one node share a /dev/shm; a private tmpfs (container, namespace) is another node."""
-    return f"{socket.gethostname()}:{os.stat(_names.SHM_DIR).st_dev}"
+def collective_for(process_group: Any = None) -> Collective:
+    """The process group's collective when ``torch.distributed`` is initialised, else one process."""
+    if dist.is_available() and dist.is_initialized():
+        return ProcessGroupCollective(process_group)
+    return SingleProcess()
 
 
-class Checkpointer:
+class Checkpointer(EngineCheckpointer):
     """Flash checkpoints of a state that every rank holds its own part of.
 
     ``save(step, state)`` blocks only while the tensors of ``state`` are copied into
@@ -58,36 +58,9 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
                  job_id: str | None = None, allow_pickle: bool = False, process_group: Any = None) -> None:
         options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle)
-        if dist.is_available() and dist.is_initialized():
-            collective = ProcessGroupCollective(process_group)
-        else:
-            collective = SingleProcess()
-        me = (_node_id(), new_token() if collective.rank == 0 else None)
-        everyone = collective.all_gather(me)
-        local_rank = sum(1 for node, _ in everyone[:collective.rank] if node == me[0])
-        token = everyone[0][1]
-        if self._replicated:
-            placement = Placement(local_rank=local_rank, memory_rank=0, writes_memory=local_rank == 0,
-                                  storage_rank=0, storage_world=1, persists=collective.rank == 0, token=token)
-        else:
-            placement = Placement(local_rank=local_rank, memory_rank=local_rank, writes_memory=True,
-                                  storage_rank=collective.rank, storage_world=collective.world_size,
-                                  persists=True, token=token)
-        self._engine = Engine(os.fspath(directory), options, placement, collective)
-
-    @property
-    def directory(self) -> str:
-        return self._engine.storage.root
-
-    @property
-    def job_id(self) -> str:
-        """Names this job's shared memory on the node (see ``flashckpt ls``/``gc``)."""
-        return self._engine.job_id
-
-    @property
-    def last_load(self) -> LoadInfo | None:
-        """Step, source ("memory" / "storage" / None) and seconds of the last :meth:`load`."""
-        return self._engine.last_load
+        collective = collective_for(process_group)
+        self._engine = Engine(os.fspath(directory), options, place(collective, replicated=self._replicated),
+                              collective)
 
     def save(self, step: int, state: Any, *, persist: bool | None = None) -> None:
         """Copy ``state`` into shared memory; persist it if due (or if ``persist``)."""
@@ -101,28 +74,6 @@ class Checkpointer:
         hyper-parameters). All ranks must call this.
         """
         return self._engine.load(state, step=step)
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every persist asked for so far is durable (raises what failed)."""
-        self._engine.wait(timeout)
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Persist the newest in-memory step now if it is not on storage yet, and wait."""
-        self._engine.flush(timeout)
-
-    def latest_step(self) -> int | None:
-        """The newest step committed on storage."""
-        return self._engine.latest_step()
-
-    def close(self) -> None:
-        """Persist the newest step if needed, wait for storage, free shared memory."""
-        self._engine.close()
-
-    def __enter__(self) -> "Checkpointer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 class DdpCheckpointer(Checkpointer):
