@@ -1,0 +1,12 @@
+"""Same world size (2 gloo ranks): bit-exact round trips of FSDP2 and FSDP1 model and
+optimizer state from memory and from storage, training that continues exactly as the
+uninterrupted run, and model-only saves and loads."""
+
+import pytest
+
+from .conftest import assert_ok
+
+
+@pytest.mark.parametrize("check", ["fsdp2", "fsdp1", "model_only"])
+def test_round_trip(ran2, check):
+    assert_ok(ran2, check)
