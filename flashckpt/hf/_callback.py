@@ -138,7 +138,10 @@ class FlashCheckpointCallback(TrainerCallback):
                                   "(Trainer(..., callbacks=[FlashCheckpointCallback()]))")
         if self._attach(trainer):
             self._open()
-            self._recover()
+            try:
+                self._recover()
+            finally:  # memory is now on storage or stale; train() opens a fresh engine
+                self._close()
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self._trainer is None:  # added with trainer.add_callback() after construction
@@ -172,15 +175,7 @@ class FlashCheckpointCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         """Wait until every folder is on storage, then free the shared memory."""
-        if self._ckpt is not None:
-            ckpt, self._ckpt = self._ckpt, None
-            try:
-                ckpt.wait()
-            finally:
-                # snapshots between saves exist to survive a crash; a clean end leaves the
-                # folders the Trainer itself would have left, so close() has nothing to flush
-                ckpt._engine._invalidate_newer_than(-1)
-                ckpt.close()
+        self._close()
 
     # -- attaching ----------------------------------------------------------------
 
@@ -236,6 +231,18 @@ class FlashCheckpointCallback(TrainerCallback):
         # only the newest step is kept here: the checkpoint-N folders are the checkpoints
         self._ckpt = Checkpointer(self._state_dir(), keep_last=1)
 
+    def _close(self) -> None:
+        if self._ckpt is None:
+            return
+        ckpt, self._ckpt = self._ckpt, None
+        try:
+            ckpt.wait()
+        finally:
+            # snapshots between saves exist to survive a crash; a clean end leaves the
+            # folders the Trainer itself would have left, so close() has nothing to flush
+            ckpt._engine._invalidate_newer_than(-1)
+            ckpt.close()
+
     # -- resuming -----------------------------------------------------------------
 
     def _recover(self) -> None:
@@ -260,13 +267,14 @@ class FlashCheckpointCallback(TrainerCallback):
             log.info("memory holds step %d, newer than the newest folder (%s): writing checkpoint-%d from memory",
                      step, newest, step)
             slot, generation = mine[step]
-            engine._client.persist(engine._slot_paths[slot], generation)
+            params = engine._slot(slot, create=False).read_header().info.get("export", {}).get("params")
+            engine._client.persist(engine._slot_paths[slot], generation)  # the saver exports it
             engine.wait()
             collective.all_gather(None)  # every rank's shard is on storage: the step is committed
             if collective.rank == 0 and not os.path.isdir(os.path.join(run_dir, _export.folder_name(step))):
-                _export.export(engine.storage.root, step, {"run_dir": run_dir, "static": None, "limit": None})
+                # committed before but its folder is gone (a failed export): write it here
+                _export.export(engine.storage.root, step, params or {"run_dir": run_dir})
             collective.all_gather(None)
-        engine._invalidate_newer_than(step)
         self.resumed_from = {"step": step, "source": "memory"}
         seconds = time.perf_counter() - start
         log.info("step %d from memory is %s/checkpoint-%d (%.2fs): resume_from_checkpoint=True resumes there",
