@@ -30,12 +30,13 @@ import types
 import torch
 
 from .. import _events
-from .._engine import Engine
+from .._base import EngineCheckpointer
+from .._engine import Engine, LoadInfo, Options, place
 from .._errors import CheckpointError, StateMismatchError
 from .._format import parse_header
 from .._reshard import LAYOUT_KEY, Piece, RangeReader, path_key, read_header, read_layout, read_sources
 from .._tree import merge_into
-from ._checkpointer import Checkpointer
+from ._checkpointer import collective_for
 from ._tensors import DTYPE_NAMES
 
 __all__ = ["FsdpCheckpointer"]
@@ -114,7 +115,7 @@ def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, _api().DTensor) else t
 
 
-class FsdpCheckpointer:
+class FsdpCheckpointer(EngineCheckpointer):
     """Flash checkpoints of an FSDP2 (``fully_shard``) or FSDP1 model and its optimizer.
 
     ``save(step, model, optimizer, extra=...)`` blocks only while this rank's local
@@ -133,19 +134,11 @@ class FsdpCheckpointer:
 
     def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
                  job_id: str | None = None, allow_pickle: bool = False, process_group: Any = None) -> None:
-        self._ckpt = Checkpointer(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id,
-                                  allow_pickle=allow_pickle, process_group=process_group)
-        self._engine: Engine = self._ckpt._engine
+        options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle)
+        collective = collective_for(process_group)
+        self._engine = Engine(os.fspath(directory), options, place(collective, replicated=False), collective)
         self.extra: Any = None
         """What ``extra`` held at the step the last ``load`` restored (None before)."""
-
-    @property
-    def directory(self) -> str:
-        return self._ckpt.directory
-
-    @property
-    def job_id(self) -> str:
-        return self._ckpt.job_id
 
     # -- state ----------------------------------------------------------------------
 
@@ -203,7 +196,6 @@ class FsdpCheckpointer:
         start = time.perf_counter()
         eng = self._engine
         coll = eng.collective
-        target = self._collect(model, optimizer, {})
         eng._client.wait()  # a crash flush of the previous run commits first
         memory = eng.memory_steps()
         local = {"memory": sorted(memory), "committed": eng.storage.latest_step() if coll.rank == 0 else None}
@@ -216,9 +208,12 @@ class FsdpCheckpointer:
             elif committed is not None:
                 step, source = committed, "storage"
             else:
-                return eng.load(target.tree)  # nothing anywhere: the engine reports a fresh start
+                # Nothing anywhere: the engine reports a fresh start. The optimizer is not
+                # touched (get_state_dict would initialise its state with a zero step).
+                return eng.load({})
         else:
             source = "memory" if step in common else "storage"
+        target = self._collect(model, optimizer, {})
         peeks = self._on_all_ranks(lambda: self._peek(target, step, source, memory),
                                    f"reading the layout of step {step} from {source}")
         if optimizer is not None and not all(has_optim for _, has_optim in peeks):
@@ -235,9 +230,12 @@ class FsdpCheckpointer:
             read = self._on_all_ranks(lambda: self._reshard(target, step),
                                       f"resharding step {step} from {eng.storage.root}")[coll.rank]
             eng._invalidate_newer_than(step)
-            seconds = time.perf_counter() - start
-            log.info("restored step %d resharded from storage in %.2fs (%.1f MiB read)", step, seconds, read / 2**20)
-            _events.emit("load", step=step, source="storage", seconds=seconds, resharded=True, bytes_read=read)
+            eng.last_load = LoadInfo(step, "storage", time.perf_counter() - start)
+            log.info("restored step %d resharded from storage in %.3fs (%.1f MiB read)", step,
+                     eng.last_load.seconds, read / 2**20)
+            _events.emit("load", step=step, source="storage", seconds=eng.last_load.seconds, resharded=True,
+                         bytes_read=read)
+            eng._prepare_for(target.tree)  # size the slots for this world's shards
             loaded = step
         self._apply(model, optimizer, target)
         self.extra = target.tree["extra"]
@@ -359,27 +357,3 @@ class FsdpCheckpointer:
             for k, v in values.items():
                 if k != "params":
                     group[k] = v
-
-    # -- storage --------------------------------------------------------------------
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every persist asked for so far is durable (raises what failed)."""
-        self._ckpt.wait(timeout)
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Persist the newest in-memory step now if it is not on storage yet, and wait."""
-        self._ckpt.flush(timeout)
-
-    def latest_step(self) -> int | None:
-        """The newest step committed on storage."""
-        return self._ckpt.latest_step()
-
-    def close(self) -> None:
-        """Persist the newest step if needed, wait for storage, free shared memory."""
-        self._ckpt.close()
-
-    def __enter__(self) -> "FsdpCheckpointer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
