@@ -5,6 +5,8 @@
     flashckpt gc [--dry-run] [--force]
                                      remove shared memory of jobs whose processes are gone
     flashckpt persist [--job-id J]   write what a dead job left in shared memory to storage
+    flashckpt convert DIR [--step N] --to torch|safetensors|dcp|flashckpt OUT [--from flashckpt|dcp]
+                                     one consolidated checkpoint that stock tools load
 """
 
 from __future__ import annotations
@@ -162,6 +164,13 @@ def cmd_persist(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ._convert import convert  # needs torch
+    out = convert(args.directory, args.step, args.to, args.out, source=args.source)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashckpt", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("persist", help="persist what dead jobs left in shared memory")
     p.add_argument("--job-id")
     p.set_defaults(run=cmd_persist)
+    p = sub.add_parser("convert", help="write one consolidated checkpoint for stock tools")
+    p.add_argument("directory")
+    p.add_argument("out")
+    p.add_argument("--step", type=int, help="default: the newest committed step")
+    p.add_argument("--to", required=True, choices=["torch", "safetensors", "dcp", "flashckpt"])
+    p.add_argument("--from", dest="source", default="flashckpt", choices=["flashckpt", "dcp"])
+    p.set_defaults(run=cmd_convert)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:

@@ -57,3 +57,14 @@ def test_persist_rescues_a_dead_job_and_gc_cleans_up(tmp_path, job_id):
     out = flashckpt("gc")
     assert out.returncode == 0
     assert not [p for p in shm_objects(job_id) if ".slot" in p or ".rank" in p]
+
+
+def test_convert_to_a_file_torch_load_reads(tmp_path, job_id):
+    with Checkpointer(tmp_path / "ck", job_id=job_id) as ck:
+        ck.save(3, {"model": {"w": torch.arange(6.0)}, "step": 3})
+    out = flashckpt("convert", str(tmp_path / "ck"), str(tmp_path / "out.pt"), "--to", "torch")
+    assert out.returncode == 0, out.stderr
+    loaded = torch.load(tmp_path / "out.pt")
+    assert loaded["step"] == 3 and torch.equal(loaded["model"]["w"], torch.arange(6.0))
+    out = flashckpt("convert", str(tmp_path / "nothing"), str(tmp_path / "x.pt"), "--to", "torch")
+    assert out.returncode == 2 and out.stderr.startswith("error:")
