@@ -1,0 +1,39 @@
+"""One rank on its own "node" (a private /dev/shm), for the multi-node test.
+
+    python _node_worker.py RANK WORLD PORT DIR own|ddp OUT_JSON
+"""
+
+import glob
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from flashckpt.torch import Checkpointer, DdpCheckpointer
+
+
+def main() -> None:
+    rank, world, port, directory, mode, out = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                                               sys.argv[5], sys.argv[6])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cls = Checkpointer if mode == "own" else DdpCheckpointer
+    value = float(rank) if mode == "own" else 7.0
+    ck = cls(directory, job_id="nodes")
+    for step in (1, 2):
+        ck.save(step, {"w": torch.full((100,), value + step)})
+    ck.wait()
+    slots = sorted(p.rsplit("/", 1)[1] for p in glob.glob("/dev/shm/flashckpt.*.nodes.*.slot*"))
+    target = {"w": torch.zeros(100)}
+    step = ck.load(target)
+    report = {"slots": slots, "step": step, "source": ck.last_load.source, "w": target["w"][0].item(),
+              "local_rank": ck._engine.placement.local_rank}
+    dist.barrier()
+    ck.close()
+    with open(out, "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Two "nodes" — processes with private /dev/shm mounts — sharing one checkpoint directory."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ._dist import free_port
+
+WORKER = os.path.join(os.path.dirname(__file__), "_node_worker.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_nodes(tmp_path, mode: str) -> list[dict]:
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        cmd = (f"mount -t tmpfs -o size=256m tmpfs /dev/shm && exec {sys.executable} {WORKER} "
+               f"{rank} 2 {port} {tmp_path / 'ck'} {mode} {tmp_path / f'node{rank}.json'}")
+        procs.append(subprocess.Popen(["unshare", "-m", "sh", "-c", cmd], cwd=REPO,
+                                      env={**os.environ, "PYTHONPATH": REPO},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    return [json.loads((tmp_path / f"node{r}.json").read_text()) for r in range(2)]
+
+
+def test_each_nodes_saver_persists_its_rank_and_one_commit_joins_them(tmp_path):
+    reports = run_nodes(tmp_path, "own")
+    assert [r["local_rank"] for r in reports] == [0, 0]  # different /dev/shm: different nodes
+    assert reports[0]["slots"] == ["flashckpt.root.nodes.rank0.slot0", "flashckpt.root.nodes.rank0.slot1"]
+    assert reports[1]["slots"] == reports[0]["slots"]  # each node sees only its own rank's memory
+    assert [(r["step"], r["source"], r["w"]) for r in reports] == [(2, "memory", 2.0), (2, "memory", 3.0)]
+    meta = json.loads((tmp_path / "ck" / "step-2" / "metadata.json").read_text())
+    assert meta["world_size"] == 2 and sorted(meta["shards"]) == ["0", "1"]
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "2"
+
+
+def test_ddp_keeps_a_copy_on_every_node_and_one_on_storage(tmp_path):
+    reports = run_nodes(tmp_path, "ddp")
+    assert all(len(r["slots"]) == 2 for r in reports)  # local rank 0 of each node holds the node's copy
+    assert [(r["step"], r["source"], r["w"]) for r in reports] == [(2, "memory", 9.0), (2, "memory", 9.0)]
+    assert sorted(os.listdir(tmp_path / "ck" / "step-2")) == ["metadata.json", "rank-0.done", "rank-0.safetensors"]
+
+
+@pytest.fixture(autouse=True)
+def _root_only():
+    if os.geteuid() != 0:
+        pytest.fail("the multi-node tests mount private tmpfs filesystems and need root (CI runs as root)")
