@@ -177,17 +177,15 @@ class DeepSpeedCheckpointer:
         collective = self._flash.collective
         if collective.world_size == 1:
             return
-        have = collective.all_gather(sorted(files))
+        have = [set(paths) for paths in collective.all_gather(sorted(files))]
         everything = sorted(set().union(*have))
-        wanted = [p for p in everything if fnmatch.fnmatch(p, pattern)]
-        for path in wanted:
-            owners = [r for r, paths in enumerate(have) if path in paths]
-            if len(owners) == collective.world_size:
-                continue
+        wants = collective.all_gather([p for p in everything if fnmatch.fnmatch(p, pattern)])
+        missing = sorted({p for rank, wanted in enumerate(wants) for p in wanted if p not in have[rank]})
+        group = getattr(collective, "group", None)
+        for path in missing:  # the same list on every rank
+            owner = min(r for r, paths in enumerate(have) if path in paths)
             box = [files.get(path)]
-            group = getattr(collective, "group", None)
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, owners[0]) if group else owners[0],
-                                       group=group)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, owner) if group else owner, group=group)
             files.setdefault(path, box[0])
 
     def _check(self, files: dict[str, Any], pattern: str, tag: str) -> None:

@@ -1,0 +1,257 @@
+"""Flash checkpoints of megatron-core sharded state dicts, loadable with another TP/DP layout."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from .. import _events
+from .._errors import CheckpointError
+from .._slot import HEADER_SIZE
+from ..torch import Checkpointer
+from ._layout import Box
+from ._reader import BYTESIO, FileSource, MemorySource, StepReader
+
+__all__ = ["MegatronCheckpointer"]
+
+log = logging.getLogger(__name__)
+
+
+def _is_main(replica_id: Any) -> bool:
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
+    return is_main_replica(replica_id)
+
+
+def _box(sh: Any) -> Box:
+    return Box(tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+
+
+def _encode_object(data: Any) -> Any:
+    if isinstance(data, io.BytesIO):  # Transformer Engine's extra state
+        return {BYTESIO: torch.frombuffer(bytearray(data.getvalue()) or bytearray(1), dtype=torch.uint8)
+                [:len(data.getvalue())]}
+    return data
+
+
+class MegatronCheckpointer:
+    """Flash checkpoints of megatron-core sharded state dicts.
+
+    ``save(step, model.sharded_state_dict())`` blocks only while this rank's main-replica
+    blocks (``ShardedTensor`` with ``replica_id`` 0; factories applied) are copied into
+    shared memory; their global offsets and shapes travel as plain values, sharded
+    objects and (on rank 0) the common part with them. The node's saver persists them.
+    ``load(model.sharded_state_dict())`` returns ``(state_dict, step)``: a plain state dict
+    for ``model.load_state_dict``; tensors are read in place into the ``ShardedTensor``
+    data where it is a CPU tensor of the right shape. A layout change (tensor- or
+    data-parallel size) reads from the committed shards exactly the byte ranges each
+    requested block needs; a restart with the same layout reads this rank's memory.
+
+    All ranks construct it and call ``save``/``load``/``wait``/``close``. Options are
+    those of :class:`flashckpt.torch.Checkpointer`; never calls CUDA on CPU tensors.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
+                 job_id: str | None = None, allow_pickle: bool = False, process_group: Any = None) -> None:
+        self._ckpt = Checkpointer(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id,
+                                  allow_pickle=allow_pickle, process_group=process_group)
+        self._flash = self._ckpt._engine
+
+    @property
+    def directory(self) -> str:
+        return self._ckpt.directory
+
+    @property
+    def job_id(self) -> str:
+        return self._ckpt.job_id
+
+    # -- save ---------------------------------------------------------------------
+
+    def save(self, step: int, sharded_state_dict: dict, *, persist: bool | None = None) -> None:
+        """Copy this rank's main-replica blocks into shared memory; persist if due."""
+        self._flash.save(step, self._tree(sharded_state_dict), persist=persist)
+
+    def _tree(self, sharded_state_dict: dict) -> dict:
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+        if not isinstance(sharded_state_dict, dict):
+            raise CheckpointError(f"expected a megatron sharded state dict, got {type(sharded_state_dict).__qualname__}")
+        sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
+        shards, objects = [], {}
+        for value in nested_values(sharded):
+            if isinstance(value, ShardedTensor):
+                if value.flattened_range is not None:
+                    raise CheckpointError(f"{value.key}: flattened_range shards are not supported")
+                if value.data is None:
+                    raise CheckpointError(f"{value.key}: ShardedTensor without data cannot be saved")
+                if _is_main(value.replica_id):
+                    box = _box(value)
+                    shards.append({"key": value.key, "global_offset": list(box.offset), "shape": list(box.shape),
+                                   "global_shape": list(value.global_shape), "data": value.data})
+            elif isinstance(value, ShardedObject):
+                if _is_main(value.replica_id):
+                    objects[value.unique_key] = _encode_object(value.data)
+        keep_common = self._flash.collective.rank == 0
+        return {"megatron": {"format": 1, "shards": shards, "objects": objects,
+                             "common": common if keep_common else None}}
+
+    # -- load ---------------------------------------------------------------------
+
+    def load(self, sharded_state_dict: dict, *, step: int | None = None) -> tuple[dict | None, int | None]:
+        """``(state_dict, step)`` of the agreed step, or ``(None, None)`` when there is none.
+
+        The newest step every rank holds in memory, if not older than the newest
+        committed one, else the newest committed step (or ``step``). All ranks call this.
+        """
+        start = time.perf_counter()
+        chosen, source = self._agree_step(step, sharded_state_dict)
+        if chosen is None:
+            _events.emit("load", step=None, source=None, seconds=time.perf_counter() - start)
+            return None, None
+        box: list[Any] = [None]
+
+        def attempt() -> None:
+            box[0] = self._load_step(sharded_state_dict, chosen, source)
+
+        errors = self._flash._gather_errors(attempt)
+        if errors:
+            self._flash._raise(errors, f"loading step {chosen} of {self.directory} failed")
+        seconds = time.perf_counter() - start
+        log.info("restored step %d from %s in %.2fs", chosen, source, seconds)
+        _events.emit("load", step=chosen, source=source, seconds=seconds)
+        return box[0], chosen
+
+    def _agree_step(self, step: int | None, sharded_state_dict: dict) -> tuple[int | None, str]:
+        flash, collective = self._flash, self._flash.collective
+        flash._client.wait()
+        memory = flash.memory_steps()
+        newest = max(memory, default=None) if step is None else (step if step in memory else None)
+        local = newest is not None and self._memory_covers(sharded_state_dict, newest, memory[newest][0])
+        views = collective.all_gather({"memory": sorted(memory), "local": local,
+                                       "committed": flash.storage.latest_step() if collective.rank == 0 else None})
+        committed = views[0]["committed"]
+        common = set.intersection(*(set(v["memory"]) for v in views))
+        candidate = (max(common) if common else None) if step is None else (step if step in common else None)
+        if candidate is not None and (step is not None or committed is None or candidate >= committed):
+            if all(v["local"] for v in views) and newest == candidate:
+                return candidate, "memory"
+            if candidate != committed:
+                self._ckpt.flush()  # another layout reads every rank's blocks: make them durable first
+                collective.all_gather(None)
+                return candidate, "storage"
+        if step is not None:
+            return step, "storage"
+        return committed, "storage"
+
+    def _memory_source(self, index: int) -> MemorySource:
+        slot = self._flash._slot(index, create=False)
+        if slot is None:
+            raise CheckpointError("memory slot vanished")
+        return MemorySource(slot.mm, HEADER_SIZE, slot.path)
+
+    def _memory_covers(self, sharded_state_dict: dict, step: int, index: int) -> bool:
+        """Whether this rank's own memory image holds every block it asks for."""
+        try:
+            reader = StepReader([self._memory_source(index)], allow_pickle=self._flash.options.allow_pickle)
+        except CheckpointError:
+            return False
+        requested = self._requested(sharded_state_dict)
+        return (all(reader.covers_locally(sh.key, _box(sh)) for sh in requested["tensors"])
+                and all(o.unique_key in reader.objects for o in requested["objects"]))
+
+    @staticmethod
+    def _requested(sharded_state_dict: dict) -> dict[str, list]:
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+        from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+
+        ssd, _, _ = load_preprocess(sharded_state_dict)
+        values = list(nested_values(ssd))
+        return {"tensors": [v for v in values if isinstance(v, ShardedTensor)],
+                "objects": [v for v in values if isinstance(v, ShardedObject)]}
+
+    def _reader(self, step: int, source: str) -> StepReader:
+        allow = self._flash.options.allow_pickle
+        if source == "memory":
+            index, _ = self._flash.memory_steps()[step]
+            return StepReader([self._memory_source(index)], allow_pickle=allow)
+        storage = self._flash.storage
+        meta = storage.metadata(step)
+        sources = []
+        try:
+            for rank in range(meta["world_size"]):
+                sources.append(FileSource(*storage.shard_path(step, rank)))
+            return StepReader(sources, allow_pickle=allow)
+        except BaseException:
+            for s in sources:
+                s.close()
+            raise
+
+    def _load_step(self, sharded_state_dict: dict, step: int, source: str) -> dict:
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, merge
+        from megatron.core.dist_checkpointing.mapping import apply_factory_merges
+        from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+        from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+        ssd, nonpersistent, factories = load_preprocess(sharded_state_dict)
+        sharded, _ = extract_sharded_base(ssd)
+        reader = self._reader(step, source)
+        try:
+            result = reader.common_state()
+            merge(result, nonpersistent)
+            merge(result, self.read_sharded(reader, sharded))
+        finally:
+            reader.close()
+        return apply_factory_merges(result, factories)
+
+    @staticmethod
+    def read_sharded(reader: StepReader, sharded: Any) -> Any:
+        """Replace every ShardedTensor / ShardedObject of ``sharded`` by its loaded value."""
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+        def one(value: Any) -> Any:
+            if isinstance(value, ShardedTensor):
+                box = _box(value)
+                data = value.data
+                in_place = (data is not None and data.device.type == "cpu" and data.is_contiguous()
+                            and data.dtype == value.dtype and tuple(data.shape) == tuple(value.local_shape))
+                dest = data if in_place else torch.empty(tuple(value.local_shape), dtype=value.dtype)
+                with torch.no_grad():
+                    reader.fill(value.key, box, tuple(value.global_shape), dest, value.allow_shape_mismatch)
+                    if data is not None and not in_place and tuple(data.shape) == tuple(value.local_shape):
+                        data.copy_(dest)  # e.g. a GPU parameter: one host-to-device copy
+                        return data
+                return dest
+            if isinstance(value, ShardedObject):
+                return reader.sharded_object(value.unique_key)
+            return value
+
+        return dict_list_map_outplace(one, sharded)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every persist asked for so far is durable."""
+        self._ckpt.wait(timeout)
+
+    def flush(self, timeout: float | None = None) -> None:
+        self._ckpt.flush(timeout)
+
+    def latest_step(self) -> int | None:
+        return self._ckpt.latest_step()
+
+    def close(self) -> None:
+        self._ckpt.close()
+
+    def __enter__(self) -> "MegatronCheckpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,229 @@
+"""Reading the global ranges a rank needs out of the shards of one saved step.
+
+Each saved rank's tree is ``{"megatron": {"shards": [...], "objects": {...}, "common": ...}}``
+(see ``_checkpointer``): the main-replica local blocks of each ``ShardedTensor`` with
+their global offsets as plain values. A :class:`StepReader` indexes every rank's shard
+header (without reading bodies) and fills a requested block by reading, from each
+saved block it intersects, only the contiguous byte runs that hold the intersection.
+Sources are the committed safetensors files (``os.preadv``) or, for a restart with
+the same layout, this rank's own shared-memory image.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+from .._format import Entry, Image, parse_header
+from ..torch._tensors import DTYPE_NAMES
+from ._layout import Box, intersect, read_runs, volume
+
+__all__ = ["Source", "FileSource", "MemorySource", "StepReader", "BYTESIO"]
+
+BYTESIO = "__flashckpt_bytesio__"
+_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+class Source(Protocol):
+    """The bytes of one saved rank's image."""
+
+    where: str
+    image: Image
+
+    def readinto(self, view: memoryview, body_offset: int) -> None: ...
+
+
+class FileSource:
+    """A committed ``rank-R.safetensors`` read with positional reads."""
+
+    def __init__(self, path: str, record: dict) -> None:
+        self.where = path
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        size = os.fstat(self._fd).st_size
+        if size != record["size"]:
+            os.close(self._fd)
+            raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {record['size']} (truncated?)")
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise CorruptCheckpointError(f"{path}: truncated (no header)")
+        (n,) = struct.unpack("<Q", head)
+        self.image = parse_header(head + os.pread(self._fd, min(n, size - 8), 8), path, size)
+
+    def readinto(self, view: memoryview, body_offset: int) -> None:
+        at, done = len(self.image.header) + body_offset, 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], at + done)
+            if n <= 0:
+                raise CorruptCheckpointError(f"{self.where}: truncated inside the tensor data")
+            done += n
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class MemorySource:
+    """This rank's own shared-memory image of the step (a restart with the same layout)."""
+
+    def __init__(self, buffer: Any, base: int, where: str) -> None:
+        self.where = where
+        self._buffer, self._base = buffer, base
+        (n,) = struct.unpack_from("<Q", buffer, base)
+        self.image = parse_header(memoryview(buffer)[base:base + 8 + n], where)
+
+    def readinto(self, view: memoryview, body_offset: int) -> None:
+        at = self._base + len(self.image.header) + body_offset
+        view[:] = memoryview(self._buffer)[at:at + len(view)]
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Saved:
+    source: Source
+    box: Box
+    entry: Entry
+    global_shape: tuple[int, ...]
+
+
+def _plain_tree(node: Any, tensor: Any) -> Any:
+    """A skeleton node as Python values; tensors become ``tensor(name)``."""
+    if "v" in node:
+        return node["v"]
+    if "t" in node:
+        return tensor(node["t"])
+    if "p" in node:
+        return ("__pickled__", node["p"])
+    if "d" in node:
+        return {k: _plain_tree(v, tensor) for k, v in node["d"]}
+    items = [_plain_tree(v, tensor) for v in node.get("l", node.get("u"))]
+    return tuple(items) if "u" in node else items
+
+
+class StepReader:
+    """Every saved rank's layout of one step, and reads of requested blocks from it."""
+
+    def __init__(self, sources: list[Source], *, allow_pickle: bool) -> None:
+        self.sources = sources
+        self.allow_pickle = allow_pickle
+        self.shards: dict[str, list[_Saved]] = {}
+        self.objects: dict[str, tuple[Source, Any]] = {}
+        self.common: tuple[Source, Any] | None = None
+        for source in sources:
+            entries = {e.name: e for e in source.image.entries}
+            tree = _plain_tree(source.image.meta["tree"], lambda name: ("__tensor__", name))
+            try:
+                mg = tree["megatron"]
+            except (KeyError, TypeError):
+                raise CorruptCheckpointError(f"{source.where}: not a megatron flash checkpoint") from None
+            for shard in mg["shards"]:
+                offset, shape = tuple(shard["global_offset"]), tuple(shard["shape"])
+                entry = entries[shard["data"][1]]
+                self.shards.setdefault(shard["key"], []).append(
+                    _Saved(source, Box(offset, shape), entry, tuple(shard["global_shape"])))
+            for key, value in mg["objects"].items():
+                self.objects.setdefault(key, (source, value))
+            if mg.get("common") is not None and self.common is None:
+                self.common = (source, mg["common"])
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+
+    # -- tensors ------------------------------------------------------------------
+
+    def covers_locally(self, key: str, box: Box) -> bool:
+        return sum(volume(i.shape) for s in self.shards.get(key, ()) if (i := intersect(box, s.box))) == volume(box.shape)
+
+    def fill(self, key: str, box: Box, global_shape: tuple[int, ...], dest: torch.Tensor,
+             allow_shape_mismatch: bool = False) -> None:
+        """Read the global block ``box`` of ``key`` into ``dest`` (a CPU tensor of that block)."""
+        saved = self.shards.get(key)
+        if not saved:
+            raise StateMismatchError(f"{key}: not in the checkpoint")
+        if not allow_shape_mismatch and saved[0].global_shape != tuple(global_shape):
+            raise StateMismatchError(f"{key}: checkpoint has global shape {list(saved[0].global_shape)}, "
+                                     f"the model {list(global_shape)}")
+        want = DTYPE_NAMES.get(dest.dtype)
+        if saved[0].entry.dtype != want:
+            raise StateMismatchError(f"{key}: checkpoint has dtype {saved[0].entry.dtype}, the model {want}")
+        whole = dest.view(box.shape)
+        covered = 0
+        for s in saved:
+            part = intersect(box, s.box)
+            if part is None:
+                continue
+            direct = part == box and dest.is_contiguous()
+            buf = whole if direct else torch.empty(part.shape, dtype=dest.dtype)
+            self._read(s, part, buf)
+            if not direct:
+                rel = tuple(slice(p - o, p - o + n) for p, o, n in zip(part.offset, box.offset, part.shape))
+                whole[rel].copy_(buf)
+            covered += volume(part.shape)
+        if covered != volume(box.shape):
+            raise StateMismatchError(f"{key}: the checkpoint holds {covered} of the {volume(box.shape)} elements "
+                                     f"of block offset={list(box.offset)} shape={list(box.shape)}")
+
+    @staticmethod
+    def _read(saved: _Saved, part: Box, buf: torch.Tensor) -> None:
+        item = buf.element_size()
+        run, starts = read_runs(saved.box, part)
+        flat = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+        pos, i = 0, 0
+        while i < len(starts):  # coalesce runs that are adjacent in the file
+            j = i
+            while j + 1 < len(starts) and starts[j + 1] == starts[j] + run:
+                j += 1
+            nbytes = (j - i + 1) * run * item
+            saved.source.readinto(flat[pos:pos + nbytes], saved.entry.offset + starts[i] * item)
+            pos += nbytes
+            i = j + 1
+
+    # -- whole subtrees (objects, common) --------------------------------------------
+
+    def materialize(self, source: Source, value: Any) -> Any:
+        """A stored subtree with its tensors read whole and BytesIO / pickled leaves rebuilt."""
+        entries = {e.name: e for e in source.image.entries}
+
+        def build(v: Any) -> Any:
+            if isinstance(v, tuple) and len(v) == 2 and v[0] == "__tensor__":
+                e = entries[v[1]]
+                t = torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+                if e.nbytes:
+                    source.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy()), e.offset)
+                return t
+            if isinstance(v, tuple) and len(v) == 2 and v[0] == "__pickled__":
+                if not self.allow_pickle:
+                    raise CheckpointError(f"{source.where} holds pickled objects; pass allow_pickle=True to load "
+                                          "them (only for checkpoints you trust)")
+                import base64
+                import pickle
+                return pickle.loads(base64.b64decode(v[1]))
+            if isinstance(v, dict):
+                if set(v) == {BYTESIO}:
+                    return io.BytesIO(build(v[BYTESIO]).numpy().tobytes())
+                return {k: build(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [build(x) for x in v]
+            if isinstance(v, tuple):
+                return tuple(build(x) for x in v)
+            return v
+
+        return build(value)
+
+    def sharded_object(self, unique_key: str) -> Any:
+        found = self.objects.get(unique_key)
+        if found is None:
+            raise StateMismatchError(f"sharded object {unique_key}: not in the checkpoint")
+        return self.materialize(*found)
+
+    def common_state(self) -> dict:
+        if self.common is None:
+            return {}
+        return self.materialize(*self.common)

@@ -1,0 +1,101 @@
+"""Deterministic DeepSpeed (ZeRO on CPU, gloo) training for the tests.
+
+    torchrun --standalone --nproc_per_node=2 --max-restarts=1 _ds_train.py STAGE CKPT OUT STEPS KILL_AT
+
+Trains STEPS steps, flash-saving every step in memory only (persist_every is large);
+on the first attempt rank 1 kills itself with SIGKILL right after saving KILL_AT
+(-1: never). The restarted ranks resume from memory. Losses go to
+OUT/losses-<rank>-<attempt>.json, the load's step and source to OUT/load-<rank>-<attempt>.json,
+the consolidated fp32 parameters at the end to OUT/final.pt. CKPT "-" trains without
+checkpoints (the uninterrupted reference).
+"""
+
+import json
+import os
+import signal
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+MICRO_BATCH = 4
+
+
+def make_engine(stage: int, hidden: int = 16):
+    import deepspeed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def train_step(engine, rank: int, step: int) -> float:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x, y = torch.randn(MICRO_BATCH, 8, generator=g), torch.randn(MICRO_BATCH, 1, generator=g)
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def consolidated(engine) -> dict:
+    """Full fp32 parameters (gathered under ZeRO-3); all ranks call it."""
+    import deepspeed
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def init_process_group(attempt: int) -> None:
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def main() -> None:
+    import deepspeed
+    from flashckpt import _events
+    stage, directory, out, steps, kill_at = (int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                             int(sys.argv[5]))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    init_process_group(attempt)
+    deepspeed.init_distributed("gloo")
+    rank = dist.get_rank()
+    loads = []
+    _events.subscribe(lambda event, **info: loads.append(info) if event == "load" else None)
+    engine = make_engine(stage)
+    ck = None
+    start = 0
+    if directory != "-":
+        from flashckpt.deepspeed import DeepSpeedCheckpointer
+        ck = DeepSpeedCheckpointer(engine, directory, persist_every=1000, job_id=os.environ["FLASHCKPT_TEST_JOB"])
+        start = ck.load() or 0
+        with open(os.path.join(out, f"load-{rank}-{attempt}.json"), "w") as f:
+            json.dump({"step": start, "source": loads[0]["source"] if loads else None,
+                       "client": (getattr(ck, "client_state", None) or {}).get("marker")}, f)
+    losses = {}
+    for step in range(start + 1, steps + 1):
+        losses[step] = train_step(engine, rank, step)
+        if ck is not None:
+            ck.save(step, client_state={"marker": f"step-{step}"})
+        if attempt == 0 and rank == 1 and step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    with open(os.path.join(out, f"losses-{rank}-{attempt}.json"), "w") as f:
+        json.dump(losses, f)
+    final = consolidated(engine)
+    if ck is not None:
+        ck.close()  # persists the newest step and exports the DeepSpeed tag
+    if rank == 0:
+        torch.save(final, os.path.join(out, "final.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
