@@ -140,7 +140,7 @@ class Engine:
         if placement.persists:
             self.storage.check_writable()
         self._slot_paths = [_names.slot_path(self.job_id, placement.memory_rank, i) for i in range(NUM_SLOTS)]
-        self._lock = RankLock(_names.slot_path(self.job_id, placement.memory_rank, 0).rsplit(".slot", 1)[0] + ".lock")
+        self._lock = RankLock(_names.lock_path(self._slot_paths[0]))
         self._slots: list[Slot | None] = [None] * NUM_SLOTS
         self._views: dict[tuple, list[Any]] = {}
         self._preparing: threading.Thread | None = None
@@ -294,6 +294,7 @@ class Engine:
     def load(self, state: Any, *, step: int | None = None) -> int | None:
         """Load the agreed step into ``state`` in place; all ranks must call this."""
         start = time.perf_counter()
+        self._prepared()
         self._client.wait()  # a crash flush of the previous run finishes first
         local = {"memory": self.memory_steps(),
                  "committed": self.storage.latest_step() if self.collective.rank == 0 else None}

@@ -11,7 +11,7 @@ import hashlib
 import os
 import pwd
 
-__all__ = ["SHM_DIR", "default_job_id", "job_prefix", "slot_path", "socket_path"]
+__all__ = ["SHM_DIR", "default_job_id", "job_prefix", "lock_path", "slot_path", "socket_path"]
 
 SHM_DIR = os.environ.get("FLASHCKPT_SHM_DIR", "/dev/shm")
 
@@ -39,6 +39,11 @@ def job_prefix(job_id: str) -> str:
 
 def slot_path(job_id: str, local_rank: int, slot: int) -> str:
     return f"{job_prefix(job_id)}.rank{local_rank}.slot{slot}"
+
+
+def lock_path(slot: str) -> str:
+    """The lock file guarding the headers of a slot's rank (shared by its two slots)."""
+    return slot.rsplit(".slot", 1)[0] + ".lock"
 
 
 def socket_path(job_id: str) -> str:

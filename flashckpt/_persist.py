@@ -12,11 +12,12 @@ import os
 import time
 from dataclasses import dataclass
 
+from . import _names
 from ._exporters import run_exporter
 from ._slot import RankLock, Slot, SlotState
 from ._storage import LocalStorage
 
-__all__ = ["PersistResult", "persist_slot", "lock_path_of"]
+__all__ = ["PersistResult", "persist_slot"]
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,6 @@ class PersistResult:
     nbytes: int = 0
 
 
-def lock_path_of(slot_path: str) -> str:
-    return slot_path.rsplit(".slot", 1)[0] + ".lock"
-
-
 def persist_slot(slot_path: str, generation: int | None = None, *, already_persisted: bool = False) -> PersistResult:
     """Write the image in ``slot_path`` to its storage and commit its step if complete.
 
@@ -46,7 +43,7 @@ def persist_slot(slot_path: str, generation: int | None = None, *, already_persi
     slot = Slot.open(slot_path, writable=True)
     if slot is None:
         return PersistResult(-1, False, skipped=True)
-    lock = RankLock(lock_path_of(slot_path))
+    lock = RankLock(_names.lock_path(slot_path))
     try:
         with lock.held():
             h = slot.read_header()

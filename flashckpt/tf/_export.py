@@ -23,6 +23,7 @@ import numpy as np
 
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import parse_header
+from .._numpy_kind import _DTYPES
 from .._storage import LocalStorage
 
 __all__ = ["export", "read_step", "write_tf_checkpoint"]
@@ -30,9 +31,7 @@ __all__ = ["export", "read_step", "write_tf_checkpoint"]
 log = logging.getLogger("flashckpt.tf")
 
 _OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-           "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
-           "BOOL": np.bool_, "C64": np.complex64}
+
 
 
 def _children(node: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,8 @@ log = logging.getLogger("flashckpt.tf")
 
 class FlashCheckpointHook(tf.estimator.SessionRunHook):
     """A ``SessionRunHook`` that restores the newest flash checkpoint when the session is
-    created and flash-saves every ``every_steps`` global steps and at the end.
+    created and flash-saves every ``every_steps`` global steps and at the end of each
+    ``train`` call (then flushed to storage). Call :meth:`close` after the last ``train``.
 
     Use it instead of the estimator's ``CheckpointSaverHook`` (``RunConfig(
     save_checkpoints_steps=None, save_checkpoints_secs=None)``); one directory per
@@ -93,19 +94,22 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
                 self._save(run_context.session, self._step)
 
     def end(self, session: Any) -> None:
-        try:
-            step = int(session.run(self._global_step))
-            if step != self.last_saved:
-                self._save(session, step)
-            if self._reporter is not None:
-                self._reporter.end(session)
-            self._engine.flush()
-            if self._export and self.last_saved is not None:
-                from ._export import write_tf_checkpoint
+        step = int(session.run(self._global_step))
+        if step != self.last_saved:
+            self._save(session, step)
+        if self._reporter is not None:
+            self._reporter.end(session)
+        self._engine.flush()
+        if self._export and self.last_saved is not None:
+            from ._export import write_tf_checkpoint
 
-                write_tf_checkpoint(self._directory, self.last_saved,
-                                    os.path.join(self._directory, f"step-{self.last_saved}", "tf", "ckpt"))
-        finally:
+            write_tf_checkpoint(self._directory, self.last_saved,
+                                os.path.join(self._directory, f"step-{self.last_saved}", "tf", "ckpt"))
+
+    def close(self) -> None:
+        """Free this worker's shared memory (after the last ``train`` call); the newest
+        step is on storage already. Later ``train`` calls restore from memory until then."""
+        if self._engine is not None:
             self._engine.close()
             self._engine = None
 

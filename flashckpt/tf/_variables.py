@@ -72,20 +72,19 @@ def collect(root: tf.train.Checkpoint) -> tuple[dict[str, tf.Variable], str]:
 def build_optimizers(root: tf.train.Checkpoint) -> None:
     """Create the slot variables of Keras optimizers that have not taken a step yet, so
     that a load before the first step finds every variable of the checkpoint."""
-    children = dict(root._trackable_children())
-    models = [c for c in children.values() if isinstance(c, tf.keras.Model)]
+    children = list(dict(root._trackable_children()).values())
+    models = [c for c in children if isinstance(c, tf.keras.Model)]
+    for model in models:
+        if getattr(model, "optimizer", None) is not None:
+            _build(model.optimizer, model.trainable_variables)
     var_list = [v for m in models for v in m.trainable_variables]
-    for child in children.values():
-        if isinstance(child, tf.keras.Model) and getattr(child, "optimizer", None) is not None \
-                and all(c is not child.optimizer for c in children.values()):
-            _build(child.optimizer, child.trainable_variables)
-    if not var_list:
-        return
-    for child in children.values():
+    for child in children:
         _build(child, var_list)
 
 
 def _build(optimizer: Any, var_list: list[tf.Variable]) -> None:
+    if not var_list:
+        return
     if isinstance(optimizer, tf.keras.optimizers.Optimizer):
         if not getattr(optimizer, "_built", False):
             optimizer.build(var_list)
