@@ -1,0 +1,87 @@
+"""``convert``: a sharded flashckpt step (4 FSDP2 ranks) as one consolidated model and
+optimizer that stock tools load -- ``torch.load``, ``safetensors``,
+``torch.distributed.checkpoint.load`` -- equal to the consolidated originals; damaged
+shards and unknown formats are clear errors. (DCP import: ``test_fsdp_reshard``.)"""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from flashckpt import CheckpointError, CorruptCheckpointError
+from flashckpt._convert import convert
+
+from ._fsdp_common import assert_equal_states
+from .conftest import assert_ok
+
+
+@pytest.fixture(scope="module")
+def w4(ran4, fsdp_root):
+    assert_ok(ran4, "save w4")
+    return os.path.join(fsdp_root, "w4"), torch.load(os.path.join(fsdp_root, "w4.pt"))
+
+
+def test_to_torch(w4, tmp_path):
+    directory, originals = w4
+    out = convert(directory, None, "torch", tmp_path / "model.pt")
+    got = torch.load(out, weights_only=True)
+    assert got["step"] == 3 and got["extra"] == {"world": 4}
+    assert_equal_states(got["model"], originals["model"], "model ")
+    assert_equal_states(got["optim"]["state"], originals["optim"], "optim ")
+    assert got["optim"]["param_groups"] == originals["param_groups"]
+
+
+def test_to_safetensors(w4, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    directory, originals = w4
+    out = convert(directory, 3, "safetensors", tmp_path / "model.safetensors")
+    got = load_file(out)
+    assert_equal_states({k: v for k, v in got.items() if not k.startswith("optim/")}, originals["model"])
+    for fqn, state in originals["optim"].items():
+        for k, v in state.items():
+            assert torch.equal(got[f"optim/{fqn}/{k}"], v), (fqn, k)
+    with safe_open(out, "pt") as f:
+        meta = json.loads(f.metadata()["flashckpt"])
+    assert meta["step"] == 3 and meta["param_groups"] == json.loads(json.dumps(originals["param_groups"]))
+
+
+def test_to_dcp(w4, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    directory, originals = w4
+    out = convert(directory, None, "dcp", tmp_path / "dcp")
+    template = {"model": {k: torch.zeros_like(v) for k, v in originals["model"].items()},
+                "optim": {"state": {fqn: {k: torch.zeros_like(v) for k, v in st.items()}
+                                    for fqn, st in originals["optim"].items()},
+                          "param_groups": [dict(g, lr=-1.0) for g in originals["param_groups"]]}}
+    dcp.load(template, checkpoint_id=out, no_dist=True)
+    assert template["optim"]["param_groups"] == originals["param_groups"]
+    assert_equal_states(template["model"], originals["model"], "model ")
+    assert_equal_states(template["optim"]["state"], originals["optim"], "optim ")
+
+
+def test_damaged_shard_is_named_and_nothing_is_written(w4, tmp_path):
+    directory, _ = w4
+    copy = tmp_path / "ckpt"
+    shutil.copytree(directory, copy)
+    shard = copy / "step-3" / "rank-2.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="rank-2.safetensors"):
+        convert(copy, 3, "torch", tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_bad_arguments(w4, tmp_path):
+    directory, _ = w4
+    with pytest.raises(CheckpointError, match="target format"):
+        convert(directory, 3, "onnx", tmp_path / "x")
+    with pytest.raises(CheckpointError, match="source format"):
+        convert(directory, 3, "torch", tmp_path / "x", source="tf")
+    with pytest.raises(CheckpointError, match="step 9 is not committed"):
+        convert(directory, 9, "torch", tmp_path / "x")
+    with pytest.raises(CheckpointError, match="no .metadata"):
+        convert(directory, None, "torch", tmp_path / "x", source="dcp")
