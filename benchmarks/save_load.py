@@ -23,6 +23,8 @@ What is timed, and the floor each ratio is taken against:
   (stall until staged, total until the future resolves) with its default per-call stager
   and with one reused stager (its staging buffers cached: first vs steady).
 - DLRover 0.6.1 ``DdpCheckpointer`` in .bench-venv (subprocess, _dlrover_peer.py).
+  (*) Its "persisted" is its tracker file naming the step: the shard itself is written
+  by torch.save with no fsync, so that time (and dlrover_persist) is not durability.
 - dd to the same directory, buffered + conv=fsync and oflag=direct: the persist floor.
 
 n in the table counts samples: a repeat takes several of some (floor copies, steady
@@ -110,8 +112,8 @@ METRICS: list[Metric] = [
     Metric("dlrover.memory.load_new_process", "DLRover MEMORY load, new process", "floor.load"),
     Metric("dlrover.disk.stall_first", "DLRover DISK save stall, first", "floor.save"),
     Metric("dlrover.disk.stall_steady", "DLRover DISK save stall, steady", "floor.save"),
-    Metric("dlrover.disk.durable_first", "DLRover DISK save until persisted, first", None),
-    Metric("dlrover.disk.durable_steady", "DLRover DISK save until persisted, steady", None),
+    Metric("dlrover.disk.durable_first", "DLRover DISK save until tracker names it*, first", None),
+    Metric("dlrover.disk.durable_steady", "DLRover DISK save until tracker names it*, steady", None),
     Metric("dlrover.disk.load_new_process", "DLRover DISK load, new process", "floor.load"),
     Metric("dlrover.torchrun_kill.load", "DLRover load, torchrun restart after SIGKILL", "floor.load"),
     Metric("dlrover.torchrun_raise.load", "DLRover load, torchrun restart after exception", "floor.load"),
