@@ -30,6 +30,7 @@ read, in order. ``[start, end)``: the same records as a range when the data set 
 shuffled (after a resume, ``start`` is past the records already trained); with
 ``shuffle=True`` read ``indices``. ``file`` is "" for ``size=`` data sets."""
 
+_SHARDS_AHEAD = 2
 _SIGNATURE = ShardSpec(
     start=tf.TensorSpec([], tf.int64), end=tf.TensorSpec([], tf.int64), indices=tf.TensorSpec([None], tf.int64),
     file=tf.TensorSpec([], tf.string), index=tf.TensorSpec([], tf.int64), epoch=tf.TensorSpec([], tf.int64))
@@ -94,13 +95,19 @@ class ShardDataset(tf.data.Dataset):
 
         def generate():
             for shard, position in positions.shards():
-                order = sharding.sample_order(shard.start, shard.end, seed=shard.seed, epoch=shard.epoch,
-                                              shard=shard.index, shuffle=shard.shuffle)
-                rest = np.asarray(order[position:], dtype=np.int64)
-                start = shard.start if definition.shuffle else shard.start + position
+                if definition.shuffle:
+                    order = sharding.sample_order(shard.start, shard.end, seed=shard.seed, epoch=shard.epoch,
+                                                  shard=shard.index, shuffle=True)
+                    rest = np.asarray(order[position:], dtype=np.int64)
+                    start = shard.start
+                else:
+                    start = shard.start + position
+                    rest = np.arange(start, shard.end, dtype=np.int64)
                 yield ShardSpec(start, shard.end, rest, shard.file or "", shard.index, shard.epoch)
 
-        self._source = tf.data.Dataset.from_generator(generate, output_signature=_SIGNATURE)
+        # leasing runs a couple of shards ahead on tf.data's thread, so the reader never waits
+        # for the coordinator round trip (records count only once the step consumed them)
+        self._source = tf.data.Dataset.from_generator(generate, output_signature=_SIGNATURE).prefetch(_SHARDS_AHEAD)
         super().__init__(self._source._variant_tensor)
 
     def _inputs(self) -> list[tf.data.Dataset]:

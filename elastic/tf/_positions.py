@@ -122,6 +122,7 @@ class ShardPositions:
         self._lock = threading.RLock()
         self._held: list[_Lease] = []
         self._fifo: deque[list[Any]] = deque()  # [lease, records handed out, not consumed]
+        self._stranded: deque[_Lease] = deque()  # leased by an abandoned pass, never handed out
         self._pass = 0
         self._started = False
         self._over_consumed = False
@@ -143,6 +144,7 @@ class ShardPositions:
             if not self._started:
                 self._take_back()
             self._fifo.clear()
+            self._stranded.clear()  # the replay below covers them
             replay = [lease for lease in self._held if lease.done < len(lease.shard)]
         for lease in replay:
             with self._lock:
@@ -151,21 +153,25 @@ class ShardPositions:
                 self._fifo.append([lease, len(lease.shard) - lease.done])
             yield lease.shard, lease.done
         while True:
-            shard = self._acquire()
+            with self._lock:
+                stranded = self._stranded.popleft() if self._stranded else None
+            shard = stranded.shard if stranded is not None else self._acquire()
             if shard is None:
                 return
             with self._lock:
-                lease = _Lease(shard, done=shard.consumed, committed=shard.consumed)
-                self._held.append(lease)
+                lease = stranded or _Lease(shard, done=shard.consumed, committed=shard.consumed)
+                if stranded is None:
+                    self._held.append(lease)
                 self._start_heartbeat()
-                if me != self._pass:  # kept in _held: the current pass never saw it
+                if me != self._pass:  # leased for an abandoned pass: the current one reads it
+                    self._stranded.append(lease)
                     return
-                if shard.consumed >= len(shard):
+                if lease.done >= len(shard):
                     self._commit_lease(lease)
                     continue
-                self._fifo.append([lease, len(shard) - shard.consumed])
+                self._fifo.append([lease, len(shard) - lease.done])
             tick_agent()
-            yield shard, shard.consumed
+            yield shard, lease.done
 
     def _acquire(self) -> sharding.Shard | None:
         with self._lock:
@@ -277,6 +283,7 @@ class ShardPositions:
             pending = [entry[0].shard for entry in self._fifo]
             self._fifo.clear()
             self._held.clear()
+            self._stranded.clear()
             try:
                 self.dataset.release(self.worker)
             except sharding.CoordinatorError as exc:
@@ -311,6 +318,7 @@ class ShardPositions:
         with self._lock:
             self._fifo.clear()
             self._held.clear()
+            self._stranded.clear()
             if state.get("rollback") == Rollback.DATASET.value:
                 self.dataset.load_state_dict(state["coordinator"])
             else:
@@ -333,6 +341,7 @@ class ShardPositions:
         with self._lock:
             self._fifo.clear()
             self._held.clear()
+            self._stranded.clear()
             try:
                 self.dataset.release(self.worker)
             except sharding.UnknownWorker:

@@ -59,5 +59,6 @@ config = tf.estimator.RunConfig(model_dir=model_dir, save_checkpoints_steps=None
 estimator = tf.estimator.Estimator(model_fn, config=config)
 hook = FlashCheckpointHook(ckpt_dir, every_steps=4)
 estimator.train(input_fn, hooks=[hook, Pause()])
+hook.close()
 with open(out, "w") as f:
     json.dump({"restored": hook.restored_step, "loads": loads, "last_saved": hook.last_saved}, f)
