@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import io
 import logging
 import os
@@ -10,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .. import _events
-from .._errors import CheckpointError
-from .._slot import HEADER_SIZE
+from .. import _events, _names
+from .._errors import CheckpointError, StateMismatchError
+from .._slot import HEADER_SIZE, Slot, SlotState
 from ..torch import Checkpointer
 from ._layout import Box
 from ._reader import BYTESIO, FileSource, MemorySource, StepReader
@@ -132,7 +133,7 @@ class MegatronCheckpointer:
         flash._client.wait()
         memory = flash.memory_steps()
         newest = max(memory, default=None) if step is None else (step if step in memory else None)
-        local = newest is not None and self._memory_covers(sharded_state_dict, newest, memory[newest][0])
+        local = newest is not None and self._memory_covers(sharded_state_dict, newest)
         views = collective.all_gather({"memory": sorted(memory), "local": local,
                                        "committed": flash.storage.latest_step() if collective.rank == 0 else None})
         committed = views[0]["committed"]
@@ -149,21 +150,42 @@ class MegatronCheckpointer:
             return step, "storage"
         return committed, "storage"
 
-    def _memory_source(self, index: int) -> MemorySource:
-        slot = self._flash._slot(index, create=False)
-        if slot is None:
-            raise CheckpointError("memory slot vanished")
-        return MemorySource(slot.mm, HEADER_SIZE, slot.path)
+    def _memory_sources(self, step: int) -> list[MemorySource]:
+        """Every saved rank's image of ``step`` in this node's shared memory (one per rank).
 
-    def _memory_covers(self, sharded_state_dict: dict, step: int, index: int) -> bool:
-        """Whether this rank's own memory image holds every block it asks for."""
+        A rank reads the blocks it asks for from any local rank's slot: replicated blocks
+        (written by replica 0 only) come from the slot of the rank that wrote them.
+        """
+        p = self._flash.placement
+        found: dict[int, MemorySource] = {}
+        for path in sorted(glob.glob(glob.escape(_names.job_prefix(self._flash.job_id)) + ".rank*.slot*")):
+            slot = Slot.open(path)
+            if slot is None:
+                continue
+            h = slot.read_header()
+            info = h.info
+            if (h.state == SlotState.COMPLETE and h.step == step and info.get("storage_world") == p.storage_world
+                    and info.get("directory") == self._flash.storage.root and info.get("storage_rank") not in found):
+                found[info["storage_rank"]] = MemorySource(slot, HEADER_SIZE, path)
+            else:
+                slot.close()
+        return [found[r] for r in sorted(found)]
+
+    def _memory_covers(self, sharded_state_dict: dict, step: int) -> bool:
+        """Whether this node's memory holds every block this rank asks for."""
+        sources = self._memory_sources(step)
         try:
-            reader = StepReader([self._memory_source(index)], allow_pickle=self._flash.options.allow_pickle)
+            reader = StepReader(sources, allow_pickle=self._flash.options.allow_pickle)
         except CheckpointError:
+            for s in sources:
+                s.close()
             return False
-        requested = self._requested(sharded_state_dict)
-        return (all(reader.covers_locally(sh.key, _box(sh)) for sh in requested["tensors"])
-                and all(o.unique_key in reader.objects for o in requested["objects"]))
+        try:
+            requested = self._requested(sharded_state_dict)
+            return (all(reader.covers_locally(sh.key, _box(sh)) for sh in requested["tensors"])
+                    and all(o.unique_key in reader.objects for o in requested["objects"]))
+        finally:
+            reader.close()
 
     @staticmethod
     def _requested(sharded_state_dict: dict) -> dict[str, list]:
@@ -179,8 +201,7 @@ class MegatronCheckpointer:
     def _reader(self, step: int, source: str) -> StepReader:
         allow = self._flash.options.allow_pickle
         if source == "memory":
-            index, _ = self._flash.memory_steps()[step]
-            return StepReader([self._memory_source(index)], allow_pickle=allow)
+            return StepReader(self._memory_sources(step), allow_pickle=allow)
         storage = self._flash.storage
         meta = storage.metadata(step)
         sources = []
@@ -216,7 +237,16 @@ class MegatronCheckpointer:
         from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+        problems: list[str] = []
+
         def one(value: Any) -> Any:
+            try:
+                return load_one(value)
+            except StateMismatchError as exc:
+                problems.append(str(exc))
+                return None
+
+        def load_one(value: Any) -> Any:
             if isinstance(value, ShardedTensor):
                 box = _box(value)
                 data = value.data
@@ -233,7 +263,12 @@ class MegatronCheckpointer:
                 return reader.sharded_object(value.unique_key)
             return value
 
-        return dict_list_map_outplace(one, sharded)
+        out = dict_list_map_outplace(one, sharded)
+        if problems:
+            shown = "\n  ".join(problems[:20])
+            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            raise StateMismatchError(f"checkpoint does not match the model ({len(problems)} problems):\n  {shown}{more}")
+        return out
 
     # -- lifecycle ----------------------------------------------------------------
 

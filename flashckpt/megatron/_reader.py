@@ -68,20 +68,20 @@ class FileSource:
 
 
 class MemorySource:
-    """This rank's own shared-memory image of the step (a restart with the same layout)."""
+    """A rank's shared-memory image of the step on this node (a restart, same layout)."""
 
-    def __init__(self, buffer: Any, base: int, where: str) -> None:
+    def __init__(self, slot: Any, base: int, where: str) -> None:
         self.where = where
-        self._buffer, self._base = buffer, base
-        (n,) = struct.unpack_from("<Q", buffer, base)
-        self.image = parse_header(memoryview(buffer)[base:base + 8 + n], where)
+        self._slot, self._base = slot, base
+        (n,) = struct.unpack_from("<Q", slot.mm, base)
+        self.image = parse_header(memoryview(slot.mm)[base:base + 8 + n], where)
 
     def readinto(self, view: memoryview, body_offset: int) -> None:
         at = self._base + len(self.image.header) + body_offset
-        view[:] = memoryview(self._buffer)[at:at + len(view)]
+        view[:] = memoryview(self._slot.mm)[at:at + len(view)]
 
     def close(self) -> None:
-        pass
+        self._slot.close()
 
 
 @dataclass(frozen=True, slots=True)
