@@ -7,13 +7,16 @@ What it does, and on which thread:
   microseconds, so the agent costs well under 1% of a 10 ms step;
 - agent thread, a few times a second: checks the adaptive hang timeout (dump stacks,
   record, and with ``on_hang="exit"`` flush and exit with ``ExitCode.HANG``),
-  heartbeats the coordinator, writes aggregated step records, beats the progress file;
+  heartbeats the coordinator for this worker (only while training makes progress, so a
+  hung worker's shard leases expire like a dead one's), writes aggregated step records,
+  beats the progress file;
 - on SIGTERM (preemption, or the launcher stopping the group): the agent thread is woken
   through ``signal.set_wakeup_fd`` -- even while the main thread sits in a C call --
   records a ``preempted`` diagnosis, flushes the newest checkpoint to storage and exits
   with ``ExitCode.SIGTERM`` (143);
 - on an uncaught exception (``sys.excepthook``): records the diagnosis, flushes, and lets
-  Python exit with 1;
+  Python exit with 1; a SIGTERM that comes meanwhile (torchrun stops the survivors when
+  a peer died) lets that flush finish, then the process exits with 143;
 - outside the process: ``flashckpt._watchdog`` (the saver's poll, or the agent's own
   watcher process when there is no checkpointer) handles a hang that holds the GIL.
 
@@ -43,6 +46,7 @@ from elastic._diagnosis import Diagnosis, Kind, diagnose
 from elastic._errors import ElasticError
 from elastic._goodput import MetricsLog, read_records, summarize
 from elastic._hang import HangTimeout, format_stacks
+from elastic._heartbeat import Heartbeats
 from elastic._options import AgentOptions, ExitCode, OnHang
 
 __all__ = ["Agent", "current_agent", "start_agent"]
@@ -148,14 +152,14 @@ class Agent:
         self._acc = _Steps()
         self._handled = -1
         self._failing = threading.Lock()
+        self._failing_thread: int | None = None  # who holds _failing
         self._failed = threading.Event()
         self._exiting = threading.Lock()  # set once a failure is recorded and flushed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._heartbeats: list[tuple[Any, str]] = []
-        self._coordinator = coordinator
-        self._pending_datasets = list(options.datasets)
-        self._hb_error_logged = 0.0
+        self._heartbeats = Heartbeats(worker=self.worker, max_interval=options.heartbeat_interval,
+                                      coordinator=coordinator, datasets=options.datasets,
+                                      on_pause=self._on_heartbeat_pause)
         self._log = MetricsLog(options.metrics_dir, rank=self.rank)
         self._stack_path = os.path.join(
             options.metrics_dir or tempfile.gettempdir(),
@@ -188,10 +192,24 @@ class Agent:
         if self._pub is not None:
             self._pub.progress(self._step, now)
 
-    def add_heartbeat(self, dataset: Any, worker: str | None = None) -> None:
-        """Heartbeat ``dataset`` (anything with ``.heartbeat(worker)``) for ``worker``."""
-        with self._lock:
-            self._heartbeats.append((dataset, worker or self.worker))
+    def add_heartbeat(self, dataset: Any, worker: str | None = None, *,
+                      interval_seconds: float | None = None) -> None:
+        """Heartbeat ``dataset`` (anything with ``.heartbeat(worker)``, e.g. a
+        ``sharding.Dataset``) for ``worker`` (default :attr:`worker`) from the agent thread.
+
+        Every ``interval_seconds`` (default, and at most, ``heartbeat_interval``; give
+        ``lease_timeout / 3`` for shard leases), starting at once. Heartbeats stop while
+        the process makes no progress for longer than the hang timeout (and, of course,
+        while it is stopped or stuck with the GIL held), so its leases expire and go back
+        to the queue (see ``elastic._heartbeat``). A ``ShardSampler`` registers itself
+        here when an agent runs. Adding the same (dataset, worker) again only updates the
+        interval.
+        """
+        self._heartbeats.add(dataset, worker, interval_seconds=interval_seconds)
+
+    def remove_heartbeat(self, dataset: Any, worker: str | None = None) -> bool:
+        """Stop heartbeating ``dataset`` for ``worker``; False if it was not registered."""
+        return self._heartbeats.remove(dataset, worker)
 
     def events(self) -> list[dict[str, Any]]:
         """Events (not step records) of every rank of the job, oldest first.
@@ -282,8 +300,6 @@ class Agent:
         if opts.handle_failures:
             self._install_failure_handlers()
         _events.subscribe(self._on_checkpoint_event)
-        if self._coordinator is not None and hasattr(self._coordinator, "heartbeat"):
-            self._heartbeats.append((self._coordinator, self.worker))
         self._log.write("start", job_id=self.job_id, worker=self.worker, step=self._step,
                         hang_timeout=opts.hang_timeout, on_hang=opts.on_hang.value)
         self._thread = threading.Thread(target=self._loop, name="elastic-agent", daemon=True)
@@ -407,7 +423,7 @@ class Agent:
     # ---------------------------------------------------------------- the thread
     def _loop(self) -> None:
         opts = self.options
-        next_hb = next_metrics = time.monotonic()
+        next_connect = next_metrics = time.monotonic()
         published = -1.0
         waitables = [fd for fd in (self._stop_r, self._wake_r) if fd is not None]
         while not self._stop.is_set():
@@ -420,16 +436,17 @@ class Agent:
                     published = timeout
             try:
                 self._check_hang(now, timeout)
-                if now >= next_hb:
-                    next_hb = now + opts.heartbeat_interval
-                    self._heartbeat()
+                if now >= next_connect:
+                    next_connect = now + opts.heartbeat_interval
+                    self._heartbeats.connect()
+                self._heartbeats.beat(now, hung=now - self._last_progress > timeout)
                 if now >= next_metrics:
                     next_metrics = now + opts.metrics_interval_seconds
                     self._write_steps()
             except Exception:  # the agent must never die of its own bug
                 log.exception("elastic agent iteration failed")
             wait = min(0.5, opts.heartbeat_interval, opts.metrics_interval_seconds,
-                       max(0.05, timeout / 10))
+                       max(0.05, timeout / 10), self._heartbeats.shortest_interval())
             ready, _, _ = select.select(waitables, [], [], wait)
             if self._wake_r is not None and self._wake_r in ready:
                 self._on_wakeup()
@@ -464,40 +481,37 @@ class Agent:
                         stack_file=os.path.abspath(self._stack_path), diagnosis=diag.to_json())
         if exit_:
             if self._failing.acquire(blocking=False):
+                self._failing_thread = threading.get_ident()
                 self._flush_checkpoint()
                 self._write_steps()
             self._exit(ExitCode.HANG)
 
-    def _heartbeat(self) -> None:
-        if isinstance(self._coordinator, str):  # a URL: connect here, off the training thread
-            import sharding
-            self._coordinator = sharding.connect(self._coordinator)
-        if self._pending_datasets and hasattr(self._coordinator, "dataset"):
-            for name in list(self._pending_datasets):
-                try:  # opens an existing data set; it may not be created yet
-                    self._heartbeats.append((self._coordinator.dataset(name), self.worker))
-                    self._pending_datasets.remove(name)
-                except Exception as err:
-                    log.debug("data set %r not open yet: %s", name, err)
-        for target, worker in list(self._heartbeats):
-            try:
-                target.heartbeat(worker)
-            except Exception as err:
-                if time.monotonic() - self._hb_error_logged > 60:
-                    self._hb_error_logged = time.monotonic()
-                    log.warning("heartbeat of %s to %r failed: %s", worker, target, err)
+    def _on_heartbeat_pause(self, paused: bool, targets: int) -> None:
+        log.warning("rank %d: %s heartbeats (%d targets)", self.rank,
+                    "no progress past the hang timeout: withholding" if paused
+                    else "progress again: resuming", targets)
+        self._log.write("heartbeats", step=self._step, paused=paused)
 
     # ---------------------------------------------------------------- failures
-    def _fail(self, diag: Diagnosis, *, exc: BaseException | None = None, **extra: Any) -> None:
-        """Record a failure and flush the newest checkpoint, once per process."""
+    def _fail(self, diag: Diagnosis, *, exc: BaseException | None = None, **extra: Any) -> bool:
+        """Record a failure and flush the newest checkpoint, once per process.
+
+        False when called again on the thread that is recording one: a signal handler
+        (SIGTERM from the launcher, which stops the survivors when a peer died) that
+        interrupted the main thread's own flush. Waiting there would wait for itself.
+        """
         if not self._failing.acquire(blocking=False):
+            if self._failing_thread == threading.get_ident():
+                return False
             # another thread is already recording and flushing: wait for it to finish
             self._failed.wait(self.options.flush_timeout_seconds + 5.0)
-            return
+            return True
+        self._failing_thread = threading.get_ident()
         try:
             self._record_failure(diag, exc, extra)
         finally:
             self._failed.set()
+        return True
 
     def _record_failure(self, diag: Diagnosis, exc: BaseException | None, extra: dict) -> None:
         if exc is not None:
@@ -536,7 +550,13 @@ class Agent:
         if os.getpid() != self._pid:
             return
         prev = self._prev.get("sigterm")
-        self._fail(Diagnosis.of(Kind.PREEMPTED, "SIGTERM received"), signal=int(signum))
+        if not self._fail(Diagnosis.of(Kind.PREEMPTED, "SIGTERM received"), signal=int(signum)):
+            # this (main) thread was flushing for another failure when SIGTERM came: let
+            # the flush finish; the process then exits with that failure's code (or the
+            # agent thread, woken by the same signal, exits it with 143)
+            log.warning("rank %d: SIGTERM while flushing for a failure; the flush finishes first",
+                        self.rank)
+            return
         if callable(prev) and threading.current_thread() is threading.main_thread():
             prev(signum, frame)  # the user's own handler decides what happens next
             return

@@ -30,6 +30,8 @@ import threading
 import time
 from typing import Any, Iterable
 
+from elastic._tensorboard import ScalarWriter
+
 __all__ = ["MetricsLog", "read_records", "summarize"]
 
 log = logging.getLogger(__name__)
@@ -49,10 +51,9 @@ class MetricsLog:
             os.makedirs(metrics_dir, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")
             if importlib.util.find_spec("tensorboard") is not None:
-                try:
-                    from torch.utils.tensorboard import SummaryWriter
-                    self._tb = SummaryWriter(os.path.join(metrics_dir, "tensorboard", f"rank{rank}"))
-                except Exception as err:  # TensorBoard is optional
+                try:  # written directly: importing TensorBoard would import TensorFlow
+                    self._tb = ScalarWriter(os.path.join(metrics_dir, "tensorboard", f"rank{rank}"))
+                except OSError as err:  # TensorBoard scalars are optional
                     log.info("TensorBoard scalars disabled: %s", err)
 
     def write(self, record_type: str, **fields: Any) -> dict[str, Any]:
@@ -67,14 +68,14 @@ class MetricsLog:
                     self._file.flush()
                 except (OSError, ValueError) as err:
                     log.warning("cannot write metrics to %s: %s", self.path, err)
-        if self._tb is not None and record_type == "steps" and fields.get("last") is not None:
-            n = max(1, fields["last"] - fields["first"] + 1)
-            try:
-                self._tb.add_scalar("elastic/step_seconds", fields["busy_seconds"] / n, fields["last"])
-                self._tb.add_scalar("elastic/ckpt_blocking_seconds", fields["ckpt_seconds"],
-                                    fields["last"])
-            except Exception:  # pragma: no cover - optional
-                pass
+            if self._tb is not None and record_type == "steps" and fields.get("last") is not None:
+                n = max(1, fields["last"] - fields["first"] + 1)
+                try:
+                    self._tb.add_scalars(fields["last"], {
+                        "elastic/step_seconds": fields["busy_seconds"] / n,
+                        "elastic/ckpt_blocking_seconds": fields["ckpt_seconds"]}, record["time"])
+                except (OSError, ValueError) as err:
+                    log.warning("cannot write TensorBoard scalars: %s", err)
         return record
 
     def records(self) -> list[dict[str, Any]]:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
-from tests.agent.agent_helpers import explain, of_type, records, run
+from tests.agent.agent_helpers import ROOT, env, explain, of_type, records, run
 
 pytest.importorskip("flashckpt.torch")
 
@@ -84,3 +87,39 @@ def test_inprocess_restart_gives_up_on_non_retryable_errors(tmp_path):
     recs = records(out, 0)
     assert not of_type(recs, "restart")
     assert [f["diagnosis"]["action"] for f in of_type(recs, "failure")] == ["abort"]
+
+
+SIGTERM_DURING_FLUSH = """
+import os, signal, sys, time, elastic
+
+class Checkpointer:  # a flush during which the launcher's SIGTERM arrives
+    def flush(self, timeout=None):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)  # the main thread runs the Python-level handler in here
+        open(sys.argv[2], "w").write("flushed")
+
+    def latest_step(self):
+        return 3
+
+agent = elastic.start_agent(checkpointer=Checkpointer(), metrics_dir=sys.argv[1])
+for _ in range(3):
+    agent.step()
+raise ConnectionResetError("a peer died")
+"""
+
+
+def test_sigterm_during_the_flush_of_a_failure_does_not_deadlock(tmp_path):
+    # The survivor of a dead peer fails in a collective and flushes in sys.excepthook;
+    # torchrun's SIGTERM then runs the handler on that same (main) thread. It must not
+    # wait for the flush it interrupted (torchrun would SIGKILL it 30 s later).
+    out, mark = str(tmp_path / "metrics"), str(tmp_path / "flushed")
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_DURING_FLUSH, out, mark], env=env(),
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - began < 20, proc.stderr
+    assert proc.returncode in (1, 143), proc.stderr
+    assert open(mark).read() == "flushed"  # the flush ran to its end
+    recs = records(str(tmp_path), 0)
+    assert [f["diagnosis"]["kind"] for f in of_type(recs, "failure")] == ["network"], recs
+    assert [(f["ok"], f["step"]) for f in of_type(recs, "flush")] == [(True, 3)], recs
+    assert "SIGTERM while flushing" in proc.stderr
