@@ -3,17 +3,18 @@
 Every rank times the same work; the results are shared through the process group's
 store (not through a collective, so a rank that failed or hung cannot block the
 others: a missing result after ``timeout`` counts as a failed node). Then
-:func:`find_stragglers` flags nodes slower than twice the median and nodes that failed
--- a pure function, so it is tested at any scale without processes.
+:func:`find_stragglers` flags nodes slower than twice the median of the other nodes and
+nodes that failed -- a pure function, so it is tested at any scale without processes.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import json
 import logging
 import socket
-import statistics
 import sys
 import threading
 import time
@@ -22,6 +23,8 @@ from typing import Any, Iterable
 __all__ = ["NodeCheckResult", "Straggler", "check_node", "find_stragglers"]
 
 log = logging.getLogger(__name__)
+
+_calls = itertools.count()  # all ranks call check_node together: the n-th call's keys
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,7 +116,7 @@ def _share(mine: NodeCheckResult, dist: Any, timeout: float) -> list[NodeCheckRe
 
     store = c10d._get_default_store()
     world = dist.get_world_size()
-    key = "elastic/node_check/{}"
+    key = f"elastic/node_check/{next(_calls)}/{{}}"  # a later check never reads this one's
     store.set(key.format(mine.rank), json.dumps(dataclasses.asdict(mine)))
     results = []
     deadline = time.monotonic() + timeout
@@ -127,15 +130,32 @@ def _share(mine: NodeCheckResult, dist: Any, timeout: float) -> list[NodeCheckRe
     return results
 
 
+def _median_without(ordered: list[float], i: int) -> float | None:
+    """The median of ``ordered`` (sorted) without its element at index ``i``."""
+    m = len(ordered) - 1
+    if m <= 0:
+        return None
+
+    def at(k: int) -> float:  # k-th element of the list without index i
+        return ordered[k] if k < i else ordered[k + 1]
+
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+
+
 def find_stragglers(results: Iterable[NodeCheckResult], *, factor: float = 2.0) -> list[Straggler]:
-    """Nodes that failed, and nodes slower than ``factor`` x the median of the others' times."""
+    """Nodes that failed, and nodes slower than ``factor`` x the median of the others' times.
+
+    The median leaves the node itself out, so that of two nodes a slow one is still
+    flagged; with one healthy node there is nothing to compare with.
+    """
     results = list(results)
-    times = [r.seconds for r in results if r.ok and r.seconds is not None]
-    median = statistics.median(times) if times else None
+    ordered = sorted(r.seconds for r in results if r.ok and r.seconds is not None)
     flagged = []
     for r in results:
         if not r.ok or r.seconds is None:
             flagged.append(Straggler(r.rank, r.host, "failed"))
-        elif median and r.seconds > factor * median:
+            continue
+        median = _median_without(ordered, bisect.bisect_left(ordered, r.seconds))
+        if median and r.seconds > factor * median:
             flagged.append(Straggler(r.rank, r.host, "slow", r.seconds / median))
     return flagged

@@ -71,3 +71,15 @@ def stacks(out: str, rank: int) -> str:
 
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def node_check_worker(rank: int, world: int) -> dict:
+    """Under a gloo group (tests.elastic_data._spawn): two node checks, rank 1 made slow."""
+    import dataclasses
+
+    import elastic
+
+    first = elastic.check_node(timeout=60, size=512, repeats=2 if rank == 0 else 40)
+    second = elastic.check_node(timeout=60, size=64, repeats=1)
+    return {"first": [dataclasses.asdict(r) for r in first],
+            "second": [dataclasses.asdict(r) for r in second]}

@@ -8,6 +8,7 @@ Fault injection by (rank, step), on the first attempt only unless --every-attemp
   --fault data        the data set raises while the DataLoader fetches a batch
   --fault transient   ConnectionResetError once (for in-process restart)
   --fault sigterm     the process sends itself SIGTERM (as a scheduler would)
+  --fault kill9       the process SIGKILLs itself (its peers fail in the next collective)
 Prints nothing; writes "<out>/rank<R>.attempt<A>.json" with the final step and state sum.
 """
 
@@ -61,6 +62,21 @@ class Data(torch.utils.data.Dataset):
         return torch.randn(4, generator=g)
 
 
+def init_group(attempt: int, timeout_seconds: float) -> None:
+    """init_process_group over torchrun's store, with keys prefixed by the attempt.
+
+    torchrun (torch 2.13) keeps its store across restarts; without a prefix, gloo's
+    connectFullMesh in a restarted group can read the dead attempt's addresses and fail
+    with "Connection refused". The checkpointer's gloo side group inherits the prefix.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"agent-test-attempt-{attempt}", store),
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_seconds))
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -83,7 +99,7 @@ def main() -> int:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+        init_group(attempt, args.pg_timeout)
     rank = dist.get_rank() if world > 1 else 0
     ckpt = None
     if args.ckpt:
@@ -161,6 +177,8 @@ def inject(args: argparse.Namespace) -> None:
     elif fault == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)
+    elif fault == "kill9":
+        os.kill(os.getpid(), signal.SIGKILL)
     elif fault not in (None, "data"):
         raise SystemExit(f"unknown fault {fault}")
 

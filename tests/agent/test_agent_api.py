@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
+import statistics
 
 import pytest
 
@@ -100,6 +102,35 @@ def test_find_stragglers_flags_slow_and_failed_nodes_at_scale():
     flagged = find_stragglers(results)
     assert [(s.rank, s.reason) for s in flagged] == [(17, "slow"), (99, "failed")]
     assert flagged[0].ratio > 2
+
+
+def test_find_stragglers_compares_each_node_with_the_others():
+    two = [NodeCheckResult(0, "a", True, 1.0, 0.1), NodeCheckResult(1, "b", True, 3.0, 0.1)]
+    assert [(s.rank, s.reason) for s in find_stragglers(two)] == [(1, "slow")]
+    assert find_stragglers(two[:1]) == []  # nothing to compare with
+    rng = random.Random(0)
+    for n in range(2, 40):  # the median leaving one node out, against a brute force
+        times = [rng.choice([1.0, 1.5, 2.0, rng.uniform(0.5, 5.0)]) for _ in range(n)]
+        results = [NodeCheckResult(i, f"h{i}", True, t) for i, t in enumerate(times)]
+        want = [i for i, t in enumerate(times)
+                if t > 2 * statistics.median(times[:i] + times[i + 1:])]
+        assert [s.rank for s in find_stragglers(results)] == want, times
+
+
+def test_check_node_under_torch_distributed_shares_results_and_flags_the_slow_rank():
+    pytest.importorskip("torch")
+    from tests.agent.agent_helpers import node_check_worker
+    from tests.elastic_data._spawn import run_group
+
+    out = run_group(node_check_worker, 2)
+    assert out[0] == out[1]  # every rank holds every rank's result
+    first = [NodeCheckResult(**r) for r in out[0]["first"]]
+    assert [r.rank for r in first] == [0, 1]
+    assert all(r.ok and r.matmul_seconds and r.allreduce_seconds for r in first), first
+    assert [(s.rank, s.reason) for s in find_stragglers(first)] == [(1, "slow")], first
+    second = [NodeCheckResult(**r) for r in out[0]["second"]]
+    assert all(r.ok for r in second)  # a second check reads its own results, not the first's
+    assert [r.matmul_seconds for r in second] != [r.matmul_seconds for r in first]
 
 
 def test_check_node_single_process():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 
 import pytest
@@ -37,11 +38,15 @@ def test_fixed_timeout_and_bad_values():
         HangTimeout(floor_seconds=10.0, warmup_seconds=5.0)
 
 
-def test_gil_held_hang_is_dumped_and_killed_by_the_backstop(tmp_path):
-    out = str(tmp_path)
+@pytest.mark.parametrize("backstop", ["watcher", "saver"])
+def test_gil_held_hang_is_dumped_and_killed_by_the_backstop(tmp_path, backstop):
+    # without a checkpointer the agent starts its own watcher process; with one, the
+    # node's flashckpt saver polls the progress files
+    out, job = str(tmp_path), job_id()
+    ckpt = ("--ckpt", str(tmp_path / "ck")) if backstop == "saver" else ()
     began = time.monotonic()
     proc = run(out, "--fault", "gil_hang", "--fault-step", "5", "--fault-seconds", "60",
-               "--on-hang", "exit", "--job-id", job_id(), "--steps", "8", timeout=90)
+               "--on-hang", "exit", "--job-id", job, "--steps", "8", *ckpt, timeout=90)
     assert proc.returncode == -signal.SIGKILL, explain(proc)
     assert time.monotonic() - began < 50, "killed long before the C call would have returned"
     hangs = of_type(records(out, 0), "hang")
@@ -49,8 +54,12 @@ def test_gil_held_hang_is_dumped_and_killed_by_the_backstop(tmp_path):
     assert hangs[0]["step"] == 4 and hangs[0]["dumped"] and hangs[0]["action"] == "exit"
     dump = stacks(out, 0)
     assert "hang_with_gil" in dump and "Current thread" in dump, dump  # faulthandler, GIL held
-    with open(os.path.join(out, "metrics", "watchdog.log")) as f:
-        assert "made no progress" in f.read()  # the watcher's log
+    log = (os.path.join(out, "metrics", "watchdog.log") if backstop == "watcher"
+           else os.path.join(tempfile.gettempdir(), f"flashckpt.{job}.saver.log"))
+    with open(log) as f:
+        assert "made no progress" in f.read()  # the watcher's (or the saver's) log
+    if backstop == "saver":
+        assert not os.path.exists(os.path.join(out, "metrics", "watchdog.log"))  # no watcher of its own
 
 
 def test_gil_held_hang_with_dump_policy_dumps_and_lets_it_finish(tmp_path):
