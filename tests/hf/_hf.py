@@ -5,6 +5,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import glob  # noqa: E402
+
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
@@ -37,3 +39,11 @@ def make_trainer(output_dir: str, callbacks=(), *, model=None, **overrides) -> T
     args = TrainingArguments(output_dir, **options)
     return Trainer(model=model if model is not None else tiny_model(), args=args, train_dataset=TokenData(),
                    eval_dataset=TokenData(16), callbacks=list(callbacks))
+
+
+def shm_left(output_dir: str) -> list[str]:
+    """Shared-memory objects the callback's engine for ``output_dir`` left on this node."""
+    from flashckpt._names import default_job_id, job_prefix
+
+    prefix = job_prefix(default_job_id(os.path.join(str(output_dir), ".flashckpt")))
+    return [p for p in glob.glob(prefix + ".*") if not p.endswith((".sock", ".saver.lock"))]

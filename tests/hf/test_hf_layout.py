@@ -9,7 +9,7 @@ import torch
 
 from flashckpt.hf import FlashCheckpointCallback
 
-from ._hf import make_trainer
+from ._hf import make_trainer, shm_left
 
 TIMINGS = ("_runtime", "_per_second")
 
@@ -92,7 +92,7 @@ def test_same_folders_as_the_stock_save(tmp_path, case):
     for a, b in zip(ref.model.parameters(), run.model.parameters()):
         assert torch.equal(a, b)
     assert not glob.glob(os.path.join(flash, ".checkpoint-*")), "temporary folders left behind"
-    assert cb._ckpt is None  # train() ended: shared memory freed
+    assert cb._ckpt is None and not shm_left(flash)  # train() ended: shared memory freed
     if case == "save_only_model":  # as the stock save: no optimizer, scheduler or RNG files
         assert sorted(os.listdir(os.path.join(flash, "checkpoint-6"))) == [
             "config.json", "generation_config.json", "model.safetensors", "trainer_state.json", "training_args.bin"]

@@ -1,16 +1,14 @@
 """Folders the callback wrote resume with stock transformers; memory is preferred when newer."""
 
-import glob
 import os
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from flashckpt._names import default_job_id, job_prefix
 from flashckpt.hf import FlashCheckpointCallback
 
-from ._hf import make_trainer
+from ._hf import make_trainer, shm_left
 
 
 class StopAt(TrainerCallback):
@@ -22,16 +20,11 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def _shm_left(output_dir: str) -> list[str]:
-    prefix = job_prefix(default_job_id(os.path.join(output_dir, ".flashckpt")))
-    return [p for p in glob.glob(prefix + ".*") if not p.endswith((".sock", ".saver.lock"))]
-
-
 def test_stock_trainer_resumes_from_a_folder_the_callback_wrote(tmp_path, reference_10):
     out = str(tmp_path / "run")
     make_trainer(out, [FlashCheckpointCallback(), StopAt(6)], max_steps=10).train()
     assert sorted(os.listdir(out)) == [".flashckpt", "checkpoint-3", "checkpoint-6"]
-    assert not _shm_left(out)
+    assert not shm_left(out)
     again = FlashCheckpointCallback()
     make_trainer(out, [again], max_steps=10)
     assert again.resumed_from is None  # train() ended cleanly: memory freed, the folders are newest
@@ -81,4 +74,4 @@ def test_memory_newer_than_the_newest_folder_is_resumed(tmp_path, saver_flushes,
     resumed.train(resume_from_checkpoint=True)
     for a, b in zip(reference_10, resumed.model.parameters()):
         assert torch.equal(a, b)
-    assert not _shm_left(out)
+    assert not shm_left(out)

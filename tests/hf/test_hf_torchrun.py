@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from ._hf import shm_left
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "_torchrun_hf.py")
 
 
@@ -43,3 +45,4 @@ def test_kill_9_restart_resumes_from_memory_and_matches_an_uninterrupted_run(tmp
         os.listdir(tmp_path / "stock" / "checkpoint-12"))  # rng_state_0.pth and rng_state_1.pth included
     assert sorted(os.listdir(tmp_path / "flash" / "checkpoint-12")) == sorted(
         os.listdir(tmp_path / "stock" / "checkpoint-12"))
+    assert not shm_left(tmp_path / "flash")  # the killed attempt's memory was freed after the resume
