@@ -1,15 +1,19 @@
 """``FlashCheckpointHook``: flash checkpoints for ``tf.estimator`` (graph mode).
 
-Graph-mode sessions hand variable values to Python as fresh numpy arrays (``Session.run``
-copies a buffer the variable still shares), so a save here costs two copies: TF's into
-the fetched array, ours into shared memory. Loads feed the values back through assign
-ops. Eager code (``Checkpointer``, the Keras callback) copies once.
+One copy on save: fetching variables with ``Session.run`` would copy each value into a
+fresh numpy array (TF copies a buffer the variable still shares), and ours into shared
+memory would be the second. Instead the save is an op of the graph, a
+``tf.numpy_function`` over the variables' reads, whose numpy inputs are views of the
+variables' buffers; it copies them into shared memory from inside ``Session.run``.
+Loads feed the values back through assign ops (loads are rare; a feed is a copy TF
+must own).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -64,6 +68,10 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
         self._feeds = {name: tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape, name=f"flashckpt_load_{i}")
                        for i, (name, v) in enumerate(self._variables.items())}
         self._assign = tf.group(*[v.assign(self._feeds[name]) for name, v in self._variables.items()])
+        self._step_feed = tf.compat.v1.placeholder(tf.int64, [], name="flashckpt_save_step")
+        self._save_op = tf.numpy_function(self._save_arrays, [self._step_feed] + [v.value() for v in self._variables.values()],
+                                          tf.int64, stateful=True, name="flashckpt_save")
+        self._save_error: BaseException | None = None
         self._positions = positions_of(self._data if self._data is not None else positions_of_graph())
         self._reporter = None
         if self._positions is not None:
@@ -101,10 +109,26 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
             self._reporter.end(session)
         self._engine.flush()
         if self._export and self.last_saved is not None:
-            from ._export import write_tf_checkpoint
+            self._export_step(self.last_saved)
 
-            write_tf_checkpoint(self._directory, self.last_saved,
-                                os.path.join(self._directory, f"step-{self.last_saved}", "tf", "ckpt"))
+    def _export_step(self, step: int) -> None:
+        """Write the stock checkpoint outside the estimator's graph: on a fresh thread,
+        whose default context is eager (``SaveV2`` must run, not join the graph)."""
+        from ._export import write_tf_checkpoint
+
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                write_tf_checkpoint(self._directory, step, os.path.join(self._directory, f"step-{step}", "tf", "ckpt"))
+            except BaseException as exc:  # re-raised on the caller's thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, name="flashckpt-tf-export")
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
         """Free this worker's shared memory (after the last ``train`` call); the newest
@@ -115,15 +139,30 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
 
     # -- save / load ----------------------------------------------------------------
     def _save(self, session: Any, step: int) -> None:
-        values = {name: value if isinstance(value, np.ndarray) else np.asarray(value)  # 0-d come as scalars
-                  for name, value in session.run(self._variables).items()}
-        state = {"variables": values, "tf": {"format": FORMAT, "object_graph": None},
-                 "data": data_state(self._positions, self._rollback)}
-        self._engine.save(step, state)
+        self._save_error = None
+        try:
+            session.run(self._save_op, feed_dict={self._step_feed: step})
+        except tf.errors.OpError:
+            if self._save_error is not None:  # raised inside the op: give the caller our error
+                raise self._save_error from None
+            raise
         self.last_saved = step
         self._next = (step // self._every + 1) * self._every
         if self._positions is not None:
             self._positions.commit()
+
+    def _save_arrays(self, step: Any, *arrays: np.ndarray) -> np.int64:
+        """Runs inside ``Session.run``: ``arrays`` view the variables' buffers."""
+        try:
+            values = {name: array if isinstance(array, np.ndarray) else np.asarray(array)
+                      for name, array in zip(self._variables, arrays)}
+            state = {"variables": values, "tf": {"format": FORMAT, "object_graph": None},
+                     "data": data_state(self._positions, self._rollback)}
+            self._engine.save(int(step), state)
+            return np.int64(step)
+        except BaseException as exc:
+            self._save_error = exc
+            raise
 
     def _load(self, session: Any) -> int | None:
         targets = {name: np.empty(v.shape, dtype=v.dtype.base_dtype.as_numpy_dtype)
