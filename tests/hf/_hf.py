@@ -32,10 +32,21 @@ def tiny_model(seed: int = 0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
 def make_trainer(output_dir: str, callbacks=(), *, model=None, **overrides) -> Trainer:
     options = dict(max_steps=7, save_steps=3, logging_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
                    report_to=[], seed=1, use_cpu=True, disable_tqdm=True, save_total_limit=None)
     options.update(overrides)
+    if options.pop("llama", False):
+        model = tiny_llama()
     args = TrainingArguments(output_dir, **options)
     return Trainer(model=model if model is not None else tiny_model(), args=args, train_dataset=TokenData(),
                    eval_dataset=TokenData(16), callbacks=list(callbacks))

@@ -74,6 +74,7 @@ CASES = {
     "save_only_model": {"save_only_model": True},
     "eval_best": {"eval_strategy": "steps", "eval_steps": 3, "load_best_model_at_end": True,
                   "metric_for_best_model": "loss", "save_total_limit": 1},
+    "llama": {"llama": True},
     "epoch": {"save_strategy": "epoch", "max_steps": -1, "num_train_epochs": 2, "per_device_train_batch_size": 16},
 }
 
@@ -115,3 +116,12 @@ def test_persist_every_and_keep_last(tmp_path):
     make_trainer(str(tmp_path), [FlashCheckpointCallback(persist_every=2, keep_last=2)], max_steps=7,
                  save_steps=1).train()
     assert _folders(tmp_path) == ["checkpoint-6", "checkpoint-7"]
+
+
+def test_added_after_construction_still_saves(tmp_path):
+    trainer = make_trainer(str(tmp_path), max_steps=4)
+    cb = FlashCheckpointCallback()
+    trainer.add_callback(cb)
+    trainer.train()
+    assert _folders(tmp_path) == ["checkpoint-3", "checkpoint-4"]
+    assert cb._stock_save is not None and cb._ckpt is None and not shm_left(tmp_path)
