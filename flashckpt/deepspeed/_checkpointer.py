@@ -41,6 +41,14 @@ class DeepSpeedCheckpointer:
     scaler, ZeRO stage enum, ...) are stored pickled and read back through an
     allow-list (see ``flashckpt.deepspeed._objects``); ``allow_pickle`` governs
     everything else, e.g. objects in ``client_state``.
+
+    Calling ``engine.save_checkpoint(dir, tag)`` directly also works (the flash step is
+    then ``engine.global_steps``; do not mix it with :meth:`save` step numbers that run
+    ahead of it). DeepSpeed itself writes ``<dir>/latest`` right after ``commit`` when
+    ``save_latest=True``, before the tag is on storage; :meth:`save` passes
+    ``save_latest=False`` and lets the exporter move ``latest`` once the tag is durable.
+    ``engine.load_checkpoint`` reads storage (the exported files); :meth:`load` is the
+    path that restores from memory.
     """
 
     def __init__(self, engine: Any, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,

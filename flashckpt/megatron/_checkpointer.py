@@ -215,7 +215,7 @@ class MegatronCheckpointer:
             raise
 
     def _load_step(self, sharded_state_dict: dict, step: int, source: str) -> dict:
-        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, merge
+        from megatron.core.dist_checkpointing.dict_utils import merge
         from megatron.core.dist_checkpointing.mapping import apply_factory_merges
         from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
         from megatron.core.dist_checkpointing.utils import extract_sharded_base

@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
 
 from .._errors import CheckpointError
+from ..torch._tensors import DTYPE_NAMES
 from ._checkpointer import MegatronCheckpointer
 
 __all__ = ["BACKEND", "FlashLoadStrategy", "FlashSaveStrategy"]
@@ -32,6 +33,7 @@ __all__ = ["BACKEND", "FlashLoadStrategy", "FlashSaveStrategy"]
 BACKEND = "flashckpt"
 VERSION = 1
 POINTER = "flashckpt.json"
+_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 def _step_of(checkpoint_dir: str) -> int:
@@ -115,10 +117,8 @@ class FlashLoadStrategy(LoadShardedStrategy):
         try:
             out: dict = {}
             for key, saved in reader.shards.items():
-                shape, dtype = saved[0].global_shape, saved[0].entry.dtype
-                from ..torch._tensors import DTYPE_NAMES
-                torch_dtype = {v: k for k, v in DTYPE_NAMES.items()}[dtype]
-                out[key] = ShardedTensor(key, None, torch_dtype, shape, shape, (0,) * len(shape), None)
+                shape, dtype = saved[0].global_shape, _DTYPES[saved[0].entry.dtype]
+                out[key] = ShardedTensor(key, None, dtype, shape, shape, (0,) * len(shape), None)
             if objects:
                 for unique_key in reader.objects:
                     obj = ShardedObject.empty_from_unique_key(unique_key)

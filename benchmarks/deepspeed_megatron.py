@@ -1,0 +1,264 @@
+"""DeepSpeed and megatron-core saves: each framework's own save side by side with flashckpt.
+
+    DS_ACCELERATOR=cpu python benchmarks/deepspeed_megatron.py [--repeats 5] [--json results/deepspeed_megatron.json]
+
+One process, a gloo group of one, CPU. What is timed (medians over repeats; the
+samples of every method are interleaved, one of each per repeat, as this machine's
+speed drifts):
+- floor: one ``torch._foreach_copy_`` of exactly the tensors flashckpt copies into a
+  preallocated, already-touched /dev/shm mapping (the memcpy a flash save cannot beat).
+- DeepSpeed (ZeRO-1, Adam): ``engine.save_checkpoint`` with DeepSpeed's default
+  ``TorchCheckpointEngine`` (synchronous torch.save of every file, no fsync) vs the same
+  call with flashckpt's engine installed (blocking time; then ``wait()`` until the step
+  and its exported DeepSpeed tag are durable). Load: stock ``engine.load_checkpoint`` of
+  the default tag vs ``DeepSpeedCheckpointer.load()`` from memory into a fresh engine
+  (what a restarted process does; same job id).
+- megatron-core GPTModel (TP=1): ``dist_checkpointing.save`` with megatron's default
+  ``torch_dist`` strategy vs ``MegatronCheckpointer.save`` (blocking, then ``wait()``);
+  load: ``dist_checkpointing.load`` vs ``MegatronCheckpointer.load`` from memory.
+  megatron's strategy calls ``torch.cuda.synchronize()``/``current_device`` unconditionally;
+  here (CPU only) those are replaced by no-ops for megatron's own runs, in this script only.
+Storage is the directory given by --dir (default: a temp dir on the current file system).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class Floor:
+    """One copy of exactly the tensors flashckpt copies, into touched /dev/shm views."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        self.path = f"/dev/shm/flashckpt-bench-floor-{uuid.uuid4().hex[:8]}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, max(sum(sizes), 1))
+            self.mm = mmap.mmap(fd, max(sum(sizes), 1))
+        finally:
+            os.close(fd)
+        body = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.views, at = [], 0
+        for t, n in zip(tensors, sizes):
+            self.views.append(body[at:at + n].view(t.dtype).view(t.shape))
+            at += n
+        body.fill_(1)  # touch every page
+
+    def sample(self) -> float:
+        return timed(lambda: torch._foreach_copy_(self.views, self.tensors))
+
+    def close(self) -> None:
+        self.views = []
+        os.unlink(self.path)
+
+
+def captured_tensors(engine) -> list[torch.Tensor]:
+    """The tensors of the newest flash save of ``engine`` (a flashckpt Engine)."""
+    from flashckpt._tree import flatten
+    return [leaf.obj for leaf in flatten(engine._bench_state, allow_pickle=True).leaves]
+
+
+def capture(flash_engine) -> None:
+    save = flash_engine.save
+
+    def spy(step, state, **kw):
+        flash_engine._bench_state = state
+        return save(step, state, **kw)
+
+    flash_engine.save = spy
+
+
+# -- DeepSpeed --------------------------------------------------------------------------
+
+def ds_engine(hidden: int, layers: int):
+    import deepspeed
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*mods)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.randn(2, hidden)
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return engine
+
+
+def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int) -> dict:
+    from flashckpt.deepspeed import DeepSpeedCheckpointer
+    engine = ds_engine(hidden, layers)
+    default_dir, flash_dir = root / "ds-default", root / "ds-flash"
+    job = "bench" + uuid.uuid4().hex[:8]
+    ck = DeepSpeedCheckpointer(engine, flash_dir, job_id=job, keep_last=2)
+    capture(ck._flash)
+    first = timed(lambda: ck.save(1))  # also reserves shared memory
+    ck.wait()
+    floor = Floor(captured_tensors(ck._flash))
+    nbytes = sum(t.numel() * t.element_size() for t in floor.tensors)
+    floors, default, blocking, durable = [], [], [], []
+    for i in range(repeats):  # interleaved: this machine's speed drifts
+        floors.append(floor.sample())
+        b = timed(lambda i=i: ck.save(i + 2))
+        blocking.append(b)
+        durable.append(b + timed(ck.wait))
+        engine.checkpoint_engine = ck._previous_engine  # DeepSpeed's default TorchCheckpointEngine
+        default.append(timed(lambda i=i: engine.save_checkpoint(str(default_dir), tag=f"t{i}")))
+        engine.checkpoint_engine = ck.checkpoint_engine
+    floor.close()
+    fresh = ds_engine(hidden, layers)
+    stock_load = [timed(lambda: fresh.load_checkpoint(str(default_dir), tag=f"t{repeats - 1}")) for _ in range(repeats)]
+    ck2 = DeepSpeedCheckpointer(fresh, flash_dir, job_id=job)
+    from flashckpt import _events
+    sources = []
+    _events.subscribe(lambda event, **info: sources.append(info.get("source")) if event == "load" else None)
+    flash_load = [timed(ck2.load) for _ in range(repeats)]
+    ck2._ckpt._engine.close(unlink=False)  # shares ck's memory; ck frees it
+    ck.close()
+    return {"bytes": nbytes, "floor_s": statistics.median(floors), "default_save_s": statistics.median(default),
+            "flash_first_blocking_s": first,
+            "flash_blocking_s": statistics.median(blocking), "flash_durable_s": statistics.median(durable),
+            "default_load_s": statistics.median(stock_load), "flash_load_s": statistics.median(flash_load),
+            "flash_load_source": sources[-1] if sources else None}
+
+
+# -- megatron-core ----------------------------------------------------------------------
+
+def mg_model(hidden: int, layers: int):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=8,
+                               use_cpu_initialization=True, params_dtype=torch.float32)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=8192,
+                    max_sequence_length=128)
+
+
+def bench_megatron(root: Path, repeats: int, hidden: int, layers: int) -> dict:
+    from megatron.core import dist_checkpointing
+    from flashckpt.megatron import MegatronCheckpointer
+    model = mg_model(hidden, layers)
+    job = "bench" + uuid.uuid4().hex[:8]
+    ck = MegatronCheckpointer(root / "mg-flash", job_id=job, keep_last=2)
+    capture(ck._flash)
+    first = timed(lambda: ck.save(1, model.sharded_state_dict()))
+    ck.wait()
+    floor = Floor(captured_tensors(ck._flash))
+    nbytes = sum(t.numel() * t.element_size() for t in floor.tensors)
+    cuda_sync, cuda_dev = torch.cuda.synchronize, torch.cuda.current_device
+    floors, default, blocking, durable = [], [], [], []
+    for i in range(repeats):  # interleaved: this machine's speed drifts
+        floors.append(floor.sample())
+        b = timed(lambda i=i: ck.save(i + 2, model.sharded_state_dict()))
+        blocking.append(b)
+        durable.append(b + timed(ck.wait))
+        target = root / "mg-default" / f"iter_{i:07d}"
+        target.mkdir(parents=True)
+        try:
+            torch.cuda.synchronize = lambda *a, **k: None  # megatron's own strategy only (see module doc)
+            torch.cuda.current_device = lambda: "cpu"  # it places a flag tensor there for an all-reduce
+            default.append(timed(lambda: dist_checkpointing.save(model.sharded_state_dict(), str(target))))
+        finally:
+            torch.cuda.synchronize, torch.cuda.current_device = cuda_sync, cuda_dev
+    floor.close()
+    try:
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.current_device = lambda: "cpu"
+        default_load = [timed(lambda: dist_checkpointing.load(model.sharded_state_dict(), str(target)))
+                        for _ in range(repeats)]
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = cuda_sync, cuda_dev
+    ck2 = MegatronCheckpointer(root / "mg-flash", job_id=job)
+    from flashckpt import _events
+    sources = []
+    _events.subscribe(lambda event, **info: sources.append(info.get("source")) if event == "load" else None)
+    flash_load = [timed(lambda: ck2.load(model.sharded_state_dict())) for _ in range(repeats)]
+    ck2._ckpt._engine.close(unlink=False)  # shares ck's memory; ck frees it
+    ck.close()
+    return {"bytes": nbytes, "floor_s": statistics.median(floors), "default_save_s": statistics.median(default),
+            "flash_first_blocking_s": first,
+            "flash_blocking_s": statistics.median(blocking), "flash_durable_s": statistics.median(durable),
+            "default_load_s": statistics.median(default_load), "flash_load_s": statistics.median(flash_load),
+            "flash_load_source": sources[-1] if sources else None}
+
+
+def report(name: str, r: dict) -> None:
+    mb = r["bytes"] / 2**20
+    print(f"\n{name}: {mb:.0f} MiB of tensors copied per save")
+    print(f"  floor (one copy into /dev/shm)   {r['floor_s'] * 1e3:9.1f} ms")
+    print(f"  flash save, blocking              {r['flash_blocking_s'] * 1e3:9.1f} ms   "
+          f"{r['flash_blocking_s'] / r['floor_s']:.2f}x floor")
+    print(f"  flash save, first (maps memory)  {r['flash_first_blocking_s'] * 1e3:9.1f} ms")
+    print(f"  flash save + wait (durable)       {r['flash_durable_s'] * 1e3:9.1f} ms")
+    print(f"  framework's own save              {r['default_save_s'] * 1e3:9.1f} ms   "
+          f"{r['default_save_s'] / r['flash_blocking_s']:.1f}x the flash blocking time")
+    print(f"  framework's own load              {r['default_load_s'] * 1e3:9.1f} ms")
+    print(f"  flash load ({r['flash_load_source']})            {r['flash_load_s'] * 1e3:9.1f} ms   "
+          f"{r['default_load_s'] / r['flash_load_s']:.1f}x faster")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--ds-hidden", type=int, default=1024)
+    parser.add_argument("--ds-layers", type=int, default=16)
+    parser.add_argument("--mg-hidden", type=int, default=512)
+    parser.add_argument("--mg-layers", type=int, default=8)
+    parser.add_argument("--json", default=str(ROOT / "results" / "deepspeed_megatron.json"))
+    args = parser.parse_args()
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from tests.checkpoint._dist import free_port
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    import deepspeed
+    deepspeed.init_distributed("gloo")
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        results = {"deepspeed_zero1": bench_deepspeed(root, args.repeats, args.ds_hidden, args.ds_layers),
+                   "megatron_gpt": bench_megatron(root, args.repeats, args.mg_hidden, args.mg_layers)}
+    report("DeepSpeed ZeRO-1 + Adam, engine.save_checkpoint", results["deepspeed_zero1"])
+    report("megatron-core GPTModel, dist_checkpointing.save (torch_dist)", results["megatron_gpt"])
+    results["env"] = {"python": platform.python_version(), "torch": torch.__version__,
+                      "deepspeed": deepspeed.__version__, "cpus": os.cpu_count(), "repeats": args.repeats,
+                      "argv": sys.argv[1:]}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {args.json}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
