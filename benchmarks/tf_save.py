@@ -20,7 +20,7 @@ variables' reads), ``FlashCheckpointHook``'s save, and ``tf.compat.v1.train.Save
 ``tf.train.Checkpoint.write`` in part 1).
 
 Part 3, input: records/s of ``make_input_fn``'s pipeline (SQLite coordinator, shards of
-1024, the consumer counting each batch as the hook does) vs a plain
+``--shard-size`` records, the consumer counting each batch as the hook does) vs a plain
 ``tf.data.Dataset.range`` over the same shards with the same reader.
 """
 
@@ -192,7 +192,7 @@ def bench_graph(args, root: Path) -> dict:
 
 
 def bench_input(args, root: Path) -> dict:
-    n, shard, batch, dim = args.records, 1024, 64, 32
+    n, shard, batch, dim = args.records, args.shard_size, 64, 32
     features = tf.random.uniform([n, dim])
     labels = tf.random.uniform([n])
 
@@ -247,6 +247,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--input-repeats", type=int, default=6)
+    parser.add_argument("--shard-size", type=int, default=1024, help="records per shard in part 3")
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir under /tmp)")
     parser.add_argument("--json", default=str(REPO / "results" / "tf_save.json"))
     args = parser.parse_args()
