@@ -154,13 +154,19 @@ class ShmFloor:
         self.path = path
         offsets, size = _layout(like)
         self._fd = os.open(path, (os.O_CREAT | os.O_EXCL if create else 0) | os.O_RDWR, 0o600)
-        if create:
-            os.ftruncate(self._fd, max(size, 1))
-        self._mm = mmap.mmap(self._fd, max(size, 1))
-        self._views = [_view(self._mm, t, offset) for t, offset in zip(like, offsets, strict=True)]
-        if create:
-            for view in self._views:
-                view.zero_()  # touch every page before anything is timed
+        try:
+            if create:
+                os.ftruncate(self._fd, max(size, 1))
+            self._mm = mmap.mmap(self._fd, max(size, 1))
+            self._views = [_view(self._mm, t, offset) for t, offset in zip(like, offsets, strict=True)]
+            if create:
+                for view in self._views:
+                    view.zero_()  # touch every page before anything is timed
+        except BaseException:  # an interrupted benchmark must not leave the file in /dev/shm
+            os.close(self._fd)
+            if create:
+                path.unlink()
+            raise
 
     def save(self, ts: list[torch.Tensor]) -> None:
         for view, t in zip(self._views, ts, strict=True):
