@@ -40,7 +40,7 @@ import os
 import re
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -85,6 +85,20 @@ def _check_writable(path: str) -> None:
     except OSError as exc:
         raise CheckpointError(f"FlashCheckpointCallback: output_dir {path!r} is not writable ({exc}); "
                               "Trainer checkpoints could not be written there") from exc
+
+
+def _on_all_ranks(collective: Any, fn: Callable[[], Any], what: str) -> list[Any]:
+    """Run ``fn`` on every rank; every rank gets every rank's result, or the same error
+    naming each rank that failed (one rank's failure must not leave the others waiting)."""
+    try:
+        mine = (fn(), None)
+    except Exception as exc:
+        mine = (None, f"rank {collective.rank}: {type(exc).__name__}: {exc}")
+    views = collective.all_gather(mine)
+    errors = [error for _, error in views if error]
+    if errors:
+        raise CheckpointError(f"{what} failed: " + "; ".join(errors))
+    return [result for result, _ in views]
 
 
 class FlashCheckpointCallback(TrainerCallback):
@@ -140,8 +154,10 @@ class FlashCheckpointCallback(TrainerCallback):
             self._open()
             try:
                 self._recover()
-            finally:  # memory is now on storage or stale; train() opens a fresh engine
-                self._close()
+            except BaseException:
+                self._abandon()  # keep the memory: it may be the only copy of the newest step
+                raise
+            self._close()  # memory is now on storage or stale; train() opens a fresh engine
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self._trainer is None:  # added with trainer.add_callback() after construction
@@ -154,8 +170,10 @@ class FlashCheckpointCallback(TrainerCallback):
             return
         if self._ckpt is None:
             self._open()
-        static = write_static_files(self._trainer, self._state_dir()) if self._trainer.args.should_save else None
-        everyone = self._ckpt._engine.collective.all_gather(static)
+        trainer = self._trainer
+        everyone = _on_all_ranks(self._ckpt._engine.collective,
+                                 lambda: write_static_files(trainer, self._state_dir()) if trainer.args.should_save
+                                 else None, "writing training_args.bin and the tokenizer files")
         self._static = everyone[0]
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -243,6 +261,14 @@ class FlashCheckpointCallback(TrainerCallback):
             ckpt._engine._invalidate_newer_than(-1)
             ckpt.close()
 
+    def _abandon(self) -> None:
+        """Disconnect, leaving shared memory in place for a later attempt."""
+        ckpt, self._ckpt = self._ckpt, None
+        try:
+            ckpt._engine.close(unlink=False)
+        except Exception as exc:  # the error being raised already says what went wrong
+            log.debug("closing after a failed recovery: %s", exc)
+
     # -- resuming -----------------------------------------------------------------
 
     def _recover(self) -> None:
@@ -250,10 +276,14 @@ class FlashCheckpointCallback(TrainerCallback):
         engine = self._ckpt._engine
         collective = engine.collective
         start = time.perf_counter()
-        engine.wait()  # the saver may still be writing what a crashed attempt left in memory
         run_dir = self._trainer.args.output_dir
-        mine = engine.memory_steps()
-        views = collective.all_gather((sorted(mine), _newest_folder(run_dir) if collective.rank == 0 else None))
+
+        def look() -> tuple[dict, int | None]:
+            engine.wait()  # the saver may still be writing what a crashed attempt left in memory
+            return engine.memory_steps(), _newest_folder(run_dir) if collective.rank == 0 else None
+
+        views = _on_all_ranks(collective, look, "looking for checkpoints in memory")
+        mine = views[collective.rank][0]
         common = set.intersection(*(set(steps) for steps, _ in views))
         newest = views[0][1]
         if not common:
@@ -268,13 +298,19 @@ class FlashCheckpointCallback(TrainerCallback):
                      step, newest, step)
             slot, generation = mine[step]
             params = engine._slot(slot, create=False).read_header().info.get("export", {}).get("params")
-            engine._client.persist(engine._slot_paths[slot], generation)  # the saver exports it
-            engine.wait()
-            collective.all_gather(None)  # every rank's shard is on storage: the step is committed
-            if collective.rank == 0 and not os.path.isdir(os.path.join(run_dir, _export.folder_name(step))):
-                # committed before but its folder is gone (a failed export): write it here
-                _export.export(engine.storage.root, step, params or {"run_dir": run_dir})
-            collective.all_gather(None)
+
+            def persist() -> None:
+                engine._client.persist(engine._slot_paths[slot], generation)  # the saver exports it
+                engine.wait()
+
+            def export() -> None:
+                if collective.rank == 0 and not os.path.isdir(os.path.join(run_dir, _export.folder_name(step))):
+                    # committed before but its folder is gone (a failed export): write it here
+                    _export.export(engine.storage.root, step, params or {"run_dir": run_dir})
+
+            what = f"writing step {step} from memory to {run_dir}/checkpoint-{step}"
+            _on_all_ranks(collective, persist, what)  # after it, every rank's shard is committed
+            _on_all_ranks(collective, export, what)
         self.resumed_from = {"step": step, "source": "memory"}
         seconds = time.perf_counter() - start
         log.info("step %d from memory is %s/checkpoint-%d (%.2fs): resume_from_checkpoint=True resumes there",

@@ -1,11 +1,13 @@
 """Folders the callback wrote resume with stock transformers; memory is preferred when newer."""
 
 import os
+import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 
+from flashckpt import CheckpointError
 from flashckpt.hf import FlashCheckpointCallback
 
 from ._hf import make_trainer, shm_left
@@ -75,3 +77,21 @@ def test_memory_newer_than_the_newest_folder_is_resumed(tmp_path, saver_flushes,
     for a, b in zip(reference_10, resumed.model.parameters()):
         assert torch.equal(a, b)
     assert not shm_left(out)
+
+
+def test_failing_to_write_memory_out_is_a_clear_error_at_construction(tmp_path):
+    out = str(tmp_path / "run")
+    first = FlashCheckpointCallback(memory_every=2)
+    with pytest.raises(KeyboardInterrupt):
+        make_trainer(out, [first, Crash(5)], max_steps=10, save_steps=3).train()
+    first._ckpt.wait()
+    shutil.rmtree(first._static)  # the exporter will miss training_args.bin
+    first._ckpt._engine._client.close()  # no flush by the saver: only the constructor writes step 4
+    first._ckpt = None
+    with pytest.raises(CheckpointError, match=r"writing step 4 from memory to .*checkpoint-4 failed: rank 0: "):
+        make_trainer(out, [FlashCheckpointCallback()], max_steps=10, save_steps=3)
+    assert sorted(n for n in os.listdir(out) if "checkpoint" in n) == ["checkpoint-3"]  # nothing half-written
+    kept = shm_left(out)
+    assert any(".slot" in p for p in kept)  # the only copy of step 4 stays for a later attempt
+    for path in kept:
+        os.unlink(path)
