@@ -27,10 +27,23 @@ How resuming prefers memory
     in-memory state. This works with stock transformers and under torchrun restarts:
     the shared memory and the saver outlive the killed processes, and the restarted
     ones find them by the output directory. (After a crash the saver usually writes
-    that folder by itself before the restart gets there.)
+    that folder by itself before the restart gets there.) Then the memory is freed;
+    ``train()`` starts a fresh engine. If writing it out fails, the memory is kept and
+    the constructor raises :class:`flashckpt.CheckpointError` on every rank.
 
-Unsupported setups (DeepSpeed, FSDP, XLA, SageMaker MP, ``push_to_hub``,
-hyper-parameter search trials) keep the stock save, with a warning.
+    Under torchrun with gloo, create the process group yourself before the Trainer on a
+    per-attempt ``PrefixStore`` (accelerate keeps an existing group), or a restarted
+    group may dial the dead attempt's addresses; see ``examples/hf_trainer.py``.
+
+Costs and limits
+    Besides the folders, ``<output_dir>/.flashckpt`` keeps the newest committed step in
+    flashckpt's own format (one more copy of the state on disk) and the files that do
+    not change during ``train()``. A clean end of ``train()`` waits for the folders and
+    drops memory-only snapshots, leaving the folders the stock save would have left.
+    DeepSpeed, FSDP, XLA, SageMaker MP, ``push_to_hub`` and hyper-parameter search
+    trials keep the stock save, with a warning; so do PEFT adapters and quantized
+    models. Only process 0 writes the model files
+    (``save_on_each_node`` is not honoured; multi-node runs need a shared file system).
 """
 
 from __future__ import annotations
@@ -85,6 +98,16 @@ def _check_writable(path: str) -> None:
     except OSError as exc:
         raise CheckpointError(f"FlashCheckpointCallback: output_dir {path!r} is not writable ({exc}); "
                               "Trainer checkpoints could not be written there") from exc
+
+
+def _peft_or_quantized(model: Any) -> bool:
+    from transformers.utils import is_peft_available
+
+    if is_peft_available():
+        from peft import PeftModel
+        if isinstance(model, PeftModel):
+            return True
+    return bool(getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None) is not None)
 
 
 def _on_all_ranks(collective: Any, fn: Callable[[], Any], what: str) -> list[Any]:
@@ -223,6 +246,8 @@ class FlashCheckpointCallback(TrainerCallback):
             unsupported.append("XLA")
         if is_sagemaker_mp_enabled():
             unsupported.append("SageMaker model parallel")
+        if _peft_or_quantized(trainer.model):
+            unsupported.append("PEFT adapters or quantized models")
         if unsupported:
             log.warning("FlashCheckpointCallback does not support %s yet: the Trainer keeps its own save",
                         ", ".join(unsupported))
