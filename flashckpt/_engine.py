@@ -158,8 +158,9 @@ class Engine:
         return self._slots[i]
 
     def _headers(self) -> list[SlotHeader]:
-        return [s.read_header() if (s := self._slot(i, create=False)) is not None else SlotHeader()
-                for i in range(NUM_SLOTS)]
+        """Every slot's header, reading unmapped slots without mapping them."""
+        return [slot.read_header() if (slot := self._slots[i]) is not None
+                else Slot.peek_header(self._slot_paths[i]) or SlotHeader() for i in range(NUM_SLOTS)]
 
     def _choose_slot(self) -> int:
         """A slot the saver is not holding (reading, or due to read), preferring the one
@@ -367,11 +368,10 @@ class Engine:
         if not self.placement.writes_memory:
             return
         with self._lock.held():
-            for i in range(NUM_SLOTS):
-                slot = self._slot(i, create=False)
-                if slot is not None and (h := slot.read_header()).state == SlotState.COMPLETE and h.step > step:
+            for i, h in enumerate(self._headers()):
+                if h.state == SlotState.COMPLETE and h.step > step:
                     h.state = SlotState.EMPTY
-                    slot.write_header(h)
+                    self._slot(i, create=False).write_header(h)
 
     def _load_memory(self, state: Any, index: int, generation: int) -> None:
         slot = self._slot(index, create=False)
@@ -455,6 +455,12 @@ class Engine:
     def latest_step(self) -> int | None:
         return self.storage.latest_step()
 
+    def _other_writer(self) -> bool:
+        """Another live process wrote these slots (a second checkpointer of the same job
+        that only loaded must not free the memory of the one that saves)."""
+        me = os.getpid()
+        return any(h.writer_pid not in (0, me) and pid_alive(h.writer_pid) for h in self._headers())
+
     def close(self, *, unlink: bool = True) -> None:
         """Flush the newest step, disconnect from the saver, free this rank's shared memory."""
         if self._closed:
@@ -470,7 +476,7 @@ class Engine:
                 if slot is not None:
                     slot.close()
                     self._slots[i] = None
-            if unlink and self.placement.writes_memory:
+            if unlink and self.placement.writes_memory and not self._other_writer():
                 for path in self._slot_paths + [self._lock.path]:
                     try:
                         os.unlink(path)

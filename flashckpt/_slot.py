@@ -151,13 +151,20 @@ class Slot:
     # -- header ---------------------------------------------------------------------
 
     def read_header(self) -> SlotHeader:
-        if self.mm is None:
-            return SlotHeader()
-        magic, state, _, gen, step, image_len, writer, reader, saved_at, info_len = struct.unpack_from(_FMT, self.mm, 0)
-        if magic != _MAGIC:
-            return SlotHeader()
-        info = json.loads(bytes(self.mm[_FIXED:_FIXED + info_len])) if info_len else {}
-        return SlotHeader(SlotState(state), gen, step, image_len, writer, reader, saved_at, info)
+        return _parse_header(self.mm) if self.mm is not None else SlotHeader()
+
+    @staticmethod
+    def peek_header(path: str) -> SlotHeader | None:
+        """The header of the slot at ``path`` without mapping it (None if there is none):
+        mapping a slot populates its page tables, which costs more than reading it."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            return _parse_header(os.pread(fd, HEADER_SIZE, 0))
+        finally:
+            os.close(fd)
 
     def write_header(self, h: SlotHeader) -> None:
         info = json.dumps(h.info, separators=(",", ":")).encode()
@@ -180,6 +187,16 @@ class Slot:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _parse_header(buf: Any) -> SlotHeader:
+    if len(buf) < HEADER_SIZE:
+        return SlotHeader()
+    magic, state, _, gen, step, image_len, writer, reader, saved_at, info_len = struct.unpack_from(_FMT, buf, 0)
+    if magic != _MAGIC:
+        return SlotHeader()
+    info = json.loads(bytes(buf[_FIXED:_FIXED + info_len])) if info_len else {}
+    return SlotHeader(SlotState(state), gen, step, image_len, writer, reader, saved_at, info)
 
 
 def mark_writing(slot: Slot, step: int, image_len: int, info: dict[str, Any]) -> SlotHeader:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import shutil
 import struct
+import tempfile
 from typing import Any
 
 import torch.distributed as dist
@@ -134,13 +136,21 @@ class DeepSpeedCheckpointer:
         pattern = self.engine._get_ckpt_name(save_dir, loaded_tag, mp_placeholder="*")
         self._share_missing(files, pattern)
         self._agree(lambda: self._check(files, pattern, loaded_tag), f"cannot load tag {loaded_tag} (step {got})")
-        self.checkpoint_engine.served = files
+        # DeepSpeed globs and stats its files before asking the checkpoint engine for them:
+        # it reads a scratch tag of empty placeholders, and the engine serves the states.
+        scratch = tempfile.mkdtemp(prefix=".load-", dir=self._flash.storage.root)
         try:
-            self._run_ds_load(save_dir, loaded_tag, load_optimizer_states, load_lr_scheduler_states,
-                              load_module_only, names=lambda path, t: sorted(p for p in files
-                                                                             if fnmatch.fnmatch(p, pattern)))
+            served = {}
+            for path, state in files.items():
+                placeholder = os.path.join(scratch, os.path.relpath(path, save_dir))
+                os.makedirs(os.path.dirname(placeholder), exist_ok=True)
+                open(placeholder, "wb").close()
+                served[placeholder] = state
+            self.checkpoint_engine.served = served
+            self._run_ds_load(scratch, loaded_tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         finally:
             self.checkpoint_engine.served = {}
+            shutil.rmtree(scratch, ignore_errors=True)
         return got
 
     def _load_stock(self, tag: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
@@ -156,23 +166,25 @@ class DeepSpeedCheckpointer:
         self._run_ds_load(self.directory, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         return int(self.engine.global_steps)
 
-    def _run_ds_load(self, save_dir: str, tag: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                     load_module_only: bool, names: Any = None) -> None:
+    def _run_ds_load(self, load_dir: str, tag: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                     load_module_only: bool) -> None:
         engine = self.engine
-        if names is not None:
-            engine._get_all_ckpt_names = names  # DeepSpeed globs the file system for model files
-        try:
-            def attempt() -> None:
+
+        def attempt() -> None:
+            try:
                 path, client_state = engine.load_checkpoint(
-                    save_dir, tag, load_optimizer_states=load_optimizer_states,
+                    load_dir, tag, load_optimizer_states=load_optimizer_states,
                     load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
-                if path is None:
-                    raise CheckpointNotFoundError(f"DeepSpeed found no model states for tag {tag} in {save_dir}")
-                self.client_state = client_state
-            self._agree(attempt, f"DeepSpeed could not load tag {tag} from {save_dir}")
-        finally:
-            if names is not None:
-                del engine._get_all_ckpt_names
+            except CheckpointError:
+                raise
+            except Exception as exc:  # DeepSpeed's own errors (asserts, ZeRORuntimeException, ...)
+                log.debug("DeepSpeed load_checkpoint failed", exc_info=True)
+                raise CheckpointError(f"{type(exc).__name__}: {exc}") from exc
+            if path is None:
+                raise CheckpointNotFoundError(f"DeepSpeed found no model states for tag {tag} in {load_dir}")
+            self.client_state = client_state
+
+        self._agree(attempt, f"DeepSpeed could not load tag {tag}")
 
     def _agree(self, attempt: Any, prefix: str) -> None:
         """Run ``attempt`` on every rank; raise one error on every rank if any failed."""
