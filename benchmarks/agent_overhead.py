@@ -8,6 +8,10 @@ Two measurements, side by side:
    time the agent thread used per step (from /proc/self/task/<tid>/stat), over the
    step time. On 2 shared cores the A/B number is noisy; the direct one is not.
 
+The agent runs as in training: metrics records (and TensorBoard scalars where
+TensorBoard is installed) in a metrics_dir, and a shard lease heartbeated every second
+to a SQLite coordinator (as a ShardSampler with a 3 s lease timeout asks for).
+
 Run: .venv/bin/python benchmarks/agent_overhead.py [--steps 500] [--rounds 4]
 """
 
@@ -20,6 +24,7 @@ import threading
 import time
 
 import elastic
+import sharding
 
 STEP = 0.010
 
@@ -52,6 +57,10 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         agent = elastic.start_agent(metrics_dir=tmp, heartbeat_interval=5.0, handle_failures=False)
+        ds = sharding.connect(f"sqlite:///{tmp}/shards.db").dataset(
+            "bench", size=1000, shard_size=10, lease_timeout=3.0)
+        ds.acquire("w0")
+        agent.add_heartbeat(ds, "w0", interval_seconds=1.0)
         tid = agent._thread.native_id
         base, with_agent = [], []
         cpu0 = thread_cpu(tid)
@@ -68,6 +77,8 @@ def main() -> None:
             agent.step()
         call = (time.perf_counter() - t) / n
         agent.stop()
+        if ds.progress()["expired"]:
+            raise SystemExit("the agent did not keep the shard lease alive")
     b, a = sum(base) / len(base), sum(with_agent) / len(with_agent)
     print(f"step time without agent : {b * 1e3:.3f} ms (mean of {args.rounds} x {args.steps})")
     print(f"step time with agent    : {a * 1e3:.3f} ms")
