@@ -44,6 +44,8 @@ __all__ = ["FsdpCheckpointer"]
 log = logging.getLogger("flashckpt")
 
 LAYOUT_VERSION = 1
+FRESH = "fresh"
+"""The layout's ``optimizer`` value for an optimizer saved before its first step."""
 
 
 @functools.cache
@@ -142,12 +144,21 @@ class FsdpCheckpointer(EngineCheckpointer):
 
     # -- state ----------------------------------------------------------------------
 
-    def _collect(self, model: torch.nn.Module, optimizer: Any, extra: Any) -> _Target:
+    def _collect(self, model: torch.nn.Module, optimizer: Any, extra: Any, *, filling: bool = False) -> _Target:
+        """The state tree of this rank. ``get_state_dict`` initialises an optimizer that has
+        no state yet (a step with zero gradients: Adam's step count becomes 1); unless the
+        state is about to be filled (``filling``), that is undone and the optimizer is
+        recorded as fresh, so saving before the first step changes no training."""
         api = _api()
+        fresh = False
         if optimizer is None:
             msd, osd = api.sd.get_model_state_dict(model, options=api.options), None
         else:
+            fresh = not optimizer.state and not filling
             msd, osd = api.sd.get_state_dict(model, optimizer, options=api.options)
+            if fresh:
+                optimizer.state.clear()
+                osd = {"state": {}, "param_groups": osd["param_groups"]}
         records: dict[str, dict[str, Any]] = {}
         locals_: dict[str, torch.Tensor] = {}
 
@@ -169,7 +180,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         tree["extra"] = extra
         coll = self._engine.collective
         layout = {"version": LAYOUT_VERSION, "rank": coll.rank, "world_size": coll.world_size,
-                  "optimizer": osd is not None, "tensors": records}
+                  "optimizer": FRESH if fresh else osd is not None, "tensors": records}
         tree[LAYOUT_KEY] = json.dumps(layout, separators=(",", ":"))
         return _Target(tree, msd, osd, layout, locals_)
 
@@ -213,13 +224,19 @@ class FsdpCheckpointer(EngineCheckpointer):
                 return eng.load({})
         else:
             source = "memory" if step in common else "storage"
-        target = self._collect(model, optimizer, {})
+        target = self._collect(model, None, {})
         peeks = self._on_all_ranks(lambda: self._peek(target, step, source, memory),
                                    f"reading the layout of step {step} from {source}")
-        if optimizer is not None and not all(has_optim for _, has_optim in peeks):
+        saved_optim = {optim for _, optim in peeks}
+        filling = optimizer is not None and saved_optim == {True}
+        if optimizer is not None and False in saved_optim:
             raise StateMismatchError(f"step {step} in {eng.storage.root} holds no optimizer state (it was saved "
                                      "without an optimizer); call load(model) without one, or load another step")
-        if optimizer is None and any(has_optim for _, has_optim in peeks):
+        if filling:
+            target = self._collect(model, optimizer, {}, filling=True)
+        elif optimizer is not None:  # saved before its first step: it gets its hyper-parameters only
+            target.tree["optim"] = {"state": {}, "param_groups": []}
+        elif saved_optim != {False}:
             target.tree["optim"] = {}  # read and dropped: a model-only load of a checkpoint with optimizer
         if all(same for same, _ in peeks):
             loaded = eng.load(target.tree, step=step)
@@ -237,7 +254,10 @@ class FsdpCheckpointer(EngineCheckpointer):
                          bytes_read=read)
             eng._prepare_for(target.tree)  # size the slots for this world's shards
             loaded = step
-        self._apply(model, optimizer, target)
+        self._apply(model, optimizer if filling else None, target)
+        if optimizer is not None and not filling:
+            optimizer.state.clear()
+            self._set_hyperparameters(optimizer, target.tree["optim"]["param_groups"])
         self.extra = target.tree["extra"]
         return loaded
 
@@ -255,8 +275,9 @@ class FsdpCheckpointer(EngineCheckpointer):
             Engine._raise(errors, what)
         return [r[1] for r in results]
 
-    def _peek(self, target: _Target, step: int, source: str, memory: dict[int, tuple[int, int]]) -> tuple[bool, bool]:
-        """(same layout as ``target``, holds optimizer state) for this rank's copy of ``step``."""
+    def _peek(self, target: _Target, step: int, source: str, memory: dict[int, tuple[int, int]]) -> tuple[bool, Any]:
+        """(same layout as ``target``, the layout's ``optimizer``: True, False or
+        :data:`FRESH`) for this rank's copy of ``step``."""
         coll = self._engine.collective
         if source == "memory":
             index, _ = memory[step]
@@ -273,7 +294,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         same = world == coll.world_size and all(
             (theirs[k]["shape"], theirs[k]["offsets"], theirs[k]["lengths"]) == (r["shape"], r["offsets"], r["lengths"])
             for k, r in mine.items() if k in theirs)
-        return same, bool(layout.get("optimizer"))
+        return same, layout.get("optimizer", False)
 
     def _reshard(self, target: _Target, step: int) -> int:
         """Fill ``target`` from the overlapping byte ranges of every shard of ``step``;

@@ -107,6 +107,24 @@ def model_only(rank: int, root: str, job: str) -> None:
         _expect_error(lambda: ck.load(fresh, fresh_opt), StateMismatchError, "step 2", "holds no optimizer state")
 
 
+def fresh_optimizer(rank: int, root: str, job: str) -> None:
+    """A save before the optimizer's first step leaves it fresh (get_state_dict would
+    have stepped it), and loading that step makes another optimizer fresh again."""
+    from flashckpt.torch import FsdpCheckpointer
+    reference, reference_opt = make(0)
+    expected = [train_step(reference, reference_opt, rank, step) for step in (1, 2)]
+    model, opt = make(0, lr=0.01)
+    with FsdpCheckpointer(os.path.join(root, "fresh"), job_id=f"{job}f") as ck:
+        ck.save(0, model, opt, persist=True)
+        assert not opt.state
+        assert [train_step(model, opt, rank, step) for step in (1, 2)] == expected
+        other, other_opt = make(4, lr=0.5)
+        train_step(other, other_opt, rank, 1)  # has state, which the fresh step 0 must clear
+        assert ck.load(other, other_opt, step=0) == 0
+        assert not other_opt.state and other_opt.param_groups[0]["lr"] == 0.01
+        assert [train_step(other, other_opt, rank, step) for step in (1, 2)] == expected
+
+
 def bad_input(rank: int, root: str, job: str) -> None:
     from flashckpt import StateMismatchError
     from flashckpt.torch import FsdpCheckpointer
@@ -178,7 +196,8 @@ def mismatch(rank: int, world: int, root: str, job: str, name: str) -> None:
                       "only in state: ['more.weight', 'more.bias']")
 
 
-OPS = {"round_trip": round_trip, "model_only": model_only, "bad_input": bad_input}
+OPS = {"round_trip": round_trip, "model_only": model_only, "fresh_optimizer": fresh_optimizer,
+       "bad_input": bad_input}
 WORLD_OPS = {"save": save, "load": load, "mismatch": mismatch}
 
 
