@@ -12,20 +12,25 @@ holds the step, else from storage with checksums, in place into the local tensor
 (FSDP2's state-dict tensors are the live parameters and optimizer states, so nothing
 else is copied; FSDP1's are copies and are handed to ``set_state_dict``). Loading with
 another world size or mesh reads every committed shard's header and then only the byte
-ranges that overlap this rank's new pieces (see :mod:`flashckpt._reshard`).
+ranges that overlap this rank's new pieces (see :mod:`flashckpt._reshard`); such a
+load checks every shard's size and header but not its whole-file checksum (that would
+read every byte of every shard) -- ``flashckpt convert`` and ``LocalStorage.verify`` do.
+
+Placements: ``Shard`` and ``Replicate`` on any mesh (FSDP2, HSDP, FSDP1's ShardedTensor
+with one local shard per rank); ``_StridedShard`` and ``Partial`` are refused with a
+clear error.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
-
-import functools
-import types
 
 import torch
 
@@ -88,7 +93,7 @@ def _local_piece(value: Any, key: str) -> tuple[torch.Tensor, dict[str, Any]]:
         lengths, offsets = api.local_shape_and_offset(value.shape, value.device_mesh, value.placements)
         if tuple(local.shape) != tuple(lengths):
             raise CheckpointError(f"{key}: local shard has shape {list(local.shape)}, its placements "
-                                  f"{value.placements} imply {list(lengths)} (uneven sharding is not supported)")
+                                  f"{value.placements} imply {list(lengths)}; this layout cannot be described")
         return local, {"shape": list(value.shape), "offsets": list(offsets), "lengths": list(lengths),
                        "placements": [str(p) for p in value.placements], "mesh": list(value.device_mesh.shape)}
     if api.ShardedTensor is not None and isinstance(value, api.ShardedTensor):
@@ -130,8 +135,9 @@ class FsdpCheckpointer(EngineCheckpointer):
 
     Call protocol: every rank of the process group constructs the checkpointer and
     calls ``save`` and ``load`` with its part of the same model; ``load`` is collective
-    (ranks agree on one step). FSDP1 models must use ``SHARDED_STATE_DICT``-compatible
-    settings (the default of ``get_state_dict(full_state_dict=False)``).
+    (ranks agree on one step) and ``save`` needs no communication. After ``load``,
+    :attr:`extra` holds what ``extra`` held at that step and ``last_load`` says where
+    it came from. FSDP1 on CPU needs ``FullyShardedDataParallel(..., device_id=torch.device("cpu"))``.
     """
 
     def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,

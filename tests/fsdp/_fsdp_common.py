@@ -29,15 +29,20 @@ class Net(nn.Module):
         return self.head(torch.relu(self.l2(h))) * self.scale
 
 
-def make(seed: int = 0, *, fsdp: int = 2, lr: float = 0.01, **kw):
-    """Net + AdamW, sharded with FSDP2 (``fsdp=2``) or FSDP1 (``fsdp=1``, CPU device)."""
+def make(seed: int = 0, *, fsdp: int = 2, lr: float = 0.01, mesh: tuple[int, int] | None = None, **kw):
+    """Net + AdamW, sharded with FSDP2 (``fsdp=2``; HSDP on a 2-D ``mesh`` of
+    (replicas, shards)) or FSDP1 (``fsdp=1``, CPU device)."""
     torch.manual_seed(seed)
     model = Net(**kw)
     if fsdp == 2:
         from torch.distributed.fsdp import fully_shard
-        fully_shard(model.l1)
-        fully_shard(model.l2)
-        fully_shard(model)
+        device_mesh = None
+        if mesh is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+            device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
+        fully_shard(model.l1, mesh=device_mesh)
+        fully_shard(model.l2, mesh=device_mesh)
+        fully_shard(model, mesh=device_mesh)
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         model = FSDP(model, device_id=torch.device("cpu"))

@@ -150,11 +150,11 @@ def bad_input(rank: int, root: str, job: str) -> None:
 
 
 def save(rank: int, world: int, root: str, job: str, name: str, fsdp: int = 2, seed: int = 0,
-         dcp_dir: str | None = None) -> None:
+         dcp_dir: str | None = None, mesh: tuple[int, int] | None = None) -> None:
     """Train 3 steps, save step 3 to ``root/name`` (and with DCP to ``dcp_dir``); the
     consolidated originals go to ``root/name.pt``."""
     from flashckpt.torch import FsdpCheckpointer
-    model, opt = make(seed, fsdp=fsdp)
+    model, opt = make(seed, fsdp=fsdp, mesh=mesh)
     for step in range(1, 4):
         train_step(model, opt, rank, step)
     with FsdpCheckpointer(os.path.join(root, name), job_id=f"{job}{name}") as ck:

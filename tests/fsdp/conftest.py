@@ -11,7 +11,6 @@ import pytest
 from flashckpt._convert import convert
 
 from ..checkpoint._dist import run_ranks
-from ..checkpoint.conftest import job_id  # noqa: F401  (fresh job id, shared memory removed after)
 from ._fsdp_ranks import run_plan
 
 
@@ -43,10 +42,12 @@ def ran2(fsdp_root, fsdp_job):
 
 @pytest.fixture(scope="session")
 def ran4(ran2, fsdp_root, fsdp_job):
-    """4 ranks: loads ``w2``; saves ``w4`` and its DCP twin, imported by ``convert`` as ``dcp4``."""
+    """4 ranks: loads ``w2``; saves ``w4`` and its DCP twin, imported by ``convert`` as
+    ``dcp4``; saves ``h4`` with HSDP (2 replicas x 2 shards) and loads it as FSDP on 4."""
     dcp_dir = os.path.join(fsdp_root, "w4-dcp")
     results = _run(4, fsdp_root, fsdp_job, [
-        ("2->4", "load", {"name": "w2"}), ("save w4", "save", {"name": "w4", "dcp_dir": dcp_dir})])
+        ("2->4", "load", {"name": "w2"}), ("save w4", "save", {"name": "w4", "dcp_dir": dcp_dir}),
+        ("save h4", "save", {"name": "h4", "seed": 11, "mesh": (2, 2)}), ("hsdp 2x2->fsdp 4", "load", {"name": "h4"})])
     if all(r.get("save w4") == "ok" for r in results):
         convert(dcp_dir, 3, "flashckpt", os.path.join(fsdp_root, "dcp4"), source="dcp")
         os.link(os.path.join(fsdp_root, "w4.pt"), os.path.join(fsdp_root, "dcp4.pt"))

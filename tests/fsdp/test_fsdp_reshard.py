@@ -1,5 +1,6 @@
 """Resharding: FSDP2 saved on 4 ranks loads on 2, 3 and 1, and 2 -> 4; FSDP1 saved on 2
-loads on 1 (FSDP1) and on 3 (FSDP2); a DCP checkpoint imported by ``convert`` loads on 3.
+loads on 1 (FSDP1) and on 3 (FSDP2); a DCP checkpoint imported by ``convert`` loads on 3;
+HSDP (2 replicas x 2 shards) loads as FSDP on the same 4 ranks (another mesh).
 Parameters and optimizer moments equal the consolidated originals exactly, on a model
 whose dimensions are not divisible by the world size, and each rank reads exactly the
 bytes of its new shards (``_fsdp_ranks.load``)."""
@@ -25,6 +26,15 @@ def test_fsdp2_pieces_follow_torch_chunk(ran4, fsdp_root):
 
 def test_2_to_4(ran4):
     assert_ok(ran4, "2->4")
+
+
+def test_another_mesh_same_world_hsdp_to_fsdp(ran4, fsdp_root):
+    """HSDP's replicated pieces are read once; the 4-rank FSDP load reshards them."""
+    assert_ok(ran4, "save h4")
+    sources = read_sources(LocalStorage(os.path.join(fsdp_root, "h4")), 3)
+    pieces = [src.piece("model/l1.weight") for src in sources]
+    assert pieces[0] == pieces[2] and pieces[1] == pieces[3] and pieces[0] != pieces[1]  # replicas 0,1 x shards
+    assert_ok(ran4, "hsdp 2x2->fsdp 4")
 
 
 def test_4_to_2(ran2b):
