@@ -12,8 +12,9 @@ def build(tp: int, *, seed: int = 0, hidden: int = 32):
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(seed)
+    # gated_linear_unit: fc1 holds two halves, saved through a ShardedTensorFactory
     config = TransformerConfig(num_layers=2, hidden_size=hidden, num_attention_heads=4, use_cpu_initialization=True,
-                               params_dtype=torch.float32)
+                               params_dtype=torch.float32, gated_linear_unit=True)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
                     max_sequence_length=16)
 
@@ -28,10 +29,12 @@ def perturb(model, seed: int) -> None:
 
 
 def main_blocks(sharded_state_dict) -> list:
-    """(key, global offset with prepended axes, global shape, block) of this rank's main replicas."""
+    """(key, global offset with prepended axes, global shape, block) of this rank's main
+    replicas, with factories applied (as saved)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 
+    apply_factories(sharded_state_dict)
     out = []
     for v in nested_values(sharded_state_dict):
         if isinstance(v, ShardedTensor) and is_main_replica(v.replica_id):
@@ -51,8 +54,16 @@ def consolidate(blocks_by_rank) -> dict:
 
 
 def expected_blocks(sharded_state_dict, full: dict) -> list:
-    """(state dict path, expected local value) for every ShardedTensor of a (new) layout."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    """(state dict path, expected local value) for every ShardedTensor or factory of a (new)
+    layout, cut from the consolidated tensors ``full`` (factories merged as megatron does)."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def block(v):
+        if not isinstance(v, ShardedTensor):
+            return v
+        shape = (1,) * v.prepend_axis_num + tuple(v.local_shape)
+        return full[v.key][tuple(slice(o, o + n) for o, n in zip(v.global_offset, shape))].reshape(v.local_shape)
 
     out = []
 
@@ -62,9 +73,9 @@ def expected_blocks(sharded_state_dict, full: dict) -> list:
             if isinstance(v, dict):
                 walk(v, path + ".")
             elif isinstance(v, ShardedTensor):
-                shape = (1,) * v.prepend_axis_num + tuple(v.local_shape)
-                block = full[v.key][tuple(slice(o, o + n) for o, n in zip(v.global_offset, shape))]
-                out.append((path, block.reshape(v.local_shape)))
+                out.append((path, block(v)))
+            elif isinstance(v, ShardedTensorFactory):
+                out.append((path, v.merge_fn(dict_list_map_outplace(block, v.build()))))
 
     walk(sharded_state_dict, "")
     return out
