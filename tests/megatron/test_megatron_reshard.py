@@ -21,7 +21,7 @@ def _save_job(rank, world, tp, dirs, job):
     """Perturbed model, saved by the checkpointer, by dist_checkpointing with our strategies
     (sync and async), and memory-only by a checkpointer that is never closed (a crash)."""
     from megatron.core import dist_checkpointing, parallel_state as ps
-    from flashckpt.megatron import FlashLoadStrategy, FlashSaveStrategy, MegatronCheckpointer  # noqa: F401
+    from flashckpt.megatron import FlashSaveStrategy, MegatronCheckpointer
 
     model = _gpt.build(tp)
     _gpt.perturb(model, 100 + rank)
