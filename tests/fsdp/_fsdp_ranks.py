@@ -196,9 +196,33 @@ def mismatch(rank: int, world: int, root: str, job: str, name: str) -> None:
                       "only in state: ['more.weight', 'more.bias']")
 
 
+def damaged(rank: int, world: int, root: str, job: str, name: str) -> None:
+    """A truncated shard and a missing shard of the step being resharded: clear errors
+    naming the file, on every rank."""
+    import shutil
+
+    from flashckpt import CheckpointNotFoundError, CorruptCheckpointError
+    from flashckpt.torch import FsdpCheckpointer
+    copy = os.path.join(root, f"{name}-damaged-{world}")
+    if rank == 0:
+        shutil.copytree(os.path.join(root, name), copy)
+        shard = os.path.join(copy, "step-3", "rank-2.safetensors")
+        os.truncate(shard, os.path.getsize(shard) - 100)
+    dist.barrier()
+    model, opt = make(5)
+    with FsdpCheckpointer(copy, job_id=f"{job}dmg{world}") as ck:
+        _expect_error(lambda: ck.load(model, opt), CorruptCheckpointError, "rank-2.safetensors", "truncated")
+        dist.barrier()
+        if rank == 0:
+            shutil.copy(os.path.join(root, name, "step-3", "rank-2.safetensors"), os.path.join(copy, "step-3"))
+            os.unlink(os.path.join(copy, "step-3", "rank-3.safetensors"))
+        dist.barrier()
+        _expect_error(lambda: ck.load(model, opt), CheckpointNotFoundError, "rank-3.safetensors")
+
+
 OPS = {"round_trip": round_trip, "model_only": model_only, "fresh_optimizer": fresh_optimizer,
        "bad_input": bad_input}
-WORLD_OPS = {"save": save, "load": load, "mismatch": mismatch}
+WORLD_OPS = {"save": save, "load": load, "mismatch": mismatch, "damaged": damaged}
 
 
 def run_plan(rank: int, world: int, root: str, job: str, plan: list[tuple[str, str, dict]]) -> dict[str, str]:

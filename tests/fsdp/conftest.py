@@ -70,7 +70,8 @@ def ran1(ran4, fsdp_root, fsdp_job):
 
 @pytest.fixture(scope="session")
 def ran2b(ran4, fsdp_root, fsdp_job):
-    return _run(2, fsdp_root, fsdp_job, [("4->2", "load", {"name": "w4"}), ("mismatch", "mismatch", {"name": "w4"})])
+    return _run(2, fsdp_root, fsdp_job, [("4->2", "load", {"name": "w4"}), ("mismatch", "mismatch", {"name": "w4"}),
+                                         ("damaged", "damaged", {"name": "w4"})])
 
 
 def assert_ok(results, check):

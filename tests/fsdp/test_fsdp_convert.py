@@ -14,6 +14,7 @@ from flashckpt import CheckpointError, CorruptCheckpointError
 from flashckpt._convert import convert
 
 from ._fsdp_common import assert_equal_states
+from ..checkpoint.conftest import job_id  # noqa: F401  (fixture)
 from .conftest import assert_ok
 
 
@@ -73,6 +74,17 @@ def test_damaged_shard_is_named_and_nothing_is_written(w4, tmp_path):
     with pytest.raises(CorruptCheckpointError, match="rank-2.safetensors"):
         convert(copy, 3, "torch", tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_plain_checkpoint_converts_from_rank_0(tmp_path, job_id):
+    """A checkpoint without a sharded layout (Checkpointer, one process) converts whole."""
+    from flashckpt.torch import Checkpointer
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)}, "step": 4}
+    with Checkpointer(tmp_path / "plain", job_id=job_id) as ck:
+        ck.save(4, state)
+    got = torch.load(convert(tmp_path / "plain", None, "torch", tmp_path / "plain.pt"), weights_only=True)
+    assert got["step"] == 4
+    assert_equal_states(got["model"], state["model"])
 
 
 def test_bad_arguments(w4, tmp_path):
