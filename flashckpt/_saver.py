@@ -218,7 +218,7 @@ class Saver:
         elif op == "flush":
             self._reap()
             paths = self._unpersisted(client.slots)
-            for path, generation in paths[:1]:
+            for path, generation in paths:  # newest first; an older slot may be the newest step all ranks hold
                 self.jobs.put(_Job(path, generation, client))
             self.jobs.put(_Job("", 0, client, reply={"op": "flushed", "id": msg["id"]}))
         elif op == "wait":
