@@ -13,12 +13,13 @@ Sources:
 
 Targets:
 
-- ``torch`` -- one ``torch.save`` file: ``{"step", "model", "optim", "extra"}``;
-  ``torch.load(out)`` (weights only) reads it.
+- ``torch`` -- one ``torch.save`` file: the saved tree plus ``step`` (for a sharded
+  checkpointer ``{"step", "model", "optim", "extra"}``); ``torch.load(out)`` (weights
+  only) reads it.
 - ``safetensors`` -- one ``.safetensors`` file: model tensors under their FQNs,
-  optimizer states under ``optim/<fqn>/<state>``, ``step``, ``param_groups`` and
-  ``extra`` as JSON in ``__metadata__["flashckpt"]``.
-- ``dcp`` -- a DCP directory of ``{"model", "optim"}`` that
+  optimizer states under ``optim/<fqn>/<state>``, other tensors under their tree path;
+  ``step``, ``param_groups`` and ``extra`` as JSON in ``__metadata__["flashckpt"]``.
+- ``dcp`` -- a DCP directory of the saved tree (``{"model", "optim", ...}``) that
   ``torch.distributed.checkpoint.load`` fills (single process, no process group).
 - ``flashckpt`` -- a one-rank flashckpt step in directory ``out`` that
   :class:`flashckpt.torch.FsdpCheckpointer` loads at any world size (resharding).
@@ -197,23 +198,36 @@ def _replace_atomically(out: str, write: Any) -> None:
 
 def _write_torch(state: dict[str, Any], step: int, out: str) -> None:
     import torch
-    payload = {"step": step, "model": state.get("model", {}), "optim": state.get("optim"), "extra": state.get("extra")}
+    payload = {"step": step, **state}  # a saved "step" entry wins
     _replace_atomically(out, lambda tmp: torch.save(payload, tmp))
+
+
+def _safetensors_name(parts: tuple) -> str:
+    """Model tensors by FQN, optimizer states as ``optim/<fqn>/<state>``, others by tree path."""
+    if len(parts) == 2 and parts[0] == "model":
+        return str(parts[1])
+    if len(parts) == 4 and parts[:2] == ("optim", "state"):
+        return path_key(("optim", parts[2], parts[3]))
+    return path_key(parts)
 
 
 def _write_safetensors(state: dict[str, Any], step: int, out: str) -> None:
     import torch
     tensors: dict[str, Any] = {}
-    for fqn, t in state.get("model", {}).items():
-        if isinstance(t, torch.Tensor):
-            tensors[fqn] = t
+
+    def walk(obj: Any, parts: tuple) -> None:
+        if isinstance(obj, torch.Tensor):
+            tensors[_safetensors_name(parts)] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, parts + (k,))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, parts + (i,))
+    walk(state, ())
     optim = state.get("optim") or {}
-    for fqn, st in optim.get("state", {}).items():
-        for k, t in st.items():
-            if isinstance(t, torch.Tensor):
-                tensors[path_key(("optim", fqn, k))] = t
     meta = {"format": "flashckpt-convert/1", "step": step,
-            "param_groups": optim.get("param_groups"), "extra": _jsonable(state.get("extra"))}
+            "param_groups": _jsonable(optim.get("param_groups")), "extra": _jsonable(state.get("extra"))}
     _write_image(out, tensors, meta)
 
 
@@ -247,10 +261,7 @@ def _write_dcp(state: dict[str, Any], step: int, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     if os.path.isdir(out) and os.listdir(out):
         raise CheckpointError(f"{out} exists and is not empty; DCP output needs a new directory")
-    payload = {"model": state.get("model", {})}
-    if state.get("optim") is not None:
-        payload["optim"] = state["optim"]
-    dcp.save(payload, checkpoint_id=out, no_dist=True)
+    dcp.save({k: v for k, v in state.items() if v is not None}, checkpoint_id=out, no_dist=True)
 
 
 def _write_flashckpt(state: dict[str, Any], step: int, out: str) -> None:
@@ -258,6 +269,8 @@ def _write_flashckpt(state: dict[str, Any], step: int, out: str) -> None:
     one whole piece, so a sharded checkpointer reshards it onto any world size."""
     import torch
 
+    if "model" not in state:
+        raise CheckpointError(f"a flashckpt output needs a 'model' entry; this state has {sorted(state)}")
     from ._engine import new_token
     from ._format import plan_image
     from ._tree import flatten

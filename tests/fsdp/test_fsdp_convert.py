@@ -79,12 +79,15 @@ def test_damaged_shard_is_named_and_nothing_is_written(w4, tmp_path):
 def test_plain_checkpoint_converts_from_rank_0(tmp_path, job_id):
     """A checkpoint without a sharded layout (Checkpointer, one process) converts whole."""
     from flashckpt.torch import Checkpointer
-    state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)}, "step": 4}
+    from safetensors.torch import load_file
+    state = {"net": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)},
+             "sampler": {"pos": 7}}
     with Checkpointer(tmp_path / "plain", job_id=job_id) as ck:
         ck.save(4, state)
     got = torch.load(convert(tmp_path / "plain", None, "torch", tmp_path / "plain.pt"), weights_only=True)
-    assert got["step"] == 4
-    assert_equal_states(got["model"], state["model"])
+    assert_equal_states(got, {"step": 4, **state})
+    got = load_file(convert(tmp_path / "plain", 4, "safetensors", tmp_path / "plain.safetensors"))
+    assert_equal_states(got, {"net/w": state["net"]["w"], "net/b": state["net"]["b"]})
 
 
 def test_bad_arguments(w4, tmp_path):
