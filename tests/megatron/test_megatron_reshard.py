@@ -75,10 +75,13 @@ def _load_job(rank, world, dirs, job, full_tp, full_dp):
         model = _gpt.build(1, seed=7)
         expected = _gpt.expected_blocks(model.sharded_state_dict(), full_tp)
         with MegatronCheckpointer(dirs["strategy"], job_id=job + "s") as ck:
-            state = dist_checkpointing.load(model.sharded_state_dict(), os.path.join(dirs["strategy"], name),
-                                            sharded_strategy=FlashLoadStrategy(ck))
+            # "return_all" also checks keys against the strategy's load_sharded_metadata
+            state, missing, unexpected = dist_checkpointing.load(
+                model.sharded_state_dict(), os.path.join(dirs["strategy"], name),
+                sharded_strategy=FlashLoadStrategy(ck), strict="return_all")
         model.load_state_dict(state)
-        out[name] = {"checked": len(expected), "bad": _mismatches(model, expected)}
+        out[name] = {"checked": len(expected), "bad": _mismatches(model, expected),
+                     "missing": sorted(missing), "unexpected": sorted(unexpected)}
         ps.destroy_model_parallel()
     return out
 
@@ -149,6 +152,8 @@ def test_tp2_and_dp2_checkpoints_load_with_tp1_dp1(saved):
     (out,) = run_ranks(_load_job, 1, dirs, saved["job"] + "L", full_tp, full_dp, timeout=240)
     for name in ("tp", "dp", "iter_0000005", "iter_0000006"):
         assert out[name]["checked"] >= 20 and out[name]["bad"] == [], (name, out[name])
+    for name in ("iter_0000005", "iter_0000006"):
+        assert out[name]["missing"] == [] and out[name]["unexpected"] == [], (name, out[name])
     assert out["tp"]["step"] == STEP and out["tp"]["source"] == "storage"
     assert out["dp"]["step"] == STEP
     # megatron wrote its own metadata, naming our backend
