@@ -135,7 +135,7 @@ class FsdpCheckpointer(EngineCheckpointer):
 
     Call protocol: every rank of the process group constructs the checkpointer and
     calls ``save`` and ``load`` with its part of the same model; ``load`` is collective
-    (ranks agree on one step) and ``save`` needs no communication. After ``load``,
+    (ranks agree on one step) and ``save`` adds no communication. After ``load``,
     :attr:`extra` holds what ``extra`` held at that step and ``last_load`` says where
     it came from. FSDP1 on CPU needs ``FullyShardedDataParallel(..., device_id=torch.device("cpu"))``.
     """
@@ -196,7 +196,8 @@ class FsdpCheckpointer(EngineCheckpointer):
              persist: bool | None = None) -> None:
         """Copy this rank's shards of ``model`` (and ``optimizer``) and ``extra`` into
         shared memory; persist them if due (or if ``persist``). Every rank calls this
-        for the same step; it needs no communication."""
+        for the same step: flashckpt adds no communication, but FSDP1's sharded state
+        dict is itself collective (FSDP2's is not)."""
         target = self._collect(model, optimizer, extra)
         self._engine.save(step, target.tree, persist=persist)
 
