@@ -263,17 +263,12 @@ class RangeReader:
             self._maps[path] = mmap.mmap(self._fd(path), 0, access=mmap.ACCESS_READ)
         return self._maps[path]
 
-    def fill(self, key: str, dst: np.ndarray, want: Piece, dtype: str, global_shape: tuple[int, ...],
-             prefer: int = 0) -> None:
-        """Fill ``dst`` (C-contiguous uint8, shape :func:`byte_shape` of ``want``) with
-        the box ``want`` of tensor ``key``, from every source whose piece overlaps it;
-        identical pieces are read once, from rank ``prefer`` first."""
-        if want.numel == 0:
-            return
-        itemsize = DTYPE_SIZES[dtype]
+    def _plan(self, key: str, want: Piece, dtype: str, global_shape: tuple[int, ...], prefer: int):
+        """(source, entry, source piece, box) for each distinct source piece overlapping
+        ``want``, rank ``prefer`` first; raises when they do not cover ``want`` exactly."""
         order = sorted(self.sources, key=lambda s: (s.rank != prefer, s.rank))
         seen: set[Piece] = set()
-        covered = 0
+        plan, covered = [], 0
         for src in order:
             piece = src.piece(key)
             if piece is None:
@@ -290,13 +285,37 @@ class RangeReader:
             if tuple(entry.shape) != piece.lengths:
                 raise CorruptCheckpointError(f"{src.path}: entry {key!r} has shape {list(entry.shape)} "
                                              f"but its layout says {list(piece.lengths)}")
-            self._copy(src, entry, _byte_piece(piece, itemsize), dst, _byte_piece(want, itemsize),
-                       _byte_piece(box, itemsize))
+            plan.append((src, entry, piece, box))
             covered += box.numel
         if covered != want.numel:
             raise CorruptCheckpointError(
                 f"{key}: the shards cover {covered} of the {want.numel} elements needed at offsets "
                 f"{list(want.offsets)} (global shape {list(global_shape)}); a shard is missing or the layouts overlap")
+        return plan
+
+    def prefetch(self, key: str, want: Piece, dtype: str, global_shape: tuple[int, ...], prefer: int = 0) -> None:
+        """Ask the kernel to start reading what :meth:`fill` will read (``WILLNEED``), so
+        that the reads of all tensors queue up instead of waiting one by one."""
+        if want.numel == 0:
+            return
+        itemsize = DTYPE_SIZES[dtype]
+        for src, entry, piece, box in self._plan(key, want, dtype, global_shape, prefer):
+            spiece, bbox = _byte_piece(piece, itemsize), _byte_piece(box, itemsize)
+            s_start = tuple(b - o for b, o in zip(bbox.offsets, spiece.offsets))
+            run = _contiguous_range(spiece.lengths, s_start, bbox.lengths) or (0, entry.nbytes)
+            os.posix_fadvise(self._fd(src.path), src.file_offset(entry) + run[0], run[1], os.POSIX_FADV_WILLNEED)
+
+    def fill(self, key: str, dst: np.ndarray, want: Piece, dtype: str, global_shape: tuple[int, ...],
+             prefer: int = 0) -> None:
+        """Fill ``dst`` (C-contiguous uint8, shape :func:`byte_shape` of ``want``) with
+        the box ``want`` of tensor ``key``, from every source whose piece overlaps it;
+        identical pieces are read once, from rank ``prefer`` first."""
+        if want.numel == 0:
+            return
+        itemsize = DTYPE_SIZES[dtype]
+        for src, entry, piece, box in self._plan(key, want, dtype, global_shape, prefer):
+            self._copy(src, entry, _byte_piece(piece, itemsize), dst, _byte_piece(want, itemsize),
+                       _byte_piece(box, itemsize))
 
     def read_entry(self, src: Source, entry: Entry, dst: np.ndarray) -> None:
         """Read one whole entry of ``src`` into ``dst`` (C-contiguous, ``entry.nbytes`` bytes)."""

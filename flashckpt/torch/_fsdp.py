@@ -330,6 +330,12 @@ class FsdpCheckpointer(EngineCheckpointer):
         with RangeReader(sources) as reader:
             for name, obj in merge.fills:
                 key = keys_by_name.get(name)
+                if key is not None and target.locals.get(key) is obj and obj.numel():
+                    rec = mine[key]
+                    reader.prefetch(key, Piece(tuple(rec["offsets"]), tuple(rec["lengths"])), DTYPE_NAMES[obj.dtype],
+                                    tuple(rec["shape"]), prefer=home.rank)
+            for name, obj in merge.fills:
+                key = keys_by_name.get(name)
                 if key is not None and target.locals.get(key) is obj:
                     rec = mine[key]
                     want = Piece(tuple(rec["offsets"]), tuple(rec["lengths"]))
