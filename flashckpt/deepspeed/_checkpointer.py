@@ -66,6 +66,8 @@ class DeepSpeedCheckpointer:
         self._previous_engine = engine.checkpoint_engine
         self.checkpoint_engine = FlashCheckpointEngine(self)
         engine.checkpoint_engine = self.checkpoint_engine
+        self.client_state: dict = {}
+        """The client state of the tag the last :meth:`load` restored."""
         self._step: int | None = None
         self._persist: bool | None = None
         self._latest_on_export = False
