@@ -200,15 +200,18 @@ class LocalStorage:
         return True
 
     def _retain(self, keep_last: int) -> None:
+        """Delete committed steps beyond ``keep_last`` and leftovers of crashed saves.
+
+        A step is first renamed out of the committed namespace (atomic), then deleted, so a
+        crash mid-delete never leaves a committed step with missing shards."""
         committed = self.committed_steps()
         newest = committed[-1] if committed else -1
-        doomed = [self.step_dir(s) for s in committed[:-keep_last]] if keep_last > 0 else []
+        for step in committed[:-keep_last] if keep_last > 0 else []:
+            os.replace(self.step_dir(step), f"{self.step_dir(step)}.tmp-retired-{os.getpid()}")
         for name in os.listdir(self.root):
             m = _TMP_RE.match(name)
-            if m and (int(m.group(1)) < newest or m.group(2).startswith("replaced-")):
-                doomed.append(os.path.join(self.root, name))
-        for path in doomed:
-            shutil.rmtree(path, ignore_errors=True)
+            if m and (int(m.group(1)) < newest or m.group(2).startswith(("replaced-", "retired-"))):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     # -- reading ------------------------------------------------------------------
 
