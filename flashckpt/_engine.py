@@ -144,6 +144,7 @@ class Engine:
         self._slots: list[Slot | None] = [None] * NUM_SLOTS
         self._views: dict[tuple, list[Any]] = {}
         self._preparing: threading.Thread | None = None
+        self._retired: list[Slot] = []
         self._saves = 0
         self._closed = False
         self.last_load: LoadInfo | None = None
@@ -185,7 +186,11 @@ class Engine:
     def _prepare(self, indices: list[int], size: int) -> None:
         """Reserve and map slots in the background, so later saves do not pay for fresh
         pages (the first touch of shared memory costs more than the copy itself)."""
+        retired, self._retired = self._retired, []
+
         def run() -> None:
+            for slot in retired:
+                slot.close()
             try:
                 for i in indices:
                     self._slot(i, create=True).ensure_capacity(size)
@@ -374,9 +379,15 @@ class Engine:
                     self._slot(i, create=False).write_header(h)
 
     def _load_memory(self, state: Any, index: int, generation: int) -> None:
-        slot = self._slot(index, create=False)
+        slot = Slot.open(self._slot_paths[index], populate=False)  # read once: no page-table setup
         if slot is None:
             raise CheckpointError(f"memory slot {self._slot_paths[index]} vanished")
+        try:
+            self._copy_out(state, slot, generation)
+        finally:
+            self._retired.append(slot)  # unmapping costs a third of the copy: done in the background
+
+    def _copy_out(self, state: Any, slot: Slot, generation: int) -> None:
         header = slot.read_header()
         image = parse_header(slot.image(header.image_len), slot.path)
         merge = self._merge(state, image)
@@ -472,6 +483,9 @@ class Engine:
             self._prepared()
             self._client.close()
             self._views.clear()
+            for slot in self._retired:
+                slot.close()
+            self._retired.clear()
             for i, slot in enumerate(self._slots):
                 if slot is not None:
                     slot.close()

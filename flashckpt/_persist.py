@@ -40,7 +40,7 @@ def persist_slot(slot_path: str, generation: int | None = None, *, already_persi
     next save into the other slot meanwhile, and released at the end.
     ``already_persisted`` only releases the slot (a repeated request).
     """
-    slot = Slot.open(slot_path, writable=True)
+    slot = Slot.open(slot_path, writable=True, populate=False)
     if slot is None:
         return PersistResult(-1, False, skipped=True)
     lock = RankLock(_names.lock_path(slot_path))

@@ -94,23 +94,30 @@ class RankLock:
 class Slot:
     """One mapped shared-memory slot file."""
 
-    def __init__(self, path: str, fd: int, writable: bool) -> None:
+    def __init__(self, path: str, fd: int, writable: bool, populate: bool) -> None:
         self.path = path
         self._fd = fd
         self._writable = writable
+        self._populate = populate
         self.mm: mmap.mmap | None = None
         self.capacity = 0
         self._map()
 
     @classmethod
-    def open(cls, path: str, *, writable: bool = False, create: bool = False) -> "Slot | None":
-        """Map an existing slot (None if there is none); ``create`` makes an empty one."""
+    def open(cls, path: str, *, writable: bool = False, create: bool = False,
+             populate: bool = True) -> "Slot | None":
+        """Map an existing slot (None if there is none); ``create`` makes an empty one.
+
+        ``populate`` sets up every page-table entry at once, which pays off for a slot
+        that is written again and again; a slot read once is cheaper unpopulated (reads
+        fault 16 pages at a time).
+        """
         flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | (os.O_CREAT if create else 0)
         try:
             fd = os.open(path, flags, 0o600)
         except FileNotFoundError:
             return None
-        return cls(path, fd, writable)
+        return cls(path, fd, writable, populate)
 
     def _map(self) -> None:
         size = os.fstat(self._fd).st_size
@@ -118,7 +125,8 @@ class Slot:
         self.capacity = size
         if size >= HEADER_SIZE:
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if self._writable else 0)
-            self.mm = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self._populate else 0)
+            self.mm = mmap.mmap(self._fd, size, flags=flags, prot=prot)
 
     def ensure_capacity(self, image_size: int) -> bool:
         """Grow the file to hold ``image_size`` bytes of image; True if it was remapped.
