@@ -32,6 +32,20 @@ _MAGIC = b"FCKSLOT1"
 _FMT = "<8sIIQqQIIdI"  # magic, state, pad, generation, step, image_len, writer, reader, saved_at, info_len
 _FIXED = struct.calcsize(_FMT)
 _GROW_HEADROOM = 1 << 20
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _probe_populate_write() -> bool:
+    """Whether this kernel has MADV_POPULATE_WRITE (Linux 5.14+)."""
+    try:
+        with mmap.mmap(-1, mmap.PAGESIZE) as mm:
+            mm.madvise(_MADV_POPULATE_WRITE)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+_POPULATE_WRITE = _probe_populate_write()
 
 
 class SlotState(IntEnum):
@@ -123,10 +137,20 @@ class Slot:
         size = os.fstat(self._fd).st_size
         self.mm = None  # views into an old mapping keep it alive until they go
         self.capacity = size
-        if size >= HEADER_SIZE:
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self._writable else 0)
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self._populate else 0)
-            self.mm = mmap.mmap(self._fd, size, flags=flags, prot=prot)
+        if size < HEADER_SIZE:
+            return
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self._writable else 0)
+        write_populate = self._populate and self._writable and _POPULATE_WRITE
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self._populate and not write_populate else 0)
+        self.mm = mmap.mmap(self._fd, size, flags=flags, prot=prot)
+        if write_populate:
+            # allocates missing pages, zeroes and maps them in one pass; a full /dev/shm is
+            # ENOMEM here instead of SIGBUS later
+            try:
+                self.mm.madvise(_MADV_POPULATE_WRITE)
+            except OSError as exc:
+                raise SharedMemoryError(f"shared memory in {os.path.dirname(self.path)} ran out while "
+                                        f"reserving {size / 2**20:.1f} MiB for {self.path}: {exc}") from exc
 
     def ensure_capacity(self, image_size: int) -> bool:
         """Grow the file to hold ``image_size`` bytes of image; True if it was remapped.
@@ -146,13 +170,16 @@ class Slot:
                 f"the state needs {new / 2**20:.1f} MiB of shared memory in {directory} for {self.path}, "
                 f"but only {free / 2**20:.1f} MiB are free; enlarge it (docker run --shm-size=..., "
                 f"or mount -o remount,size=... {directory}) or set FLASHCKPT_SHM_DIR to a larger tmpfs")
-        try:
-            os.posix_fallocate(self._fd, 0, new)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise SharedMemoryError(f"shared memory in {directory} ran out while reserving "
-                                        f"{new / 2**20:.1f} MiB for {self.path}: {exc}") from exc
-            raise
+        if _POPULATE_WRITE and self._writable and self._populate:
+            os.ftruncate(self._fd, new)  # pages are reserved by populating the mapping
+        else:
+            try:
+                os.posix_fallocate(self._fd, 0, new)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise SharedMemoryError(f"shared memory in {directory} ran out while reserving "
+                                            f"{new / 2**20:.1f} MiB for {self.path}: {exc}") from exc
+                raise
         self._map()
         return True
 
