@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .._base import EngineCheckpointer
 from .._errors import CheckpointError
 from . import _export, _variables
 from ._common import FORMAT, data_state, new_engine, positions_of, restore_data
@@ -17,7 +18,7 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger("flashckpt.tf")
 
 
-class Checkpointer:
+class Checkpointer(EngineCheckpointer):
     """Flash checkpoints of the variables of ``checkpoint`` (eager TF 2).
 
     ``checkpoint``: a ``tf.train.Checkpoint``, a Keras model (saved with its optimizer)
@@ -43,15 +44,6 @@ class Checkpointer:
             rollback = Rollback.WORKER
         self._rollback = rollback
         self._engine = new_engine(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id)
-
-    @property
-    def directory(self) -> str:
-        return self._engine.storage.root
-
-    @property
-    def job_id(self) -> str:
-        """Names this worker's shared memory on the node (see ``flashckpt ls``/``gc``)."""
-        return self._engine.job_id
 
     def save(self, step: int, *, persist: bool | None = None, export: bool = False) -> None:
         """Copy every variable into shared memory (the only blocking work); persist it if
@@ -105,25 +97,3 @@ class Checkpointer:
             if step is None:
                 raise CheckpointError(f"nothing to export: no checkpoint in {self.directory}")
         return _export.write_tf_checkpoint(self.directory, step, os.fspath(path))
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every persist asked for so far is durable (raises what failed)."""
-        self._engine.wait(timeout)
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Persist the newest in-memory step now if it is not on storage yet, and wait."""
-        self._engine.flush(timeout)
-
-    def latest_step(self) -> int | None:
-        """The newest step committed on storage."""
-        return self._engine.latest_step()
-
-    def close(self) -> None:
-        """Persist the newest step if needed, wait for storage, free shared memory."""
-        self._engine.close()
-
-    def __enter__(self) -> "Checkpointer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
