@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass
 
 from flashckpt._names import SHM_DIR, job_prefix
+from flashckpt._slot import pid_alive
 
 __all__ = [
     "Policy",
@@ -199,16 +200,6 @@ def _job_files(job_id: str) -> list[tuple[int, str]]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _size(path: str) -> int:
     try:
         return os.path.getsize(path) if path else 0
@@ -280,7 +271,7 @@ def _finish(info: ProgressFile, pending: _Pending) -> None:
         "diagnosis": {"kind": "hang", "action": "restart_process",
                       "reason": f"no progress for {pending.stalled_seconds:.1f}s with the GIL held"},
     })
-    if info.policy is Policy.EXIT and _alive(info.pid):
+    if info.policy is Policy.EXIT and pid_alive(info.pid):
         try:
             os.kill(info.pid, signal.SIGKILL)
             log.error("watchdog: killed pid %d (policy exit) so the launcher restarts it", info.pid)
@@ -303,7 +294,7 @@ def poll(job_id: str, now: float | None = None) -> None:
         _finish(gone.info, gone)
     for pid, path in files:
         key = (job_id, pid)
-        if not _alive(pid):
+        if not pid_alive(pid):
             gone = _pending.pop(key, None)
             if gone is not None:  # it died while dumping: still log and record the hang
                 _finish(gone.info, gone)
