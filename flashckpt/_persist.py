@@ -17,7 +17,7 @@ from ._exporters import run_exporter
 from ._slot import RankLock, Slot, SlotState
 from ._storage import LocalStorage
 
-__all__ = ["PersistResult", "persist_slot"]
+__all__ = ["PersistResult", "persist_slot", "unpersisted_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +73,16 @@ def persist_slot(slot_path: str, generation: int | None = None, *, already_persi
     finally:
         slot.close()
         lock.close()
+
+
+def unpersisted_slots(slot_paths: list[str]) -> list[tuple[str, int, int]]:
+    """(slot, generation, step) of complete slots meant for storage whose step is newer
+    than their directory's latest commit, newest step first. Reads headers only."""
+    found = []
+    for path in slot_paths:
+        h = Slot.peek_header(path)
+        if h is not None and h.state == SlotState.COMPLETE and h.info.get("persist"):
+            latest = LocalStorage(h.info["directory"]).latest_step()
+            if latest is None or h.step > latest:
+                found.append((path, h.generation, h.step))
+    return sorted(found, key=lambda found: -found[2])

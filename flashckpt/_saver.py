@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _names
-from ._persist import PersistResult, persist_slot
-from ._slot import Slot, SlotState, pid_alive
-from ._storage import LocalStorage
+from ._persist import PersistResult, persist_slot, unpersisted_slots
+from ._slot import pid_alive
 
 log = logging.getLogger("flashckpt.saver")
 
@@ -189,21 +188,7 @@ class Saver:
 
     def _unpersisted(self, slot_paths: list[str]) -> list[tuple[str, int]]:
         """(slot, generation) of complete slots not on storage yet, newest step first."""
-        found = []
-        for path in slot_paths:
-            slot = Slot.open(path)
-            if slot is None:
-                continue
-            try:
-                h = slot.read_header()
-            finally:
-                slot.close()
-            if h.state != SlotState.COMPLETE or not h.info.get("persist") or self.persisted.get(path) == h.generation:
-                continue
-            latest = LocalStorage(h.info["directory"]).latest_step()
-            if latest is None or h.step > latest:
-                found.append((h.step, path, h.generation))
-        return [(path, gen) for _, path, gen in sorted(found, reverse=True)]
+        return [(path, gen) for path, gen, _ in unpersisted_slots(slot_paths) if self.persisted.get(path) != gen]
 
     def _handle(self, client: _Client, msg: dict[str, Any]) -> None:
         op = msg.get("op")

@@ -21,8 +21,8 @@ import time
 
 from . import _names
 from ._errors import CheckpointError
-from ._persist import persist_slot
-from ._slot import Slot, SlotState, pid_alive
+from ._persist import persist_slot, unpersisted_slots
+from ._slot import Slot, pid_alive
 from ._storage import LocalStorage
 
 __all__ = ["main"]
@@ -87,14 +87,8 @@ def _segments() -> dict[str, list[str]]:
     return jobs
 
 
-def _slot_headers(paths: list[str]):
-    for path in sorted(p for p in paths if ".slot" in p):
-        slot = Slot.open(path)
-        if slot is not None:
-            try:
-                yield path, slot.read_header()
-            finally:
-                slot.close()
+def _slot_paths(paths: list[str]) -> list[str]:
+    return sorted(p for p in paths if ".slot" in p)
 
 
 def _job_alive(job: str, paths: list[str]) -> bool:
@@ -107,18 +101,7 @@ def _job_alive(job: str, paths: list[str]) -> bool:
                 return True
             except OSError:
                 pass
-    return any(pid_alive(h.writer_pid) for _, h in _slot_headers(paths))
-
-
-def _unpersisted(paths: list[str]) -> list[tuple[str, int, int]]:
-    """(slot, generation, step) of complete slots newer than their directory's latest commit."""
-    found = []
-    for path, h in _slot_headers(paths):
-        if h.state == SlotState.COMPLETE and h.info.get("persist"):
-            latest = LocalStorage(h.info["directory"]).latest_step()
-            if latest is None or h.step > latest:
-                found.append((path, h.generation, h.step))
-    return found
+    return any(h is not None and pid_alive(h.writer_pid) for h in map(Slot.peek_header, _slot_paths(paths)))
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -126,7 +109,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for job, paths in sorted(_segments().items()):
         if _job_alive(job, paths):
             continue
-        pending = _unpersisted(paths)
+        pending = unpersisted_slots(_slot_paths(paths))
         if pending and not args.force:
             steps = sorted({step for _, _, step in pending})
             print(f"job {job}: keeping {len(paths)} objects, steps {steps} are in memory only "
@@ -153,7 +136,7 @@ def cmd_persist(args: argparse.Namespace) -> int:
     for job, paths in sorted(jobs.items()):
         if _job_alive(job, paths) and not args.job_id:
             continue  # its own saver takes care of it
-        for path, generation, step in sorted(_unpersisted(paths), key=lambda x: -x[2]):
+        for path, generation, step in unpersisted_slots(_slot_paths(paths)):
             result = persist_slot(path, generation)
             if not result.skipped:
                 print(f"job {job}: persisted step {result.step} from {os.path.basename(path)}"
