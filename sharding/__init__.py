@@ -9,6 +9,9 @@ small JSON that goes inside a model checkpoint.
 (0, 0, 4, [0, 1, 2, 3])
 >>> ds.complete(shard)
 
+A job-wide event log rides along: ``coord.publish(kind, payload, source=...) -> seq`` and
+``coord.events(since=seq, limit=None)`` (the newest ``max_events``, default 10,000, are kept).
+
 Backends: ``memory://`` (one process), ``sqlite:///path`` (processes on one machine),
 ``redis://host:port/db`` (many machines). ``import sharding`` imports neither redis nor
 any framework.

@@ -281,6 +281,8 @@ class Options:
     busy_timeout_seconds: float = 30.0
     #: prefix of every key (redis)
     key_prefix: str = "sharding:"
+    #: how many of the newest events the job-wide log keeps (all; see Coordinator.publish)
+    max_events: int = 10_000
 
     def __post_init__(self) -> None:
         for name in ("poll_interval_seconds", "retry_seconds", "socket_timeout_seconds", "busy_timeout_seconds"):
@@ -289,10 +291,20 @@ class Options:
                 raise InvalidArgument(f"{name} must be a positive number, got {value!r}")
         if not isinstance(self.key_prefix, str):
             raise InvalidArgument(f"key_prefix must be a str, got {self.key_prefix!r}")
+        if isinstance(self.max_events, bool) or not isinstance(self.max_events, int) or self.max_events < 1:
+            raise InvalidArgument(f"max_events must be an int >= 1, got {self.max_events!r}")
+
+
+#: largest payload of one event, as JSON text
+MAX_EVENT_BYTES = 65_536
 
 
 class Coordinator:
-    """Entry point to the data sets of one store. Obtain from :func:`sharding.connect`."""
+    """Entry point to the data sets of one store. Obtain from :func:`sharding.connect`.
+
+    Besides data sets, a coordinator keeps one job-wide event log (:meth:`publish`,
+    :meth:`events`) that every process connected to the same store sees.
+    """
 
     def __init__(self, store: Store, *, url: str, options: Options) -> None:
         self._store, self.url, self.options = store, url, options
@@ -353,6 +365,49 @@ class Coordinator:
                 f"{self.url}: data set {name!r} exists with another definition: {existing} (asked for {wanted})"
             )
         return Dataset(self, name, wanted)
+
+
+    # -- events --------------------------------------------------------------------------
+
+    def publish(self, kind: str, payload: dict[str, Any], *, source: str) -> int:
+        """Append an event to the job-wide log; returns its sequence number.
+
+        Sequence numbers start at 1 and increase by one per event across every process
+        of the store (never reused). ``payload`` must be a JSON-serialisable dict of at
+        most ``MAX_EVENT_BYTES`` as JSON. The log keeps the newest ``max_events`` events
+        (an option of :func:`sharding.connect`, default 10,000); older ones are dropped.
+        """
+        for what, value in (("kind", kind), ("source", source)):
+            if not isinstance(value, str) or not value or not value.isprintable():
+                raise InvalidArgument(f"event {what} must be a non-empty printable str, got {value!r}")
+        if not isinstance(payload, dict):
+            raise InvalidArgument(f"event payload must be a dict, got {type(payload).__name__}")
+        try:
+            text = json.dumps(payload, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"event payload is not JSON-serialisable: {exc}") from exc
+        if len(text.encode()) > MAX_EVENT_BYTES:
+            raise InvalidArgument(f"event payload is {len(text.encode())} bytes as JSON; at most {MAX_EVENT_BYTES}")
+        return self._store.publish(kind, source, text, keep=self.options.max_events)
+
+    def events(self, *, since: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
+        """Events with ``seq > since``, oldest first (at most ``limit``), each a dict
+        ``{"seq", "time", "source", "kind", "payload"}``. ``time`` is seconds since the
+        epoch on the server's clock (Redis) or the publisher's (SQLite, memory).
+
+        Poll with ``since`` set to the last ``seq`` seen; a gap between that and the first
+        returned ``seq`` means events were dropped from the bounded log meanwhile.
+        """
+        if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+            raise InvalidArgument(f"since must be an int >= 0, got {since!r}")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise InvalidArgument(f"limit must be None or an int >= 0, got {limit!r}")
+        if limit == 0:
+            return []
+        return [
+            {"seq": seq, "time": at, "source": source, "kind": kind, "payload": json.loads(payload)}
+            for seq, at, source, kind, payload in self._store.events(since, limit)
+        ]
 
 
 def _loads(text: str, name: str, url: str) -> dict[str, Any]:

@@ -6,11 +6,13 @@ store; nothing is shared between processes and nothing survives the process.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
+from collections import deque
 from typing import Any
 
-from ._store import Grant, Status, Wait
+from ._store import Event, Grant, Status, Wait
 from ._table import LeaseTable
 
 __all__ = ["MemoryStore", "memory_store"]
@@ -32,6 +34,8 @@ class MemoryStore:
         self._lock = threading.Lock()
         self._definitions: dict[str, str] = {}
         self._tables: dict[str, LeaseTable] = {}
+        self._events: deque[Event] = deque()
+        self._seq = 0
 
     def define(self, name: str, definition: str | None) -> str | None:
         with self._lock:
@@ -73,6 +77,20 @@ class MemoryStore:
     def restore(self, name: str, state: dict[str, Any]) -> None:
         with self._lock:
             self._tables[name].restore(state)
+
+    def publish(self, kind: str, source: str, payload: str, *, keep: int) -> int:
+        with self._lock:
+            self._seq += 1
+            self._events.append((self._seq, time.time(), source, kind, payload))
+            while len(self._events) > keep:
+                self._events.popleft()
+            return self._seq
+
+    def events(self, since: int, limit: int | None) -> list[Event]:
+        with self._lock:
+            first = bisect.bisect_right(self._events, since, key=lambda event: event[0])
+            stop = len(self._events) if limit is None else min(len(self._events), first + limit)
+            return [self._events[i] for i in range(first, stop)]
 
     def close(self) -> None:
         """Nothing to release: the state lives as long as the process."""

@@ -18,14 +18,16 @@ queue: delayed, never lost.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import os
 import random
 import time
 from typing import Any
 
 from ._errors import CoordinatorError, CoordinatorUnavailable
-from ._store import Grant, Status, Wait
+from ._store import Event, Grant, Status, Wait
 
 __all__ = ["RedisStore"]
 
@@ -163,6 +165,26 @@ return {redis.call('HMGET', meta, 'epoch', 'cursor', 'token'), queued, positions
         redis.call('HGETALL', stats)}
 """
 
+# The job-wide event log (keys under the hash tag {events}: ``eseq`` the counter, ``elog``
+# a sorted set of JSON [seq, time, source, kind, payload] by seq, ``ereq`` each source's
+# last request id and seq, so a publish retried after a lost reply is not appended twice).
+_PUBLISH = """
+local base, source, kind, payload = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+local keep, request = tonumber(ARGV[4]), ARGV[5]
+local last = redis.call('HGET', base..'ereq', source)
+if last then
+  local id, seq = string.match(last, '^(.*)|(%d+)$')
+  if id == request then return tonumber(seq) end
+end
+local seq = redis.call('INCR', base..'eseq')
+local t = redis.call('TIME')
+local at = t[1]..'.'..string.format('%06d', tonumber(t[2]))
+redis.call('ZADD', base..'elog', seq, cjson.encode({seq, at, source, kind, payload}))
+redis.call('ZREMRANGEBYRANK', base..'elog', 0, -keep - 1)
+redis.call('HSET', base..'ereq', source, request..'|'..seq)
+return seq
+"""
+
 _RESTORE = """
 local state = cjson.decode(ARGV[1])
 local leases = redis.call('HGETALL', lease)
@@ -223,6 +245,9 @@ class RedisStore:
             "restore": _RESTORE,
         }
         self._scripts = {op: self._client.register_script(_PRELUDE + body) for op, body in scripts.items()}
+        self._scripts["publish"] = self._client.register_script(_PUBLISH)
+        self._requests = itertools.count()
+        self._instance = os.urandom(6).hex()
         try:
             self._client.ping()
         except redis.AuthenticationError as exc:
@@ -333,6 +358,25 @@ class RedisStore:
 
     def restore(self, name: str, state: dict[str, Any]) -> None:
         self._run("restore", name, json.dumps(state))
+
+    def _request_id(self) -> str:
+        """Unique per call (kept across its retries), to recognise a retried call that landed."""
+        return f"{self._instance}-{os.getpid()}-{next(self._requests)}"
+
+    def publish(self, kind: str, source: str, payload: str, *, keep: int) -> int:
+        script, key = self._scripts["publish"], self._prefix + "{events}:"
+        args = [source, kind, payload, keep, self._request_id()]
+        return int(self._call(lambda: script(keys=[key], args=args)))
+
+    def events(self, since: int, limit: int | None) -> list[Event]:
+        key = self._prefix + "{events}:elog"
+        page = () if limit is None else (0, limit)
+        rows = self._call(lambda: self._client.zrangebyscore(key, f"({since}", "+inf", *page))
+        events: list[Event] = []
+        for row in rows:
+            seq, at, source, kind, payload = json.loads(row)
+            events.append((int(seq), float(at), source, kind, payload))
+        return events
 
     def close(self) -> None:
         self._client.close()

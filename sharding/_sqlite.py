@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable, TypeVar
 
 from ._errors import CoordinatorError, CoordinatorUnavailable
-from ._store import Grant, Status, Wait
+from ._store import Event, Grant, Status, Wait
 from ._table import LeaseTable
 
 __all__ = ["SQLiteStore"]
@@ -33,7 +33,12 @@ __all__ = ["SQLiteStore"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_SCHEMA = "CREATE TABLE IF NOT EXISTS datasets (name TEXT PRIMARY KEY, definition TEXT NOT NULL, state TEXT NOT NULL)"
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS datasets (name TEXT PRIMARY KEY, definition TEXT NOT NULL, state TEXT NOT NULL)",
+    # AUTOINCREMENT: a sequence number is never reused, even after old events are dropped
+    "CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL,"
+    " source TEXT NOT NULL, kind TEXT NOT NULL, payload TEXT NOT NULL)",
+)
 
 
 class SQLiteStore:
@@ -56,7 +61,8 @@ class SQLiteStore:
             db = sqlite3.connect(self._path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
-            db.execute(_SCHEMA)
+            for statement in _SCHEMA:
+                db.execute(statement)
             self._flock_fd = os.open(self._path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         except (sqlite3.Error, OSError) as exc:
             raise CoordinatorError(f"cannot open {self._url}: {exc}") from exc
@@ -64,20 +70,30 @@ class SQLiteStore:
         return db
 
     def _transact(self, name: str, change: Callable[[LeaseTable, float], T], *, write: bool = True) -> T:
+        """Apply ``change`` to data set ``name``'s lease table in one write transaction."""
+
+        def run(db: sqlite3.Connection) -> T:
+            row = db.execute("SELECT state FROM datasets WHERE name = ?", (name,)).fetchone()
+            if row is None:
+                raise CoordinatorError(f"{self._url}: data set {name!r} has no state")
+            table = LeaseTable.from_json(json.loads(row[0]), 0.0)
+            result = change(table, time.time())
+            if write:
+                state = json.dumps(table.to_json(0.0), separators=(",", ":"))
+                db.execute("UPDATE datasets SET state = ? WHERE name = ?", (state, name))
+            return result
+
+        return self._write(run, what=f"state of {name!r}")
+
+    def _write(self, run: Callable[[sqlite3.Connection], T], *, what: str) -> T:
+        """``run(db)`` inside ``BEGIN IMMEDIATE`` ... ``COMMIT`` under the writers' flock."""
         with self._lock:
             db = self._connection()
             fcntl.flock(self._flock_fd, fcntl.LOCK_EX)
             try:
                 db.execute("BEGIN IMMEDIATE")
                 try:
-                    row = db.execute("SELECT state FROM datasets WHERE name = ?", (name,)).fetchone()
-                    if row is None:
-                        raise CoordinatorError(f"{self._url}: data set {name!r} has no state")
-                    table = LeaseTable.from_json(json.loads(row[0]), 0.0)
-                    result = change(table, time.time())
-                    if write:
-                        state = json.dumps(table.to_json(0.0), separators=(",", ":"))
-                        db.execute("UPDATE datasets SET state = ? WHERE name = ?", (state, name))
+                    result = run(db)
                     db.execute("COMMIT")
                     return result
                 except BaseException:
@@ -88,7 +104,7 @@ class SQLiteStore:
                     raise CoordinatorUnavailable(f"{self._url}: database stayed locked for {self._busy_timeout}s") from exc
                 raise CoordinatorError(f"{self._url}: {exc}") from exc
             except (sqlite3.DatabaseError, ValueError, KeyError, TypeError) as exc:
-                raise CoordinatorError(f"{self._url}: corrupt or unreadable state of {name!r}: {exc!r}") from exc
+                raise CoordinatorError(f"{self._url}: corrupt or unreadable {what}: {exc!r}") from exc
             finally:
                 fcntl.flock(self._flock_fd, fcntl.LOCK_UN)
 
@@ -140,6 +156,29 @@ class SQLiteStore:
 
     def restore(self, name: str, state: dict[str, Any]) -> None:
         self._transact(name, lambda t, now: t.restore(state))
+
+    def publish(self, kind: str, source: str, payload: str, *, keep: int) -> int:
+        def run(db: sqlite3.Connection) -> int:
+            seq = db.execute(
+                "INSERT INTO events (time, source, kind, payload) VALUES (?, ?, ?, ?)",
+                (time.time(), source, kind, payload),
+            ).lastrowid
+            assert seq is not None
+            db.execute("DELETE FROM events WHERE seq <= ?", (seq - keep,))
+            return int(seq)
+
+        return self._write(run, what="event log")
+
+    def events(self, since: int, limit: int | None) -> list[Event]:
+        with self._lock:
+            try:
+                rows = self._connection().execute(
+                    "SELECT seq, time, source, kind, payload FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                    (since, -1 if limit is None else limit),
+                ).fetchall()
+            except sqlite3.Error as exc:
+                raise CoordinatorError(f"{self._url}: cannot read the event log: {exc}") from exc
+        return [(int(seq), float(at), str(source), str(kind), str(payload)) for seq, at, source, kind, payload in rows]
 
     def close(self) -> None:
         with self._lock:

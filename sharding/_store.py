@@ -16,7 +16,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Grant", "Status", "Store", "Wait"]
+__all__ = ["Event", "Grant", "Status", "Store", "Wait"]
+
+#: an event as a store keeps it: (seq, time or None, source, kind, payload as JSON text)
+Event = tuple[int, float | None, str, str, str]
 
 
 class Status(str, enum.Enum):
@@ -83,6 +86,13 @@ class Store(Protocol):
 
     def restore(self, name: str, state: dict[str, Any]) -> None:
         """Replace the lease state: no leases, the given queue, cursor, epoch and counters."""
+
+    def publish(self, kind: str, source: str, payload: str, *, keep: int) -> int:
+        """Append an event (``payload`` is JSON text) to the job-wide log under the next
+        sequence number, drop all but the newest ``keep``; return its sequence number."""
+
+    def events(self, since: int, limit: int | None) -> list[Event]:
+        """Events with ``seq > since``, oldest first, at most ``limit``."""
 
     def close(self) -> None:
         """Release connections."""
