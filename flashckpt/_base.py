@@ -16,6 +16,11 @@ class EngineCheckpointer:
     _engine: Engine
 
     @property
+    def engine(self) -> Engine:
+        """The engine underneath, for adapters built on this checkpointer."""
+        return self._engine
+
+    @property
     def directory(self) -> str:
         return self._engine.storage.root
 

@@ -19,11 +19,11 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from . import _errors, _events, _names, _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
 from ._client import SaverClient
-from ._errors import CheckpointError, CorruptCheckpointError
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._format import Entry, Image, parse_header, plan_image
 from ._slot import HEADER_SIZE, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
 from ._storage import LocalStorage
@@ -297,6 +297,25 @@ class Engine:
                     found[h.step] = (i, h.generation)
         return found
 
+    def memory_info(self, step: int) -> dict[str, Any]:
+        """What was recorded with this rank's in-memory copy of ``step`` (directory, ranks,
+        ``export`` of :meth:`save`)."""
+        index, _ = self._memory_slot(step)
+        with self._lock.held():
+            return self._headers()[index].info
+
+    def persist(self, step: int) -> None:
+        """Have the saver persist (and export) this rank's in-memory copy of ``step`` now;
+        :meth:`wait` for it to be durable."""
+        index, generation = self._memory_slot(step)
+        self._client.persist(self._slot_paths[index], generation)
+
+    def _memory_slot(self, step: int) -> tuple[int, int]:
+        found = self.memory_steps().get(step)
+        if found is None:
+            raise CheckpointNotFoundError(f"step {step} of {self.storage.root} is not in this rank's memory")
+        return found
+
     def load(self, state: Any, *, step: int | None = None) -> int | None:
         """Load the agreed step into ``state`` in place; all ranks must call this."""
         start = time.perf_counter()
@@ -314,13 +333,13 @@ class Engine:
         elif committed is not None:
             step, source = committed, "storage"
         else:
-            self._invalidate_newer_than(-1)
+            self.discard_newer_than(-1)
             log.info("no checkpoint in memory or in %s: starting fresh", self.storage.root)
             self._loaded(None, None, start)
-            self._prepare_for(state)
+            self.prepare_for(state)
             return None
         if source == "memory":
-            errors = self._gather_errors(lambda: self._load_memory(state, *local["memory"][step]))
+            _, errors = self._gather(lambda: self._load_memory(state, *local["memory"][step]))
             if errors:
                 if committed is None:
                     self._raise(errors, f"loading step {step} from memory failed and nothing is committed "
@@ -329,16 +348,15 @@ class Engine:
                             "committed step %d", step, "; ".join(m for _, m in errors), committed)
                 step, source = committed, "storage"
         if source == "storage":
-            errors = self._gather_errors(lambda: self._load_storage(state, step))
-            if errors:
-                self._raise(errors, f"loading step {step} from {self.storage.root} failed")
-        self._invalidate_newer_than(step)
+            self.on_all_ranks(lambda: self._load_storage(state, step), f"loading step {step} from {self.storage.root}")
+        self.discard_newer_than(step)
         self._loaded(step, source, start)
-        self._prepare_for(state)
+        self.prepare_for(state)
         return step
 
-    def _prepare_for(self, state: Any) -> None:
-        """Size this rank's slots for ``state`` while training starts (writers only)."""
+    def prepare_for(self, state: Any) -> None:
+        """Size this rank's slots for ``state`` in the background, so the next saves do not
+        pay for fresh shared-memory pages (writers only; ``load`` does this itself)."""
         if self.placement.writes_memory:
             flat = flatten(state, allow_pickle=self.options.allow_pickle)
             size = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves], self._meta(0, flat)).size
@@ -350,14 +368,23 @@ class Engine:
             log.info("restored step %d from %s in %.3fs", step, source, self.last_load.seconds)
         _events.emit("load", step=step, source=source, seconds=self.last_load.seconds)
 
-    def _gather_errors(self, attempt) -> list[tuple[str, str]]:
-        """Run ``attempt`` on every rank; every rank gets every rank's (error class, message)."""
+    def on_all_ranks(self, fn: Callable[[], Any], what: str) -> list[Any]:
+        """Run ``fn`` on every rank; every rank gets every rank's result, or the same
+        exception naming each rank that failed (one rank's failure never leaves the others
+        waiting in a collective). All ranks must call this."""
+        results, errors = self._gather(fn)
+        if errors:
+            self._raise(errors, f"{what} failed")
+        return results
+
+    def _gather(self, fn: Callable[[], Any]) -> tuple[list[Any], list[tuple[str, str]]]:
+        """Every rank's result of ``fn`` (None where it failed) and every rank's (error class, message)."""
         try:
-            attempt()
-            mine = None
+            mine: tuple[Any, tuple[str, str] | None] = (fn(), None)
         except Exception as exc:  # any rank's failure must reach all ranks, never hang them
-            mine = (type(exc).__name__, f"rank {self.collective.rank}: {exc}")
-        return [e for e in self.collective.all_gather(mine) if e]
+            mine = (None, (type(exc).__name__, f"rank {self.collective.rank}: {exc}"))
+        views = self.collective.all_gather(mine)
+        return [result for result, _ in views], [error for _, error in views if error]
 
     @staticmethod
     def _raise(errors: list[tuple[str, str]], prefix: str) -> None:
@@ -368,8 +395,9 @@ class Engine:
             cls = CheckpointError
         raise cls(f"{prefix}: " + "; ".join(message for _, message in errors))
 
-    def _invalidate_newer_than(self, step: int) -> None:
-        """After a rollback, copies of later steps belong to an abandoned timeline."""
+    def discard_newer_than(self, step: int) -> None:
+        """Mark this rank's in-memory copies of steps after ``step`` empty: after a rollback
+        they belong to an abandoned timeline (``-1`` discards every copy)."""
         if not self.placement.writes_memory:
             return
         with self._lock.held():

@@ -137,7 +137,7 @@ class DeepSpeedCheckpointer:
         files = {os.path.join(save_dir, rel): _objects.decode(sd) for rel, sd in ds["files"].items()}
         pattern = self.engine._get_ckpt_name(save_dir, loaded_tag, mp_placeholder="*")
         self._share_missing(files, pattern)
-        self._agree(lambda: self._check(files, pattern, loaded_tag), f"cannot load tag {loaded_tag} (step {got})")
+        self._flash.on_all_ranks(lambda: self._check(files, pattern, loaded_tag), f"loading tag {loaded_tag} (step {got})")
         # DeepSpeed globs and stats its files before asking the checkpoint engine for them:
         # it reads a scratch tag of empty placeholders, and the engine serves the states.
         scratch = tempfile.mkdtemp(prefix=".load-", dir=self._flash.storage.root)
@@ -186,13 +186,7 @@ class DeepSpeedCheckpointer:
                 raise CheckpointNotFoundError(f"DeepSpeed found no model states for tag {tag} in {load_dir}")
             self.client_state = client_state
 
-        self._agree(attempt, f"DeepSpeed could not load tag {tag}")
-
-    def _agree(self, attempt: Any, prefix: str) -> None:
-        """Run ``attempt`` on every rank; raise one error on every rank if any failed."""
-        errors = self._flash._gather_errors(attempt)
-        if errors:
-            self._flash._raise(errors, prefix)
+        self._flash.on_all_ranks(attempt, f"DeepSpeed loading tag {tag}")
 
     def _share_missing(self, files: dict[str, Any], pattern: str) -> None:
         """Model states written by one data-parallel rank go to the ranks that read them."""

@@ -53,7 +53,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -108,20 +108,6 @@ def _peft_or_quantized(model: Any) -> bool:
         if isinstance(model, PeftModel):
             return True
     return bool(getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None) is not None)
-
-
-def _on_all_ranks(collective: Any, fn: Callable[[], Any], what: str) -> list[Any]:
-    """Run ``fn`` on every rank; every rank gets every rank's result, or the same error
-    naming each rank that failed (one rank's failure must not leave the others waiting)."""
-    try:
-        mine = (fn(), None)
-    except Exception as exc:
-        mine = (None, f"rank {collective.rank}: {type(exc).__name__}: {exc}")
-    views = collective.all_gather(mine)
-    errors = [error for _, error in views if error]
-    if errors:
-        raise CheckpointError(f"{what} failed: " + "; ".join(errors))
-    return [result for result, _ in views]
 
 
 class FlashCheckpointCallback(TrainerCallback):
@@ -194,9 +180,9 @@ class FlashCheckpointCallback(TrainerCallback):
         if self._ckpt is None:
             self._open()
         trainer = self._trainer
-        everyone = _on_all_ranks(self._ckpt._engine.collective,
-                                 lambda: write_static_files(trainer, self._state_dir()) if trainer.args.should_save
-                                 else None, "writing training_args.bin and the tokenizer files")
+        everyone = self._ckpt.engine.on_all_ranks(
+            lambda: write_static_files(trainer, self._state_dir()) if trainer.args.should_save else None,
+            "writing training_args.bin and the tokenizer files")
         self._static = everyone[0]
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -283,14 +269,14 @@ class FlashCheckpointCallback(TrainerCallback):
         finally:
             # snapshots between saves exist to survive a crash; a clean end leaves the
             # folders the Trainer itself would have left, so close() has nothing to flush
-            ckpt._engine._invalidate_newer_than(-1)
+            ckpt.engine.discard_newer_than(-1)
             ckpt.close()
 
     def _abandon(self) -> None:
         """Disconnect, leaving shared memory in place for a later attempt."""
         ckpt, self._ckpt = self._ckpt, None
         try:
-            ckpt._engine.close(unlink=False)
+            ckpt.engine.close(unlink=False)
         except Exception as exc:  # the error being raised already says what went wrong
             log.debug("closing after a failed recovery: %s", exc)
 
@@ -298,7 +284,7 @@ class FlashCheckpointCallback(TrainerCallback):
 
     def _recover(self) -> None:
         """All ranks: if memory holds a step newer than the newest folder, write that folder now."""
-        engine = self._ckpt._engine
+        engine = self._ckpt.engine
         collective = engine.collective
         start = time.perf_counter()
         run_dir = self._trainer.args.output_dir
@@ -307,8 +293,7 @@ class FlashCheckpointCallback(TrainerCallback):
             engine.wait()  # the saver may still be writing what a crashed attempt left in memory
             return engine.memory_steps(), _newest_folder(run_dir) if collective.rank == 0 else None
 
-        views = _on_all_ranks(collective, look, "looking for checkpoints in memory")
-        mine = views[collective.rank][0]
+        views = engine.on_all_ranks(look, "looking for checkpoints in memory")
         common = set.intersection(*(set(steps) for steps, _ in views))
         newest = views[0][1]
         if not common:
@@ -321,11 +306,10 @@ class FlashCheckpointCallback(TrainerCallback):
         if newest != step:
             log.info("memory holds step %d, newer than the newest folder (%s): writing checkpoint-%d from memory",
                      step, newest, step)
-            slot, generation = mine[step]
-            params = engine._slot(slot, create=False).read_header().info.get("export", {}).get("params")
+            params = engine.memory_info(step).get("export", {}).get("params")
 
             def persist() -> None:
-                engine._client.persist(engine._slot_paths[slot], generation)  # the saver exports it
+                engine.persist(step)  # the saver exports it
                 engine.wait()
 
             def export() -> None:
@@ -334,8 +318,8 @@ class FlashCheckpointCallback(TrainerCallback):
                     _export.export(engine.storage.root, step, params or {"run_dir": run_dir})
 
             what = f"writing step {step} from memory to {run_dir}/checkpoint-{step}"
-            _on_all_ranks(collective, persist, what)  # after it, every rank's shard is committed
-            _on_all_ranks(collective, export, what)
+            engine.on_all_ranks(persist, what)  # after it, every rank's shard is committed
+            engine.on_all_ranks(export, what)
         self.resumed_from = {"step": step, "source": "memory"}
         seconds = time.perf_counter() - start
         log.info("step %d from memory is %s/checkpoint-%d (%.2fs): resume_from_checkpoint=True resumes there",
@@ -375,7 +359,7 @@ class FlashCheckpointCallback(TrainerCallback):
             tree["hf"] = capture_main_state(trainer)
         limit = self.keep_last if self.keep_last is not None else args.save_total_limit
         export = {"name": "hf", "params": {"run_dir": run_dir, "static": self._static, "limit": limit}}
-        self._ckpt._engine.save(step, tree, persist=persist, export=export)
+        self._ckpt.engine.save(step, tree, persist=persist, export=export)
         if persist:
             self._persisted.add(step)
         if args.load_best_model_at_end and (step >= state.max_steps or trainer.control.should_training_stop):

@@ -120,9 +120,7 @@ class MegatronCheckpointer:
         def attempt() -> None:
             box[0] = self._load_step(sharded_state_dict, chosen, source)
 
-        errors = self._flash._gather_errors(attempt)
-        if errors:
-            self._flash._raise(errors, f"loading step {chosen} of {self.directory} failed")
+        self._flash.on_all_ranks(attempt, f"loading step {chosen} of {self.directory}")
         seconds = time.perf_counter() - start
         log.info("restored step %d from %s in %.2fs", chosen, source, seconds)
         _events.emit("load", step=chosen, source=source, seconds=seconds)
@@ -130,7 +128,7 @@ class MegatronCheckpointer:
 
     def _agree_step(self, step: int | None, sharded_state_dict: dict) -> tuple[int | None, str]:
         flash, collective = self._flash, self._flash.collective
-        flash._client.wait()
+        flash.wait()
         memory = flash.memory_steps()
         newest = max(memory, default=None) if step is None else (step if step in memory else None)
         local = newest is not None and self._memory_covers(sharded_state_dict, newest)

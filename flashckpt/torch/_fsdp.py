@@ -214,7 +214,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         start = time.perf_counter()
         eng = self._engine
         coll = eng.collective
-        eng._client.wait()  # a crash flush of the previous run commits first
+        eng.wait()  # a crash flush of the previous run commits first
         memory = eng.memory_steps()
         local = {"memory": sorted(memory), "committed": eng.storage.latest_step() if coll.rank == 0 else None}
         views = coll.all_gather(local)
@@ -232,7 +232,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         else:
             source = "memory" if step in common else "storage"
         target = self._collect(model, None, {})
-        peeks = self._on_all_ranks(lambda: self._peek(target, step, source, memory),
+        peeks = self._engine.on_all_ranks(lambda: self._peek(target, step, source, memory),
                                    f"reading the layout of step {step} from {source}")
         saved_optim = {optim for _, optim in peeks}
         filling = optimizer is not None and saved_optim == {True}
@@ -251,15 +251,15 @@ class FsdpCheckpointer(EngineCheckpointer):
             if step not in eng.storage.committed_steps():
                 raise CheckpointError(f"step {step} has another layout than this job and is not committed in "
                                       f"{eng.storage.root}; only committed steps can be resharded")
-            read = self._on_all_ranks(lambda: self._reshard(target, step),
+            read = self._engine.on_all_ranks(lambda: self._reshard(target, step),
                                       f"resharding step {step} from {eng.storage.root}")[coll.rank]
-            eng._invalidate_newer_than(step)
+            eng.discard_newer_than(step)
             eng.last_load = LoadInfo(step, "storage", time.perf_counter() - start)
             log.info("restored step %d resharded from storage in %.3fs (%.1f MiB read)", step,
                      eng.last_load.seconds, read / 2**20)
             _events.emit("load", step=step, source="storage", seconds=eng.last_load.seconds, resharded=True,
                          bytes_read=read)
-            eng._prepare_for(target.tree)  # size the slots for this world's shards
+            eng.prepare_for(target.tree)  # size the slots for this world's shards
             loaded = step
         self._apply(model, optimizer if filling else None, target)
         if optimizer is not None and not filling:
@@ -267,20 +267,6 @@ class FsdpCheckpointer(EngineCheckpointer):
             self._set_hyperparameters(optimizer, target.tree["optim"]["param_groups"])
         self.extra = target.tree["extra"]
         return loaded
-
-    def _on_all_ranks(self, fn: Any, what: str) -> list[Any]:
-        """Run ``fn`` on every rank; every rank gets every result, or one exception
-        naming every failed rank (never a hang)."""
-        coll = self._engine.collective
-        try:
-            mine: tuple = ("ok", fn())
-        except Exception as exc:  # noqa: BLE001 - must reach the other ranks
-            mine = ("error", type(exc).__name__, f"rank {coll.rank}: {exc}")
-        results = coll.all_gather(mine)
-        errors = [(r[1], r[2]) for r in results if r[0] == "error"]
-        if errors:
-            Engine._raise(errors, what)
-        return [r[1] for r in results]
 
     def _peek(self, target: _Target, step: int, source: str, memory: dict[int, tuple[int, int]]) -> tuple[bool, Any]:
         """(same layout as ``target``, the layout's ``optimizer``: True, False or

@@ -71,7 +71,7 @@ def test_a_failed_export_reaches_the_trainer_and_keeps_older_folders(tmp_path):
     assert len(os.listdir(tmp_path / "checkpoint-3")) == 8
     assert not glob.glob(str(tmp_path / ".checkpoint-*"))  # no half-written folder
     if flash._ckpt is not None:  # the error came from the save of step 7, not from on_train_end
-        flash._ckpt._engine._invalidate_newer_than(-1)
+        flash._ckpt.engine.discard_newer_than(-1)
         flash._ckpt.close()
     assert not shm_left(tmp_path)
 
