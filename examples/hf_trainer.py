@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from flashckpt.hf import FlashCheckpointCallback  # noqa: E402
+from flashckpt.torch import init_process_group  # noqa: E402
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -33,22 +34,10 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def init_torchrun_group() -> None:
-    """Under torchrun, create the gloo group before the Trainer does (accelerate keeps an
-    existing group). A prefix per restart attempt keeps a restarted gloo group from
-    dialling the addresses of the attempt that died."""
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or dist.is_initialized():
-        return
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False)
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
 def main() -> None:
     output_dir = sys.argv[1] if len(sys.argv) > 1 else "/tmp/flashckpt-hf-example"
-    init_torchrun_group()
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # under torchrun: the group comes first (accelerate keeps it)
+        init_process_group()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))

@@ -19,17 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from elastic import ShardSampler
-from flashckpt.torch import DdpCheckpointer
-
-
-def init_process_group() -> None:
-    """gloo under torchrun 2.13 can dial a failed attempt's addresses on restart; a store
-    prefix per attempt avoids that."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+from flashckpt.torch import DdpCheckpointer, init_process_group
 
 
 def make_data(n: int = 8192, dim: int = 32) -> TensorDataset:

@@ -1,6 +1,7 @@
-"""Flash checkpoints for plain torch and DDP training."""
+"""Flash checkpoints for plain torch, DDP and FSDP training."""
 
 from ._checkpointer import Checkpointer, DdpCheckpointer
+from ._fsdp import FsdpCheckpointer
+from ._process_group import init_process_group
 
-__all__ = ["Checkpointer", "DdpCheckpointer"]
-from ._fsdp import FsdpCheckpointer; __all__ += ["FsdpCheckpointer"]  # noqa: E402,E702  (issue 7)
+__all__ = ["Checkpointer", "DdpCheckpointer", "FsdpCheckpointer", "init_process_group"]

@@ -14,6 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from flashckpt.torch import init_process_group
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,21 +42,12 @@ def train_reference(rank: int, steps: int) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def init_process_group(attempt: int) -> None:
-    """gloo under torchrun 2.13 reuses the store of the failed attempt, so a restarted
-    group may dial the dead processes' addresses; a prefix per attempt avoids that."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
 def main() -> None:
     from flashckpt import _events
     from flashckpt.torch import Checkpointer
     directory, out, steps, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    init_process_group(restart)
+    init_process_group()
     rank = dist.get_rank()
     loads = []
     _events.subscribe(lambda event, **info: loads.append(info) if event == "load" else None)

@@ -19,6 +19,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from flashckpt.torch import init_process_group  # noqa: E402
 
 MICRO_BATCH = 4
 
@@ -51,20 +52,13 @@ def consolidated(engine) -> dict:
         return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 
 
-def init_process_group(attempt: int) -> None:
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
 def main() -> None:
     import deepspeed
     from flashckpt import _events
     stage, directory, out, steps, kill_at = (int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]),
                                              int(sys.argv[5]))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    init_process_group(attempt)
+    init_process_group()
     deepspeed.init_distributed("gloo")
     rank = dist.get_rank()
     loads = []

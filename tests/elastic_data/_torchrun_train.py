@@ -23,29 +23,16 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from elastic import ElasticDistributedSampler, ShardSampler
-from flashckpt.torch import Checkpointer
+from flashckpt.torch import Checkpointer, init_process_group
 from tests.elastic_data._workers import SEED, IndexDataset
 
 BATCH, EVERY, KILL_RANK, KILL_STEP = 4, 5, 1, 13
 
 
-def init_group(attempt: int) -> None:
-    """init_process_group over torchrun's store, with keys prefixed by the attempt.
-
-    Workaround: under torch 2.13 torchrun reuses its store across restarts and gloo's
-    connectFullMesh can read the dead attempt's addresses ("Connection refused,
-    remote=...$1"), failing the restarted group about half of the time.
-    """
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"elastic-data-attempt-{attempt}", store),
-                            rank=rank, world_size=world)
-
-
 def main() -> None:
     mode, n, ckpt_dir, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    init_group(attempt)
+    init_process_group()
     rank = dist.get_rank()
     ds = IndexDataset(n)
     if mode == "static":

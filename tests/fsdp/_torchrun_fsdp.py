@@ -15,25 +15,18 @@ import signal
 import sys
 
 import torch.distributed as dist
+from flashckpt.torch import init_process_group
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from tests.fsdp._fsdp_common import local_state, make, train_step  # noqa: E402
 
 
-def init_process_group(attempt: int) -> None:
-    """gloo under torchrun 2.13 may dial the dead attempt's addresses; a prefix per attempt avoids that."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
 def main() -> None:
     from flashckpt.torch import FsdpCheckpointer
     directory, out, steps, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    init_process_group(restart)
+    init_process_group()
     rank = dist.get_rank()
     model, opt = make(0)
     ck = FsdpCheckpointer(directory, persist_every=1000)

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+from flashckpt.torch import init_process_group  # noqa: E402
 
 from tests.hf._hf import make_trainer  # noqa: E402
 
@@ -31,19 +32,10 @@ class KillRank1(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def init_process_group(attempt: int) -> None:
-    """Before the Trainer (accelerate leaves an initialised group alone): gloo under
-    torchrun 2.13 would reuse the failed attempt's store keys, so each attempt gets a prefix."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
 def main() -> None:
     out, report, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    init_process_group(attempt)
+    init_process_group()
     callbacks = []
     if mode == "flash":
         from flashckpt.hf import FlashCheckpointCallback
