@@ -8,6 +8,9 @@ small JSON that goes inside a model checkpoint.
 >>> (shard.index, shard.start, shard.end, list(shard.indices()))
 (0, 0, 4, [0, 1, 2, 3])
 >>> ds.complete(shard)
+>>> nxt = ds.acquire(worker="w0")
+>>> ds.complete_and_acquire(nxt).index     # complete and lease the next: one round trip
+2
 
 A job-wide event log rides along: ``coord.publish(kind, payload, source=...) -> seq`` and
 ``coord.events(since=seq, limit=None)`` (the newest ``max_events``, default 10,000, are kept).

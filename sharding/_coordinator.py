@@ -25,7 +25,7 @@ from ._errors import (
     UnknownWorker,
 )
 from ._order import sample_order, shard_order
-from ._store import Grant, Status, Store, Wait
+from ._store import Ask, Grant, Status, Store, Wait
 
 __all__ = ["Coordinator", "Dataset", "Options", "Shard", "STATE_VERSION"]
 
@@ -78,7 +78,8 @@ class Dataset:
     """A data set's shard queue. Obtain from :meth:`Coordinator.dataset`; thread-safe.
 
     Call protocol per worker: ``acquire`` -> (``report``)* -> ``complete``, repeated until
-    ``acquire`` returns None; ``heartbeat`` at least every ``lease_timeout / 3`` seconds
+    ``acquire`` returns None (or ``acquire`` once, then ``complete_and_acquire`` per shard:
+    half the round trips); ``heartbeat`` at least every ``lease_timeout / 3`` seconds
     while holding a lease (``report`` also counts); ``release`` on a clean exit or when a
     restarted worker reuses its name.
     """
@@ -99,17 +100,40 @@ class Dataset:
         :class:`AcquireTimeout`; ``timeout=0`` never waits).
         """
         _check_worker(worker)
+        began = time.monotonic()
+        return self._settle(self._store_acquire(worker), worker, timeout, began)
+
+    def complete_and_acquire(self, shard: Shard, *, timeout: float | None = None) -> Shard | None:
+        """``complete(shard)`` then ``acquire(shard.worker, timeout=timeout)`` in one round
+        trip to the store (one Lua script on Redis, one transaction on SQLite).
+
+        If the completion is refused, it raises as :meth:`complete` does and acquires
+        nothing. Once the completion is done it stands, even if the acquire then waits
+        and raises :class:`AcquireTimeout` (only the waiting costs more round trips).
+        """
+        self._own(shard)
         d = self.definition
         began = time.monotonic()
+        ask = Ask(shard.worker, d.lease_timeout, d.num_shards, d.num_epochs)
+        status, holder, got = self._store.complete_and_acquire(
+            self.name, epoch=shard.epoch, slot=shard.slot, token=shard.lease, ask=ask
+        )
+        self._refuse(shard, status, holder, action="complete")
+        return self._settle(got, shard.worker, timeout, began)
+
+    def _store_acquire(self, worker: str) -> Grant | Wait | None:
+        d = self.definition
+        return self._store.acquire(
+            self.name, worker, lease_timeout=d.lease_timeout, num_shards=d.num_shards, num_epochs=d.num_epochs
+        )
+
+    def _settle(self, got: Grant | Wait | None, worker: str, timeout: float | None, began: float) -> Shard | None:
+        """The shard of a store's acquire answer, waiting and asking again while told to."""
         while True:
-            got = self._store.acquire(
-                self.name, worker, lease_timeout=d.lease_timeout, num_shards=d.num_shards, num_epochs=d.num_epochs
-            )
             if isinstance(got, Grant):
                 return self._shard(got, worker)
             if got is None:
                 return None
-            assert isinstance(got, Wait)
             pause = min(self._coordinator.options.poll_interval_seconds, max(got.seconds, 0.001))
             if timeout is not None and time.monotonic() - began + pause > timeout:
                 raise AcquireTimeout(
@@ -117,6 +141,7 @@ class Dataset:
                     "still hold leases that may come back"
                 )
             time.sleep(pause)
+            got = self._store_acquire(worker)
 
     def _shard(self, grant: Grant, worker: str) -> Shard:
         d = self.definition

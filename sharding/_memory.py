@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import Any
 
-from ._store import Event, Grant, Status, Wait
+from ._store import Ask, Event, Grant, Status, Wait
 from ._table import LeaseTable
 
 __all__ = ["MemoryStore", "memory_store"]
@@ -61,6 +61,12 @@ class MemoryStore:
     def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
         with self._lock:
             return self._tables[name].complete(epoch, slot, token)
+
+    def complete_and_acquire(
+        self, name: str, *, epoch: int, slot: int, token: int, ask: Ask
+    ) -> tuple[Status, str | None, Grant | Wait | None]:
+        with self._lock:
+            return self._tables[name].complete_and_acquire(epoch, slot, token, time.time(), ask)
 
     def heartbeat(self, name: str, worker: str, *, lease_timeout: float) -> int:
         with self._lock:

@@ -1,208 +1,57 @@
 """``redis://[:password@]host:port/db``: lease state in Redis, for workers on many machines.
 
-Every operation is one Lua script, so it is atomic on the server. Per data set (keys share
-the hash tag ``{name}`` under the key prefix): ``meta`` (epoch, cursor, token counter),
-``queue`` (returned slots, front first) with ``qpos`` (their positions), ``lease``
-(slot -> ``token|consumed|worker``), ``dl`` (a sorted set of leased slots by deadline, so
-reclaiming expired leases is a range query), ``w:WORKER`` (a worker's slots, for heartbeat
-and release) and ``stats`` (per-worker counters). Deadlines use the server clock
-(``TIME``), so worker clocks need not agree.
+Every operation is one Lua script (``_redis_scripts``), so it is atomic on the server.
+
+Client side, each process keeps one connection (shared by its threads under a lock) and
+sends ``EVALSHA`` commands it packs itself from cached byte prefixes, then reads the reply:
+no connection pool, no per-call script lookup, one ``sendall`` and one reply per
+operation. A ``NOSCRIPT`` reply (a restarted or flushed server) loads the script and
+resends.
 
 Durability is Redis's: with AOF and ``appendfsync always`` an acknowledged operation
 survives a server restart. Calls that fail on connection errors are retried with
-exponential backoff for ``retry_seconds``; a retried ``complete`` that finds its shard
-done counts as success (the first attempt landed, the reply was lost). A retried
-``acquire`` whose first attempt landed leaves an orphan lease that expires back into the
-queue: delayed, never lost.
+exponential backoff for ``retry_seconds``, on a fresh connection each time. Every call
+carries a request id: a retried ``acquire`` (or ``complete_and_acquire``) whose first
+attempt landed gets back the lease that attempt took, instead of leaving an orphan lease
+that the worker's heartbeats would keep alive for ever; a retried ``complete`` that finds
+its shard done counts as success (the first attempt landed, the reply was lost); a
+retried ``publish`` is not appended twice.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
 import os
 import random
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ._errors import CoordinatorError, CoordinatorUnavailable
-from ._store import Event, Grant, Status, Wait
+from ._redis_scripts import SCRIPTS
+from ._store import Ask, Event, Grant, Status, Wait
 
 __all__ = ["RedisStore"]
 
 log = logging.getLogger(__name__)
 
-_PRELUDE = """
-local base = KEYS[1]
-local meta, queue, qpos, lease, dl, stats =
-  base..'meta', base..'queue', base..'qpos', base..'lease', base..'dl', base..'stats'
-local function clock()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
-local function parse(info)
-  local token, consumed, worker = string.match(info, '^(%d+)|(%d+)|(.*)$')
-  return tonumber(token), tonumber(consumed), worker
-end
-local function drop(slot)
-  local _, consumed, worker = parse(redis.call('HGET', lease, slot))
-  redis.call('HDEL', lease, slot)
-  redis.call('ZREM', dl, slot)
-  redis.call('SREM', base..'w:'..worker, slot)
-  return consumed, worker
-end
-local function push_front(slot, consumed)
-  redis.call('LPUSH', queue, slot)
-  redis.call('HSET', qpos, slot, consumed)
-end
-local function check(epoch, slot, token)
-  local current = tonumber(redis.call('HGET', meta, 'epoch'))
-  if epoch < current then return 'done', '' end
-  if epoch > current then return 'unknown', '' end
-  local info = redis.call('HGET', lease, slot)
-  if info then
-    local held, _, worker = parse(info)
-    if held == token then return 'ok', worker end
-    return 'held', worker
-  end
-  if redis.call('HEXISTS', qpos, slot) == 1 then return 'returned', '' end
-  if slot < tonumber(redis.call('HGET', meta, 'cursor')) then return 'done', '' end
-  return 'unknown', ''
-end
-"""
+_STATUS = {status.value.encode(): status for status in Status}
+_RETRY = (b"$1\r\n0\r\n", b"$1\r\n1\r\n")  # the last argument of acquire: is this a retry
+_PING = b"*1\r\n$4\r\nPING\r\n"
 
-_ACQUIRE = """
-local worker, timeout = ARGV[1], tonumber(ARGV[2])
-local num_shards, num_epochs = tonumber(ARGV[3]), tonumber(ARGV[4])
-local now = clock()
-local flat = redis.call('ZRANGEBYSCORE', dl, '-inf', now, 'WITHSCORES')
-local expired = {}
-for i = 1, #flat, 2 do expired[#expired + 1] = {tonumber(flat[i + 1]), tonumber(flat[i])} end
-table.sort(expired, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
-for i = #expired, 1, -1 do
-  local slot = expired[i][2]
-  push_front(slot, (drop(slot)))
-end
-local epoch = tonumber(redis.call('HGET', meta, 'epoch'))
-local cursor = tonumber(redis.call('HGET', meta, 'cursor'))
-local slot, consumed
-local front = redis.call('LPOP', queue)
-if front then
-  slot, consumed = tonumber(front), tonumber(redis.call('HGET', qpos, front))
-  redis.call('HDEL', qpos, front)
-elseif cursor < num_shards then
-  slot, consumed = cursor, 0
-  redis.call('HSET', meta, 'cursor', cursor + 1)
-elseif redis.call('HLEN', lease) > 0 then
-  local first = redis.call('ZRANGE', dl, 0, 0, 'WITHSCORES')
-  return {'wait', tostring(math.max(0, tonumber(first[2]) - now))}
-elseif num_epochs >= 0 and epoch + 1 >= num_epochs then
-  return {'none'}
-else
-  epoch, slot, consumed = epoch + 1, 0, 0
-  redis.call('HSET', meta, 'epoch', epoch, 'cursor', 1)
-end
-local token = redis.call('HINCRBY', meta, 'token', 1)
-redis.call('HSET', lease, slot, token..'|'..consumed..'|'..worker)
-redis.call('ZADD', dl, now + timeout, slot)
-redis.call('SADD', base..'w:'..worker, slot)
-redis.call('HINCRBY', stats, 'a:'..worker, 1)
-redis.call('HINCRBY', stats, 'c:'..worker, 0)
-return {'grant', epoch, slot, consumed, token}
-"""
 
-_REPORT = """
-local epoch, slot, token = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local consumed, timeout = tonumber(ARGV[4]), tonumber(ARGV[5])
-local status, worker = check(epoch, slot, token)
-if status == 'ok' then
-  redis.call('HSET', lease, slot, token..'|'..consumed..'|'..worker)
-  redis.call('ZADD', dl, clock() + timeout, slot)
-end
-return {status, worker}
-"""
+def _bulk(value: Any) -> bytes:
+    """One RESP bulk string."""
+    data = value if isinstance(value, bytes) else str(value).encode()
+    return b"$%d\r\n%s\r\n" % (len(data), data)
 
-_COMPLETE = """
-local epoch, slot, token = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local status, worker = check(epoch, slot, token)
-if status == 'ok' then
-  drop(slot)
-  redis.call('HINCRBY', stats, 'c:'..worker, 1)
-end
-return {status, worker}
-"""
 
-_HEARTBEAT = """
-local worker, timeout = ARGV[1], tonumber(ARGV[2])
-redis.call('HSETNX', stats, 'a:'..worker, 0)
-redis.call('HSETNX', stats, 'c:'..worker, 0)
-local slots = redis.call('SMEMBERS', base..'w:'..worker)
-local deadline = clock() + timeout
-for _, slot in ipairs(slots) do redis.call('ZADD', dl, 'XX', deadline, slot) end
-return #slots
-"""
-
-_RELEASE = """
-local worker = ARGV[1]
-if redis.call('HEXISTS', stats, 'a:'..worker) == 0 then return -1 end
-local slots = redis.call('SMEMBERS', base..'w:'..worker)
-for i, slot in ipairs(slots) do slots[i] = tonumber(slot) end
-table.sort(slots)
-for i = #slots, 1, -1 do push_front(slots[i], (drop(slots[i]))) end
-return #slots
-"""
-
-_SNAPSHOT = """
-local now = clock()
-local queued = redis.call('LRANGE', queue, 0, -1)
-local positions = {}
-for i, slot in ipairs(queued) do positions[i] = redis.call('HGET', qpos, slot) end
-local leases = redis.call('HGETALL', lease)
-local deadlines = {}
-for i = 1, #leases, 2 do deadlines[#deadlines + 1] = tostring(redis.call('ZSCORE', dl, leases[i]) - now) end
-return {redis.call('HMGET', meta, 'epoch', 'cursor', 'token'), queued, positions, leases, deadlines,
-        redis.call('HGETALL', stats)}
-"""
-
-# The job-wide event log (keys under the hash tag {events}: ``eseq`` the counter, ``elog``
-# a sorted set of JSON [seq, time, source, kind, payload] by seq, ``ereq`` each source's
-# last request id and seq, so a publish retried after a lost reply is not appended twice).
-_PUBLISH = """
-local base, source, kind, payload = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
-local keep, request = tonumber(ARGV[4]), ARGV[5]
-local last = redis.call('HGET', base..'ereq', source)
-if last then
-  local id, seq = string.match(last, '^(.*)|(%d+)$')
-  if id == request then return tonumber(seq) end
-end
-local seq = redis.call('INCR', base..'eseq')
-local t = redis.call('TIME')
-local at = t[1]..'.'..string.format('%06d', tonumber(t[2]))
-redis.call('ZADD', base..'elog', seq, cjson.encode({seq, at, source, kind, payload}))
-redis.call('ZREMRANGEBYRANK', base..'elog', 0, -keep - 1)
-redis.call('HSET', base..'ereq', source, request..'|'..seq)
-return seq
-"""
-
-_RESTORE = """
-local state = cjson.decode(ARGV[1])
-local leases = redis.call('HGETALL', lease)
-for i = 2, #leases, 2 do
-  local _, _, worker = parse(leases[i])
-  redis.call('DEL', base..'w:'..worker)
-end
-redis.call('DEL', queue, qpos, lease, dl, stats)
-redis.call('HSET', meta, 'epoch', state['epoch'], 'cursor', state['cursor'])
-for _, entry in ipairs(state['queue']) do
-  redis.call('RPUSH', queue, entry[1])
-  redis.call('HSET', qpos, entry[1], entry[2])
-end
-for worker, counts in pairs(state['workers']) do
-  redis.call('HSET', stats, 'a:'..worker, counts[1], 'c:'..worker, counts[2])
-end
-return 1
-"""
+def _command(*args: Any) -> bytes:
+    """A whole RESP command."""
+    return b"*%d\r\n" % len(args) + b"".join(_bulk(a) for a in args)
 
 
 class RedisStore:
@@ -220,13 +69,16 @@ class RedisStore:
         retry_seconds: float,
         socket_timeout: float,
     ) -> None:
-        import redis  # imported here: `import sharding` must not need redis
+        # imported here: `import sharding` must not need redis
+        from redis import exceptions as errors
         from redis.backoff import NoBackoff
+        from redis.connection import Connection
         from redis.retry import Retry
 
-        self._redis_errors = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+        self._errors = errors
+        self._retryable = (errors.ConnectionError, errors.TimeoutError)  # BusyLoadingError is one
         self._url, self._prefix, self._retry_seconds = url, key_prefix, retry_seconds
-        self._client = redis.Redis(
+        self._connection_args: dict[str, Any] = dict(
             host=host,
             port=port,
             db=db,
@@ -235,39 +87,59 @@ class RedisStore:
             socket_connect_timeout=socket_timeout,
             retry=Retry(NoBackoff(), 0),  # retries are ours, with backoff and a budget
         )
-        scripts = {
-            "acquire": _ACQUIRE,
-            "report": _REPORT,
-            "complete": _COMPLETE,
-            "heartbeat": _HEARTBEAT,
-            "release": _RELEASE,
-            "snapshot": _SNAPSHOT,
-            "restore": _RESTORE,
-        }
-        self._scripts = {op: self._client.register_script(_PRELUDE + body) for op, body in scripts.items()}
-        self._scripts["publish"] = self._client.register_script(_PUBLISH)
+        self._new_connection = Connection
+        self._lock = threading.Lock()
+        self._connection: Any = None
+        self._pid = -1
+        self._sha = {op: hashlib.sha1(source.encode()).hexdigest().encode() for op, source in SCRIPTS.items()}
+        self._heads: dict[tuple[Any, ...], bytes] = {}
         self._requests = itertools.count()
         self._instance = os.urandom(6).hex()
         try:
-            self._client.ping()
-        except redis.AuthenticationError as exc:
+            self._roundtrip(_PING, None)
+        except errors.AuthenticationError as exc:
             raise CoordinatorError(f"cannot use {url}: authentication failed: {exc}") from exc
-        except redis.RedisError as exc:
+        except errors.RedisError as exc:
             raise CoordinatorUnavailable(f"cannot reach {url}: {exc}") from exc
 
-    def _base(self, name: str) -> str:
-        return f"{self._prefix}{{{name}}}:"
+    # -- transport -----------------------------------------------------------------------
 
-    def _call(self, what: Any, *, retried: list[bool] | None = None) -> Any:
-        """Run ``what()``, retrying connection errors with backoff for ``retry_seconds``."""
-        import redis
+    def _roundtrip(self, packed: bytes, op: str | None) -> Any:
+        """Send one packed command and read its reply; load script ``op`` on NOSCRIPT."""
+        errors = self._errors
+        with self._lock:
+            if self._connection is None or self._pid != os.getpid():  # first use, or forked
+                self._connection, self._pid = self._new_connection(**self._connection_args), os.getpid()
+            connection = self._connection
+            try:
+                connection.send_packed_command([packed], check_health=False)
+                try:
+                    return connection.read_response()
+                except errors.NoScriptError:
+                    if op is None:
+                        raise
+                log.info("%s: loading script %s", self._url, op)
+                connection.send_packed_command([_command(b"SCRIPT", b"LOAD", SCRIPTS[op])], check_health=False)
+                connection.read_response()
+                connection.send_packed_command([packed], check_health=False)
+                return connection.read_response()
+            except errors.ResponseError:
+                raise  # the connection is in step: the reply was read whole
+            except BaseException:
+                connection.disconnect()  # the next attempt connects afresh
+                raise
 
+    def _call(self, pack: Callable[[bool], bytes], op: str | None, *, retried: list[bool] | None = None) -> Any:
+        """Round trip ``pack(retry)``, retrying connection errors with backoff for ``retry_seconds``."""
+        errors = self._errors
         began, delay, attempts = time.monotonic(), 0.05, 0
         while True:
             attempts += 1
             try:
-                return what()
-            except self._redis_errors as exc:
+                return self._roundtrip(pack(attempts > 1), op)
+            except errors.AuthenticationError as exc:
+                raise CoordinatorError(f"{self._url}: authentication failed: {exc}") from exc
+            except self._retryable as exc:
                 if retried is not None:
                     retried.append(True)
                 waited = time.monotonic() - began
@@ -278,62 +150,92 @@ class RedisStore:
                 log.warning("%s: %s; retrying in %.2fs", self._url, exc, delay)
                 time.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, 2.0)
-            except redis.RedisError as exc:
+            except errors.RedisError as exc:
                 raise CoordinatorError(f"{self._url}: {exc}") from exc
 
-    def _run(self, op: str, name: str, *args: Any, retried: list[bool] | None = None) -> Any:
-        script = self._scripts[op]
-        return self._call(lambda: script(keys=[self._base(name)], args=list(args)), retried=retried)
+    def _head(self, op: str, key: str, count: int, *fixed: Any) -> bytes:
+        """The packed start of ``EVALSHA sha 1 key *fixed`` for a command of ``count``
+        script arguments in all (cached: the same data set and worker repeat)."""
+        cache_key = (op, key, count, *fixed)
+        head = self._heads.get(cache_key)
+        if head is None:
+            if len(self._heads) > 4096:
+                self._heads.clear()
+            head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % (4 + count, self._sha[op])
+            head += _bulk(key) + b"".join(_bulk(a) for a in fixed)
+            self._heads[cache_key] = head
+        return head
+
+    def _run(self, op: str, key: str, *args: Any, retried: list[bool] | None = None) -> Any:
+        packed = self._head(op, key, len(args)) + b"".join(_bulk(a) for a in args)
+        return self._call(lambda retry: packed, op, retried=retried)
+
+    def _request_id(self) -> bytes:
+        """Unique per call (the same across its retries), to recognise a retried call that landed."""
+        return b"%s-%d-%d" % (self._instance.encode(), os.getpid(), next(self._requests))
+
+    def _base(self, name: str) -> str:
+        return f"{self._prefix}{{{name}}}:"
+
+    # -- Store ---------------------------------------------------------------------------
 
     def define(self, name: str, definition: str | None) -> str | None:
-        key, meta = self._base(name) + "def", self._base(name) + "meta"
-
-        def define() -> Any:
-            pipe = self._client.pipeline(transaction=True)  # MULTI: definition and meta together
-            if definition is not None:
-                pipe.set(key, definition, nx=True)
-                for field in ("epoch", "cursor", "token"):
-                    pipe.hsetnx(meta, field, 0)
-            pipe.get(key)
-            return pipe.execute()[-1]
-
-        stored = self._call(define)
+        stored = self._run("define", self._base(name), definition or "")
         return None if stored is None else stored.decode()
 
     def acquire(
         self, name: str, worker: str, *, lease_timeout: float, num_shards: int, num_epochs: int | None
     ) -> Grant | Wait | None:
-        reply = self._run("acquire", name, worker, repr(lease_timeout), num_shards, -1 if num_epochs is None else num_epochs)
-        kind = reply[0].decode()
-        if kind == "grant":
-            return Grant(*(int(x) for x in reply[1:5]))
-        if kind == "wait":
-            return Wait(float(reply[1]))
-        return None
+        head = self._head(
+            "acquire", self._base(name), 6, worker, repr(lease_timeout), num_shards, -1 if num_epochs is None else num_epochs
+        )
+        request = _bulk(self._request_id())
+        return _granted(self._call(lambda retry: head + request + _RETRY[retry], "acquire"))
+
+    def complete_and_acquire(
+        self, name: str, *, epoch: int, slot: int, token: int, ask: Ask
+    ) -> tuple[Status, str | None, Grant | Wait | None]:
+        worker, lease_timeout, num_shards, num_epochs = ask
+        head = self._head(
+            "complete_acquire", self._base(name), 9,
+            worker, repr(lease_timeout), num_shards, -1 if num_epochs is None else num_epochs,
+        )
+        lease = _bulk(epoch) + _bulk(slot) + _bulk(token) + _bulk(self._request_id())
+        retried: list[bool] = []
+        reply = self._call(lambda retry: head + lease + _RETRY[retry], "complete_acquire", retried=retried)
+        status = _STATUS[reply[0]]
+        if status is not Status.OK:
+            if retried and status is Status.DONE:  # the first attempt completed; what it acquired is gone
+                log.info("%s: complete of slot %d landed before the connection broke", self._url, slot)
+                return Status.OK, None, self.acquire(
+                    name, worker, lease_timeout=lease_timeout, num_shards=num_shards, num_epochs=num_epochs
+                )
+            return status, reply[1].decode() or None, None
+        return status, reply[1].decode(), _granted(reply[2:])
 
     def report(
         self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float
     ) -> tuple[Status, str | None]:
-        status, worker = self._run("report", name, epoch, slot, token, consumed, repr(lease_timeout))
-        return Status(status.decode()), worker.decode() or None
+        status, worker = self._run("report", self._base(name), epoch, slot, token, consumed, repr(lease_timeout))
+        return _STATUS[status], worker.decode() or None
 
     def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
         retried: list[bool] = []
-        status, worker = self._run("complete", name, epoch, slot, token, retried=retried)
+        status, worker = self._run("complete", self._base(name), epoch, slot, token, retried=retried)
         if retried and status == b"done":
             log.info("%s: complete of slot %d landed before the connection broke", self._url, slot)
             return Status.OK, None
-        return Status(status.decode()), worker.decode() or None
+        return _STATUS[status], worker.decode() or None
 
     def heartbeat(self, name: str, worker: str, *, lease_timeout: float) -> int:
-        return int(self._run("heartbeat", name, worker, repr(lease_timeout)))
+        return int(self._run("heartbeat", self._base(name), worker, repr(lease_timeout)))
 
     def release(self, name: str, worker: str) -> int | None:
-        count = int(self._run("release", name, worker))
+        count = int(self._run("release", self._base(name), worker))
         return None if count < 0 else count
 
     def snapshot(self, name: str) -> dict[str, Any]:
-        (epoch, cursor, token), queued, positions, leases, deadlines, stats = self._run("snapshot", name)
+        (epoch, cursor, token), queued, positions, leases, deadlines, stats = self._run("snapshot", self._base(name))
         workers: dict[str, list[int]] = {}
         for i in range(0, len(stats), 2):
             kind, worker = stats[i].decode().split(":", 1)
@@ -357,26 +259,32 @@ class RedisStore:
         }
 
     def restore(self, name: str, state: dict[str, Any]) -> None:
-        self._run("restore", name, json.dumps(state))
-
-    def _request_id(self) -> str:
-        """Unique per call (kept across its retries), to recognise a retried call that landed."""
-        return f"{self._instance}-{os.getpid()}-{next(self._requests)}"
+        self._run("restore", self._base(name), json.dumps(state))
 
     def publish(self, kind: str, source: str, payload: str, *, keep: int) -> int:
-        script, key = self._scripts["publish"], self._prefix + "{events}:"
-        args = [source, kind, payload, keep, self._request_id()]
-        return int(self._call(lambda: script(keys=[key], args=args)))
+        return int(self._run("publish", self._prefix + "{events}:", source, kind, payload, keep, self._request_id()))
 
     def events(self, since: int, limit: int | None) -> list[Event]:
-        key = self._prefix + "{events}:elog"
-        page = () if limit is None else (0, limit)
-        rows = self._call(lambda: self._client.zrangebyscore(key, f"({since}", "+inf", *page))
+        page = () if limit is None else (b"LIMIT", 0, limit)
+        packed = _command(b"ZRANGEBYSCORE", self._prefix + "{events}:elog", f"({since}", b"+inf", *page)
         events: list[Event] = []
-        for row in rows:
+        for row in self._call(lambda retry: packed, None):
             seq, at, source, kind, payload = json.loads(row)
             events.append((int(seq), float(at), source, kind, payload))
         return events
 
     def close(self) -> None:
-        self._client.close()
+        with self._lock:
+            if self._connection is not None and self._pid == os.getpid():
+                self._connection.disconnect()
+            self._connection = None
+
+
+def _granted(reply: list[Any]) -> Grant | Wait | None:
+    """An acquire script's reply as the store protocol's answer."""
+    kind = reply[0]
+    if kind == b"grant":
+        return Grant(int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
+    if kind == b"wait":
+        return Wait(float(reply[1]))
+    return None

@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable, TypeVar
 
 from ._errors import CoordinatorError, CoordinatorUnavailable
-from ._store import Event, Grant, Status, Wait
+from ._store import Ask, Event, Grant, Status, Wait
 from ._table import LeaseTable
 
 __all__ = ["SQLiteStore"]
@@ -144,6 +144,11 @@ class SQLiteStore:
 
     def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
         return self._transact(name, lambda t, now: t.complete(epoch, slot, token))
+
+    def complete_and_acquire(
+        self, name: str, *, epoch: int, slot: int, token: int, ask: Ask
+    ) -> tuple[Status, str | None, Grant | Wait | None]:
+        return self._transact(name, lambda t, now: t.complete_and_acquire(epoch, slot, token, now, ask))
 
     def heartbeat(self, name: str, worker: str, *, lease_timeout: float) -> int:
         return self._transact(name, lambda t, now: t.heartbeat(worker, now, lease_timeout=lease_timeout))

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-__all__ = ["Event", "Grant", "Status", "Store", "Wait"]
+__all__ = ["Ask", "Event", "Grant", "Status", "Store", "Wait"]
 
 #: an event as a store keeps it: (seq, time or None, source, kind, payload as JSON text)
 Event = tuple[int, float | None, str, str, str]
@@ -38,14 +38,22 @@ class Status(str, enum.Enum):
     UNKNOWN_WORKER = "unknown_worker"
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """A lease handed out by :meth:`Store.acquire`."""
+class Grant(NamedTuple):
+    """A lease handed out by :meth:`Store.acquire` (a tuple: cheap on the hot path)."""
 
     epoch: int
     slot: int
     consumed: int
     token: int
+
+
+class Ask(NamedTuple):
+    """What an acquire inside :meth:`Store.complete_and_acquire` asks for."""
+
+    worker: str
+    lease_timeout: float
+    num_shards: int
+    num_epochs: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +74,12 @@ class Store(Protocol):
     ) -> Grant | Wait | None:
         """Reclaim expired leases to the queue front, then lease the queue front or the next
         slot, advancing the epoch when the last one is done. None when all epochs are done."""
+
+    def complete_and_acquire(
+        self, name: str, *, epoch: int, slot: int, token: int, ask: Ask
+    ) -> tuple[Status, str | None, Grant | Wait | None]:
+        """:meth:`complete`, then, only if that gave OK, :meth:`acquire` as ``ask`` says,
+        in one atomic operation; the third item is the acquire's answer (None if refused)."""
 
     def report(
         self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float

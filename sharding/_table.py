@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._store import Grant, Status, Wait
+from ._store import Ask, Grant, Status, Wait
 
 __all__ = ["LeaseTable"]
 
@@ -75,6 +75,17 @@ class LeaseTable:
         if status[0] is Status.OK:
             self.workers.setdefault(self._drop(slot).worker, [0, 0])[1] += 1
         return status
+
+    def complete_and_acquire(
+        self, epoch: int, slot: int, token: int, now: float, ask: Ask
+    ) -> tuple[Status, str | None, Grant | Wait | None]:
+        status, holder = self.complete(epoch, slot, token)
+        if status is not Status.OK:
+            return status, holder, None
+        got = self.acquire(
+            ask.worker, now, lease_timeout=ask.lease_timeout, num_shards=ask.num_shards, num_epochs=ask.num_epochs
+        )
+        return status, holder, got
 
     def heartbeat(self, worker: str, now: float, *, lease_timeout: float) -> int:
         self.workers.setdefault(worker, [0, 0])

@@ -7,11 +7,13 @@ tests/sharding would shadow the library called sharding.)
 from __future__ import annotations
 
 import json
+import selectors
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter, defaultdict
 import uuid
@@ -211,3 +213,55 @@ def check_exactly_once(fleet: Fleet, ds: sharding.Dataset, *, size: int, epochs:
             high = max(attempted[before], first[before])
             assert low <= first[after] <= high, f"epoch {e} shard {s}: lease {after} resumed at {first[after]}"
     return rehanded
+
+
+class LossyProxy:
+    """A TCP proxy on 127.0.0.1 in front of a server that can lose a reply: after
+    :meth:`lose_reply_to` ``marker``, the next request containing ``marker`` reaches the
+    server, and the connection is cut when the reply comes back, before the client sees it
+    (what a crash or a network cut between "done" and "acknowledged" looks like)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.marker: bytes | None = None
+        self.cuts = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def lose_reply_to(self, marker: bytes) -> None:
+        with self._lock:
+            self.marker = marker
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+
+    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        cut = False  # a request to lose the reply of went out on this connection
+        with selectors.DefaultSelector() as sel, client, server:
+            sel.register(client, selectors.EVENT_READ, server)
+            sel.register(server, selectors.EVENT_READ, client)
+            while True:
+                for key, _ in sel.select():
+                    src, dst = key.fileobj, key.data
+                    data = src.recv(65536)  # type: ignore[union-attr]
+                    if not data:
+                        return
+                    if src is client:
+                        with self._lock:
+                            if self.marker is not None and self.marker in data:
+                                self.marker, cut = None, True
+                    elif cut:
+                        self.cuts += 1
+                        return  # drop the reply and close both sides
+                    dst.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()

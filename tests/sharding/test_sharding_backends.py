@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 import time
 import uuid
 
@@ -202,13 +203,48 @@ def test_load_state_dict_rejects_bad_state(backend: Backend) -> None:
             ds.load_state_dict(broken)
 
 
+def test_complete_and_acquire_walks_the_same_order(backend: Backend) -> None:
+    ds = backend.connect().dataset("ca", size=30, shard_size=10, num_epochs=2, shuffle=True, seed=9)
+    got = []
+    shard = ds.acquire("w")
+    while shard is not None:
+        got.append((shard.epoch, shard.index, shard.worker))
+        shard = ds.complete_and_acquire(shard)
+    assert got == [(e, i, "w") for e in range(2) for i in sharding.shard_order(3, seed=9, epoch=e, shuffle=True)]
+    assert ds.progress()["workers"]["w"] == {"acquired": 6, "completed": 6, "leased": 0}
+    assert ds.progress()["finished"]
+
+
+def test_complete_and_acquire_refused_acquires_nothing_and_a_done_completion_stands(backend: Backend) -> None:
+    ds = backend.connect().dataset("cr", size=30, shard_size=10)
+    a, b, c = ds.acquire("a"), ds.acquire("b"), ds.acquire("c")
+    ds.complete(a)
+    with pytest.raises(sharding.AlreadyCompleted, match="already completed"):
+        ds.complete_and_acquire(a)
+    ds.release("b")
+    d = ds.acquire("d")  # b's shard again
+    with pytest.raises(sharding.LeaseLost, match="now held by 'd'"):
+        ds.complete_and_acquire(b)
+    progress = ds.progress()
+    assert (progress["workers"]["a"]["acquired"], progress["workers"]["b"]["acquired"], progress["done"]) == (1, 1, 1)
+    # the completion lands; no shard is free while c holds the last one
+    with pytest.raises(sharding.AcquireTimeout):
+        ds.complete_and_acquire(d, timeout=0)
+    assert ds.progress()["done"] == 2 and ds.progress()["workers"]["d"] == {"acquired": 1, "completed": 1, "leased": 0}
+    assert ds.complete_and_acquire(c) is None
+    assert ds.progress()["finished"]
+    with pytest.raises(sharding.InvalidArgument, match="expected a Shard"):
+        ds.complete_and_acquire("not a shard")  # type: ignore[arg-type]
+
+
 def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
     """The Redis transitions are Lua, the others Python: same calls, same answers, same state."""
     reference = sharding.connect(f"memory://ref-{uuid.uuid4().hex}")
-    pair = [b.dataset("diff", size=200, shard_size=7, num_epochs=3, shuffle=True, seed=2) for b in (reference, backend.connect())]
+    pair = [b.dataset("diff", size=200, shard_size=7, num_epochs=8, shuffle=True, seed=2) for b in (reference, backend.connect())]
     rng = random.Random(1234)
     held: list[list[sharding.Shard]] = [[], []]
     workers = [f"w{i}" for i in range(5)]
+    seen: Counter[tuple[str, str, bool]] = Counter()
 
     def outcome(call):  # type: ignore[no-untyped-def]
         try:
@@ -217,8 +253,9 @@ def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
         except sharding.CoordinatorError as exc:
             return (type(exc).__name__, None)
 
-    for step in range(400):
-        op = rng.choice(["acquire", "acquire", "report", "complete", "complete", "release", "heartbeat", "stale"])
+    for step in range(600):
+        op = rng.choice(["acquire", "acquire", "report", "complete", "complete", "release", "heartbeat", "stale",
+                         "complete_and_acquire", "complete_and_acquire"])
         worker = rng.choice(workers)
         pick = rng.randrange(1_000_000)
         answers = []
@@ -230,6 +267,15 @@ def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
                     answers.append(("ok", shard and (shard.epoch, shard.index, shard.consumed)))
                     if shard is not None:
                         mine.append(shard)
+                except sharding.CoordinatorError as exc:
+                    answers.append((type(exc).__name__, None))
+            elif op == "complete_and_acquire" and mine:
+                shard = mine.pop(pick % len(mine))
+                try:
+                    got = ds.complete_and_acquire(shard, timeout=0.01)
+                    answers.append(("ok", got and (got.epoch, got.index, got.consumed, got.worker)))
+                    if got is not None:
+                        mine.append(got)
                 except sharding.CoordinatorError as exc:
                     answers.append((type(exc).__name__, None))
             elif op in ("report", "complete", "stale") and mine:
@@ -246,6 +292,12 @@ def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
                 answers.append(outcome(lambda: ds.heartbeat(worker)))
         assert answers[:1] == answers[1:], f"step {step}: {op} by {worker}"
         assert pair[0].state_dict() == pair[1].state_dict(), f"step {step}"
+        if answers:
+            seen[op, answers[0][0], answers[0][1] is not None] += 1
+    # the combined call was seen granting, finding nothing free, and refused
+    assert seen["complete_and_acquire", "ok", True] >= 20, seen
+    assert seen["complete_and_acquire", "AcquireTimeout", False] + seen["complete_and_acquire", "ok", False] >= 1, seen
+    assert seen["complete_and_acquire", "LeaseLost", False] + seen["complete_and_acquire", "AlreadyCompleted", False] >= 5, seen
 
 
 def test_acquire_timeout_while_leases_are_out(backend: Backend) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import sharding
-from sharding_fixtures import REDIS_PASSWORD, Backend, Fleet, RedisServer, check_exactly_once, free_port
+from sharding_fixtures import REDIS_PASSWORD, Backend, Fleet, LossyProxy, RedisServer, check_exactly_once, free_port
 
 
 def test_import_pulls_in_no_redis_and_no_framework(repo_env: dict[str, str]) -> None:
@@ -101,6 +101,45 @@ def test_redis_down_mid_run_retries_then_fails_clearly_and_loses_nothing(
         seen.append(shard.index)
         ds.complete(shard)
     assert sorted(seen) == [0, 1, 2, 3, 4]
+
+
+def test_redis_replies_lost_after_landing_leave_no_orphan_lease_nor_double_event(redis_server: RedisServer) -> None:
+    """A call that landed but whose reply was lost is retried: the retry gets what the
+    first attempt took. (An orphan lease from a lost acquire reply used to stay alive for
+    ever through its worker's heartbeats, so the epoch never ended.)"""
+    proxy = LossyProxy(redis_server.port)
+    url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{proxy.port}/0"
+    coord = sharding.connect(url, key_prefix="lost-reply:", retry_seconds=10)
+    ds = coord.dataset("lost", size=50, shard_size=10, lease_timeout=2.0)
+    try:
+        warm = coord.dataset("warm-up", size=3, shard_size=1)  # scripts loaded: no NOSCRIPT reply to lose
+        warm.complete(warm.complete_and_acquire(warm.acquire("w")))
+        assert coord.publish("warm-up", {}, source="w") == 1
+        proxy.lose_reply_to(b"victim")
+        first = ds.acquire("victim")
+        assert proxy.cuts == 1
+        assert ds.heartbeat("victim") == 1  # one lease, no orphan beside it
+        proxy.lose_reply_to(b"victim")
+        second = ds.complete_and_acquire(first)
+        assert proxy.cuts == 2 and second is not None and second.index != first.index
+        progress = ds.progress()
+        assert (progress["done"], progress["leased"]) == (1, 1)
+        assert progress["workers"]["victim"] == {"acquired": 2, "completed": 1, "leased": 1}
+        assert second.lease == first.lease + 1  # no lease was handed out in between
+        proxy.lose_reply_to(b"EVALSHA")
+        ds.complete(second)  # found done on the retry: the first attempt landed
+        assert proxy.cuts == 3 and ds.progress()["done"] == 2
+        proxy.lose_reply_to(b"agent-7")
+        assert coord.publish("hang", {"rank": 7}, source="agent-7") == 2
+        assert proxy.cuts == 4 and [e["seq"] for e in coord.events()] == [1, 2]
+        rest = []
+        while (shard := ds.acquire("victim", timeout=10)) is not None:
+            rest.append(shard.index)
+            ds.complete(shard)
+        assert len(rest) == 3 and ds.progress()["finished"]
+    finally:
+        coord.close()
+        proxy.close()
 
 
 def test_redis_restart_mid_run_loses_and_duplicates_nothing(

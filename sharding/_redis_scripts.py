@@ -1,0 +1,257 @@
+"""The Lua scripts of the Redis store: every operation is one script, atomic on the server.
+
+Per data set (keys share the hash tag ``{name}`` under the key prefix): ``meta`` (epoch,
+cursor, token counter), ``queue`` (returned slots, front first) with ``qpos`` (their
+positions), ``lease`` (slot -> ``token|consumed|worker``), ``dl`` (a sorted set of leased
+slots by deadline, so reclaiming expired leases is a range query), ``w:WORKER`` (a
+worker's slots, for heartbeat and release), ``stats`` (per-worker counters) and ``req``
+(worker -> ``request|slot|token`` of its last grant, so that an acquire retried after
+its reply was lost gets the lease its first attempt took instead of a second one).
+Deadlines use the server clock (``TIME``), so worker clocks need not agree.
+
+The transitions mirror ``_table.LeaseTable`` (a differential test keeps them equal).
+"""
+
+from __future__ import annotations
+
+__all__ = ["SCRIPTS"]
+
+_PRELUDE = """
+local base = KEYS[1]
+local meta, queue, qpos, lease, dl, stats, req =
+  base..'meta', base..'queue', base..'qpos', base..'lease', base..'dl', base..'stats', base..'req'
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function parse(info)
+  local token, consumed, worker = string.match(info, '^(%d+)|(%d+)|(.*)$')
+  return tonumber(token), tonumber(consumed), worker
+end
+local function drop(slot, info)
+  local _, consumed, worker = parse(info or redis.call('HGET', lease, slot))
+  redis.call('HDEL', lease, slot)
+  redis.call('ZREM', dl, slot)
+  redis.call('SREM', base..'w:'..worker, slot)
+  return consumed, worker
+end
+local function push_front(slot, consumed)
+  redis.call('LPUSH', queue, slot)
+  redis.call('HSET', qpos, slot, consumed)
+end
+-- status of lease (epoch, slot, token), its holder, and its lease info when held
+local function check(epoch, slot, token)
+  local current = tonumber(redis.call('HGET', meta, 'epoch'))
+  if epoch < current then return 'done', '' end
+  if epoch > current then return 'unknown', '' end
+  local info = redis.call('HGET', lease, slot)
+  if info then
+    local held, _, worker = parse(info)
+    if held == token then return 'ok', worker, info end
+    return 'held', worker
+  end
+  if redis.call('HEXISTS', qpos, slot) == 1 then return 'returned', '' end
+  if slot < tonumber(redis.call('HGET', meta, 'cursor')) then return 'done', '' end
+  return 'unknown', ''
+end
+local function finish(slot, info)
+  local _, worker = drop(slot, info)
+  redis.call('HINCRBY', stats, 'c:'..worker, 1)
+end
+-- on a retry: the grant this request already took, if it still holds it
+local function granted_before(worker, request)
+  local last = redis.call('HGET', req, worker)
+  if not last then return nil end
+  local id, slot, token = string.match(last, '^(.*)|(%d+)|(%d+)$')
+  if id ~= request then return nil end
+  local info = redis.call('HGET', lease, slot)
+  if not info then return nil end
+  local held, consumed = parse(info)
+  if held ~= tonumber(token) then return nil end
+  return {'grant', tonumber(redis.call('HGET', meta, 'epoch')), tonumber(slot), consumed, held}
+end
+local function acquire(worker, timeout, num_shards, num_epochs, request)
+  local now = clock()
+  local flat = redis.call('ZRANGEBYSCORE', dl, '-inf', now, 'WITHSCORES')
+  if #flat > 0 then
+    local expired = {}
+    for i = 1, #flat, 2 do expired[#expired + 1] = {tonumber(flat[i + 1]), tonumber(flat[i])} end
+    table.sort(expired, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
+    for i = #expired, 1, -1 do
+      local slot = expired[i][2]
+      push_front(slot, (drop(slot)))
+    end
+  end
+  local position = redis.call('HMGET', meta, 'epoch', 'cursor')
+  local epoch, cursor = tonumber(position[1]), tonumber(position[2])
+  local slot, consumed
+  local front = redis.call('LPOP', queue)
+  if front then
+    slot, consumed = tonumber(front), tonumber(redis.call('HGET', qpos, front))
+    redis.call('HDEL', qpos, front)
+  elseif cursor < num_shards then
+    slot, consumed = cursor, 0
+    redis.call('HSET', meta, 'cursor', cursor + 1)
+  elseif redis.call('HLEN', lease) > 0 then
+    local first = redis.call('ZRANGE', dl, 0, 0, 'WITHSCORES')
+    return {'wait', tostring(math.max(0, tonumber(first[2]) - now))}
+  elseif num_epochs >= 0 and epoch + 1 >= num_epochs then
+    return {'none'}
+  else
+    epoch, slot, consumed = epoch + 1, 0, 0
+    redis.call('HSET', meta, 'epoch', epoch, 'cursor', 1)
+  end
+  local token = redis.call('HINCRBY', meta, 'token', 1)
+  redis.call('HSET', lease, slot, token..'|'..consumed..'|'..worker)
+  redis.call('ZADD', dl, now + timeout, slot)
+  redis.call('SADD', base..'w:'..worker, slot)
+  redis.call('HINCRBY', stats, 'a:'..worker, 1)
+  redis.call('HINCRBY', stats, 'c:'..worker, 0)
+  redis.call('HSET', req, worker, request..'|'..slot..'|'..token)
+  return {'grant', epoch, slot, consumed, token}
+end
+"""
+
+# ARGV: worker, lease_timeout, num_shards, num_epochs (-1: endless), request id, retry (0/1)
+_ACQUIRE = """
+local worker, request = ARGV[1], ARGV[5]
+if ARGV[6] == '1' then
+  local again = granted_before(worker, request)
+  if again then return again end
+end
+return acquire(worker, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), request)
+"""
+
+# ARGV: worker, lease_timeout, num_shards, num_epochs, epoch, slot, token, request id, retry.
+# Completes the lease; only if that succeeds, acquires for the worker.
+# Reply: {status, holder, acquire's reply...}
+_COMPLETE_ACQUIRE = """
+local worker, request = ARGV[1], ARGV[8]
+local epoch, slot, token = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+if ARGV[9] == '1' then
+  local again = granted_before(worker, request)
+  if again then return {'ok', worker, unpack(again)} end
+end
+local status, holder, info = check(epoch, slot, token)
+if status ~= 'ok' then return {status, holder} end
+finish(slot, info)
+return {'ok', holder, unpack(acquire(worker, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), request))}
+"""
+
+_REPORT = """
+local epoch, slot, token = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local consumed, timeout = tonumber(ARGV[4]), tonumber(ARGV[5])
+local status, worker = check(epoch, slot, token)
+if status == 'ok' then
+  redis.call('HSET', lease, slot, token..'|'..consumed..'|'..worker)
+  redis.call('ZADD', dl, clock() + timeout, slot)
+end
+return {status, worker}
+"""
+
+_COMPLETE = """
+local epoch, slot, token = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local status, worker, info = check(epoch, slot, token)
+if status == 'ok' then finish(slot, info) end
+return {status, worker}
+"""
+
+_HEARTBEAT = """
+local worker, timeout = ARGV[1], tonumber(ARGV[2])
+redis.call('HSETNX', stats, 'a:'..worker, 0)
+redis.call('HSETNX', stats, 'c:'..worker, 0)
+local slots = redis.call('SMEMBERS', base..'w:'..worker)
+local deadline = clock() + timeout
+for _, slot in ipairs(slots) do redis.call('ZADD', dl, 'XX', deadline, slot) end
+return #slots
+"""
+
+_RELEASE = """
+local worker = ARGV[1]
+if redis.call('HEXISTS', stats, 'a:'..worker) == 0 then return -1 end
+local slots = redis.call('SMEMBERS', base..'w:'..worker)
+for i, slot in ipairs(slots) do slots[i] = tonumber(slot) end
+table.sort(slots)
+for i = #slots, 1, -1 do push_front(slots[i], (drop(slots[i]))) end
+return #slots
+"""
+
+_SNAPSHOT = """
+local now = clock()
+local queued = redis.call('LRANGE', queue, 0, -1)
+local positions = {}
+for i, slot in ipairs(queued) do positions[i] = redis.call('HGET', qpos, slot) end
+local leases = redis.call('HGETALL', lease)
+local deadlines = {}
+for i = 1, #leases, 2 do deadlines[#deadlines + 1] = tostring(redis.call('ZSCORE', dl, leases[i]) - now) end
+return {redis.call('HMGET', meta, 'epoch', 'cursor', 'token'), queued, positions, leases, deadlines,
+        redis.call('HGETALL', stats)}
+"""
+
+_RESTORE = """
+local state = cjson.decode(ARGV[1])
+local leases = redis.call('HGETALL', lease)
+for i = 2, #leases, 2 do
+  local _, _, worker = parse(leases[i])
+  redis.call('DEL', base..'w:'..worker)
+end
+redis.call('DEL', queue, qpos, lease, dl, stats, req)
+redis.call('HSET', meta, 'epoch', state['epoch'], 'cursor', state['cursor'])
+for _, entry in ipairs(state['queue']) do
+  redis.call('RPUSH', queue, entry[1])
+  redis.call('HSET', qpos, entry[1], entry[2])
+end
+for worker, counts in pairs(state['workers']) do
+  redis.call('HSET', stats, 'a:'..worker, counts[1], 'c:'..worker, counts[2])
+end
+return 1
+"""
+
+# ARGV: definition ('' only reads). Definition and a fresh meta in one step.
+_DEFINE = """
+local key = KEYS[1]..'def'
+if ARGV[1] ~= '' and redis.call('SET', key, ARGV[1], 'NX') then
+  redis.call('HSET', KEYS[1]..'meta', 'epoch', 0, 'cursor', 0, 'token', 0)
+end
+return redis.call('GET', key)
+"""
+
+# The job-wide event log, under its own key base (hash tag {events}): ``eseq`` the counter,
+# ``elog`` a sorted set of JSON [seq, time, source, kind, payload] by seq, ``ereq`` each
+# source's last request id and seq, so a publish retried after a lost reply is not
+# appended twice. ARGV: source, kind, payload, keep, request id.
+_PUBLISH = """
+local base, source, kind, payload = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+local keep, request = tonumber(ARGV[4]), ARGV[5]
+local last = redis.call('HGET', base..'ereq', source)
+if last then
+  local id, seq = string.match(last, '^(.*)|(%d+)$')
+  if id == request then return tonumber(seq) end
+end
+local seq = redis.call('INCR', base..'eseq')
+local t = redis.call('TIME')
+local at = t[1]..'.'..string.format('%06d', tonumber(t[2]))
+redis.call('ZADD', base..'elog', seq, cjson.encode({seq, at, source, kind, payload}))
+redis.call('ZREMRANGEBYRANK', base..'elog', 0, -keep - 1)
+redis.call('HSET', base..'ereq', source, request..'|'..seq)
+return seq
+"""
+
+#: operation -> Lua source (the lease operations share the prelude)
+SCRIPTS: dict[str, str] = {
+    **{
+        op: _PRELUDE + body
+        for op, body in {
+            "acquire": _ACQUIRE,
+            "complete_acquire": _COMPLETE_ACQUIRE,
+            "report": _REPORT,
+            "complete": _COMPLETE,
+            "heartbeat": _HEARTBEAT,
+            "release": _RELEASE,
+            "snapshot": _SNAPSHOT,
+            "restore": _RESTORE,
+        }.items()
+    },
+    "define": _DEFINE,
+    "publish": _PUBLISH,
+}
