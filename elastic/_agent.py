@@ -8,8 +8,9 @@ What it does, and on which thread:
 - agent thread, a few times a second: checks the adaptive hang timeout (dump stacks,
   record, and with ``on_hang="exit"`` flush and exit with ``ExitCode.HANG``),
   heartbeats the coordinator for this worker (only while training makes progress, so a
-  hung worker's shard leases expire like a dead one's), writes aggregated step records,
-  beats the progress file;
+  hung worker's shard leases expire like a dead one's), publishes the events queued
+  since (``elastic._publish``) to the coordinator's job-wide log, writes aggregated step
+  records, beats the progress file;
 - on SIGTERM (preemption, or the launcher stopping the group): the agent thread is woken
   through ``signal.set_wakeup_fd`` -- even while the main thread sits in a C call --
   records a ``preempted`` diagnosis, flushes the newest checkpoint to storage and exits
@@ -47,12 +48,17 @@ from elastic._errors import ElasticError
 from elastic._goodput import MetricsLog, read_records, summarize
 from elastic._hang import HangTimeout, format_stacks
 from elastic._heartbeat import Heartbeats
+from elastic._publish import EventPublisher, as_record, coordinator_of
 from elastic._options import AgentOptions, ExitCode, OnHang
 
 __all__ = ["Agent", "current_agent", "start_agent"]
 
 log = logging.getLogger("elastic.agent")
 T = TypeVar("T")
+
+#: how long a process about to exit waits for its last events to reach the coordinator
+EXIT_PUBLISH_SECONDS = 3.0
+_HANG_STACKS_CHARS = 16_000  # the end of the stack dump goes into the hang event
 
 _current: "Agent | None" = None
 _current_lock = threading.Lock()
@@ -65,7 +71,9 @@ def start_agent(*, checkpointer: Any = None, coordinator: Any = None,
     """Start this process's agent, or return the one already running (idempotent).
 
     ``checkpointer``: a ``flashckpt`` checkpointer (its saves tick the agent; failures
-    flush it). ``coordinator``: a ``sharding`` URL, Coordinator or Dataset to heartbeat.
+    flush it). ``coordinator``: a ``sharding`` URL, Coordinator or Dataset to heartbeat;
+    a URL or Coordinator also gets the agent's events (its job-wide event log), so
+    :meth:`Agent.events` of every rank shows every rank's.
     Further keyword options are the fields of :class:`AgentOptions`. Call it from the
     main thread (SIGTERM handling needs it; from another thread that part is skipped).
     """
@@ -160,7 +168,10 @@ class Agent:
         self._heartbeats = Heartbeats(worker=self.worker, max_interval=options.heartbeat_interval,
                                       coordinator=coordinator, datasets=options.datasets,
                                       on_pause=self._on_heartbeat_pause)
-        self._log = MetricsLog(options.metrics_dir, rank=self.rank)
+        self._publisher = EventPublisher(self.worker)
+        self._reader: Any = None  # a Coordinator opened by events() before the agent thread did
+        self._log = MetricsLog(options.metrics_dir, rank=self.rank, source=self.worker,
+                               on_event=self._publisher.put if _publishes(coordinator) else None)
         self._stack_path = os.path.join(
             options.metrics_dir or tempfile.gettempdir(),
             f"stacks.rank{self.rank}.txt" if options.metrics_dir
@@ -211,13 +222,33 @@ class Agent:
         """Stop heartbeating ``dataset`` for ``worker``; False if it was not registered."""
         return self._heartbeats.remove(dataset, worker)
 
-    def events(self) -> list[dict[str, Any]]:
-        """Events (not step records) of every rank of the job, oldest first.
+    def events(self, *, local: bool = False) -> list[dict[str, Any]]:
+        """Events (every record but the step aggregates), oldest first; each has ``type``,
+        ``time``, ``rank``, ``pid`` and ``source`` (the worker name of the agent that
+        recorded it).
 
-        Every rank's events when ``metrics_dir`` is shared by the ranks (one file per
-        rank there), else this process's own.
+        Job-wide: with a coordinator (a URL or Coordinator), every rank's events from the
+        coordinator's log -- across process restarts, with ``seq`` -- plus this process's
+        own not published yet; it reads the coordinator (a blocking call: not in the hot
+        loop). If the coordinator cannot be read (logged), or without one, or with
+        ``local=True``: every rank's from ``metrics_dir`` when the ranks share it (one
+        file per rank there), else this process's own.
         """
+        if not local and self._heartbeats.coordinator is not None:
+            remote = self._coordinator_events()
+            if remote is not None:
+                seen = {_event_key(r) for r in remote}
+                remote += [r for r in self._publisher.pending() if _event_key(r) not in seen]
+                return sorted(remote, key=lambda r: r.get("time") or 0.0)
         return [r for r in self._records() if r.get("type") != "steps"]
+
+    def record(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Record an event of your own (``kind`` must not be "steps"): a JSON line in
+        ``metrics_dir`` and, with a coordinator, in its job-wide log. Cheap: no I/O but
+        the metrics file's line."""
+        if not isinstance(kind, str) or not kind or kind == "steps":
+            raise ElasticError(f"event kind must be a non-empty str other than 'steps', got {kind!r}")
+        return self._log.write(kind, step=self._step, **fields)
 
     def metrics(self) -> dict[str, Any]:
         """The goodput summary (job and per rank), see ``elastic._goodput.summarize``."""
@@ -271,6 +302,7 @@ class Agent:
             self._thread.join(timeout=5.0)
         self._write_steps()
         self._log.write("stop", step=self._step)
+        self._publish_before_exit()
         self._teardown()
         with _current_lock:
             if _current is self:
@@ -420,6 +452,33 @@ class Agent:
             return read_records(self.options.metrics_dir)
         return self._log.records()
 
+    def _coordinator_events(self) -> list[dict[str, Any]] | None:
+        given = self._heartbeats.coordinator
+        target = coordinator_of(given)
+        if target is None and isinstance(given, str):  # the agent thread has not connected yet
+            if self._reader is None:
+                import sharding
+
+                try:
+                    self._reader = sharding.connect(given)
+                except Exception as err:
+                    log.warning("events: cannot connect to the coordinator: %s", err)
+                    return None
+            target = self._reader
+        if target is None:
+            return None
+        try:
+            return [as_record(e) for e in target.events()]
+        except Exception as err:
+            log.warning("events: cannot read the coordinator's event log: %s", err)
+            return None
+
+    def _publish_before_exit(self) -> None:
+        try:
+            self._publisher.flush(self._heartbeats.coordinator, timeout=EXIT_PUBLISH_SECONDS)
+        except Exception:  # the agent must never die of its own bug
+            log.exception("elastic agent: publishing the last events failed")
+
     # ---------------------------------------------------------------- the thread
     def _loop(self) -> None:
         opts = self.options
@@ -440,6 +499,7 @@ class Agent:
                     next_connect = now + opts.heartbeat_interval
                     self._heartbeats.connect()
                 self._heartbeats.beat(now, hung=now - self._last_progress > timeout)
+                self._publisher.publish(self._heartbeats.coordinator)
                 if now >= next_metrics:
                     next_metrics = now + opts.metrics_interval_seconds
                     self._write_steps()
@@ -478,7 +538,8 @@ class Agent:
         diag = Diagnosis.of(Kind.HANG, f"no progress for {stalled:.1f}s (timeout {timeout:.1f}s)")
         self._log.write("hang", source="agent", step=step, stalled_seconds=stalled,
                         timeout_seconds=timeout, action="exit" if exit_ else "dump",
-                        stack_file=os.path.abspath(self._stack_path), diagnosis=diag.to_json())
+                        stack_file=os.path.abspath(self._stack_path), diagnosis=diag.to_json(),
+                        stacks=text[-_HANG_STACKS_CHARS:])
         if exit_:
             if self._failing.acquire(blocking=False):
                 self._failing_thread = threading.get_ident()
@@ -567,6 +628,7 @@ class Agent:
     def _exit(self, code: int) -> None:
         if self._exiting.acquire(blocking=False):  # one record, whichever thread comes first
             self._log.write("exit", code=int(code), step=self._step)
+            self._publish_before_exit()
         if self._pub is not None:
             self._pub.close()
         for handler in logging.getLogger().handlers:
@@ -575,6 +637,15 @@ class Agent:
             except Exception:
                 pass
         os._exit(int(code))
+
+
+def _publishes(coordinator: Any) -> bool:
+    """A URL or a Coordinator gets the events; a Dataset only when it exposes its coordinator."""
+    return isinstance(coordinator, str) or coordinator_of(coordinator) is not None
+
+
+def _event_key(record: dict[str, Any]) -> tuple:
+    return (record.get("source"), record.get("pid"), record.get("type"), record.get("time"))
 
 
 def _reinit_process_group(attempt: int) -> None:

@@ -3,7 +3,7 @@
 Each training process appends records to ``<metrics_dir>/rank<R>.jsonl``; a restarted
 process of the same rank appends to the same file, so the file is the rank's whole
 history across process restarts. Record types (all carry ``type``, ``time`` (wall
-clock), ``rank``, ``pid``):
+clock), ``rank``, ``pid``, and ``source``, the agent's worker name):
 
 - ``start``: an agent started (a new process or a re-started agent);
 - ``steps``: an aggregate of consecutive steps ``first..last`` (step numbers), with
@@ -11,7 +11,10 @@ clock), ``rank``, ``pid``):
   ``busy_seconds`` (their summed duration), ``ckpt_seconds`` (checkpoint blocking time
   inside them), ``saves`` and ``samples``; written about once a second, not per step;
 - ``load`` (a checkpoint restore: ``step``, ``source``, ``seconds``), ``failure``
-  (``diagnosis``, ``step``), ``hang``, ``restart`` (in-process), ``stop``, ``node_check``.
+  (``diagnosis``, ``step``), ``hang``, ``flush``, ``exit``, ``restart`` (in-process),
+  ``heartbeats``, ``stop``, ``node_check``, ``stragglers``, and the user's own
+  (``Agent.record``). Every record but ``steps`` is an *event*: with a coordinator the
+  agent also publishes it to the coordinator's job-wide log (``elastic._publish``).
 
 Goodput (DeepRec's Gazer idea) = time spent in steps whose result survived / wall time
 of the job. A step re-done after a rollback counts once, at its last execution; the
@@ -28,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from elastic._tensorboard import ScalarWriter
 
@@ -38,10 +41,14 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    """Appends JSON records to ``<metrics_dir>/rank<R>.jsonl`` (or keeps them in memory)."""
+    """Appends JSON records to ``<metrics_dir>/rank<R>.jsonl`` (or keeps them in memory);
+    ``on_event`` gets every record but ``steps`` (called with no lock held)."""
 
-    def __init__(self, metrics_dir: str | None, *, rank: int) -> None:
+    def __init__(self, metrics_dir: str | None, *, rank: int, source: str | None = None,
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.rank = rank
+        self.source = source
+        self._on_event = on_event
         self.path = None if metrics_dir is None else os.path.join(metrics_dir, f"rank{rank}.jsonl")
         self._memory: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -58,6 +65,8 @@ class MetricsLog:
 
     def write(self, record_type: str, **fields: Any) -> dict[str, Any]:
         record = {"type": record_type, "time": time.time(), "rank": self.rank, "pid": os.getpid()}
+        if self.source is not None:
+            record["source"] = self.source
         record.update(fields)
         line = json.dumps(record, sort_keys=True, default=str)
         with self._lock:
@@ -76,6 +85,8 @@ class MetricsLog:
                         "elastic/ckpt_blocking_seconds": fields["ckpt_seconds"]}, record["time"])
                 except (OSError, ValueError) as err:
                     log.warning("cannot write TensorBoard scalars: %s", err)
+        if self._on_event is not None and record_type != "steps":
+            self._on_event(record)
         return record
 
     def records(self) -> list[dict[str, Any]]:

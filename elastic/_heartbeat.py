@@ -82,6 +82,12 @@ class Heartbeats:
             self._beats = kept
         return removed
 
+    @property
+    def coordinator(self) -> Any:
+        """What ``coordinator`` was given as: a URL until :meth:`connect` opened it, then the
+        Coordinator (or the Dataset, or None)."""
+        return self._coordinator
+
     def targets(self) -> list[tuple[Any, str, float]]:
         """(target, worker, interval) of every registered heartbeat."""
         with self._lock:

@@ -5,6 +5,8 @@ store (not through a collective, so a rank that failed or hung cannot block the
 others: a missing result after ``timeout`` counts as a failed node). Then
 :func:`find_stragglers` flags nodes slower than twice the median of the other nodes and
 nodes that failed -- a pure function, so it is tested at any scale without processes.
+With an agent running, :func:`check_node` records each rank's result and rank 0's
+stragglers as events (``node_check``, ``stragglers``): job-wide with a coordinator.
 """
 
 from __future__ import annotations
@@ -104,9 +106,24 @@ def check_node(timeout: float = 60.0, *, size: int = 512, repeats: int = 8) -> l
         mine = NodeCheckResult(rank, host, False, error=box.get("error", f"timed out after {timeout}s"))
     if not mine.ok:
         log.error("node check failed on rank %d (%s): %s", rank, host, mine.error)
-    if not distributed:
-        return [mine]
-    return _share(mine, dist, timeout)
+    results = _share(mine, dist, timeout) if distributed else [mine]
+    _record(mine, results)
+    return results
+
+
+def _record(mine: NodeCheckResult, results: list[NodeCheckResult]) -> None:
+    """Into the running agent's events (job-wide with a coordinator): every rank its own
+    result; rank 0 the stragglers among all, if any."""
+    from elastic._agent import current_agent
+
+    agent = current_agent()
+    if agent is None:
+        return
+    agent.record("node_check", result=dataclasses.asdict(mine))
+    flagged = find_stragglers(results) if mine.rank == 0 and len(results) > 1 else []
+    if flagged:
+        agent.record("stragglers", stragglers=[dataclasses.asdict(s) for s in flagged],
+                     results=[dataclasses.asdict(r) for r in results])
 
 
 def _share(mine: NodeCheckResult, dist: Any, timeout: float) -> list[NodeCheckResult]:
