@@ -210,11 +210,12 @@ class ShardSampler(Sampler[int]):
             self.epoch = shard.epoch
 
     def _next_lease(self, epoch: Optional[int]) -> Optional[_Lease]:
-        self._finish_done()
         shard = self._pending
         self._pending = None
         if shard is None:
-            shard = self._acquire()
+            shard = self._finish_done(then_acquire=True)
+        else:
+            self._finish_done()
         if shard is None:
             return None
         self._start_heartbeat()
@@ -225,13 +226,18 @@ class ShardSampler(Sampler[int]):
         self._held.append(lease)
         return lease
 
-    def _acquire(self) -> Optional[sharding.Shard]:
-        if self._wait and not self._held:
-            return self._ds.acquire(self.worker)
-        # we hold prefetched samples (waiting for other leases could wait for our own),
-        # or lock-step peers could be waiting for us in a collective
+    def _acquire(self, after: Optional[_Lease] = None) -> Optional[sharding.Shard]:
+        """Lease the next shard; with ``after``, complete that lease in the same round trip."""
+        # wait for other ranks' leases only if we hold no prefetched samples (we could wait
+        # for our own) and no lock-step peer could be waiting for us in a collective
+        timeout = None if self._wait and not self._held else 0
         try:
-            return self._ds.acquire(self.worker, timeout=0)
+            if after is not None:
+                try:
+                    return self._ds.complete_and_acquire(after.shard, timeout=timeout)
+                except sharding.LeaseLost as e:  # refused: nothing was acquired
+                    log.warning("%s: could not complete shard %d: %s", self.name, after.shard.index, e)
+            return self._ds.acquire(self.worker, timeout=timeout)
         except sharding.AcquireTimeout:
             log.debug("%s: no shard free for %s now; ends this iteration", self.name, self.worker)
             return None
@@ -285,11 +291,17 @@ class ShardSampler(Sampler[int]):
             self._receive(n - self._iter_received)
         self._finish_done()
 
-    def _finish_done(self) -> None:
-        """Complete every held shard the loop received entirely."""
-        for lease in [x for x in self._held if x.done >= len(x.shard)]:
+    def _finish_done(self, *, then_acquire: bool = False) -> Optional[sharding.Shard]:
+        """Complete every held shard the loop received entirely; with ``then_acquire``,
+        lease the next shard too, completing the last of them in the same round trip
+        (``Dataset.complete_and_acquire``)."""
+        done = [x for x in self._held if x.done >= len(x.shard)]
+        for lease in done:
             self._held.remove(lease)
+        last = done.pop() if then_acquire and done else None
+        for lease in done:
             self._call("complete", lease, lambda: self._ds.complete(lease.shard))
+        return self._acquire(after=last) if then_acquire else None
 
     def _report_positions(self) -> None:
         self._finish_done()
