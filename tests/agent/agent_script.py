@@ -62,21 +62,6 @@ class Data(torch.utils.data.Dataset):
         return torch.randn(4, generator=g)
 
 
-def init_group(attempt: int, timeout_seconds: float) -> None:
-    """init_process_group over torchrun's store, with keys prefixed by the attempt.
-
-    torchrun (torch 2.13) keeps its store across restarts; without a prefix, gloo's
-    connectFullMesh in a restarted group can read the dead attempt's addresses and fail
-    with "Connection refused". The checkpointer's gloo side group inherits the prefix.
-    """
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"agent-test-attempt-{attempt}", store),
-                            rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_seconds))
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -98,8 +83,10 @@ def main() -> int:
                         "%(name)s %(levelname)s %(message)s")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        init_group(attempt, args.pg_timeout)
+    if world > 1:  # a store prefix per torchrun attempt, so a restarted group can form
+        from flashckpt.torch import init_process_group
+
+        init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     rank = dist.get_rank() if world > 1 else 0
     ckpt = None
     if args.ckpt:
