@@ -114,11 +114,12 @@ def consolidate(directory: str, step: int | None) -> tuple[int, dict[str, Any]]:
         raise CorruptCheckpointError(f"step {step} in {storage.root} is damaged: " + "; ".join(problems))
     sources = read_sources(storage, step) if _has_layout(storage, step) else None
     if sources is None:  # a plain (unsharded or replicated) checkpoint: rank 0 holds it whole
+        from ._checksum import BlockCheck
         from ._reshard import Source, read_header, tensor_names
         path, record = storage.shard_path(step, 0)
         image, size = read_header(path, record["size"])
         sources = [Source(0, path, size, image, {"tensors": {}}, tensor_names(image.meta["tree"]),
-                          {e.name: e for e in image.entries})]
+                          BlockCheck(record, path), {e.name: e for e in image.entries})]
     home = sources[0]
     layout = home.layout["tensors"]
     entries = {e.name: (e.dtype, tuple(e.shape)) for e in home.image.entries}

@@ -11,9 +11,9 @@ the source file from which only the touched pages are read. No other rank's file
 ever read whole into memory.
 
 Pieces of one tensor are either identical (replicated) or disjoint; identical pieces
-are read once, preferring the caller's own rank. Trade-off: a resharded load checks
-every file's size and header but not its whole-file crc32 (that would mean reading
-every byte of every shard on every rank); a same-layout load verifies checksums.
+are read once, preferring the caller's own rank. Every range read is verified against
+the checksums of the file blocks it touches (``flashckpt._checksum``): a resharded load
+reads a little around its ranges, never every byte of every shard.
 
 Framework neutral: targets are numpy ``uint8`` arrays whose last dimension is in
 bytes (an adapter views its host tensors that way), so any dtype works, bfloat16
@@ -31,6 +31,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from ._checksum import BlockCheck
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ._format import DTYPE_SIZES, Entry, Image, parse_header
 from ._storage import LocalStorage
@@ -108,6 +109,15 @@ def _byte_piece(piece: Piece, itemsize: int) -> Piece:
     return Piece(piece.offsets[:-1] + (piece.offsets[-1] * itemsize,), byte_shape(piece.lengths, itemsize))
 
 
+def _flat_offset(shape: tuple[int, ...], index: tuple[int, ...]) -> int:
+    """The position of element ``index`` in a C-contiguous array of ``shape``."""
+    offset, stride = 0, 1
+    for d in reversed(range(len(shape))):
+        offset += index[d] * stride
+        stride *= shape[d]
+    return offset
+
+
 def _contiguous_range(shape: tuple[int, ...], start: tuple[int, ...], length: tuple[int, ...]) -> tuple[int, int] | None:
     """(byte offset, byte count) of a box of a C-contiguous array if the box is one run."""
     partial = [d for d in range(len(shape)) if length[d] != shape[d]]
@@ -172,6 +182,7 @@ class Source:
     image: Image
     layout: dict[str, Any]
     names: dict[str, str]
+    check: BlockCheck
     entries: dict[str, Entry] = field(default_factory=dict)
 
     def piece(self, key: str) -> Piece | None:
@@ -216,8 +227,8 @@ def read_sources(storage: LocalStorage, step: int) -> list[Source]:
     for rank in range(int(meta["world_size"])):
         path, record = storage.shard_path(step, rank)
         image, size = read_header(path, record["size"])
-        sources.append(Source(rank, path, size, image, read_layout(image, path),
-                              tensor_names(image.meta["tree"]), {e.name: e for e in image.entries}))
+        sources.append(Source(rank, path, size, image, read_layout(image, path), tensor_names(image.meta["tree"]),
+                              BlockCheck(record, path), {e.name: e for e in image.entries}))
     return sources
 
 
@@ -323,8 +334,14 @@ class RangeReader:
         if flat.nbytes != entry.nbytes:
             raise StateMismatchError(f"{src.path}: entry {entry.name!r} has {entry.nbytes} bytes, "
                                      f"the target {flat.nbytes}")
+        self._verify(src, src.file_offset(entry), entry.nbytes)
         _pread_exact(self._fd(src.path), memoryview(flat), src.file_offset(entry), src.path)
         self.bytes_read += entry.nbytes
+
+    def _verify(self, src: Source, start: int, length: int) -> None:
+        """Check the blocks of ``src`` holding ``[start, start + length)``, and its header once."""
+        src.check.verify_range(self._fd(src.path), 0, len(src.image.header))
+        src.check.verify_range(self._fd(src.path), start, start + length)
 
     def _copy(self, src: Source, entry: Entry, spiece: Piece, dst: np.ndarray, dpiece: Piece, box: Piece) -> None:
         s_start = tuple(b - o for b, o in zip(box.offsets, spiece.offsets))
@@ -332,6 +349,9 @@ class RangeReader:
         s_run = _contiguous_range(spiece.lengths, s_start, box.lengths)
         d_run = _contiguous_range(dpiece.lengths, d_start, box.lengths)
         base = src.file_offset(entry)
+        first = _flat_offset(spiece.lengths, s_start)
+        last = _flat_offset(spiece.lengths, tuple(a + n - 1 for a, n in zip(s_start, box.lengths)))
+        self._verify(src, base + first, last + 1 - first)
         if s_run is not None and d_run is not None:
             flat = dst.reshape(-1)
             view = memoryview(flat[d_run[0]:d_run[0] + d_run[1]])

@@ -3,7 +3,7 @@
 Layout under the checkpoint directory::
 
     step-<N>/rank-<R>.safetensors   one shard per rank (a byte copy of its memory image)
-    step-<N>/metadata.json          world size, per-shard size and crc32; present = committed
+    step-<N>/metadata.json          world size, per-shard size and block crc32s; present = committed
     latest                          the newest committed step, replaced atomically
 
 Shards of a save in progress go to ``step-<N>.tmp-<token>/`` with a small done
@@ -24,11 +24,11 @@ import re
 import shutil
 import threading
 import time
-import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from ._checksum import BLOCK_SIZE, StreamCheck, block_crcs
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["ShardRecord", "LocalStorage", "shard_name"]
@@ -49,14 +49,10 @@ def shard_name(rank: int) -> str:
 class ShardRecord:
     rank: int
     size: int
-    crc32: int
+    block_crc32: list[int]
 
-
-def _crc32(data: memoryview) -> int:
-    crc = 0
-    for start in range(0, len(data), _CHUNK):
-        crc = zlib.crc32(data[start:start + _CHUNK], crc)  # releases the GIL
-    return crc
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "size": self.size, "block_size": BLOCK_SIZE, "block_crc32": self.block_crc32}
 
 
 def _write_file(path: str, data: memoryview) -> None:
@@ -142,21 +138,20 @@ class LocalStorage:
 
         The image (page-aligned in shared memory) goes to disk with ``O_DIRECT`` where the
         file system allows it: no page-cache copy, and the data is on the device when the
-        last write returns. Its crc32 is computed in a second thread meanwhile.
+        last write returns. Its block checksums are computed in a second thread meanwhile.
         """
         pending = self._tmp_dir(step, token)
         os.makedirs(pending, exist_ok=True)
         path = os.path.join(pending, shard_name(rank))
-        crc: list[int] = []
-        summer = threading.Thread(target=lambda: crc.append(_crc32(image)), name="flashckpt-crc32")
+        crcs: list[list[int]] = []
+        summer = threading.Thread(target=lambda: crcs.append(block_crcs(image, BLOCK_SIZE)), name="flashckpt-crc32")
         summer.start()
         try:
             _write_file(path, image)
         finally:
             summer.join()
-        record = ShardRecord(rank, len(image), crc[0])
-        _write_atomic(os.path.join(pending, f"rank-{rank}.done"),
-                      json.dumps({"rank": rank, "size": record.size, "crc32": record.crc32}).encode())
+        record = ShardRecord(rank, len(image), crcs[0])
+        _write_atomic(os.path.join(pending, f"rank-{rank}.done"), json.dumps(record.to_json()).encode())
         return record
 
     @contextmanager
@@ -183,8 +178,8 @@ class LocalStorage:
                     return False
             meta = {"format": "flashckpt/1", "step": step, "world_size": world_size, "token": token,
                     "committed_at": time.time(),
-                    "shards": {r: {"file": shard_name(int(r)), "size": s["size"], "crc32": s["crc32"]}
-                               for r, s in shards.items()}}
+                    "shards": {r: {"file": shard_name(int(r)), "size": s["size"], "block_size": s["block_size"],
+                                   "block_crc32": s["block_crc32"]} for r, s in shards.items()}}
             _write_atomic(os.path.join(pending, "metadata.json"), json.dumps(meta, indent=1).encode())
             final = self.step_dir(step)
             if os.path.exists(final):  # the same step saved again after a rollback
@@ -249,7 +244,7 @@ class LocalStorage:
             raise CorruptCheckpointError(f"{path}: unreadable metadata: {exc}") from exc
 
     def shard_path(self, step: int, rank: int) -> tuple[str, dict]:
-        """The path of a committed shard and its record (size, crc32)."""
+        """The path of a committed shard and its record (size, block checksums)."""
         meta = self.metadata(step)
         record = meta["shards"].get(str(rank))
         if record is None:
@@ -274,10 +269,12 @@ class LocalStorage:
             if size != record["size"]:
                 problems.append(f"{path}: {size} bytes, metadata says {record['size']} (truncated?)")
                 continue
-            crc = 0
-            with open(path, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    crc = zlib.crc32(chunk, crc)
-            if crc != record["crc32"]:
-                problems.append(f"{path}: checksum {crc:#010x} != recorded {record['crc32']:#010x}")
+            try:
+                check = StreamCheck(record, path)
+                with open(path, "rb") as f:
+                    while chunk := f.read(_CHUNK):
+                        check.update(chunk)
+                check.finish()
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
         return problems

@@ -16,11 +16,11 @@ import base64
 import logging
 import mmap
 import os
-import zlib
 from typing import Any
 
 import numpy as np
 
+from .._checksum import StreamCheck
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import parse_header
 from .._numpy_kind import _DTYPES
@@ -48,12 +48,13 @@ def read_step(directory: str, step: int) -> tuple[dict[str, np.ndarray], str | N
         if size != record["size"]:
             raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {record['size']} (truncated?)")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    crc = 0
-    for at in range(0, size, 64 << 20):
-        crc = zlib.crc32(mm[at:at + (64 << 20)], crc)
-    if crc != record["crc32"]:
+    try:
+        check = StreamCheck(record, path)
+        check.update(mm)
+        check.finish()
+    except CorruptCheckpointError:
         mm.close()
-        raise CorruptCheckpointError(f"{path}: checksum {crc:#010x} does not match the recorded {record['crc32']:#010x}")
+        raise
     (n,) = np.frombuffer(mm, dtype="<u8", count=1)
     image = parse_header(mm[:8 + int(n)], path, size)
     root = _children(image.meta["tree"])

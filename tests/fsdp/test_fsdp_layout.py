@@ -116,3 +116,32 @@ def test_numpy_views_are_bytes():
     t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
     assert _host_bytes(t).shape == (2, 6) and _host_bytes(torch.tensor(1.0)).shape == (4,)
     assert isinstance(_host_bytes(t), np.ndarray)
+
+
+def test_ranged_reads_verify_only_the_blocks_they_touch(tmp_path, monkeypatch):
+    """A flipped byte in a block a resharded load reads is a checksum error naming the
+    file; one in a block it does not read costs nothing (no whole-file read)."""
+    monkeypatch.setattr("flashckpt._storage.BLOCK_SIZE", 4096)
+    full = torch.arange(16384.0).reshape(4096, 4)  # 64 KiB: 16 blocks of 4 KiB
+    storage = _write_step(tmp_path, {0: {"w": (full, Piece((0, 0), (4096, 4)), (4096, 4))}})
+    path, record = storage.shard_path(1, 0)
+    assert record["block_size"] == 4096 and len(record["block_crc32"]) == -(-record["size"] // 4096)
+    (source,) = read_sources(storage, 1)
+    data_start = source.file_offset(source.entry("t/w"))
+    last_row = Piece((4095, 0), (1, 4))
+
+    def flip(at):
+        with open(path, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 0xFF]))
+
+    flip(data_start + 512 * 16)  # row 512: neither in the header's block nor in the last row's
+    with RangeReader(read_sources(storage, 1)) as reader:
+        out = torch.zeros(1, 4)
+        reader.fill("t/w", _host_bytes(out), last_row, "F32", (4096, 4))
+        assert torch.equal(out, full[4095:])
+        with pytest.raises(CorruptCheckpointError, match=r"rank-0\.safetensors: checksum"):
+            reader.fill("t/w", _host_bytes(torch.zeros(2, 4)), Piece((511, 0), (2, 4)), "F32", (4096, 4))
+    assert storage.verify(1) and "checksum" in storage.verify(1)[0]
