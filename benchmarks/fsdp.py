@@ -28,16 +28,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,49 +42,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO)]
 
+from tests.checkpoint._dist import run_ranks  # noqa: E402
+
 HIDDEN = 2048
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out: Any) -> None:
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        out.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn(fn: Callable, world: int, *args: Any) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` gloo ranks; plain results by rank."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, errors = {}, []
-    try:
-        for _ in range(world):
-            rank, status, value = out.get(timeout=3600)
-            (results.__setitem__(rank, value) if status == "ok" else errors.append(f"rank {rank}:\n{value}"))
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [results[r] for r in range(world)]
 
 
 def build(layers: int):
@@ -278,8 +235,8 @@ def main() -> None:
     layers = max(1, round(args.params_m * 1e6 / (HIDDEN * HIDDEN + HIDDEN)))
     root = tempfile.mkdtemp(prefix="flashckpt-fsdp-bench-", dir=args.dir)
     try:
-        spawn(save_sources, 1, root, layers)
-        result = spawn(measure, 2, root, layers, args.repeats)[0]
+        run_ranks(save_sources, 1, root, layers, timeout=3600)
+        result = run_ranks(measure, 2, root, layers, args.repeats, timeout=3600)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {name: statistics.median(v) for name, v in result["samples"].items()}
