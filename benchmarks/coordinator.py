@@ -1,12 +1,16 @@
-"""Coordinator speed: acquire+complete pairs per second and their latency, per backend and
-number of worker processes, next to the floor of the same machine.
+"""Coordinator speed: operations per second and their latency, per backend, number of
+worker processes and way of calling, next to the floor of the same machine.
 
-    python benchmarks/coordinator.py [--seconds 2] [--workers 1,8,32]
+    python benchmarks/coordinator.py [--seconds 2] [--workers 1,8,32] [--repeats 1]
 
-Floors: ``redis-benchmark`` PING round trips (C client, pipelining off) and the same
-round trips from redis-py in as many Python processes; an empty ``BEGIN IMMEDIATE;
-COMMIT`` on a WAL SQLite file. One acquire+complete pair is two round trips (two Lua
-scripts) or two SQLite transactions, so ratios compare ``2 x pairs/s`` with the floor.
+Two ways of calling: ``pair`` = ``acquire`` then ``complete`` (two round trips / two
+SQLite transactions per shard), ``combined`` = ``complete_and_acquire`` (one per shard).
+Floors: ``redis-benchmark`` PING round trips (C client, pipelining off, as many clients
+as worker processes), the same PINGs from Python in as many processes (redis-py's
+``Redis.ping()``, and a packed PING over one ``redis.connection.Connection``: the
+transport the Redis store itself uses, so the best a Python client can do), each with
+its p50/p99; an empty ``BEGIN IMMEDIATE; COMMIT`` on a WAL SQLite file. Ratios compare
+round trips per second (``ops/s x round trips per op``) with each floor.
 A simulation of 10,000 workers against the Redis backend measures the server's cost per
 script and says whether the coordinator or the workers bound the job.
 Prints a table and writes ``results/coordinator.json``.
@@ -42,55 +46,98 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def _pairs(url: str, options: dict[str, Any], worker: str, start_at: float, seconds: float, out: Any) -> None:
-    """One benchmark worker: acquire+complete pairs until the clock runs out."""
+#: round trips (or SQLite transactions) per operation
+ROUND_TRIPS = {"pair": 2, "combined": 1}
+
+
+def _ops(url: str, options: dict[str, Any], worker: str, mode: str, gate: "_Gate", seconds: float, out: Any) -> None:
+    """One benchmark worker: shards until the clock runs out, one latency per shard."""
     ds = sharding.connect(url, **options).dataset("bench", **DEFINITION)
     latencies = []
-    while time.time() < start_at:
-        time.sleep(0.001)
+    start_at = gate.wait()
+    stop = start_at + seconds
+    if mode == "pair":
+        while (began := time.perf_counter()) and time.time() < stop:
+            ds.complete(ds.acquire(worker))
+            latencies.append(time.perf_counter() - began)
+    else:
+        shard = ds.acquire(worker)
+        while (began := time.perf_counter()) and time.time() < stop:
+            shard = ds.complete_and_acquire(shard)
+            latencies.append(time.perf_counter() - began)
+    out.put(latencies)
+
+
+def _ping_floor(port: int, password: str, how: str, gate: "_Gate", seconds: float, out: Any) -> None:
+    """PING round trips from Python: redis-py's client (``client``) or a packed command
+    on one connection, as the Redis store sends its scripts (``packed``)."""
+    import redis
+    from redis.connection import Connection
+
+    client = redis.Redis(host="127.0.0.1", port=port, password=password)
+    connection = Connection(host="127.0.0.1", port=port, password=password)
+    connection.connect()
+    packed = [b"*1\r\n$4\r\nPING\r\n"]
+
+    def ping() -> None:
+        connection.send_packed_command(packed, check_health=False)
+        connection.read_response()
+
+    call = client.ping if how == "client" else ping
+    call()
+    latencies = []
+    start_at = gate.wait()
     stop = start_at + seconds
     while (began := time.perf_counter()) and time.time() < stop:
-        ds.complete(ds.acquire(worker))
+        call()
         latencies.append(time.perf_counter() - began)
     out.put(latencies)
 
 
-def _ping_floor(port: int, password: str, start_at: float, seconds: float, out: Any) -> None:
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port, password=password)
-    client.ping()
-    while time.time() < start_at:
-        time.sleep(0.001)
-    count, stop = 0, start_at + seconds
-    while time.time() < stop:
-        client.ping()
-        count += 1
-    out.put([0.0] * count)
-
-
-def _sqlite_floor(path: str, start_at: float, seconds: float, out: Any) -> None:
+def _sqlite_floor(path: str, gate: "_Gate", seconds: float, out: Any) -> None:
     db = sqlite3.connect(path, timeout=30, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
-    while time.time() < start_at:
-        time.sleep(0.001)
-    count, stop = 0, start_at + seconds
-    while time.time() < stop:
+    start_at = gate.wait()
+    stop = start_at + seconds
+    latencies = []
+    while (began := time.perf_counter()) and time.time() < stop:
         db.execute("BEGIN IMMEDIATE")
         db.execute("COMMIT")
-        count += 1
-    out.put([0.0] * count)
+        latencies.append(time.perf_counter() - began)
+    out.put(latencies)
+
+
+class _Gate:
+    """Starts every process of a fleet at one moment, once all have connected."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ready, self.go, self.at = ctx.Semaphore(0), ctx.Event(), ctx.Value("d", 0.0)
+
+    def wait(self) -> float:
+        """In a fleet process, once connected: block until the common start; return it."""
+        self.ready.release()
+        self.go.wait()
+        while time.time() < self.at.value:
+            time.sleep(0.0005)
+        return float(self.at.value)
+
+    def open(self, count: int) -> None:
+        for _ in range(count):
+            if not self.ready.acquire(timeout=120):
+                raise RuntimeError("a benchmark process did not get ready")
+        self.at.value = time.time() + 0.2
+        self.go.set()
 
 
 def _fleet(target: Any, args: list[tuple[Any, ...]], seconds: float) -> dict[str, float]:
-    """Run ``target(*a, start_at, seconds, queue)`` in one spawned process per ``a``."""
+    """Run ``target(*a, gate, seconds, queue)`` in one spawned process per ``a``."""
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    start_at = time.time() + 1.5 + 0.1 * len(args)  # every process imported and connected
-    procs = [ctx.Process(target=target, args=(*a, start_at, seconds, out)) for a in args]
+    out, gate = ctx.Queue(), _Gate(ctx)
+    procs = [ctx.Process(target=target, args=(*a, gate, seconds, out)) for a in args]
     for p in procs:
         p.start()
+    gate.open(len(procs))
     latencies = [x for _ in procs for x in out.get(timeout=120 + seconds)]
     for p in procs:
         p.join()
@@ -107,19 +154,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _redis_benchmark(port: int, password: str, clients: int) -> float:
+def _redis_benchmark(port: int, password: str, clients: int) -> dict[str, float]:
+    """The C client's PING_MBULK rate and latency with ``clients`` connections."""
     out = subprocess.run(
         ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-a", password, "-t", "ping_mbulk",
-         "-n", str(max(20_000, 5_000 * clients)), "-c", str(clients), "--csv"],
+         "-n", str(max(50_000, 5_000 * clients)), "-c", str(clients), "--csv"],
         capture_output=True, text=True, check=True,
     ).stdout
-    line = [row for row in out.splitlines() if row.startswith('"PING_MBULK"')][0]
-    return float(line.split(",")[1].strip('"'))
+    lines = [row.replace('"', "").split(",") for row in out.splitlines()]
+    header, values = lines[0], [row for row in lines if row[0] == "PING_MBULK"][0]
+    named = dict(zip(header, values))
+    return {"ops_per_s": float(named["rps"]), "p50_ms": float(named["p50_latency_ms"]),
+            "p99_ms": float(named["p99_latency_ms"])}
 
 
 def _simulate(url: str, options: dict[str, Any], port: int, password: str, workers: int) -> dict[str, Any]:
-    """10,000 workers each holding a lease: server microseconds per script, then capacity
-    against the load such a job makes (a shard every ``shard_seconds`` per worker,
+    """10,000 workers each holding a lease: server microseconds per script (acquire,
+    heartbeat, complete_and_acquire, complete), then capacity against the load such a job
+    makes (one complete_and_acquire per shard every ``shard_seconds`` per worker,
     heartbeats every ``lease_timeout / 3``)."""
     import redis
 
@@ -131,6 +183,7 @@ def _simulate(url: str, options: dict[str, Any], port: int, password: str, worke
     held = [ds.acquire(n) for n in names]  # 10,000 leases out at once
     for n in names:
         ds.heartbeat(n)
+    held = [ds.complete_and_acquire(shard) for shard in held]  # how a worker moves on
     for shard in held:
         ds.complete(shard)
     client_seconds = time.perf_counter() - began
@@ -139,7 +192,7 @@ def _simulate(url: str, options: dict[str, Any], port: int, password: str, worke
     usec = float(scripts.get("usec_per_call", 0.0))
     calls = int(scripts.get("calls", 0))
     shard_seconds, heartbeat_seconds = 10.0, 20.0
-    demand = workers * (2 / shard_seconds + 1 / heartbeat_seconds)  # scripts per second
+    demand = workers * (1 / shard_seconds + 1 / heartbeat_seconds)  # scripts per second (combined calls)
     capacity = 1e6 / usec if usec else float("inf")  # one server thread
     return {
         "workers": workers,
@@ -155,16 +208,124 @@ def _simulate(url: str, options: dict[str, Any], port: int, password: str, worke
     }
 
 
+def _ratios(row: dict[str, Any], floors: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Round trips per second of ``row`` against each floor (ops/s of the floor)."""
+    trips = row["ops_per_s"] * ROUND_TRIPS[row["mode"]]
+    return {f"vs_{name}": trips / floor["ops_per_s"] for name, floor in floors.items()}
+
+
+def _measure_sqlite(tmp: Path, n: int, seconds: float, run: int) -> list[dict[str, Any]]:
+    floor = _fleet(_sqlite_floor, [(str(tmp / f"floor-{n}-{run}.db"),) for _ in range(n)], seconds)
+    floors = {"sqlite_empty_txn": floor}
+    rows = []
+    for mode in ROUND_TRIPS:
+        url = f"sqlite://{tmp / f'bench-{n}-{mode}-{run}.db'}"
+        row = {"backend": "sqlite", "mode": mode, "workers": n, "run": run,
+               **_fleet(_ops, [(url, {}, f"w{i}", mode) for i in range(n)], seconds)}
+        rows.append({**row, **_ratios(row, floors), "floors": floors})
+    return rows
+
+
+def _measure_redis(url: str, port: int, password: str, n: int, seconds: float, run: int) -> list[dict[str, Any]]:
+    floors = {
+        "c": _redis_benchmark(port, password, n),
+        "py_packed": _fleet(_ping_floor, [(port, password, "packed") for _ in range(n)], seconds),
+        "py_client": _fleet(_ping_floor, [(port, password, "client") for _ in range(n)], seconds),
+    }
+    rows = []
+    for mode in ROUND_TRIPS:
+        options = {"key_prefix": f"bench{n}-{mode}-{run}:"}
+        row = {"backend": "redis", "mode": mode, "workers": n, "run": run,
+               **_fleet(_ops, [(url, options, f"w{i}", mode) for i in range(n)], seconds)}
+        rows.append({**row, **_ratios(row, floors), "floors": floors})
+    return rows
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
+
+
+def _verdicts(rows: list[dict[str, Any]], workers: int) -> dict[str, Any]:
+    """The issue's goals at ``workers`` processes, on medians over runs."""
+    out: dict[str, Any] = {}
+    for mode in ROUND_TRIPS:
+        mine = [r for r in rows if r["backend"] == "redis" and r["mode"] == mode and r["workers"] == workers]
+        if not mine:
+            continue
+        floors = [r["floors"] for r in mine]
+        out[f"redis_{mode}"] = {
+            "workers": workers,
+            "ops_per_s": _median([r["ops_per_s"] for r in mine]),
+            "round_trips_vs_c_floor": _median([r["vs_c"] for r in mine]),
+            "round_trips_vs_python_floor": _median([r["vs_py_packed"] for r in mine]),
+            "p99_ms": _median([r["p99_ms"] for r in mine]),
+            "python_floor_vs_c_floor": _median([f["py_packed"]["ops_per_s"] / f["c"]["ops_per_s"] for f in floors]),
+            "python_floor_p99_ms": _median([f["py_packed"]["p99_ms"] for f in floors]),
+            "redis_py_floor_p99_ms": _median([f["py_client"]["p99_ms"] for f in floors]),
+            "c_floor_p99_ms": _median([f["c"]["p99_ms"] for f in floors]),
+        }
+        v = out[f"redis_{mode}"]
+        v["goal_half_of_c_floor"] = v["round_trips_vs_c_floor"] >= 0.5
+        v["goal_p99_under_5ms"] = v["p99_ms"] < 5.0
+    sqlite = [r for r in rows if r["backend"] == "sqlite" and r["mode"] == "pair" and r["workers"] == 8]
+    if sqlite:
+        out["sqlite_pair_8"] = {"ops_per_s": _median([r["ops_per_s"] for r in sqlite])}
+        out["sqlite_pair_8"]["goal_2000_per_s"] = out["sqlite_pair_8"]["ops_per_s"] >= 2000
+    return out
+
+
+def _print(rows: list[dict[str, Any]], verdicts: dict[str, Any], simulation: dict[str, Any] | None) -> None:
+    print(f"\ncoordinator ({os.cpu_count()} cores, Python {platform.python_version()}); pair = acquire+complete "
+          "(2 round trips), combined = complete_and_acquire (1); rt = round trips")
+    print(f"{'backend':7} {'mode':9} {'procs':>5} {'run':>3} {'ops/s':>8} {'p50 ms':>7} {'p99 ms':>7} | "
+          f"{'floor':16} {'floor/s':>8} {'fl p50':>7} {'fl p99':>7} {'rt/floor':>8}")
+    for r in rows:
+        first = True
+        for name, floor in r.get("floors", {}).items():
+            head = (f"{r['backend']:7} {r['mode']:9} {r['workers']:>5} {r['run']:>3} {r['ops_per_s']:>8.0f} "
+                    f"{r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}") if first else " " * 52
+            print(f"{head} | {name:16} {floor['ops_per_s']:>8.0f} {floor.get('p50_ms', float('nan')):>7.2f} "
+                  f"{floor.get('p99_ms', float('nan')):>7.2f} {r[f'vs_{name}']:>8.2f}")
+            first = False
+        if first:
+            print(f"{r['backend']:7} {r['mode']:9} {r['workers']:>5} {r['run']:>3} {r['ops_per_s']:>8.0f} "
+                  f"{r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} |")
+    print("\ngoals (medians over runs):")
+    for name, v in verdicts.items():
+        if name.startswith("redis_"):
+            print(f"  {name} at {v['workers']} procs: {v['ops_per_s']:.0f} ops/s = {v['round_trips_vs_c_floor']:.0%} of the C "
+                  f"round-trip rate (goal 50%: {'met' if v['goal_half_of_c_floor'] else 'MISSED'}); "
+                  f"{v['round_trips_vs_python_floor']:.0%} of the Python-client floor, which itself is "
+                  f"{v['python_floor_vs_c_floor']:.0%} of the C rate; p99 {v['p99_ms']:.2f} ms (goal <5 ms: "
+                  f"{'met' if v['goal_p99_under_5ms'] else 'MISSED'}; PING p99 from the same processes: bare Python "
+                  f"{v['python_floor_p99_ms']:.2f} ms, redis-py {v['redis_py_floor_p99_ms']:.2f} ms; C "
+                  f"{v['c_floor_p99_ms']:.2f} ms)")
+        else:
+            print(f"  {name}: {v['ops_per_s']:.0f} pairs/s (goal 2,000: {'met' if v['goal_2000_per_s'] else 'MISSED'})")
+    if simulation:
+        s = simulation
+        print(f"\nsimulation: {s['workers']} workers on redis: {s['server_usec_per_script']:.1f} us of server time per "
+              f"script -> capacity {s['server_capacity_scripts_per_s']:.0f} scripts/s; a job with "
+              f"{s['assumed_shard_seconds']:.0f} s shards and {s['assumed_heartbeat_seconds']:.0f} s heartbeats needs "
+              f"{s['demand_scripts_per_s']:.0f}/s (utilisation {s['server_utilisation']:.0%}): bottleneck = {s['bottleneck']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--workers", default="1,8,32")
-    parser.add_argument("--simulated-workers", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every measurement, interleaved")
+    parser.add_argument("--backends", default="memory,sqlite,redis")
+    parser.add_argument("--simulated-workers", type=int, default=10_000, help="0: no simulation")
     parser.add_argument("--out", default=str(ROOT / "results" / "coordinator.json"))
     args = parser.parse_args()
     counts = [int(n) for n in args.workers.split(",")]
+    backends = set(args.backends.split(","))
     if shutil.which("redis-server") is None:
         sys.exit("redis-server is not installed (make redis-server)")
+    import redis.utils
+
     tmp = Path(tempfile.mkdtemp(prefix="coordinator-bench-"))
     password, port = "bench-pw", _free_port()
     server = subprocess.Popen(
@@ -172,6 +333,8 @@ def main() -> None:
          "--appendonly", "no", "--requirepass", password, "--logfile", str(tmp / "redis.log")]
     )
     rows: list[dict[str, Any]] = []
+    simulation = None
+    load_before = os.getloadavg()
     try:
         for _ in range(200):
             if subprocess.run(["redis-cli", "-p", str(port), "-a", password, "--no-auth-warning", "ping"],
@@ -179,47 +342,36 @@ def main() -> None:
                 break
             time.sleep(0.05)
         redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
-        ds = sharding.connect("memory://bench").dataset("bench", **DEFINITION)
-        latencies, stop = [], time.time() + args.seconds
-        while (began := time.perf_counter()) and time.time() < stop:
-            ds.complete(ds.acquire("w"))
-            latencies.append(time.perf_counter() - began)
-        rows.append({"backend": "memory", "workers": 1, "ops_per_s": len(latencies) / args.seconds,
-                     "p50_ms": _percentile(latencies, 0.5) * 1e3, "p99_ms": _percentile(latencies, 0.99) * 1e3})
-        for n in counts:
-            db = tmp / f"bench-{n}.db"
-            row = _fleet(_pairs, [(f"sqlite://{db}", {}, f"w{i}") for i in range(n)], args.seconds)
-            floor = _fleet(_sqlite_floor, [(str(tmp / f"floor-{n}.db"),) for _ in range(n)], args.seconds)
-            rows.append({"backend": "sqlite", "workers": n, **row, "floor": "empty BEGIN IMMEDIATE;COMMIT (python)",
-                         "floor_per_s": floor["ops_per_s"], "ratio": 2 * row["ops_per_s"] / floor["ops_per_s"]})
-        for n in counts:
-            options = {"key_prefix": f"bench{n}:"}
-            row = _fleet(_pairs, [(redis_url, options, f"w{i}") for i in range(n)], args.seconds)
-            c_floor = _redis_benchmark(port, password, n)
-            py_floor = _fleet(_ping_floor, [(port, password) for _ in range(n)], args.seconds)["ops_per_s"]
-            rows.append({"backend": "redis", "workers": n, **row, "floor": "redis-benchmark PING (C)",
-                         "floor_per_s": c_floor, "ratio": 2 * row["ops_per_s"] / c_floor,
-                         "python_floor_per_s": py_floor, "python_ratio": 2 * row["ops_per_s"] / py_floor})
-        simulation = _simulate(redis_url, {"key_prefix": "sim:"}, port, password, args.simulated_workers)
+        if "memory" in backends:
+            ds = sharding.connect("memory://bench").dataset("bench", **DEFINITION)
+            latencies, stop = [], time.time() + args.seconds
+            while (began := time.perf_counter()) and time.time() < stop:
+                ds.complete(ds.acquire("w"))
+                latencies.append(time.perf_counter() - began)
+            rows.append({"backend": "memory", "mode": "pair", "workers": 1, "run": 0,
+                         "ops_per_s": len(latencies) / args.seconds,
+                         "p50_ms": _percentile(latencies, 0.5) * 1e3, "p99_ms": _percentile(latencies, 0.99) * 1e3})
+        for run in range(args.repeats):
+            for n in counts:
+                if "sqlite" in backends:
+                    rows += _measure_sqlite(tmp, n, args.seconds, run)
+                if "redis" in backends:
+                    rows += _measure_redis(redis_url, port, password, n, args.seconds, run)
+        if "redis" in backends and args.simulated_workers:
+            simulation = _simulate(redis_url, {"key_prefix": "sim:"}, port, password, args.simulated_workers)
     finally:
         server.terminate()
         server.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"\ncoordinator: acquire+complete pairs ({os.cpu_count()} cores, {platform.python_version()})")
-    print(f"{'backend':8} {'procs':>5} {'pairs/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'floor/s':>9} {'2*pairs/floor':>13} {'vs py floor':>11}")
-    for r in rows:
-        print(f"{r['backend']:8} {r['workers']:>5} {r['ops_per_s']:>9.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
-              f"{r.get('floor_per_s', float('nan')):>9.0f} {r.get('ratio', float('nan')):>13.2f} "
-              f"{r.get('python_ratio', float('nan')):>11.2f}")
-    s = simulation
-    print(f"\nsimulation: {s['workers']} workers on redis: {s['server_usec_per_script']:.1f} us of server time per script "
-          f"-> capacity {s['server_capacity_scripts_per_s']:.0f} scripts/s; a job with {s['assumed_shard_seconds']:.0f} s shards "
-          f"and {s['assumed_heartbeat_seconds']:.0f} s heartbeats needs {s['demand_scripts_per_s']:.0f}/s "
-          f"(utilisation {s['server_utilisation']:.0%}): bottleneck = {s['bottleneck']}")
+    verdicts = _verdicts(rows, max(counts))
+    _print(rows, verdicts, simulation)
+    load = {"before": load_before, "after": os.getloadavg()}
+    print(f"load average before {load_before[0]:.2f}, after {load['after'][0]:.2f}; hiredis: {redis.utils.HIREDIS_AVAILABLE}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "simulation": simulation, "seconds": args.seconds,
+    out.write_text(json.dumps({"rows": rows, "goals": verdicts, "simulation": simulation, "seconds": args.seconds,
+                               "repeats": args.repeats, "load_average": load, "hiredis": redis.utils.HIREDIS_AVAILABLE,
                                "cores": os.cpu_count(), "python": platform.python_version()}, indent=2))
     print(f"wrote {out}")
 
