@@ -304,6 +304,13 @@ class Engine:
         with self._lock.held():
             return self._headers()[index].info
 
+    def memory_image(self, step: int) -> Image:
+        """The parsed header (tensor entries and saved tree) of this rank's in-memory copy of ``step``."""
+        path = self._slot_paths[self._memory_slot(step)[0]]
+        with open(path, "rb", buffering=0) as f:  # pread: mapping the slot would cost more than the read
+            (n,) = struct.unpack("<Q", os.pread(f.fileno(), 8, HEADER_SIZE))
+            return parse_header(os.pread(f.fileno(), 8 + n, HEADER_SIZE), path)
+
     def persist(self, step: int) -> None:
         """Have the saver persist (and export) this rank's in-memory copy of ``step`` now;
         :meth:`wait` for it to be durable."""

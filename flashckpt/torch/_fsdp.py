@@ -38,7 +38,6 @@ from .. import _events
 from .._base import EngineCheckpointer
 from .._engine import Engine, LoadInfo, Options, place
 from .._errors import CheckpointError, StateMismatchError
-from .._format import parse_header
 from .._reshard import LAYOUT_KEY, Piece, RangeReader, path_key, read_header, read_layout, read_sources
 from .._tree import merge_into
 from ._checkpointer import collective_for
@@ -232,7 +231,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         else:
             source = "memory" if step in common else "storage"
         target = self._collect(model, None, {})
-        peeks = self._engine.on_all_ranks(lambda: self._peek(target, step, source, memory),
+        peeks = self._engine.on_all_ranks(lambda: self._peek(target, step, source),
                                    f"reading the layout of step {step} from {source}")
         saved_optim = {optim for _, optim in peeks}
         filling = optimizer is not None and saved_optim == {True}
@@ -268,17 +267,12 @@ class FsdpCheckpointer(EngineCheckpointer):
         self.extra = target.tree["extra"]
         return loaded
 
-    def _peek(self, target: _Target, step: int, source: str, memory: dict[int, tuple[int, int]]) -> tuple[bool, Any]:
+    def _peek(self, target: _Target, step: int, source: str) -> tuple[bool, Any]:
         """(same layout as ``target``, the layout's ``optimizer``: True, False or
         :data:`FRESH`) for this rank's copy of ``step``."""
         coll = self._engine.collective
         if source == "memory":
-            index, _ = memory[step]
-            slot = self._engine._slot(index, create=False)
-            if slot is None:
-                raise CheckpointError(f"the memory slot of step {step} vanished")
-            image = parse_header(slot.image(slot.read_header().image_len), slot.path)
-            layout, world = read_layout(image, slot.path), coll.world_size
+            layout, world = read_layout(self._engine.memory_image(step), f"step {step} in memory"), coll.world_size
         else:
             world = int(self._engine.storage.metadata(step)["world_size"])
             path, record = self._engine.storage.shard_path(step, coll.rank if coll.rank < world else 0)
