@@ -82,16 +82,17 @@ local function acquire(worker, timeout, num_shards, num_epochs, request)
       push_front(slot, (drop(slot)))
     end
   end
-  local position = redis.call('HMGET', meta, 'epoch', 'cursor')
-  local epoch, cursor = tonumber(position[1]), tonumber(position[2])
+  local position = redis.call('HMGET', meta, 'epoch', 'cursor', 'token')
+  local epoch, cursor, token = tonumber(position[1]), tonumber(position[2]), tonumber(position[3]) + 1
   local slot, consumed
   local front = redis.call('LPOP', queue)
   if front then
     slot, consumed = tonumber(front), tonumber(redis.call('HGET', qpos, front))
     redis.call('HDEL', qpos, front)
+    redis.call('HSET', meta, 'token', token)
   elseif cursor < num_shards then
     slot, consumed = cursor, 0
-    redis.call('HSET', meta, 'cursor', cursor + 1)
+    redis.call('HSET', meta, 'cursor', cursor + 1, 'token', token)
   elseif redis.call('HLEN', lease) > 0 then
     local first = redis.call('ZRANGE', dl, 0, 0, 'WITHSCORES')
     return {'wait', tostring(math.max(0, tonumber(first[2]) - now))}
@@ -99,14 +100,14 @@ local function acquire(worker, timeout, num_shards, num_epochs, request)
     return {'none'}
   else
     epoch, slot, consumed = epoch + 1, 0, 0
-    redis.call('HSET', meta, 'epoch', epoch, 'cursor', 1)
+    redis.call('HSET', meta, 'epoch', epoch, 'cursor', 1, 'token', token)
   end
-  local token = redis.call('HINCRBY', meta, 'token', 1)
   redis.call('HSET', lease, slot, token..'|'..consumed..'|'..worker)
   redis.call('ZADD', dl, now + timeout, slot)
   redis.call('SADD', base..'w:'..worker, slot)
-  redis.call('HINCRBY', stats, 'a:'..worker, 1)
-  redis.call('HINCRBY', stats, 'c:'..worker, 0)
+  if redis.call('HINCRBY', stats, 'a:'..worker, 1) == 1 then  -- a new worker: completed 0
+    redis.call('HSETNX', stats, 'c:'..worker, 0)
+  end
   redis.call('HSET', req, worker, request..'|'..slot..'|'..token)
   return {'grant', epoch, slot, consumed, token}
 end
