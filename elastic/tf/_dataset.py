@@ -93,21 +93,28 @@ class ShardDataset(tf.data.Dataset):
         self.positions = positions
         definition = positions.dataset.definition
 
+        shuffle = definition.shuffle
+
         def generate():
             for shard, position in positions.shards():
-                if definition.shuffle:
+                if shuffle:
                     order = sharding.sample_order(shard.start, shard.end, seed=shard.seed, epoch=shard.epoch,
                                                   shard=shard.index, shuffle=True)
-                    rest = np.asarray(order[position:], dtype=np.int64)
-                    start = shard.start
-                else:
-                    start = shard.start + position
-                    rest = np.arange(start, shard.end, dtype=np.int64)
-                yield ShardSpec(start, shard.end, rest, shard.file or "", shard.index, shard.epoch)
+                    yield (shard.start, shard.end, np.asarray(order[position:], dtype=np.int64),
+                           shard.file or "", shard.index, shard.epoch)
+                else:  # the indices are a range: built by TF, not copied across from Python
+                    yield shard.start + position, shard.end, shard.file or "", shard.index, shard.epoch
 
         # leasing runs a couple of shards ahead on tf.data's thread, so the reader never waits
         # for the coordinator round trip (records count only once the step consumed them)
-        self._source = tf.data.Dataset.from_generator(generate, output_signature=_SIGNATURE).prefetch(_SHARDS_AHEAD)
+        if shuffle:
+            source = tf.data.Dataset.from_generator(generate, output_signature=tuple(_SIGNATURE))
+            source = source.map(ShardSpec, num_parallel_calls=None)
+        else:
+            signature = tuple(spec for name, spec in zip(ShardSpec._fields, _SIGNATURE) if name != "indices")
+            source = tf.data.Dataset.from_generator(generate, output_signature=signature).map(
+                lambda start, end, file, index, epoch: ShardSpec(start, end, tf.range(start, end), file, index, epoch))
+        self._source = source.prefetch(_SHARDS_AHEAD) if _SHARDS_AHEAD else source
         super().__init__(self._source._variant_tensor)
 
     def _inputs(self) -> list[tf.data.Dataset]:

@@ -8,15 +8,20 @@ consumed records maps to positions in the shards, first handed out first; that h
 when the reader yields exactly one record per index of the shard and nothing reorders
 records across shards (use the coordinator's ``shuffle=True``, not a shuffle buffer).
 
-Committing to the coordinator (report positions, complete shards) happens after each
-step, or — when a flash checkpointer owns the positions (``deferred``) — right after
-each checkpoint, so the coordinator never runs ahead of the newest checkpoint: after a
+Committing to the coordinator (report positions, complete shards) happens as steps
+finish shards, or — when a flash checkpointer owns the positions (``deferred``) — right
+after each checkpoint, so the coordinator never runs ahead of the newest checkpoint: after a
 kill and restore, the worker's leases resume exactly where its model was saved. The
 checkpoint also carries the positions, so a commit lost to a kill between the save and
 the report is re-applied on restore. Trade-off: with ``Rollback.WORKER`` a restore from
 *storage* (memory lost with the node) cannot undo shards completed after that step; one
 worker (or all workers restarting together) can use ``Rollback.DATASET`` instead, which
 rolls the whole data set back to the saved coordinator state.
+
+Cost: a shard the step finished is completed by the producer (tf.data's thread) in the
+same coordinator round trip that leases the next shard (``complete_and_acquire``), so the
+training thread makes no coordinator call per shard; while no pass is producing, or at
+the latest every ``REPORT_SECONDS``, the consumer completes them itself.
 """
 
 from __future__ import annotations
@@ -126,7 +131,8 @@ class ShardPositions:
         self._pass = 0
         self._started = False
         self._over_consumed = False
-        self._finished = False
+        self._finished = False  # a shard was finished since the last completion
+        self._producing = False  # a pass is running: its next lease completes finished shards
         self._last_report = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -146,6 +152,15 @@ class ShardPositions:
             self._fifo.clear()
             self._stranded.clear()  # the replay below covers them
             replay = [lease for lease in self._held if lease.done < len(lease.shard)]
+            self._producing = True
+        try:
+            yield from self._produce(me, replay)
+        finally:
+            with self._lock:
+                if me == self._pass:
+                    self._producing = False
+
+    def _produce(self, me: int, replay: list[_Lease]) -> Iterator[tuple[sharding.Shard, int]]:
         for lease in replay:
             with self._lock:
                 if me != self._pass:
@@ -174,15 +189,83 @@ class ShardPositions:
             yield shard, lease.done
 
     def _acquire(self) -> sharding.Shard | None:
+        """Lease the next shard, completing the shards the step finished in the same round
+        trip. Waits for other workers' leases only while none of ours is in flight (else it
+        could wait for ourselves: the pass ends instead)."""
         with self._lock:
+            in_flight = any(lease.done < len(lease.shard) for lease in self._held)
+            # one completion rides with each lease (they come at the same rate), the rest
+            # with the next ones; before a wait, all of them (else we could wait for ourselves)
+            finished = self._take_finished(limit=1 if in_flight else None)
             holding = bool(self._held)
-        if not holding:  # nothing of ours can be what we wait for
-            return self.dataset.acquire(self.worker)
-        try:  # records of ours are still in flight: waiting could wait for ourselves
-            return self.dataset.acquire(self.worker, timeout=0)
-        except sharding.AcquireTimeout:
+        timeout = 0 if holding else None
+        last = finished.pop() if finished else None
+        self._finish(finished)
+        try:
+            if last is not None:
+                try:
+                    return self.dataset.complete_and_acquire(last.shard, timeout=timeout)
+                except sharding.LeaseLost as exc:  # not completed, and nothing leased
+                    self._lost(last, exc)
+                last = None
+            return self.dataset.acquire(self.worker, timeout=timeout)
+        except sharding.AcquireTimeout:  # a completion stands
             log.debug("%s: no shard free for %s now; this pass ends", self.dataset.name, self.worker)
             return None
+        except BaseException:
+            if last is not None:  # maybe not completed: again later (a repeat is harmless)
+                self._keep([last])
+            raise
+
+    def _finish(self, leases: list[_Lease]) -> None:
+        """Complete finished leases taken from ``_held``; on a coordinator error the rest
+        go back, to be completed later."""
+        for i, lease in enumerate(leases):
+            try:
+                self._complete(lease)
+            except BaseException:
+                self._keep(leases[i:])
+                raise
+
+    def _keep(self, leases: list[_Lease]) -> None:
+        with self._lock:
+            self._held[:0] = leases
+            self._finished = True
+
+    def _take_finished(self, limit: int | None = None) -> list[_Lease]:
+        """Without a checkpointer: remove and return the finished leases, oldest first, at
+        most ``limit`` (lock held)."""
+        if self.deferred or not self._finished:
+            return []
+        finished = [lease for lease in self._held if lease.done >= len(lease.shard)]
+        if limit is not None and len(finished) > limit:
+            finished = finished[:limit]
+        else:
+            self._finished = False
+        taken = set(map(id, finished))
+        self._held = [lease for lease in self._held if id(lease) not in taken]
+        return finished
+
+    def _complete(self, lease: _Lease) -> None:
+        """Complete a finished lease already taken from ``_held``."""
+        try:
+            self.dataset.complete(lease.shard)
+        except sharding.LeaseLost as exc:
+            self._lost(lease, exc)
+
+    def _complete_finished(self) -> None:
+        """Before leases go back to the queue: complete what the step finished (no
+        checkpointer), else those records would be read again."""
+        try:
+            self._finish(self._take_finished())
+        except sharding.CoordinatorError as exc:
+            log.warning("%s: could not complete the shards %s finished: %s", self.dataset.name, self.worker, exc)
+
+    def _lost(self, lease: _Lease, exc: sharding.LeaseLost) -> None:
+        if isinstance(exc, sharding.AlreadyCompleted):  # a commit re-applied on restore
+            log.debug("%s: shard %d was completed already", self.dataset.name, lease.shard.index)
+        else:  # expired and re-leased: its records may train twice
+            log.warning("%s: %s", self.dataset.name, exc)
 
     def _take_back(self) -> None:
         self._started = True
@@ -212,6 +295,13 @@ class ShardPositions:
         if self.batch_size is None:
             raise ElasticError(f"{self}: batch_size is unknown; pass batch_size= to the hook or callback")
         with self._lock:
+            if steps == 1 and self._fifo and self.batch_size < self._fifo[0][1]:  # inside a shard: the hot path
+                entry = self._fifo[0]
+                entry[0].done += self.batch_size
+                entry[1] -= self.batch_size
+                if not self.deferred and time.monotonic() - self._last_report >= REPORT_SECONDS:
+                    self._commit_some()
+                return
             for _ in range(steps):
                 self._take(self.batch_size)
             self._commit_some()
@@ -234,19 +324,18 @@ class ShardPositions:
                         "yield one record per index of the shard", self.dataset.name)
 
     def _commit_some(self) -> None:
-        """Without a checkpointer: complete finished shards now; report positions inside
-        shards at most every ``REPORT_SECONDS`` (a report per step would cost a
-        coordinator write per batch; a crash re-trains at most that much)."""
+        """Without a checkpointer: finished shards complete with the producer's next lease,
+        or now when no pass is producing; positions inside shards are reported at most
+        every ``REPORT_SECONDS`` (a report per step would cost a coordinator write per
+        batch; a crash re-trains at most that much)."""
         if self.deferred:
             return
         now = time.monotonic()
         if now - self._last_report >= REPORT_SECONDS:
             self._last_report = now
             self.commit()
-        elif self._finished:
-            self._finished = False
-            for lease in [x for x in self._held if x.done >= len(x.shard)]:
-                self._commit_lease(lease)
+        elif self._finished and not self._producing:
+            self._finish(self._take_finished())
 
     def commit(self) -> None:
         """Tell the coordinator the consumed positions; complete the finished shards."""
@@ -263,12 +352,8 @@ class ShardPositions:
             elif lease.done != lease.committed:
                 self.dataset.report(lease.shard, lease.done)
             lease.committed = lease.done
-        except sharding.AlreadyCompleted:  # a commit re-applied on restore
-            log.debug("%s: shard %d was completed already", self.dataset.name, lease.shard.index)
-            if lease in self._held:
-                self._held.remove(lease)
-        except sharding.LeaseLost as exc:  # expired and re-leased: its records may train twice
-            log.warning("%s: %s", self.dataset.name, exc)
+        except sharding.LeaseLost as exc:
+            self._lost(lease, exc)
             if lease in self._held:
                 self._held.remove(lease)
             self._fifo = deque(e for e in self._fifo if e[0] is not lease)
@@ -281,6 +366,7 @@ class ShardPositions:
         trained through yet (a reader's own message can say which)."""
         with self._lock:
             pending = [entry[0].shard for entry in self._fifo]
+            self._complete_finished()
             self._fifo.clear()
             self._held.clear()
             self._stranded.clear()
@@ -339,6 +425,7 @@ class ShardPositions:
         """Stop heartbeating and give the leases back at their committed positions."""
         self._stop.set()
         with self._lock:
+            self._complete_finished()
             self._fifo.clear()
             self._held.clear()
             self._stranded.clear()

@@ -2,6 +2,8 @@
 counts, in a checkpointed variable, how often each record was trained.
 
 argv: ckpt_dir model_dir coordinator_url worker_name num_records pause_at_step(0: never) out_json
+      [hold_at_step path]: after that step, wait until path exists (so that a fast worker
+      cannot take every shard before a slow one got going on a loaded machine)
 """
 
 import json
@@ -17,6 +19,7 @@ from flashckpt.tf import FlashCheckpointHook
 
 ckpt_dir, model_dir, url, worker, n, pause_at, out = sys.argv[1:8]
 N, PAUSE = int(n), int(pause_at)
+HOLD, HOLD_UNTIL = (int(sys.argv[8]), sys.argv[9]) if len(sys.argv) > 9 else (0, "")
 loads = []
 _events.subscribe(lambda event, **info: loads.append(info) if event == "load" else None)
 
@@ -46,6 +49,10 @@ class Pause(tf.estimator.SessionRunHook):
         return tf.estimator.SessionRunArgs(tf.compat.v1.train.get_global_step())
 
     def after_run(self, run_context, run_values):
+        if HOLD and run_values.results + 1 == HOLD:
+            deadline = time.monotonic() + 240
+            while not os.path.exists(HOLD_UNTIL) and time.monotonic() < deadline:
+                time.sleep(0.05)
         if PAUSE and run_values.results + 1 >= PAUSE:
             with open(out + ".paused", "w") as f:
                 f.write(str(run_values.results + 1))

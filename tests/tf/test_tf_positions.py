@@ -56,3 +56,48 @@ def test_a_short_last_batch_completes_without_over_consumption(caplog):
     assert "beyond the shards" not in caplog.text
     positions.consumed_steps(1)  # nothing handed out: the reader yielded more than the shards hold
     assert "beyond the shards" in caplog.text
+
+
+class CountingDataset:
+    """A sharding.Dataset that counts the coordinator calls made through it."""
+
+    def __init__(self, inner):
+        self._inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name in ("acquire", "complete", "complete_and_acquire", "report"):
+            def counted(*args, **kwargs):
+                self.calls.append(name)
+                return attr(*args, **kwargs)
+            return counted
+        return attr
+
+
+def test_each_lease_carries_the_completion_of_a_finished_shard_in_one_round_trip():
+    ds = CountingDataset(dataset(size=40, shard_size=5))
+    positions = ShardPositions(ds, "w")
+    positions.batch_size = 5
+    handed = []
+    for shard, _ in positions.shards():  # the step trains each shard before the next is read
+        handed.append(shard.index)
+        positions.consumed_steps(1)
+    assert handed == list(range(8))
+    assert ds.progress()["finished"]
+    # a plain first lease; then one round trip per shard (the last one learns the end)
+    assert ds.calls == ["acquire"] + ["complete_and_acquire"] * 8
+
+
+def test_finished_shards_complete_before_close_gives_the_leases_back():
+    ds = dataset()
+    positions = ShardPositions(ds, "w")
+    positions.batch_size = 3
+    it = positions.shards()
+    next(it), next(it)  # shards 0 and 1 handed out; the pass goes on
+    positions.consumed_steps(2)  # shard 0 done, shard 1 at 1 of 5: nothing sent yet
+    assert ds.progress()["done"] == 0
+    positions.close()
+    progress = ds.progress()
+    assert progress["done"] == 1 and progress["leased"] == 0  # shard 1 back in the queue ...
+    again = ShardPositions(ds, "v")
+    assert [(s.index, s.consumed) for s, _ in again.shards()][0] == (1, 0)  # ... at its committed position

@@ -61,7 +61,8 @@ def test_estimator_two_workers_one_killed_every_record_once(tmp_path):
     logs = {w: open(tmp_path / f"{w}.log", "w") for w in ("w0", "w1", "w0b")}
     args = {w: (tmp_path / f"ckpt-{w[:2]}", tmp_path / f"model-{w[:2]}", url, w[:2], n) for w in logs}
     w0 = spawn("_estimator_worker.py", *args["w0"], 7, tmp_path / "w0.json", log=logs["w0"])
-    w1 = spawn("_estimator_worker.py", *args["w1"], 0, tmp_path / "w1.json", log=logs["w1"])
+    w1 = spawn("_estimator_worker.py", *args["w1"], 0, tmp_path / "w1.json", 8, tmp_path / "w0.json.paused",
+               log=logs["w1"])
     try:
         wait_for(tmp_path / "w0.json.paused", w0)
         w0.send_signal(signal.SIGKILL)
