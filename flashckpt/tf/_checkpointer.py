@@ -51,7 +51,8 @@ class Checkpointer(EngineCheckpointer):
         TF checkpoint at ``<directory>/step-<N>/tf/ckpt``."""
         variables, graph = _variables.collect(self._root)
         state = {"variables": {key: _variables.read_alias(var) for key, var in variables.items()},
-                 "tf": {"format": FORMAT, "object_graph": graph},
+                 "tf": {"format": FORMAT, "object_graph": graph,
+                        "bfloat16": _variables.bfloat16_keys({key: var.dtype for key, var in variables.items()})},
                  "data": data_state(self._positions, self._rollback)}
         self._engine.save(step, state, persist=persist, export={"name": "tf", "params": {}} if export else None)
         del state  # views of the variables' buffers must not outlive the save (copy-on-write)
@@ -72,7 +73,7 @@ class Checkpointer(EngineCheckpointer):
         for key, var in variables.items():
             alias = _variables.writable_alias(var)
             if alias is None:
-                alias = np.empty(var.shape, dtype=var.dtype.as_numpy_dtype)
+                alias = _variables.host_array(var)
                 assigns.append((var, alias))
             targets[key] = alias
         state: dict[str, Any] = {"variables": targets, "tf": {}, "data": None}
@@ -82,8 +83,10 @@ class Checkpointer(EngineCheckpointer):
         if state["tf"].get("format") != FORMAT:
             raise CheckpointError(f"{self.directory} step {loaded}: not a flashckpt.tf checkpoint "
                                   f"(format {state['tf'].get('format')!r})")
+        _variables.check_bfloat16(state["tf"].get("bfloat16"), {key: var.dtype for key, var in variables.items()},
+                                  f"{self.directory} step {loaded}")
         for var, value in assigns:
-            var.assign(value)
+            var.assign(value.view(var.dtype.as_numpy_dtype))
         restore_data(self._positions, state["data"], loaded)
         return loaded
 

@@ -13,6 +13,7 @@ Checkpoints of the estimator hook have no object graph: they export as name-base
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import mmap
 import os
@@ -38,9 +39,10 @@ def _children(node: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in node.get("d", [])}
 
 
-def read_step(directory: str, step: int) -> tuple[dict[str, np.ndarray], str | None, Any]:
-    """``({checkpoint key: array}, object graph (base64) or None, mmap)`` of a committed
-    step; the arrays view the mmap (close it when done)."""
+def read_step(directory: str, step: int) -> tuple[dict[str, np.ndarray], dict[str, Any], Any]:
+    """``({checkpoint key: array}, the "tf" leaves (object graph in base64 or None, ...),
+    mmap)`` of a committed step; the arrays view the mmap (close it when done; bfloat16
+    variables come as ``uint16``)."""
     storage = LocalStorage(directory)
     path, record = storage.shard_path(step, 0)
     with open(path, "rb") as f:
@@ -69,15 +71,18 @@ def read_step(directory: str, step: int) -> tuple[dict[str, np.ndarray], str | N
         e = entries[node["t"]]
         dtype = np.dtype(_DTYPES[e.dtype])
         arrays[key] = np.frombuffer(mm, dtype=dtype, count=e.nbytes // dtype.itemsize, offset=base + e.offset).reshape(e.shape)
-    return arrays, tf_node.get("object_graph"), mm
+    return arrays, tf_node, mm
 
 
 def write_tf_checkpoint(directory: str, step: int, prefix: str) -> str:
     """Write committed ``step`` of ``directory`` as a TF checkpoint at ``prefix``."""
     import tensorflow as tf
 
-    arrays, graph, mm = read_step(directory, step)
+    arrays, tf_node, mm = read_step(directory, step)
+    graph = tf_node.get("object_graph")
     try:
+        for name in json.loads(tf_node.get("bfloat16") or "[]"):
+            arrays[name] = arrays[name].view(tf.bfloat16.as_numpy_dtype)
         names = sorted(arrays)
         tensors: list[Any] = [arrays[name] for name in names]
         if graph is not None:

@@ -5,8 +5,11 @@ fresh numpy array (TF copies a buffer the variable still shares), and ours into 
 memory would be the second. Instead the save is an op of the graph, a
 ``tf.numpy_function`` over the variables' reads, whose numpy inputs are views of the
 variables' buffers; it copies them into shared memory from inside ``Session.run``.
-Loads feed the values back through assign ops (loads are rare; a feed is a copy TF
-must own).
+Loads are one copy too: a second such op receives views of the variables' buffers and
+the engine copies the checkpoint straight into them. That needs the reads to alias the
+buffers, which a first op checks (two reads, the first kept alive, at the same address);
+a variable whose reads are copies (TF's copy-on-read mode after sparse access) is loaded
+into a host array and fed to its assign op instead.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._errors import CheckpointError
+from . import _variables
 from ._common import FORMAT, data_state, new_engine, positions_of, restore_data
 
 __all__ = ["FlashCheckpointHook"]
@@ -65,13 +69,19 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
         if self._global_step is None:
             raise CheckpointError("FlashCheckpointHook needs a global step in the graph")
         self._variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
+        self._bfloat16 = _variables.bfloat16_keys({name: v.dtype for name, v in self._variables.items()})
         self._feeds = {name: tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape, name=f"flashckpt_load_{i}")
                        for i, (name, v) in enumerate(self._variables.items())}
-        self._assign = tf.group(*[v.assign(self._feeds[name]) for name, v in self._variables.items()])
+        self._assigns = {name: v.assign(self._feeds[name], read_value=False) for name, v in self._variables.items()}
         self._step_feed = tf.compat.v1.placeholder(tf.int64, [], name="flashckpt_save_step")
-        self._save_op = tf.numpy_function(self._save_arrays, [self._step_feed] + [v.value() for v in self._variables.values()],
-                                          tf.int64, stateful=True, name="flashckpt_save")
-        self._save_error: BaseException | None = None
+        reads = [v.value() for v in self._variables.values()]
+        self._save_op = tf.numpy_function(self._save_arrays, [self._step_feed] + reads, tf.int64, stateful=True,
+                                          name="flashckpt_save")
+        self._probe_op = tf.numpy_function(self._probe_arrays, reads, tf.int64, stateful=True, name="flashckpt_probe")
+        self._load_op = tf.numpy_function(self._load_arrays, reads, tf.int64, stateful=True, name="flashckpt_load")
+        self._error: BaseException | None = None
+        self._probed: list[np.ndarray] = []
+        self._loaded: tuple[int | None, dict[str, Any], dict[str, np.ndarray]] | None = None  # of the load op
         self._positions = positions_of(self._data if self._data is not None else positions_of_graph())
         self._reporter = None
         if self._positions is not None:
@@ -138,14 +148,18 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
             self._engine = None
 
     # -- save / load ----------------------------------------------------------------
-    def _save(self, session: Any, step: int) -> None:
-        self._save_error = None
+    def _run(self, session: Any, op: Any, feed_dict: dict[Any, Any] | None = None) -> None:
+        """Run one of our ``numpy_function`` ops; an error raised inside it comes out as itself."""
+        self._error = None
         try:
-            session.run(self._save_op, feed_dict={self._step_feed: step})
+            session.run(op, feed_dict=feed_dict)
         except tf.errors.OpError:
-            if self._save_error is not None:  # raised inside the op: give the caller our error
-                raise self._save_error from None
+            if self._error is not None:
+                raise self._error from None
             raise
+
+    def _save(self, session: Any, step: int) -> None:
+        self._run(session, self._save_op, {self._step_feed: step})
         self.last_saved = step
         self._next = (step // self._every + 1) * self._every
         if self._positions is not None:
@@ -154,25 +168,61 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
     def _save_arrays(self, step: Any, *arrays: np.ndarray) -> np.int64:
         """Runs inside ``Session.run``: ``arrays`` view the variables' buffers."""
         try:
-            values = {name: array if isinstance(array, np.ndarray) else np.asarray(array)
-                      for name, array in zip(self._variables, arrays)}
-            state = {"variables": values, "tf": {"format": FORMAT, "object_graph": None},
+            values = {name: _variables.as_stored(array) for name, array in zip(self._variables, arrays)}
+            state = {"variables": values, "tf": {"format": FORMAT, "object_graph": None, "bfloat16": self._bfloat16},
                      "data": data_state(self._positions, self._rollback)}
             self._engine.save(int(step), state)
             return np.int64(step)
         except BaseException as exc:
-            self._save_error = exc
+            self._error = exc
+            raise
+
+    def _probe_arrays(self, *arrays: np.ndarray) -> np.int64:
+        self._probed = list(arrays)  # kept alive: a copying read cannot reuse their memory
+        return np.int64(0)
+
+    def _load_arrays(self, *arrays: np.ndarray) -> np.int64:
+        """Runs inside ``Session.run``: loads into the variables' buffers where ``arrays``
+        are views of them, else into host arrays (to be assigned)."""
+        try:
+            probed, self._probed = self._probed, []
+            targets: dict[str, np.ndarray] = {}
+            copies: dict[str, np.ndarray] = {}
+            for (name, var), array, before in zip(self._variables.items(), arrays, probed):
+                if (isinstance(array, np.ndarray) and isinstance(before, np.ndarray) and array.nbytes
+                        and array.ctypes.data == before.ctypes.data and array.flags.writeable
+                        and array.flags.c_contiguous):
+                    targets[name] = _variables.as_stored(array)
+                else:
+                    targets[name] = copies[name] = _variables.host_array(var)
+            del probed, arrays
+            state: dict[str, Any] = {"variables": targets, "tf": {}, "data": None}
+            step = self._engine.load(state)
+            del targets, state["variables"]  # no view of a variable outlives the op (copy-on-write)
+            self._loaded = (step, state, copies)
+            return np.int64(0)
+        except BaseException as exc:
+            self._error = exc
             raise
 
     def _load(self, session: Any) -> int | None:
-        targets = {name: np.empty(v.shape, dtype=v.dtype.base_dtype.as_numpy_dtype)
-                   for name, v in self._variables.items()}
-        state: dict[str, Any] = {"variables": targets, "tf": {}, "data": None}
-        step = self._engine.load(state)
+        self._run(session, self._probe_op)
+        try:
+            self._run(session, self._load_op)
+        finally:
+            self._probed = []
+        assert self._loaded is not None
+        (step, state, copies), self._loaded = self._loaded, None
         if step is None:
             return None
         if state["tf"].get("format") != FORMAT:
             raise CheckpointError(f"{self._directory} step {step}: not a flashckpt.tf checkpoint")
-        session.run(self._assign, feed_dict={self._feeds[name]: value for name, value in targets.items()})
+        _variables.check_bfloat16(state["tf"].get("bfloat16"), {n: v.dtype for n, v in self._variables.items()},
+                                  f"{self._directory} step {step}")
+        if copies:
+            log.debug("loading through assign (reads of these are copies): %s", ", ".join(sorted(copies)))
+            session.run([self._assigns[name] for name in copies],
+                        feed_dict={self._feeds[name]: value.view(self._variables[name].dtype.base_dtype.as_numpy_dtype)
+                                   for name, value in copies.items()})
         restore_data(self._positions, state["data"], step)
         return step

@@ -7,6 +7,9 @@ object graph proto.
 
 One copy on save: ``var.value()._numpy()`` of a CPU variable is a numpy view of the
 variable's own buffer (no copy), and the engine copies that view into shared memory.
+bfloat16 variables travel as ``uint16`` views of the same bytes; the state lists their
+keys (``bfloat16_keys``), so loads and exports give them back as bfloat16. String
+variables and lookup tables are refused.
 In-place load: when two reads give the same buffer (the variable is not in TF's
 copy-on-read mode), the engine copies straight into that buffer; otherwise the value
 is loaded into a host array and ``assign``-ed (one more copy, measured in
@@ -16,6 +19,7 @@ is loaded into a host array and ``assign``-ed (one more copy, measured in
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from typing import Any
 
@@ -24,9 +28,12 @@ import tensorflow as tf
 
 from .._errors import CheckpointError
 
-__all__ = ["as_checkpoint", "build_optimizers", "collect", "read_alias", "writable_alias"]
+__all__ = ["BFLOAT16", "as_checkpoint", "as_stored", "bfloat16_keys", "build_optimizers", "check_bfloat16", "collect",
+           "host_array", "read_alias", "writable_alias"]
 
 log = logging.getLogger(__name__)
+
+BFLOAT16 = tf.bfloat16.as_numpy_dtype
 
 
 def as_checkpoint(obj: Any) -> tf.train.Checkpoint:
@@ -96,13 +103,25 @@ def _on_host(var: tf.Variable) -> bool:
     return "GPU" not in (var.device or "").upper() and "TPU" not in (var.device or "").upper()
 
 
+def as_stored(array: Any) -> np.ndarray:
+    """A numpy value as the engine stores it: bfloat16 as a ``uint16`` view (no copy)."""
+    array = array if isinstance(array, np.ndarray) else np.asarray(array)  # a 0-d value comes as a scalar
+    return array.view(np.uint16) if array.dtype == BFLOAT16 else array
+
+
 def read_alias(var: tf.Variable) -> np.ndarray:
     """The variable's value as numpy: a view of its buffer on CPU (no copy)."""
     value = var.value()
-    if value.dtype == tf.bfloat16 or value.dtype == tf.string:
-        raise CheckpointError(f"variable {var.name}: dtype {value.dtype.name} is not supported by flashckpt.tf")
-    array = value._numpy()
-    return array if isinstance(array, np.ndarray) else np.asarray(array)  # a 0-d value comes as a scalar
+    if value.dtype == tf.string:
+        raise CheckpointError(f"variable {var.name}: string variables are not supported by flashckpt.tf")
+    return as_stored(value._numpy())
+
+
+def host_array(var: tf.Variable) -> np.ndarray:
+    """A fresh array to load ``var`` into (bfloat16 as ``uint16``); ``assign`` it with
+    ``.view(var.dtype.as_numpy_dtype)``."""
+    dtype = var.dtype.base_dtype
+    return np.empty(var.shape, dtype=np.uint16 if dtype == tf.bfloat16 else dtype.as_numpy_dtype)
 
 
 def writable_alias(var: tf.Variable) -> np.ndarray | None:
@@ -116,5 +135,19 @@ def writable_alias(var: tf.Variable) -> np.ndarray | None:
     same = first.ctypes.data == second.ctypes.data and first.nbytes > 0
     del second
     if same and first.flags.writeable and first.flags.c_contiguous:
-        return first
+        return as_stored(first)
     return None
+
+
+def bfloat16_keys(dtypes: dict[str, Any]) -> str:
+    """The keys of bfloat16 variables (``{key: tf dtype}``), as the JSON leaf the state keeps."""
+    return json.dumps(sorted(key for key, dtype in dtypes.items() if dtype.base_dtype == tf.bfloat16))
+
+
+def check_bfloat16(saved: Any, dtypes: dict[str, Any], where: str) -> None:
+    """Refuse a load whose bfloat16 variables are not those saved (both travel as uint16)."""
+    was = set(json.loads(saved or "[]"))
+    now = set(json.loads(bfloat16_keys(dtypes)))
+    if was != now:
+        raise CheckpointError(f"{where}: bfloat16 here and not in the checkpoint, or the other way round: "
+                              + ", ".join(sorted(was ^ now)[:10]))

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import elastic.tf as etf
-from flashckpt import _events
+from flashckpt import CheckpointError, _events
 from flashckpt.tf import Checkpointer
 from flashckpt.tf import _variables
 
@@ -114,3 +114,43 @@ def test_data_positions_roll_back_with_the_model(tmp_path, job_id):
     assert sorted(at_save + rest) == list(range(n))
     assert shards.positions.dataset.progress()["finished"]
     ckpt.close()
+
+
+def test_bfloat16_variables_round_trip_in_place_and_export_as_bfloat16(tmp_path, job_id):
+    def state(seed):
+        rng = np.random.default_rng(seed)
+        return {"w": tf.Variable(tf.cast(rng.standard_normal((5, 3)), tf.bfloat16)),
+                "b": tf.Variable(tf.cast(rng.standard_normal(3), tf.bfloat16)),
+                "f": tf.Variable(rng.standard_normal(4).astype(np.float32))}
+
+    saved = state(0)
+    expected = {k: v.numpy().copy() for k, v in saved.items()}
+    with Checkpointer(tmp_path / "flash", dict(saved), job_id=job_id) as ckpt:
+        ckpt.save(1)
+        saved["w"].assign(tf.zeros([5, 3], tf.bfloat16))
+        buffer = saved["w"].value()._numpy().ctypes.data
+        assert ckpt.load() == 1
+        assert saved["w"].value()._numpy().ctypes.data == buffer  # in place
+        assert all(np.array_equal(saved[k].numpy(), expected[k]) for k in expected)
+        prefix = ckpt.export(tmp_path / "stock" / "ckpt")
+    fresh = state(1)
+    with Checkpointer(tmp_path / "flash", dict(fresh), job_id=job_id) as ckpt:
+        assert ckpt.load() == 1  # from storage
+    assert all(fresh[k].dtype == saved[k].dtype and np.array_equal(fresh[k].numpy(), expected[k]) for k in expected)
+    stock = state(2)
+    tf.train.Checkpoint(**stock).restore(prefix).assert_consumed()
+    assert all(np.array_equal(stock[k].numpy(), expected[k]) for k in expected)
+    as_uint16 = {"w": tf.Variable(tf.zeros([5, 3], tf.uint16)), "b": saved["b"], "f": saved["f"]}  # the same bytes
+    with Checkpointer(tmp_path / "flash", as_uint16, job_id=job_id) as ckpt:
+        with pytest.raises(CheckpointError, match="bfloat16 here and not in the checkpoint.*: w"):
+            ckpt.load()
+
+
+def test_string_variables_and_lookup_tables_are_refused_by_name(tmp_path, job_id):
+    with Checkpointer(tmp_path, {"s": tf.Variable("text")}, job_id=job_id) as ckpt:
+        with pytest.raises(CheckpointError, match="string variables"):
+            ckpt.save(1)
+    table = tf.lookup.experimental.MutableHashTable(tf.string, tf.int64, default_value=-1)
+    with Checkpointer(tmp_path / "t", {"table": table}, job_id=job_id) as ckpt:
+        with pytest.raises(CheckpointError, match="not variables"):
+            ckpt.save(1)

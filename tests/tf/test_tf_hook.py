@@ -54,3 +54,35 @@ def test_second_train_call_restores_from_memory_and_export_is_a_stock_checkpoint
     assert reader_.get_tensor("global_step") == hook.last_saved
     w = reader_.get_tensor("w")
     assert w.shape == (1, 1) and np.isfinite(w).all()
+
+
+def test_hook_loads_into_the_variables_own_buffers_and_assigns_only_copy_on_read_ones(tmp_path, job_id, caplog):
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.train.get_or_create_global_step()
+        dense = tf.compat.v1.get_variable("dense", [6, 4], use_resource=True)
+        table = tf.compat.v1.get_variable("table", [10, 4], use_resource=True)
+        half = tf.compat.v1.get_variable("half", [3], tf.bfloat16, use_resource=True)
+        lookup = tf.nn.embedding_lookup(table, [1, 2])  # sparse access: reads of table become copies
+        address = tf.numpy_function(lambda a: np.int64(a.ctypes.data), [dense.value()], tf.int64, stateful=True)
+        variables = [dense, table, half]
+        zero = tf.group(*[v.assign(tf.zeros_like(v)) for v in variables])
+        hook = FlashCheckpointHook(tmp_path, every_steps=1 << 30, job_id=job_id)
+        hook.begin()
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(lookup)
+            hook.after_create_session(sess, None)
+            assert hook.restored_step is None
+            hook._save(sess, 5)
+            expected = sess.run(variables)
+            sess.run(zero)
+            before = sess.run(address)
+            caplog.set_level("DEBUG", logger="flashckpt.tf")
+            hook.after_create_session(sess, None)
+            assert hook.restored_step == 5
+            assert all(np.array_equal(a, b) for a, b in zip(sess.run(variables), expected))
+            assert sess.run(address) == before  # dense was written in place
+        hook.close()
+    assigned = caplog.text.split("copies): ")[1].strip().split(", ")
+    assert assigned == ["global_step", "table"]  # after sparse access; a 0-d value comes as a copy
