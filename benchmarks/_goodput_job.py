@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-CALIBRATION_SAVES = 3
+CALIBRATION_SAVES = 3  # timed, after one untimed save (first-save costs: allocation, page cache)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> None:
     began = time.monotonic()
     start = method.load()
     record(kind="ready", pid=os.getpid(), loaded=start, load_seconds=time.monotonic() - began,
-           setup_seconds=began - setup, phases=method.phases, interval=method.interval)
+           setup_seconds=began - setup, phases=method.phases, interval=method.interval,
+           save_cost=method.cost)
     stop = torch.zeros(1)
     for step in range(start + 1, args.steps + 1):
         g = torch.Generator().manual_seed(step * world + rank)
@@ -85,6 +86,7 @@ class Method:
         self.args, self.rank, self.world, self.state = args, rank, world, state
         self.dir = Path(args.ckpt)
         self.interval: int | None = None
+        self.cost: float | None = None  # the calibrated blocking seconds of one save
         self.phases: dict[str, float] = {}  # seconds of the setup's parts, for the record
 
     @staticmethod
@@ -116,12 +118,17 @@ class Method:
         seconds = math.sqrt(2.0 * float(cost) * self.args.mtbf)
         k = max(1, round(seconds / self.args.step_seconds))
         if self.rank == 0:
-            _atomic_write(self.dir / "young.json", json.dumps(
+            _atomic_write(self._young_path(), json.dumps(
                 {"cost_seconds": float(cost), "interval_seconds": seconds, "k": k}))
         dist.barrier()
 
+    def _young_path(self) -> Path:
+        return self.dir.parent / f"{self.dir.name}.young.json"
+
     def _k(self) -> int:
-        return json.loads((self.dir / "young.json").read_text())["k"]
+        young = json.loads(self._young_path().read_text())
+        self.cost = young["cost_seconds"]
+        return young["k"]
 
 
 class Flash(Method):
@@ -137,12 +144,24 @@ class Flash(Method):
         self.agent = elastic.start_agent(checkpointer=self.ckpt,
                                          metrics_dir=str(Path(self.args.out) / "metrics"))
         self.phases = {"import": t1 - t0, "checkpointer": t2 - t1, "agent": time.monotonic() - t2}
-        self.interval = 1
+
+    def calibrate(self) -> None:
+        """Memory saves of the initial state (step 0, as if not trained yet), not persisted."""
+        samples = []
+        for i in range(CALIBRATION_SAVES + 1):
+            began = time.perf_counter()
+            self.ckpt.save(0, self.state, persist=False)
+            samples.append(time.perf_counter() - began)
+        self._young(samples[1:])
 
     def load(self) -> int:
+        k = self._k()
+        self.interval = self.args.flash_every or k
         return self.ckpt.load(self.state) or 0
 
-    def after_step(self, step: int) -> float:
+    def after_step(self, step: int) -> float | None:
+        if step % self.interval:
+            return None
         began = time.perf_counter()
         self.ckpt.save(step, self.state)
         return time.perf_counter() - began
@@ -158,13 +177,13 @@ class TorchSave(Method):
     def calibrate(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         samples = []
-        for i in range(CALIBRATION_SAVES):
+        for i in range(CALIBRATION_SAVES + 1):
             began = time.perf_counter()
             self._save(f"calibrate-{i}", commit=False)
             samples.append(time.perf_counter() - began)
-        self._young(samples)
+        self._young(samples[1:])
         if self.rank == 0:
-            for i in range(CALIBRATION_SAVES):
+            for i in range(CALIBRATION_SAVES + 1):
                 shutil.rmtree(self.dir / f"calibrate-{i}", ignore_errors=True)
 
     def load(self) -> int:
@@ -230,15 +249,15 @@ class DcpAsync(Method):
     def calibrate(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         samples = []
-        for i in range(CALIBRATION_SAVES):
+        for i in range(CALIBRATION_SAVES + 1):
             began = time.perf_counter()
             self.future = self._async(self.dir / f"calibrate-{i}")
             samples.append(time.perf_counter() - began)
             self.future.result()
         self.future = None
-        self._young(samples)
+        self._young(samples[1:])
         if self.rank == 0:
-            for i in range(CALIBRATION_SAVES):
+            for i in range(CALIBRATION_SAVES + 1):
                 shutil.rmtree(self.dir / f"calibrate-{i}", ignore_errors=True)
 
     def _async(self, path: Path) -> Any:
@@ -297,6 +316,8 @@ def main() -> None:
     p.add_argument("--state-mb", type=int, required=True)
     p.add_argument("--persist-every", type=int, required=True)
     p.add_argument("--mtbf", type=float, required=True)
+    p.add_argument("--flash-every", type=int, default=0, help="flashckpt: memory every N steps "
+                   "(0: K by Young's formula, like the others)")
     run(p.parse_args())
 
 

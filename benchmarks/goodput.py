@@ -1,44 +1,53 @@
 """Goodput under failures: the same small job under torchrun, kill -9 at a fixed rate.
 
-    python benchmarks/goodput.py [--steps 400] [--mtbf 15] [--state-mb 16]
-                                 [--json results/goodput.json]
+    python benchmarks/goodput.py [--steps 1200] [--mtbf 12] [--state-mb 256] [--repeats 3]
+                                 [--max-failures 6] [--json results/goodput.json]
 
 The job: 2 processes (gloo), a fixed step time (``--step-seconds`` of sleep, default
 50 ms, plus a tiny model's forward/backward and a gradient all-reduce), and a
-per-rank training state of ``--state-mb`` (the tiny model plus a payload tensor
-standing for the rest of a model's and optimizer's state; every step changes it). A
-driver (this script) launches ``torchrun --max-restarts`` on ``_goodput_job.py`` and
-kills a random rank with SIGKILL every ``--mtbf`` seconds of wall time (seeded; the
-next kill waits until the job has recovered from the previous one, and none comes in
-the job's last step). Side by side, run one after the other:
+per-rank training state of ``--state-mb`` (default 256 MiB, the same for every method:
+the tiny model plus a payload tensor standing for the rest of a model's and optimizer's
+state; every step changes it). A driver (this script) launches ``torchrun
+--max-restarts`` on ``_goodput_job.py`` and kills a random rank with SIGKILL after every
+``--mtbf`` seconds of training (seeded; the clock starts when the job has recovered from
+the previous kill; none comes in the job's last step; at most ``--max-failures``).
+Methods, each run ``--repeats`` times, the order rotated from one repeat to the next
+(interleaved, so a busy spell of the machine does not fall on one method):
 
 - ``none``: no checkpoint at all. It cannot finish under failures (every restart
   begins at step 1), so it only gives the floor: the restart time of the job.
-- ``flashckpt``: ``flashckpt.torch.Checkpointer`` -- every step into shared memory,
-  storage every ``--persist-every`` steps -- and ``elastic.start_agent``; a restart
-  loads from memory.
+- ``flashckpt``: ``flashckpt.torch.Checkpointer`` -- into shared memory every K steps,
+  storage every ``--persist-every`` memory saves -- and ``elastic.start_agent``; a
+  restart loads from memory. K by Young's formula from its own (small) save cost, like
+  the others (``--flash-every N`` forces N: every step costs a 256 MiB copy per step).
 - ``torch.save``: every rank ``torch.save`` + fsync + rename of its state every K
   steps, a barrier, then rank 0 commits ``latest``; K by Young's formula.
 - ``dcp.async_save``: ``torch.distributed.checkpoint.async_save`` on a side gloo group
   every K steps (waiting for the previous one first); K by Young's formula.
 
 Young's formula: the checkpoint interval is sqrt(2 * C * MTBF), C the blocking cost of
-one save, measured by each job before it trains (3 saves, median, slowest rank).
+one save, measured by each job before it trains (one untimed save, then the median of 3,
+slowest rank), MTBF = ``--mtbf``.
 
 Measured from the ranks' step records (wall clock, one machine):
-- ideal step time: the median step interval of the ``none`` job before its first failure;
+- ideal step time: the median step interval of the repeat's ``none`` job before its
+  first failure;
 - goodput = steps x ideal step time / wall time from the first step to the last;
 - lost time per failure = time from the last step completed before the kill to the next
   step that was never completed before, minus one ideal step: restart, restore and the
   re-done steps (rollback). For ``none`` the "next new step" is the restarted job's first
-  step: that is the floor, the restart time alone. Its parts are printed too, and "own",
-  the part a method adds to a bare restart: its own setup (imports, checkpointer, side
-  group), the restore and the re-done steps. The rest (torchrun's relaunch, imports of
-  torch, building the model) is the same for every method but varies by a second or
-  more between restarts on a small shared machine, so "own" compares methods best.
-The final states of the three checkpointing jobs must be equal (same data, same steps).
+  step: that is the floor, the restart time alone. Its parts are printed too: relaunch
+  (kill to ``init_process_group`` done: torchrun stops the group -- a flashckpt
+  survivor first flushes the newest step to storage, "flush" --, spawns, imports),
+  setup, load, redo; and "own", what a method adds to a bare restart (its own setup,
+  the restore and the re-done steps);
+- where the wall time goes: useful (steps x ideal step), save stalls (blocking saves),
+  failures (their lost time), slower steps (the rest: background writes, the saver,
+  DCP's thread, contention on a small machine).
+The final states of the checkpointing jobs must be equal (same data, same steps).
 
-The table shows means; the JSON keeps every failure (``--reprint JSON`` prints it again).
+Tables show mean and spread (goodput over runs, lost time over failures); the JSON
+keeps every run and failure (``--reprint JSON`` prints the tables again).
 """
 
 from __future__ import annotations
@@ -64,7 +73,6 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 METHODS = ("none", "flashckpt", "torch.save", "dcp.async_save")
 JOB = HERE / "_goodput_job.py"
-RUN_LIMIT_SECONDS = 180
 
 
 def _free_port() -> int:
@@ -116,6 +124,7 @@ def run_job(method: str, args: argparse.Namespace, work: Path, seed: int) -> dic
     out = work / method
     out.mkdir(parents=True)
     ckpt = work / f"{method}-ckpt"
+    limit = 180 + 3 * args.steps * args.step_seconds + args.max_failures * (args.mtbf + 40)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            f"--max-restarts={args.max_failures + 2}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--monitor-interval=0.1",
@@ -123,7 +132,7 @@ def run_job(method: str, args: argparse.Namespace, work: Path, seed: int) -> dic
            "--ckpt", str(ckpt), "--steps", str(10**6 if method == "none" else args.steps),
            "--step-seconds", str(args.step_seconds),
            "--state-mb", str(args.state_mb), "--persist-every", str(args.persist_every),
-           "--mtbf", str(args.mtbf)]
+           "--mtbf", str(args.mtbf), "--flash-every", str(args.flash_every)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     rng = random.Random(seed)
@@ -139,8 +148,8 @@ def run_job(method: str, args: argparse.Namespace, work: Path, seed: int) -> dic
             while proc.poll() is None:
                 time.sleep(0.02)
                 recs.poll()
-                if time.monotonic() - began > RUN_LIMIT_SECONDS:
-                    raise RuntimeError(f"{method}: the job ran past {RUN_LIMIT_SECONDS}s; see {out}/torchrun.log")
+                if time.monotonic() - began > limit:
+                    raise RuntimeError(f"{method}: the job ran past {limit:.0f}s; see {out}/torchrun.log")
                 steps = recs.steps()
                 attempt = max((r["a"] for r in recs.of("started")), default=0)
                 mine = sorted(s for a, s in steps if a == attempt)
@@ -174,9 +183,10 @@ def run_job(method: str, args: argparse.Namespace, work: Path, seed: int) -> dic
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     recs.poll()
+    (out / "kills.json").write_text(json.dumps(kills))  # for a look afterwards (--keep)
     if proc.returncode != 0:
         raise RuntimeError(f"{method}: torchrun exited {proc.returncode}; see {out}/torchrun.log")
-    return {"method": method, "kills": kills, "records": recs}
+    return {"method": method, "kills": kills, "records": recs, "out": out}
 
 
 def analyse(job: dict[str, Any], ideal: float | None) -> dict[str, Any]:
@@ -221,6 +231,7 @@ def analyse(job: dict[str, Any], ideal: float | None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "method": job["method"],
         "interval_steps": loads.get(0, {}).get("interval"),
+        "save_cost_calibrated_seconds": loads.get(0, {}).get("save_cost"),
         "failures": failures,
         "failure_count": len(failures),
         "median_step_seconds_before_failures": statistics.median(intervals) if intervals else None,
@@ -235,17 +246,36 @@ def analyse(job: dict[str, Any], ideal: float | None) -> dict[str, Any]:
         t0 = ready[0]
         t1 = min(t for (_, s), t in steps.items() if s == final)
         last = max(d["a"] for d in done)
-        result.update(steps=final, wall_seconds=t1 - t0,
-                      goodput=(final * ideal / (t1 - t0)) if ideal else None,
+        wall = t1 - t0
+        result.update(steps=final, wall_seconds=wall,
+                      goodput=(final * ideal / wall) if ideal else None,
                       final_state=sorted((d["params"], d["payload"]) for d in done if d["a"] == last))
+        if ideal:  # wall = useful + save stalls + lost in failures + the rest (slower steps)
+            stall = sum(saves) / 2  # per rank, the ranks save alike
+            result["wall_parts_seconds"] = {
+                "useful": final * ideal, "save_stalls": stall, "failures": sum(lost),
+                "slower_steps": wall - final * ideal - stall - sum(lost)}
+    flushes = [r["seconds"] for r in _agent_records(job["out"]) if r.get("type") == "flush"]
+    if flushes:  # a survivor's flush at SIGTERM delays the group's exit, so the relaunch
+        result["agent_flush_seconds"] = statistics.mean(flushes)
     return result
 
 
-def agent_goodput(work: Path) -> dict[str, Any] | None:
+def _agent_records(out: Path) -> list[dict[str, Any]]:
+    if not (out / "metrics").is_dir():
+        return []
     sys.path[:0] = [str(REPO)]
-    from elastic._goodput import read_records, summarize
+    from elastic._goodput import read_records
 
-    records = read_records(str(work / "flashckpt" / "metrics"))
+    return read_records(str(out / "metrics"))
+
+
+
+def agent_goodput(out: Path) -> dict[str, Any] | None:
+    """The flashckpt agent's own view of the run (its metrics_dir)."""
+    from elastic._goodput import summarize
+
+    records = _agent_records(out)
     if not records:
         return None
     job = summarize(records)["job"]
@@ -262,67 +292,124 @@ def _own_seconds(f: dict[str, Any]) -> float | None:
     return f["lost_seconds"] - f["relaunch_seconds"] - (f["setup_seconds"] - own_setup)
 
 
+def _spread(values: list[float]) -> dict[str, Any] | None:
+    if not values:
+        return None
+    return {"mean": statistics.mean(values), "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's repeats: spreads over runs (goodput) and over all failures (lost time)."""
+    fails = [f for r in runs for f in r["failures"]]
+    parts = [r["wall_parts_seconds"] for r in runs if "wall_parts_seconds" in r]
+    out: dict[str, Any] = {
+        "runs": len(runs),
+        "failures": len(fails),
+        "interval_steps": sorted({r["interval_steps"] for r in runs if r["interval_steps"] is not None}),
+        "save_cost_calibrated_seconds": _spread([r["save_cost_calibrated_seconds"] for r in runs
+                                                 if r.get("save_cost_calibrated_seconds") is not None]),
+        "save_blocking_median_seconds": _spread([r["save_blocking_median_seconds"] for r in runs
+                                                 if r["save_blocking_median_seconds"] is not None]),
+        "saves_per_rank": _spread([r["saves_per_rank"] for r in runs]),
+        "goodput": _spread([r["goodput"] for r in runs if r.get("goodput") is not None]),
+        "lost_seconds_per_failure": _spread([f["lost_seconds"] for f in fails if f["lost_seconds"] is not None]),
+        "rollback_steps": _spread([f["rollback_steps"] for f in fails if f["rollback_steps"] is not None]),
+        "agent_flush_seconds": _spread([r["agent_flush_seconds"] for r in runs if "agent_flush_seconds" in r]),
+    }
+    timed = [f for f in fails if _own_seconds(f) is not None]
+    if timed:
+        out["per_failure_seconds"] = {k: statistics.mean(f[k] for f in timed)
+                                      for k in ("relaunch_seconds", "setup_seconds", "load_seconds", "lost_seconds")}
+        out["per_failure_seconds"]["own"] = statistics.mean(_own_seconds(f) for f in timed)
+    if parts:  # fractions of the wall time, mean over runs
+        walls = [sum(p.values()) for p in parts]
+        out["wall_fractions"] = {k: statistics.mean(p[k] / w for p, w in zip(parts, walls)) for k in parts[0]}
+    return out
+
+
 def render(report: dict[str, Any]) -> str:
     """The tables of a report (the JSON this script writes)."""
-    c, results, floor = report["config"], report["methods"], report["floor_lost_seconds_per_failure"]
-    flash = results.get("flashckpt", {}).get("goodput")
+    c, agg = report["config"], report["summary"]
+    floor = (agg.get("none", {}).get("lost_seconds_per_failure") or {}).get("mean")
+    ideal = _spread(report["ideal_step_seconds"])
 
     def f(v: Any, fmt: str, unit: str = "") -> str:
         return "-" if v is None else format(v, fmt) + unit
 
-    lines = [f"goodput under kill -9 of a random rank every {c['mtbf']:.0f} s: 2 ranks (gloo), "
-             f"{c['steps']} steps, ideal step {report['ideal_step_seconds'] * 1e3:.1f} ms, state "
-             f"{c['state_mb']} MiB/rank, flashckpt storage every {c['persist_every']} steps",
-             f"{'method':<16}{'K':>5}{'saves':>7}{'block/save':>12}{'failures':>10}{'lost/failure':>14}"
-             f"{'- floor':>9}{'rollback':>10}{'goodput':>9}{'vs flashckpt':>14}"]
-    for name, r in results.items():
-        lost = r.get("lost_seconds_per_failure")
-        rollback = [x["rollback_steps"] for x in r["failures"] if x["rollback_steps"] is not None]
-        goodput, block = r.get("goodput"), r["save_blocking_median_seconds"]
+    def pm(s: dict[str, Any] | None, scale: float, fmt: str) -> str:
+        return "-" if not s else f"{format(s['mean'] * scale, fmt)}±{format(s['stdev'] * scale, fmt)}"
+
+    def span(s: dict[str, Any] | None) -> str:
+        return "-" if not s else f"{s['min'] * 100:.1f}-{s['max'] * 100:.1f}"
+
+    lines = [f"goodput under kill -9 of a random rank every {c['mtbf']:.0f} s of training: 2 ranks (gloo), "
+             f"{c['steps']} steps of {c['step_seconds'] * 1e3:.0f} ms sleep (ideal step "
+             f"{ideal['mean'] * 1e3:.1f} ms, {ideal['min'] * 1e3:.1f}-{ideal['max'] * 1e3:.1f} over repeats), "
+             f"state {c['state_mb']} MiB/rank, {c['repeats']} repeats interleaved; flashckpt: memory every "
+             f"{'K (Young)' if not c.get('flash_every') else c['flash_every']} steps, storage every "
+             f"{c['persist_every']} memory saves; mean±stdev (goodput over runs, lost time over failures)",
+             f"{'method':<16}{'K':>9}{'cost/save':>11}{'saves':>7}{'fails':>7}{'lost/failure':>15}"
+             f"{'- floor':>9}{'rollback':>10}{'goodput':>14}{'min-max':>13}"]
+    for name, r in agg.items():
+        lost, g = r["lost_seconds_per_failure"], r["goodput"]
+        ks = r["interval_steps"]
         lines.append(
-            f"{name:<16}{f(r['interval_steps'], 'd'):>5}{r['saves_per_rank']:>7}"
-            f"{f(block and block * 1e3, '.1f', ' ms'):>12}"
-            f"{r['failure_count']:>10}{f(lost, '.2f', ' s'):>14}"
-            f"{f(lost - floor if lost is not None and floor is not None and name != 'none' else None, '+.2f'):>9}"
-            f"{f(statistics.mean(rollback) if rollback else None, '.1f'):>10}"
-            f"{f(goodput and goodput * 100, '.1f', '%'):>9}"
-            f"{f(goodput / flash if goodput and flash else None, '.2f', 'x'):>14}")
-    lines += ["", "where the lost time goes (mean per failure, seconds): relaunch = kill to "
-              "init_process_group done (torchrun, spawn, imports); setup = state and checkpointer; "
-              "load = restore; redo = re-done steps and the step in flight; own = what the method "
-              "adds to a bare restart (its own setup + load + redo); the rest is the same for all "
-              "and varies by a second or more from one restart to the next here",
-              f"{'method':<16}{'relaunch':>10}{'setup':>8}{'load':>8}{'redo':>8}{'lost':>8}{'own':>8}"]
-    for name, r in results.items():
-        fs = [x for x in r["failures"] if _own_seconds(x) is not None]
-        if not fs:
+            f"{name:<16}{'-' if not ks else '/'.join(map(str, ks)):>9}"
+            f"{f(r['save_cost_calibrated_seconds'] and r['save_cost_calibrated_seconds']['mean'] * 1e3, '.0f', ' ms'):>11}"
+            f"{f(r['saves_per_rank'] and r['saves_per_rank']['mean'], '.0f'):>7}{r['failures']:>7}"
+            f"{pm(lost, 1, '.2f') + ' s':>15}"
+            f"{f(lost['mean'] - floor if lost and floor is not None and name != 'none' else None, '+.2f'):>9}"
+            f"{f(r['rollback_steps'] and r['rollback_steps']['mean'], '.1f'):>10}"
+            f"{pm(g, 100, '.1f') + '%' if g else '-':>14}"
+            f"{span(g):>13}")
+    lines += ["", "where the wall time goes (mean fraction of the wall time): useful = steps x ideal step; "
+              "stalls = blocking saves; failures = lost time of the failures; slower = the rest "
+              "(steps slowed by background writes, the saver, DCP's thread, contention)",
+              f"{'method':<16}{'useful':>8}{'stalls':>8}{'failures':>10}{'slower':>8}"]
+    for name, r in agg.items():
+        w = r.get("wall_fractions")
+        if w:
+            lines.append(f"{name:<16}{w['useful'] * 100:>7.1f}%{w['save_stalls'] * 100:>7.1f}%"
+                         f"{w['failures'] * 100:>9.1f}%{w['slower_steps'] * 100:>7.1f}%")
+    lines += ["", "where a failure's lost time goes (mean per failure, seconds): relaunch = kill to "
+              "init_process_group done (torchrun stops the group -- a flashckpt survivor flushes first --, "
+              "spawns, imports); setup = state and checkpointer; load = restore; redo = re-done steps "
+              "and the step in flight; own = what the method adds to a bare restart (its own setup + "
+              "load + redo)",
+              f"{'method':<16}{'relaunch':>10}{'setup':>8}{'load':>8}{'redo':>8}{'lost':>8}{'own':>8}{'flush':>8}"]
+    for name, r in agg.items():
+        m = r.get("per_failure_seconds")
+        if not m:
             continue
-        mean = {k: statistics.mean(x[k] for x in fs) for k in ("relaunch_seconds", "setup_seconds",
-                                                                "load_seconds", "lost_seconds")}
-        redo = mean["lost_seconds"] - mean["relaunch_seconds"] - mean["setup_seconds"] - mean["load_seconds"]
-        lines.append(f"{name:<16}{mean['relaunch_seconds']:>10.2f}{mean['setup_seconds']:>8.2f}"
-                     f"{mean['load_seconds']:>8.2f}{redo:>8.2f}{mean['lost_seconds']:>8.2f}"
-                     f"{statistics.mean(_own_seconds(x) for x in fs):>8.2f}")
+        redo = m["lost_seconds"] - m["relaunch_seconds"] - m["setup_seconds"] - m["load_seconds"]
+        fl = r.get("agent_flush_seconds")
+        lines.append(f"{name:<16}{m['relaunch_seconds']:>10.2f}{m['setup_seconds']:>8.2f}"
+                     f"{m['load_seconds']:>8.2f}{redo:>8.2f}{m['lost_seconds']:>8.2f}{m['own']:>8.2f}"
+                     f"{f(fl and fl['mean'], '.2f'):>8}")
     lines.append(f"floor (no checkpoint, restart only): {f(floor, '.2f', ' s')} per failure; final "
                  f"states of the checkpointing jobs equal: {report['final_states_equal']}")
-    agent = report.get("flashckpt_agent")
-    if agent:
-        lines.append(f"flashckpt agent's own goodput (useful step time / wall, its metrics_dir): "
-                     f"{agent['goodput'] * 100:.1f}%, {agent['restarts']} restarts, "
-                     f"rollback {agent['rollback_steps']} steps")
+    agents = [a for a in report.get("flashckpt_agent", []) if a]
+    if agents:
+        lines.append("flashckpt agent's own goodput (useful step time / wall, its metrics_dir): "
+                     + ", ".join(f"{a['goodput'] * 100:.1f}%" for a in agents))
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=400, help="steps of each checkpointing job")
+    p.add_argument("--steps", type=int, default=1200, help="steps of each checkpointing job")
     p.add_argument("--step-seconds", type=float, default=0.05, help="sleep in every step")
-    p.add_argument("--state-mb", type=int, default=16, help="training state per rank, MiB")
-    p.add_argument("--persist-every", type=int, default=50, help="flashckpt: storage every N steps")
-    p.add_argument("--mtbf", type=float, default=15.0, help="seconds between kills (the failure "
-                   "rate); keep it well above the restart time")
-    p.add_argument("--max-failures", type=int, default=3, help="at most this many kills a job")
+    p.add_argument("--state-mb", type=int, default=256, help="training state per rank, MiB")
+    p.add_argument("--persist-every", type=int, default=10,
+                   help="flashckpt: storage every N memory saves")
+    p.add_argument("--flash-every", type=int, default=0,
+                   help="flashckpt: memory every N steps (0: K by Young's formula, like the others)")
+    p.add_argument("--mtbf", type=float, default=12.0, help="seconds of training between kills (the "
+                   "failure rate); keep it well above the restart time")
+    p.add_argument("--max-failures", type=int, default=6, help="at most this many kills a job")
     p.add_argument("--floor-failures", type=int, default=2, help="kills of the no-checkpoint job")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every method, interleaved")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
@@ -337,35 +424,43 @@ def main() -> None:
     if "none" not in methods:
         methods.insert(0, "none")  # the ideal step time and the floor come from it
     work = Path(tempfile.mkdtemp(prefix="goodput-", dir=args.dir))
-    results: dict[str, dict[str, Any]] = {}
-    ideal = floor = None
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    ideals: list[float] = []
+    agents: list[dict[str, Any] | None] = []
+    load: list[list[float]] = []
     try:
-        for i, method in enumerate(methods):
-            t = time.monotonic()
-            job = run_job(method, args, work, args.seed + i)
-            if method == "none":
-                pre = analyse(job, None)
-                ideal = pre["median_step_seconds_before_failures"]
-            results[method] = analyse(job, ideal)
-            if method == "none":
-                floor = results[method]["lost_seconds_per_failure"]
-            print(f"{method}: {time.monotonic() - t:.0f}s, {results[method]['failure_count']} failures",
-                  file=sys.stderr)
-        finals = {json.dumps(r["final_state"]) for m, r in results.items() if m != "none" and "final_state" in r}
-        same = len(finals) <= 1
-        agent = agent_goodput(work) if "flashckpt" in results else None
+        for rep in range(args.repeats):
+            order = methods[rep % len(methods):] + methods[:rep % len(methods)]  # interleaved
+            jobs = {}
+            for i, method in enumerate(order):
+                t = time.monotonic()
+                jobs[method] = run_job(method, args, work / f"r{rep}", args.seed + 100 * rep + methods.index(method))
+                load.append(list(os.getloadavg()))
+                print(f"repeat {rep} {method}: {time.monotonic() - t:.0f}s, {len(jobs[method]['kills'])} "
+                      f"failures, load {load[-1][0]:.2f}", file=sys.stderr)
+            ideal = analyse(jobs["none"], None)["median_step_seconds_before_failures"]
+            ideals.append(ideal)
+            for method in methods:
+                runs[method].append(analyse(jobs[method], ideal))
+            if "flashckpt" in jobs:
+                agents.append(agent_goodput(jobs["flashckpt"]["out"]))
     finally:
         if args.keep:
             print(f"work directory kept: {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
+    finals = {json.dumps(r["final_state"]) for m, rs in runs.items() if m != "none"
+              for r in rs if "final_state" in r}
     report = {
-        "config": {k: getattr(args, k) for k in ("steps", "step_seconds", "state_mb", "persist_every",
-                                                   "mtbf", "max_failures", "floor_failures", "seed")},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "ideal_step_seconds": ideal, "floor_lost_seconds_per_failure": floor,
-        "final_states_equal": same, "flashckpt_agent": agent,
-        "methods": {m: {k: v for k, v in r.items() if k != "final_state"} for m, r in results.items()},
+        "config": {k: getattr(args, k) for k in ("steps", "step_seconds", "state_mb", "persist_every", "flash_every",
+                                                   "mtbf", "max_failures", "floor_failures", "repeats", "seed")},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_after_each_job": load},
+        "ideal_step_seconds": ideals,
+        "final_states_equal": len(finals) <= 1,
+        "flashckpt_agent": agents,
+        "summary": {m: aggregate(rs) for m, rs in runs.items()},
+        "runs": {m: [{k: v for k, v in r.items() if k != "final_state"} for r in rs] for m, rs in runs.items()},
     }
     print(render(report))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
