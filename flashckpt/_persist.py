@@ -75,14 +75,14 @@ def persist_slot(slot_path: str, generation: int | None = None, *, already_persi
         lock.close()
 
 
-def unpersisted_slots(slot_paths: list[str]) -> list[tuple[str, int, int]]:
-    """(slot, generation, step) of complete slots meant for storage whose step is newer
-    than their directory's latest commit, newest step first. Reads headers only."""
+def unpersisted_slots(slot_paths: list[str]) -> list[tuple[str, int, str, int]]:
+    """(slot, generation, directory, step) of complete slots meant for storage whose step
+    is newer than their directory's latest commit, newest step first. Reads headers only."""
     found = []
     for path in slot_paths:
         h = Slot.peek_header(path)
         if h is not None and h.state == SlotState.COMPLETE and h.info.get("persist"):
             latest = LocalStorage(h.info["directory"]).latest_step()
             if latest is None or h.step > latest:
-                found.append((path, h.generation, h.step))
-    return sorted(found, key=lambda found: -found[2])
+                found.append((path, h.generation, h.info["directory"], h.step))
+    return sorted(found, key=lambda found: -found[3])

@@ -32,6 +32,7 @@ from typing import Any
 from . import _names
 from ._persist import PersistResult, persist_slot, unpersisted_slots
 from ._slot import pid_alive
+from ._storage import LocalStorage
 
 log = logging.getLogger("flashckpt.saver")
 
@@ -65,6 +66,39 @@ class _Job:
     client: _Client | None
     reply: dict[str, Any] | None = None
     """Message to send once done (for flush/wait); None sends a ``persisted`` note."""
+    unless_committed: tuple[str, int] | None = None
+    """(directory, step): a fallback, skipped if that newer step is committed by then."""
+
+
+class _Jobs:
+    """The persist queue. Fallbacks (older slots a flush writes in case the newest step
+    cannot commit, because a peer died mid-save) and the replies queued after them run
+    once no newest-step work waits, so the newest steps of every local rank usually commit
+    first and make the fallbacks unnecessary. FIFO within each kind."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.PriorityQueue[tuple[int, int, _Job | None]]" = queue.PriorityQueue()
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+
+    def put(self, job: _Job | None, *, later: bool = False) -> None:
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+        self._queue.put((2 if job is None else int(later), seq, job))
+
+    def put_slots(self, slots: list[tuple[str, int, str, int]], client: _Client | None) -> None:
+        """Persist ``(slot, generation, directory, step)``, newest step first: the newest
+        now, the older ones as fallbacks for it."""
+        for i, (path, generation, _, _) in enumerate(slots):
+            fallback = slots[0][2:] if i else None
+            self.put(_Job(path, generation, client, unless_committed=fallback), later=fallback is not None)
+
+    def get(self) -> _Job | None:
+        return self._queue.get()[2]
+
+    def empty(self) -> bool:
+        return self._queue.empty()
 
 
 class Saver:
@@ -74,7 +108,7 @@ class Saver:
         self.sock_path = _names.socket_path(job_id)
         self.sel = selectors.DefaultSelector()
         self.clients: dict[int, _Client] = {}
-        self.jobs: "queue.Queue[_Job | None]" = queue.Queue()
+        self.jobs = _Jobs()
         self.persisted: dict[str, int] = {}  # slot path -> generation written to storage
         self.busy = 0
         self.busy_lock = threading.Lock()
@@ -183,12 +217,11 @@ class Saver:
             log.info("trainer pid %d closed", client.pid)
             return
         log.warning("trainer pid %d %s without closing: persisting its newest memory checkpoint", client.pid, why)
-        for path, generation in self._unpersisted(client.slots):
-            self.jobs.put(_Job(path, generation, None))
+        self.jobs.put_slots(self._unpersisted(client.slots), None)
 
-    def _unpersisted(self, slot_paths: list[str]) -> list[tuple[str, int]]:
-        """(slot, generation) of complete slots not on storage yet, newest step first."""
-        return [(path, gen) for path, gen, _ in unpersisted_slots(slot_paths) if self.persisted.get(path) != gen]
+    def _unpersisted(self, slot_paths: list[str]) -> list[tuple[str, int, str, int]]:
+        """(slot, generation, directory, step) of complete slots not on storage yet, newest step first."""
+        return [found for found in unpersisted_slots(slot_paths) if self.persisted.get(found[0]) != found[1]]
 
     def _handle(self, client: _Client, msg: dict[str, Any]) -> None:
         op = msg.get("op")
@@ -202,13 +235,12 @@ class Saver:
             self.jobs.put(_Job(msg["slot"], msg["generation"], client))
         elif op == "flush":
             self._reap()
-            paths = self._unpersisted(client.slots)
-            for path, generation in paths:  # newest first; an older slot may be the newest step all ranks hold
-                self.jobs.put(_Job(path, generation, client))
-            self.jobs.put(_Job("", 0, client, reply={"op": "flushed", "id": msg["id"]}))
+            # an older slot may be the newest step all ranks hold: it is written as a fallback
+            self.jobs.put_slots(self._unpersisted(client.slots), client)
+            self.jobs.put(_Job("", 0, client, reply={"op": "flushed", "id": msg["id"]}), later=True)
         elif op == "wait":
             self._reap()
-            self.jobs.put(_Job("", 0, client, reply={"op": "waited", "id": msg["id"]}))
+            self.jobs.put(_Job("", 0, client, reply={"op": "waited", "id": msg["id"]}), later=True)
         elif op == "close":
             client.closed_cleanly = True
         else:
@@ -230,6 +262,12 @@ class Saver:
         if job.reply is not None:  # a marker: everything queued before it is done
             job.client.send(job.reply)
             return
+        if job.unless_committed is not None:
+            directory, newer = job.unless_committed
+            latest = LocalStorage(directory).latest_step()
+            if latest is not None and latest >= newer:
+                log.info("step %d is committed: %s is not needed on storage", newer, job.slot)
+                return
         try:
             result = persist_slot(job.slot, job.generation,
                                   already_persisted=self.persisted.get(job.slot) == job.generation)

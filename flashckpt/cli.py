@@ -111,7 +111,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             continue
         pending = unpersisted_slots(_slot_paths(paths))
         if pending and not args.force:
-            steps = sorted({step for _, _, step in pending})
+            steps = sorted({step for _, _, _, step in pending})
             print(f"job {job}: keeping {len(paths)} objects, steps {steps} are in memory only "
                   f"(run `flashckpt persist --job-id {job}` first, or gc --force)")
             kept += len(paths)
@@ -136,7 +136,7 @@ def cmd_persist(args: argparse.Namespace) -> int:
     for job, paths in sorted(jobs.items()):
         if _job_alive(job, paths) and not args.job_id:
             continue  # its own saver takes care of it
-        for path, generation, step in unpersisted_slots(_slot_paths(paths)):
+        for path, generation, _, _ in unpersisted_slots(_slot_paths(paths)):
             result = persist_slot(path, generation)
             if not result.skipped:
                 print(f"job {job}: persisted step {result.step} from {os.path.basename(path)}"
