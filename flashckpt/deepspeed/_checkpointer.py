@@ -62,9 +62,9 @@ class DeepSpeedCheckpointer:
         self._ckpt = Checkpointer(os.path.join(self.directory, FLASH_SUBDIR), persist_every=persist_every,
                                   keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
                                   process_group=process_group)
-        self._flash = self._ckpt._engine
+        self._flash = self._ckpt.engine
         self._previous_engine = engine.checkpoint_engine
-        self.checkpoint_engine = FlashCheckpointEngine(self)
+        self.checkpoint_engine = FlashCheckpointEngine(self._flash_save)
         engine.checkpoint_engine = self.checkpoint_engine
         self.client_state: dict = {}
         """The client state of the tag the last :meth:`load` restored."""
@@ -94,7 +94,7 @@ class DeepSpeedCheckpointer:
         finally:
             self._step, self._persist, self._latest_on_export = None, None, False
 
-    def _flash_save(self, tag: str, save_dir: str, files: dict[str, Any], *, save_latest: bool) -> None:
+    def _flash_save(self, tag: str, save_dir: str, files: dict[str, Any], save_latest: bool) -> None:
         """Called by the checkpoint engine's ``commit``: one flash save of the rank's files."""
         step = self._step if self._step is not None else int(self.engine.global_steps)
         state = {"deepspeed": {"tag": tag, "save_dir": save_dir,
@@ -241,9 +241,8 @@ class DeepSpeedCheckpointer:
                 mine = step
                 break
         if mine is None:
-            for step, (index, _) in self._flash.memory_steps().items():
-                slot = self._flash._slot(index, create=False)
-                if slot is not None and _tag_in_header(slot.image(slot.read_header().image_len), slot.path) == tag:
+            for step in sorted(self._flash.memory_steps()):
+                if self._flash.memory_info(step).get("export", {}).get("params", {}).get("tag") == tag:
                     mine = step
         found = {s for s in self._flash.collective.all_gather(mine) if s is not None}
         if len(found) > 1:

@@ -13,16 +13,17 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from .._errors import CheckpointError
 
-if TYPE_CHECKING:
-    from ._checkpointer import DeepSpeedCheckpointer
+__all__ = ["FlashCheckpointEngine", "OnCommit"]
 
-__all__ = ["FlashCheckpointEngine"]
+OnCommit = Callable[[str, str, dict[str, Any], bool], None]
+"""``on_commit(tag, save_dir, files, save_latest)``: ``files`` maps each path relative to
+``save_dir`` to the state dict DeepSpeed handed over for it (by reference)."""
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +39,20 @@ class _Pending:
 
 
 class FlashCheckpointEngine(CheckpointEngine):
-    """A DeepSpeed checkpoint engine backed by a :class:`DeepSpeedCheckpointer`.
+    """A DeepSpeed checkpoint engine that hands each tag's state dicts to ``on_commit``.
 
-    Installed on the DeepSpeed engine by the checkpointer; not meant to be built alone.
-    ``load(path)`` returns the state dict from the checkpointer's agreed step while
+    Installed on the DeepSpeed engine by :class:`DeepSpeedCheckpointer` (``on_commit``
+    makes one flash save) or, for the length of one save, by the Hugging Face callback
+    (``on_commit`` adds the files to the Trainer's snapshot). ``load(path)`` returns the
+    state dict from the checkpointer's agreed step while
     :meth:`DeepSpeedCheckpointer.load` runs (memory or flashckpt storage), and falls
     back to ``torch.load`` of the DeepSpeed file otherwise, like the default engine.
     """
 
-    def __init__(self, owner: "DeepSpeedCheckpointer") -> None:
+    def __init__(self, on_commit: OnCommit) -> None:
         super().__init__(None)
         self.name = ENGINE_NAME
-        self._owner = owner
+        self._on_commit = on_commit
         self._pending: _Pending | None = None
         self.served: dict[str, Any] = {}
         """Absolute path -> state dict, filled by the checkpointer for the length of a load."""
@@ -79,7 +82,7 @@ class FlashCheckpointEngine(CheckpointEngine):
         pending, self._pending = self._pending, None
         if pending is None or pending.tag != str(info.tag):
             raise CheckpointError(f"{ENGINE_NAME}.commit({info.tag!r}) without a matching create()")
-        self._owner._flash_save(pending.tag, pending.save_dir, pending.files, save_latest=bool(info.save_latest))
+        self._on_commit(pending.tag, pending.save_dir, pending.files, bool(info.save_latest))
         return True
 
     def load(self, path: str, map_location: Any = None) -> Any:

@@ -18,13 +18,13 @@ import logging
 import os
 import pickle
 import shutil
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._storage import LocalStorage, _fsync_dir, _write_atomic
 from . import _objects
 
-__all__ = ["export", "read_shard_tree"]
+__all__ = ["export", "read_shard_tree", "write_tag"]
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,31 @@ def read_shard_tree(path: str, *, allow_pickle: bool = False) -> Any:
     return build(meta["tree"])
 
 
-def export(directory: str, step: int, params: dict[str, Any]) -> None:
-    """Write the DeepSpeed tag of committed ``step`` of ``directory`` (see module doc)."""
+def write_tag(files_by_rank: Iterable[dict[str, Any]], tag: str, tag_dir: str) -> int:
+    """Write every rank's DeepSpeed files (path relative to the save directory -> state
+    dict as :func:`flashckpt.deepspeed._objects.encode` left it) into ``tag_dir`` with
+    ``torch.save``, each fsynced, as DeepSpeed's default engine writes them; a file two
+    ranks both hold is written once. Returns the number of files."""
     import torch
 
+    written: set[str] = set()
+    for files in files_by_rank:
+        for rel, state in files.items():
+            if rel in written:
+                continue
+            written.add(rel)
+            target = os.path.join(tag_dir, os.path.relpath(rel, tag))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "wb") as f:
+                torch.save(_objects.decode(state), f)
+                f.flush()
+                os.fsync(f.fileno())
+    _fsync_dir(tag_dir)
+    return len(written)
+
+
+def export(directory: str, step: int, params: dict[str, Any]) -> None:
+    """Write the DeepSpeed tag of committed ``step`` of ``directory`` (see module doc)."""
     storage = LocalStorage(directory)
     meta = storage.metadata(step)
     save_dir, tag = params["save_dir"], params["tag"]
@@ -70,22 +91,13 @@ def export(directory: str, step: int, params: dict[str, Any]) -> None:
     pending = f"{final}.tmp-flashckpt"
     shutil.rmtree(pending, ignore_errors=True)
     os.makedirs(pending)
-    written: set[str] = set()
-    for rank in range(meta["world_size"]):
-        path, _ = storage.shard_path(step, rank)
-        ds = read_shard_tree(path, allow_pickle=params.get("allow_pickle", False))["deepspeed"]
-        for rel, state in ds["files"].items():
-            if rel in written:  # one copy of a file two ranks both handed over
-                continue
-            written.add(rel)
-            inside = os.path.relpath(rel, tag)
-            target = os.path.join(pending, inside)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "wb") as f:
-                torch.save(_objects.decode(state), f)
-                f.flush()
-                os.fsync(f.fileno())
-    _fsync_dir(pending)
+
+    def files() -> Iterator[dict[str, Any]]:
+        for rank in range(meta["world_size"]):
+            path, _ = storage.shard_path(step, rank)
+            yield read_shard_tree(path, allow_pickle=params.get("allow_pickle", False))["deepspeed"]["files"]
+
+    count = write_tag(files(), tag, pending)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(pending, final)
@@ -93,7 +105,7 @@ def export(directory: str, step: int, params: dict[str, Any]) -> None:
     if params.get("save_latest", True):
         _write_atomic(os.path.join(save_dir, "latest"), tag.encode())
     _retain(save_dir, tag, int(params.get("keep_last", 0)))
-    log.info("exported step %d as DeepSpeed tag %s (%d files)", step, final, len(written))
+    log.info("exported step %d as DeepSpeed tag %s (%d files)", step, final, count)
 
 
 def _retain(save_dir: str, tag: str, keep_last: int) -> None:

@@ -31,18 +31,21 @@ How resuming prefers memory
     ``train()`` starts a fresh engine. If writing it out fails, the memory is kept and
     the constructor raises :class:`flashckpt.CheckpointError` on every rank.
 
-    Under torchrun with gloo, create the process group yourself before the Trainer on a
-    per-attempt ``PrefixStore`` (accelerate keeps an existing group), or a restarted
-    group may dial the dead attempt's addresses; see ``examples/hf_trainer.py``.
+    Under torchrun with gloo, call :func:`flashckpt.torch.init_process_group` before
+    building the Trainer (accelerate keeps an existing group), or a restarted group may
+    dial the dead attempt's addresses; see ``examples/hf_trainer.py``.
 
 Costs and limits
     Besides the folders, ``<output_dir>/.flashckpt`` keeps the newest committed step in
     flashckpt's own format (one more copy of the state on disk) and the files that do
     not change during ``train()``. A clean end of ``train()`` waits for the folders and
     drops memory-only snapshots, leaving the folders the stock save would have left.
-    DeepSpeed, FSDP, XLA, SageMaker MP, ``push_to_hub`` and hyper-parameter search
-    trials keep the stock save, with a warning; so do PEFT adapters and quantized
-    models. Only process 0 writes the model files
+    Under the Trainer's DeepSpeed integration the DeepSpeed engine's own
+    ``save_checkpoint`` runs into flashckpt's DeepSpeed checkpoint engine, and the folder
+    gets DeepSpeed's tag and ``latest`` as the stock save writes them (see
+    :mod:`flashckpt.hf._deepspeed`). FSDP, XLA, SageMaker MP, ``push_to_hub`` and
+    hyper-parameter search trials keep the stock save, with a warning; so do PEFT
+    adapters and quantized models. Only process 0 writes the model files
     (``save_on_each_node`` is not honoured; multi-node runs need a shared file system).
 """
 
@@ -62,7 +65,7 @@ from transformers.trainer_utils import SaveStrategy
 from .. import _events
 from .._errors import CheckpointError
 from ..torch import Checkpointer
-from . import _export
+from . import _deepspeed, _export
 from ._capture import capture_main_state, capture_rank_state, write_static_files
 
 __all__ = ["FlashCheckpointCallback"]
@@ -223,7 +226,6 @@ class FlashCheckpointCallback(TrainerCallback):
         self._trainer = trainer
         args = trainer.args
         unsupported = [name for name, on in (
-            ("DeepSpeed", getattr(trainer, "is_deepspeed_enabled", False)),
             ("FSDP", getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False)),
             ("push_to_hub", args.push_to_hub),
         ) if on]
@@ -255,6 +257,10 @@ class FlashCheckpointCallback(TrainerCallback):
 
     def _state_dir(self) -> str:
         return os.path.join(self._trainer.args.output_dir, STATE_DIR)
+
+    def _deepspeed_dir(self) -> str:
+        """Where the DeepSpeed engine is told to save (it only copies its scripts there)."""
+        return os.path.join(self._state_dir(), "deepspeed")
 
     def _open(self) -> None:
         # only the newest step is kept here: the checkpoint-N folders are the checkpoints
@@ -340,7 +346,7 @@ class FlashCheckpointCallback(TrainerCallback):
         step = state.global_step
         persist = self._persist_at.pop(step, True)  # a save we did not plan (best metric, epoch end)
         trainer.store_flos()
-        run_dir = trainer._get_output_dir(trial=None)
+        run_dir = args.output_dir  # what Trainer._get_output_dir gives outside hyper-parameter search
         best_step = state.best_global_step
         if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and best_step:
             best = os.path.join(run_dir, _export.folder_name(best_step))
@@ -355,8 +361,13 @@ class FlashCheckpointCallback(TrainerCallback):
                 else:
                     state.stateful_callbacks[name] = cb.state()
         tree = capture_rank_state(trainer)
+        model_state, keep_tied = None, False
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            if _deepspeed.saves_tag(trainer):
+                tree["deepspeed"] = _deepspeed.capture_files(trainer, self._deepspeed_dir())
+            model_state, keep_tied = _deepspeed.model_state_dict(trainer)
         if args.process_index == 0:
-            tree["hf"] = capture_main_state(trainer)
+            tree["hf"] = capture_main_state(trainer, model_state, keep_tied)
         limit = self.keep_last if self.keep_last is not None else args.save_total_limit
         export = {"name": "hf", "params": {"run_dir": run_dir, "static": self._static, "limit": limit}}
         self._ckpt.engine.save(step, tree, persist=persist, export=export)

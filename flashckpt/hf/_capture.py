@@ -59,24 +59,28 @@ def capture_rank_state(trainer: Any) -> dict[str, Any]:
     return {"rng": _rng_state(trainer.args.parallel_mode == ParallelMode.DISTRIBUTED)}
 
 
-def _model_tensors(trainer: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors ``save_pretrained`` writes (tied copies removed, original names
-    restored), and the plain facts the exporter needs to write the model files."""
+def _model_tensors(trainer: Any, state_dict: dict[str, Any] | None = None, keep_tied: bool = False
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors ``save_pretrained`` writes (tied copies removed unless ``keep_tied``,
+    original names restored), and the plain facts the exporter needs to write the model
+    files. ``state_dict``: the weights to write instead of the model's own (``{}``: none)."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import PreTrainedModel, remove_tied_weights_from_state_dict
 
     model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
     if not isinstance(model, PreTrainedModel):  # the Trainer saves a bare state dict
-        return dict(trainer.model.state_dict()), {"pretrained": False}
+        return dict(trainer.model.state_dict() if state_dict is None else state_dict), {"pretrained": False}
     if getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None) is not None:
         raise CheckpointError("FlashCheckpointCallback does not handle PEFT adapters or quantized models yet")
     # save_pretrained records these on the config before writing it; do the same
     model.config.dtype = str(model.dtype).split(".")[1]
     model.config.architectures = [model.__class__.__name__.removeprefix("FSDP")]
-    state_dict = model.state_dict()
+    weights = state_dict is None or bool(state_dict)
+    state_dict = model.state_dict() if state_dict is None else state_dict
     for key in model._keys_to_ignore_on_save or ():
         state_dict.pop(key, None)
-    state_dict = remove_tied_weights_from_state_dict(state_dict, model)
+    if not keep_tied:
+        state_dict = remove_tied_weights_from_state_dict(state_dict, model)
     state_dict = revert_weight_conversion(model, state_dict)
     facts = {
         "pretrained": True,
@@ -84,19 +88,28 @@ def _model_tensors(trainer: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any
         "generation_config": (model.generation_config.to_json_string(use_diff=True, keys_to_pop=["compile_config"])
                               if model.can_generate() and model.generation_config is not None else None),
         "num_parameters": model.num_parameters(),
+        "weights": weights,
     }
     return dict(state_dict), facts
 
 
-def capture_main_state(trainer: Any) -> dict[str, Any]:
+def capture_main_state(trainer: Any, model_state: dict[str, Any] | None = None, keep_tied: bool = False
+                       ) -> dict[str, Any]:
     """What the saving rank (process 0) saves: model, optimizer, scheduler, scaler,
-    trainer state. Call at the point where the stock Trainer would write them."""
-    tensors, facts = _model_tensors(trainer)
+    trainer state. Call at the point where the stock Trainer would write them. Under
+    DeepSpeed, ``model_state`` and ``keep_tied`` come from
+    :func:`flashckpt.hf._deepspeed.model_state_dict`, and the optimizer (and a scheduler
+    DeepSpeed owns) are in DeepSpeed's tag instead."""
+    tensors, facts = _model_tensors(trainer, model_state, keep_tied)
     main: dict[str, Any] = {"model": tensors, **facts,
                             "trainer_state": json.dumps(asdict(trainer.state), indent=2, sort_keys=True) + "\n"}
     if not trainer.args.save_only_model:
-        main["optimizer"] = trainer.optimizer.state_dict()
-        main["scheduler"] = trainer.lr_scheduler.state_dict()
+        deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
+        if not deepspeed:
+            main["optimizer"] = trainer.optimizer.state_dict()
+        from . import _deepspeed
+        if not deepspeed or not _deepspeed.owns_scheduler(trainer):
+            main["scheduler"] = trainer.lr_scheduler.state_dict()
         scaler = getattr(trainer.accelerator, "scaler", None)
         main["scaler"] = scaler.state_dict() if scaler is not None else None
     return main

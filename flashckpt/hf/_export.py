@@ -32,6 +32,7 @@ from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import parse_header
 from .._storage import LocalStorage, _fsync_dir
 from ..torch._tensors import DTYPE_NAMES
+from . import _deepspeed
 
 __all__ = ["export", "write_folder", "read_shard", "folder_name"]
 
@@ -97,19 +98,35 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def _unalias(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tied weights the stock save writes twice (DeepSpeed clones them apart) are one
+    entry in flashckpt's copy; safetensors refuses aliases, so later names get a copy."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        ptr = t.data_ptr() if t.numel() else None
+        out[name] = t.clone() if ptr is not None and ptr in seen else t
+        if ptr is not None:
+            seen.add(ptr)
+    return out
+
+
 def _write_model(main: dict[str, Any], folder: str) -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    tensors = main["model"]
+    tensors = _unalias(main["model"])
     if not main.get("pretrained"):
-        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        if tensors:  # an empty one is ZeRO-3 without gathered weights: the stock save leaves none
+            save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         return
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
         f.write(main["config"])
     if main.get("generation_config") is not None:
         with open(os.path.join(folder, "generation_config.json"), "w", encoding="utf-8") as f:
             f.write(main["generation_config"])
+    if not main.get("weights", True):  # ZeRO-3 without gathered weights: the stock save writes none
+        return
     split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size="50GB")  # what the Trainer's save_pretrained uses
     for filename, names in split.filename_to_tensors.items():
@@ -129,11 +146,13 @@ def write_folder(ranks: list[Any], folder: str, static: str | None) -> None:
     if static is not None:
         for name in sorted(os.listdir(static)):
             shutil.copyfile(os.path.join(static, name), os.path.join(folder, name))
+    _deepspeed.write_files(ranks, folder)
     if "optimizer" in main:
         torch.save(main["optimizer"], os.path.join(folder, "optimizer.pt"))
+    if "scheduler" in main:
         torch.save(main["scheduler"], os.path.join(folder, "scheduler.pt"))
-        if main.get("scaler") is not None:
-            torch.save(main["scaler"], os.path.join(folder, "scaler.pt"))
+    if main.get("scaler") is not None:
+        torch.save(main["scaler"], os.path.join(folder, "scaler.pt"))
     for rank, tree in enumerate(ranks):
         if "rng" in tree:
             name = "rng_state.pth" if len(ranks) == 1 else f"rng_state_{rank}.pth"

@@ -60,7 +60,7 @@ class MegatronCheckpointer:
                  job_id: str | None = None, allow_pickle: bool = False, process_group: Any = None) -> None:
         self._ckpt = Checkpointer(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id,
                                   allow_pickle=allow_pickle, process_group=process_group)
-        self._flash = self._ckpt._engine
+        self._flash = self._ckpt.engine
 
     @property
     def directory(self) -> str:

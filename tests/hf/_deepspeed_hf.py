@@ -1,6 +1,9 @@
-"""The Trainer's DeepSpeed integration (ZeRO-2 on CPU) with the callback: stock save kept.
+"""The Trainer's DeepSpeed integration on CPU, with or without the callback.
 
-    torchrun --standalone --nproc_per_node=1 _deepspeed_hf.py OUT
+    torchrun --standalone --nproc_per_node=1 _deepspeed_hf.py OUT MODE STAGE
+
+MODE "flash" trains with FlashCheckpointCallback, "stock" without; ZeRO stage STAGE
+with AdamW, 4 steps, a save every 2.
 """
 
 import logging
@@ -11,12 +14,18 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from flashckpt.hf import FlashCheckpointCallback  # noqa: E402
+from flashckpt.torch import init_process_group  # noqa: E402
 from tests.hf._hf import make_trainer  # noqa: E402
 
 logging.basicConfig(level=logging.WARNING, format="LOG %(name)s %(levelname)s %(message)s")
+out, mode, stage = sys.argv[1], sys.argv[2], int(sys.argv[3])
+zero = {"stage": stage}
+if stage == 3:
+    zero["stage3_gather_16bit_weights_on_model_save"] = True
 DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-      "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+      "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
       "steps_per_print": 10**9}
-trainer = make_trainer(sys.argv[1], [FlashCheckpointCallback()], deepspeed=DS, max_steps=4, save_steps=2,
-                       ddp_backend="gloo")
+init_process_group()
+trainer = make_trainer(out, [FlashCheckpointCallback()] if mode == "flash" else [], deepspeed=DS, max_steps=4,
+                       save_steps=2, ddp_backend="gloo")
 trainer.train()

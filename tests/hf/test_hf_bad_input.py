@@ -4,8 +4,6 @@ import glob
 import logging
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 from transformers import TrainerCallback
@@ -81,14 +79,3 @@ def test_not_given_to_a_trainer():
     with pytest.raises(CheckpointError, match="must be passed to a transformers Trainer"):
         FlashCheckpointCallback().on_init_end(TrainingArguments("unused", report_to=[]), TrainerState(),
                                               TrainerControl())
-
-
-def test_deepspeed_keeps_the_stock_save_with_a_warning(tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "_deepspeed_hf.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                           script, str(tmp_path)], capture_output=True, text=True, timeout=240,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "does not support DeepSpeed yet: the Trainer keeps its own save" in proc.stdout + proc.stderr
-    assert "global_step4" in os.listdir(tmp_path / "checkpoint-4")  # DeepSpeed's own files, by the Trainer
-    assert not os.path.exists(tmp_path / ".flashckpt")

@@ -3,6 +3,8 @@
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,6 +34,9 @@ def _same(a, b, where: str) -> None:
             _same(x, y, f"{where}/{i}")
     elif hasattr(a, "dtype") and hasattr(a, "tobytes"):  # numpy arrays in the RNG state
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), where
+    elif type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):  # e.g. DeepSpeed's LossScaler
+        assert type(a) is type(b), where
+        _same(vars(a), vars(b), where)
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
@@ -49,7 +54,9 @@ def _compare_folder(stock: str, flash: str) -> None:
     assert sorted(os.listdir(flash)) == names, f"{flash}: files differ from the stock save"
     for name in names:
         a, b = os.path.join(stock, name), os.path.join(flash, name)
-        if name.endswith(".safetensors") or name in ("config.json", "generation_config.json"):
+        if os.path.isdir(a):  # DeepSpeed's tag global_step<N>
+            _compare_folder(a, b)
+        elif name.endswith((".safetensors", ".py")) or name in ("config.json", "generation_config.json", "latest"):
             assert open(a, "rb").read() == open(b, "rb").read(), f"{name} differs"
         elif name == "trainer_state.json":
             sa, sb = json.load(open(a)), json.load(open(b))
@@ -125,3 +132,24 @@ def test_added_after_construction_still_saves(tmp_path):
     trainer.train()
     assert _folders(tmp_path) == ["checkpoint-3", "checkpoint-4"]
     assert cb._stock_save is not None and cb._ckpt is None and not shm_left(tmp_path)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_same_folders_as_the_stock_save(tmp_path, stage):
+    """The Trainer's DeepSpeed integration (1 process, torchrun): DeepSpeed's tag, ``latest``
+    and recovery scripts in each folder, every tensor equal to the stock save's."""
+    script = os.path.join(os.path.dirname(__file__), "_deepspeed_hf.py")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    runs = {mode: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                    "--nproc_per_node=1", script, str(tmp_path / mode), mode, str(stage)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            for mode in ("stock", "flash")}
+    for proc in runs.values():
+        log, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, log[-4000:]
+    stock, flash = str(tmp_path / "stock"), str(tmp_path / "flash")
+    assert _folders(flash) == _folders(stock) == ["checkpoint-2", "checkpoint-4"]
+    for name in _folders(stock):
+        _compare_folder(os.path.join(stock, name), os.path.join(flash, name))
+    assert "latest" in os.listdir(os.path.join(flash, "checkpoint-4"))  # DeepSpeed's own resume reads it
+    assert not glob.glob(os.path.join(flash, ".checkpoint-*")) and not shm_left(flash)

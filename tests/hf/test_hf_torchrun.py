@@ -1,13 +1,16 @@
-"""kill -9 under torchrun with DDP: the restart resumes from the newest memory snapshot."""
+"""kill -9 under torchrun (DDP, and the Trainer's DeepSpeed ZeRO-2): the restart resumes
+from the newest memory snapshot, and the folders equal the stock save's."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ._hf import shm_left
+from .test_hf_layout import _compare_folder
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "_torchrun_hf.py")
 
@@ -20,9 +23,11 @@ def _torchrun(out, report, mode: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def test_kill_9_restart_resumes_from_memory_and_matches_an_uninterrupted_run(tmp_path):
-    flash = _torchrun(tmp_path / "flash", tmp_path / "flash-report", "flash")
-    stock = _torchrun(tmp_path / "stock", tmp_path / "stock-report", "stock")
+@pytest.mark.parametrize("kind", ["ddp", "deepspeed"])
+def test_kill_9_restart_resumes_from_memory_and_matches_an_uninterrupted_run(tmp_path, kind):
+    prefix = "ds-" if kind == "deepspeed" else ""
+    flash = _torchrun(tmp_path / "flash", tmp_path / "flash-report", prefix + "flash")
+    stock = _torchrun(tmp_path / "stock", tmp_path / "stock-report", prefix + "stock")
     flash_log, _ = flash.communicate(timeout=240)
     stock_log, _ = stock.communicate(timeout=240)
     assert flash.returncode == 0, flash_log[-4000:]
@@ -41,8 +46,13 @@ def test_kill_9_restart_resumes_from_memory_and_matches_an_uninterrupted_run(tmp
 
     folders = sorted(n for n in os.listdir(tmp_path / "flash") if n.startswith("checkpoint-"))
     assert folders == ["checkpoint-12", "checkpoint-6", "checkpoint-8"]
+    # rng_state_0.pth and rng_state_1.pth included (and DeepSpeed's tag, named by its step)
     assert sorted(os.listdir(tmp_path / "flash" / "checkpoint-8")) == sorted(
-        os.listdir(tmp_path / "stock" / "checkpoint-12"))  # rng_state_0.pth and rng_state_1.pth included
-    assert sorted(os.listdir(tmp_path / "flash" / "checkpoint-12")) == sorted(
-        os.listdir(tmp_path / "stock" / "checkpoint-12"))
+        n.replace("global_step12", "global_step8") for n in os.listdir(tmp_path / "stock" / "checkpoint-12"))
+    for step in (6, 12):  # before the kill, and after the resume from memory
+        _compare_folder(tmp_path / "stock" / f"checkpoint-{step}", tmp_path / "flash" / f"checkpoint-{step}")
+    if kind == "deepspeed":  # DeepSpeed's own tag, each rank's ZeRO optimizer shard
+        assert sorted(os.listdir(tmp_path / "flash" / "checkpoint-8" / "global_step8")) == [
+            "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert not shm_left(tmp_path / "flash")  # the killed attempt's memory was freed after the resume
