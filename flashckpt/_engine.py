@@ -33,7 +33,6 @@ __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SinglePr
 
 log = logging.getLogger("flashckpt")
 
-NUM_SLOTS = 2
 _READ_CHUNK = 64 << 20
 
 
@@ -66,12 +65,18 @@ class Options:
     """Names this job's shared memory; default: a hash of the checkpoint directory."""
     allow_pickle: bool = False
     """Store non-tensor, non-plain leaves pickled, and unpickle them on load."""
+    memory_slots: int = 2
+    """Shared-memory copies per rank. 2: a save never waits for, nor overwrites, the copy
+    being written to storage. 1: half the memory; a save waits while storage reads the
+    copy, and a crash during a save leaves only what storage holds."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.persist_every, int) or self.persist_every < 1:
             raise ValueError(f"persist_every must be an int >= 1, got {self.persist_every!r}")
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(f"keep_last must be an int >= 0, got {self.keep_last!r}")
+        if self.memory_slots not in (1, 2):
+            raise ValueError(f"memory_slots must be 1 or 2, got {self.memory_slots!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +144,10 @@ class Engine:
         _names.job_prefix(self.job_id)  # validates the name
         if placement.persists:
             self.storage.check_writable()
-        self._slot_paths = [_names.slot_path(self.job_id, placement.memory_rank, i) for i in range(NUM_SLOTS)]
+        self._slot_paths = [_names.slot_path(self.job_id, placement.memory_rank, i)
+                            for i in range(options.memory_slots)]
         self._lock = RankLock(_names.lock_path(self._slot_paths[0]))
-        self._slots: list[Slot | None] = [None] * NUM_SLOTS
+        self._slots: list[Slot | None] = [None] * options.memory_slots
         self._views: dict[tuple, list[Any]] = {}
         self._preparing: threading.Thread | None = None
         self._retired: list[Slot] = []
@@ -161,7 +167,7 @@ class Engine:
     def _headers(self) -> list[SlotHeader]:
         """Every slot's header, reading unmapped slots without mapping them."""
         return [slot.read_header() if (slot := self._slots[i]) is not None
-                else Slot.peek_header(self._slot_paths[i]) or SlotHeader() for i in range(NUM_SLOTS)]
+                else Slot.peek_header(self._slot_paths[i]) or SlotHeader() for i in range(len(self._slots))]
 
     def _choose_slot(self) -> int:
         """A slot the saver is not holding (reading, or due to read), preferring the one
@@ -179,7 +185,7 @@ class Engine:
                     return choice[0]
             if not warned and time.perf_counter() - waited > 1.0:
                 log.warning("save waits for storage: persisting is slower than the saves asked to persist "
-                            "(raise persist_every to keep saves from waiting)")
+                            "(raise persist_every, or use memory_slots=2, to keep saves from waiting)")
                 warned = True
             time.sleep(0.001)
 
@@ -244,7 +250,7 @@ class Engine:
             slot.write_header(header)
         if due:
             self._client.persist(slot.path, header.generation)
-        other = (index + 1) % NUM_SLOTS
+        other = (index + 1) % len(self._slots)
         if self._slots[other] is None or self._slots[other].capacity < HEADER_SIZE + image.size:
             self._prepare([other], image.size)
         blocking = time.perf_counter() - start
@@ -367,7 +373,7 @@ class Engine:
         if self.placement.writes_memory:
             flat = flatten(state, allow_pickle=self.options.allow_pickle)
             size = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves], self._meta(0, flat)).size
-            self._prepare(list(range(NUM_SLOTS)), size)
+            self._prepare(list(range(len(self._slots))), size)
 
     def _loaded(self, step: int | None, source: str | None, start: float) -> None:
         self.last_load = LoadInfo(step, source, time.perf_counter() - start)

@@ -140,8 +140,10 @@ class FsdpCheckpointer(EngineCheckpointer):
     """
 
     def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
-                 job_id: str | None = None, allow_pickle: bool = False, process_group: Any = None) -> None:
-        options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle)
+                 job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
+                 process_group: Any = None) -> None:
+        options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
+                          memory_slots=memory_slots)
         collective = collective_for(process_group)
         self._engine = Engine(os.fspath(directory), options, place(collective, replicated=False), collective)
         self.extra: Any = None

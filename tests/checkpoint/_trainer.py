@@ -49,9 +49,10 @@ def main() -> None:
     p.add_argument("--close", action="store_true")
     p.add_argument("--linger", type=float, default=0.0, help="seconds to stay alive after the last save")
     p.add_argument("--start", type=int, default=1)
+    p.add_argument("--memory-slots", type=int, default=2)
     a = p.parse_args()
     state = make_state(a.mb)
-    ck = Checkpointer(a.dir, job_id=a.job, persist_every=a.persist_every, keep_last=2)
+    ck = Checkpointer(a.dir, job_id=a.job, persist_every=a.persist_every, keep_last=2, memory_slots=a.memory_slots)
     for step in range(a.start, a.start + a.steps):
         fill(state, step)
         ck.save(step, state)

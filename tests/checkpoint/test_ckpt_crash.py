@@ -53,7 +53,8 @@ def wipe_shared_memory(job: str) -> None:
         os.unlink(path)
 
 
-def test_kill9_at_random_moments_never_tears_or_damages(tmp_path, job_id):
+@pytest.mark.parametrize("memory_slots", [2, 1])
+def test_kill9_at_random_moments_never_tears_or_damages(tmp_path, job_id, memory_slots):
     """Trainer (and sometimes the saver) killed mid-copy / mid-persist / mid-commit; every
     load gets one whole step, never older than the last committed one, and every
     committed step verifies."""
@@ -61,7 +62,8 @@ def test_kill9_at_random_moments_never_tears_or_damages(tmp_path, job_id):
     storage = LocalStorage(str(tmp_path))
     start = 1
     for attempt in range(12):
-        proc = start_trainer(tmp_path, job_id, 10_000, rng.choice([1, 2]), 24, "--start", start)
+        proc = start_trainer(tmp_path, job_id, 10_000, rng.choice([1, 2]), 24, "--start", start,
+                             "--memory-slots", memory_slots)
         wait_for_line(proc, f"saved {start + rng.randint(0, 3)}")
         time.sleep(rng.uniform(0, 0.05))
         committed_before = storage.latest_step()
@@ -78,7 +80,7 @@ def test_kill9_at_random_moments_never_tears_or_damages(tmp_path, job_id):
         if not with_memory:
             time.sleep(0.5)
             wipe_shared_memory(job_id)  # a fresh machine: only storage is left
-        ck = Checkpointer(tmp_path, job_id=job_id, keep_last=2)
+        ck = Checkpointer(tmp_path, job_id=job_id, keep_last=2, memory_slots=memory_slots)
         step = ck.load(state)
         assert step is not None and check(state) == step
         assert committed_before is None or step >= committed_before

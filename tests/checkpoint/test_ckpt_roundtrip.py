@@ -201,3 +201,27 @@ def test_close_frees_shared_memory_and_saver_exits(tmp_path, job_id):
         ck.save(2, {"w": torch.ones(1000)})
         assert any(".slot" in p for p in shm_objects(job_id))
     assert not any(".slot" in p or p.endswith(".lock") and "saver" not in p for p in shm_objects(job_id))
+
+
+def test_one_memory_slot_halves_shared_memory_and_still_round_trips(tmp_path, job_id):
+    """memory_slots=1: one slot file per rank; a save whose slot storage is still writing
+    waits for it, so every step persisted is the one saved."""
+    saver = Checkpointer(tmp_path, job_id=job_id, persist_every=1, keep_last=0, memory_slots=1)
+    state = {"w": torch.zeros(1 << 18)}
+    for step in range(1, 6):
+        state["w"].fill_(step)
+        saver.save(step, state)
+    saver.wait()
+    assert [p.rsplit(".", 2)[1:] for p in shm_objects(job_id) if ".slot" in p] == [["rank0", "slot0"]]
+    assert sorted(int(p.name[5:]) for p in tmp_path.glob("step-*")) == [1, 2, 3, 4, 5]
+    for step in (1, 3, 5):  # every committed step holds what was saved at that step
+        target = {"w": torch.zeros(1 << 18)}
+        with Checkpointer(tmp_path, job_id=job_id + "x", memory_slots=1) as reader:
+            assert reader.load(target, step=step) == step and bool((target["w"] == step).all())
+    target = {"w": torch.zeros(1 << 18)}
+    with Checkpointer(tmp_path, job_id=job_id, memory_slots=1) as restarted:  # a restart reads memory
+        assert restarted.load(target) == 5 and restarted.last_load.source == "memory"
+    assert bool((target["w"] == 5).all())
+    saver.close()
+    with pytest.raises(ValueError, match="memory_slots"):
+        Checkpointer(tmp_path, job_id=job_id, memory_slots=3)
