@@ -8,8 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from flashckpt import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                       StateMismatchError)
+from flashckpt import CheckpointError, StateMismatchError
 from flashckpt.torch import Checkpointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -146,7 +145,7 @@ def test_full_disk_is_reported_and_previous_commit_survives(tmp_path):
         print("latest", ck.latest_step())
         state = {"w": torch.zeros(1000)}
         import os; print(sorted(os.listdir("/mnt/ck")))
-    """, f"mkdir -p /mnt && mount -t tmpfs -o size=4m tmpfs /mnt && mount -t tmpfs -o size=256m tmpfs /dev/shm", tmp_path)
+    """, "mkdir -p /mnt && mount -t tmpfs -o size=4m tmpfs /mnt && mount -t tmpfs -o size=256m tmpfs /dev/shm", tmp_path)
     assert out.returncode == 0, out.stderr
     assert "ERROR: persisting to /mnt/ck failed" in out.stdout and "No space left on device" in out.stdout
     assert "latest 1" in out.stdout

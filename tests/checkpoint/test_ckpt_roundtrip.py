@@ -1,7 +1,6 @@
 """One process, no process group: exact round trips through memory and storage."""
 
 import json
-import os
 
 import pytest
 import torch
