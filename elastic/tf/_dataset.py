@@ -93,27 +93,29 @@ class ShardDataset(tf.data.Dataset):
         self.positions = positions
         definition = positions.dataset.definition
 
-        shuffle = definition.shuffle
+        shuffle, files = definition.shuffle, definition.files is not None
 
-        def generate():
+        def generate():  # one crossing from TF into Python per shard: as few values as will do
             for shard, position in positions.shards():
+                start = shard.start if shuffle else shard.start + position
+                head = np.array([start, shard.end, shard.index, shard.epoch], dtype=np.int64)
+                rest: tuple[Any, ...] = ()
                 if shuffle:
                     order = sharding.sample_order(shard.start, shard.end, seed=shard.seed, epoch=shard.epoch,
                                                   shard=shard.index, shuffle=True)
-                    yield (shard.start, shard.end, np.asarray(order[position:], dtype=np.int64),
-                           shard.file or "", shard.index, shard.epoch)
-                else:  # the indices are a range: built by TF, not copied across from Python
-                    yield shard.start + position, shard.end, shard.file or "", shard.index, shard.epoch
+                    rest += (np.asarray(order[position:], dtype=np.int64),)
+                yield (head,) + rest + ((shard.file,) if files else ())
 
+        def spec(head: tf.Tensor, *rest: tf.Tensor) -> ShardSpec:
+            # unshuffled indices are a range: built by TF, not copied across from Python
+            indices = rest[0] if shuffle else tf.range(head[0], head[1])
+            return ShardSpec(head[0], head[1], indices, rest[-1] if files else tf.constant(""), head[2], head[3])
+
+        signature = ((tf.TensorSpec([4], tf.int64),) + ((_SIGNATURE.indices,) if shuffle else ())
+                     + ((_SIGNATURE.file,) if files else ()))
         # leasing runs a couple of shards ahead on tf.data's thread, so the reader never waits
         # for the coordinator round trip (records count only once the step consumed them)
-        if shuffle:
-            source = tf.data.Dataset.from_generator(generate, output_signature=tuple(_SIGNATURE))
-            source = source.map(ShardSpec, num_parallel_calls=None)
-        else:
-            signature = tuple(spec for name, spec in zip(ShardSpec._fields, _SIGNATURE) if name != "indices")
-            source = tf.data.Dataset.from_generator(generate, output_signature=signature).map(
-                lambda start, end, file, index, epoch: ShardSpec(start, end, tf.range(start, end), file, index, epoch))
+        source = tf.data.Dataset.from_generator(generate, output_signature=signature).map(spec)
         self._source = source.prefetch(_SHARDS_AHEAD) if _SHARDS_AHEAD else source
         super().__init__(self._source._variant_tensor)
 

@@ -86,3 +86,19 @@ def test_estimator_input_fn_with_report_hook_completes_every_shard(tmp_path):
     assert progress["finished"] and progress["leased"] == 0
     assert progress["workers"]["est-0"]["completed"] == n // 10
     assert estimator.get_variable_value("global_step") == int(np.ceil(n / batch))
+
+
+def test_files_data_set_hands_out_file_and_offsets_and_shuffled_indices():
+    files = [("/data/a.rec", 7), ("/data/b.rec", 5)]
+    shards = etf.ShardDataset("memory://tf-files", "f", files=files, shard_size=4, shuffle=True, seed=1, worker="w")
+    got = collections.defaultdict(list)
+    for spec in shards:
+        assert spec.end - spec.start == spec.indices.shape[0] <= 4
+        got[spec.file.numpy().decode()] += spec.indices.numpy().tolist()
+    assert {name: sorted(ids) for name, ids in got.items()} == {"/data/a.rec": list(range(7)),
+                                                                "/data/b.rec": list(range(5))}
+    assert any(ids != sorted(ids) for ids in got.values())  # shuffled within shards
+    plain = etf.ShardDataset("memory://tf-files-plain", "f", files=files, shard_size=4, worker="w")
+    specs = [(s.file.numpy().decode(), s.start.numpy(), s.end.numpy(), s.indices.numpy().tolist()) for s in plain]
+    assert specs[0] == ("/data/a.rec", 0, 4, [0, 1, 2, 3])
+    assert ("/data/b.rec", 4, 5, [4]) in specs
