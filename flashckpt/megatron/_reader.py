@@ -1,9 +1,9 @@
 """Reading the global ranges a rank needs out of the shards of one saved step.
 
-Each saved rank's tree is ``{"megatron": {"shards": [...], "objects": {...}, "common": ...}}``
-(see ``_checkpointer``): the main-replica local blocks of each ``ShardedTensor`` with
-their global offsets as plain values. A :class:`StepReader` indexes every rank's shard
-header (without reading bodies) and fills a requested block by reading, from each
+Each saved rank's tree is ``{"megatron": {"layout": "[...]", "data": [...], "objects": {...},
+"common": ...}}`` (see ``_checkpointer``): the main-replica local blocks of each
+``ShardedTensor``, their keys and global offsets as one JSON string. A
+:class:`StepReader` indexes every rank's shard header (without reading bodies) and fills a requested block by reading, from each
 saved block it intersects, only the contiguous byte runs that hold the intersection.
 Sources are the committed safetensors files (``os.preadv``) or, for a restart with
 the same layout, this rank's own shared-memory image.
@@ -12,6 +12,7 @@ the same layout, this rank's own shared-memory image.
 from __future__ import annotations
 
 import io
+import json
 import os
 import struct
 from dataclasses import dataclass
@@ -106,6 +107,14 @@ def _plain_tree(node: Any, tensor: Any) -> Any:
     return tuple(items) if "u" in node else items
 
 
+def _blocks(mg: dict) -> list[tuple]:
+    """``(key, global_offset, shape, global_shape, data)`` of every saved block: format 2
+    keeps the places as one JSON string beside a list of tensors, format 1 a dict each."""
+    if "layout" in mg:
+        return [(*place, data) for place, data in zip(json.loads(mg["layout"]), mg["data"], strict=True)]
+    return [(s["key"], s["global_offset"], s["shape"], s["global_shape"], s["data"]) for s in mg["shards"]]
+
+
 class StepReader:
     """Every saved rank's layout of one step, and reads of requested blocks from it."""
 
@@ -122,11 +131,9 @@ class StepReader:
                 mg = tree["megatron"]
             except (KeyError, TypeError):
                 raise CorruptCheckpointError(f"{source.where}: not a megatron flash checkpoint") from None
-            for shard in mg["shards"]:
-                offset, shape = tuple(shard["global_offset"]), tuple(shard["shape"])
-                entry = entries[shard["data"][1]]
-                self.shards.setdefault(shard["key"], []).append(
-                    _Saved(source, Box(offset, shape), entry, tuple(shard["global_shape"])))
+            for key, offset, shape, global_shape, data in _blocks(mg):
+                self.shards.setdefault(key, []).append(
+                    _Saved(source, Box(tuple(offset), tuple(shape)), entries[data[1]], tuple(global_shape)))
             for key, value in mg["objects"].items():
                 self.objects.setdefault(key, (source, value))
             if mg.get("common") is not None and self.common is None:
