@@ -59,7 +59,7 @@ def test_memory_newer_than_the_newest_folder_is_resumed(tmp_path, saver_flushes,
     trainer = make_trainer(out, [first, Crash(5)], max_steps=10, save_steps=3)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    engine = first._ckpt._engine
+    engine = first._ckpt.engine
     assert sorted(engine.memory_steps()) == [3, 4]
     engine.wait()
     assert sorted(os.listdir(out)) == [".flashckpt", "checkpoint-3"]
@@ -86,7 +86,7 @@ def test_failing_to_write_memory_out_is_a_clear_error_at_construction(tmp_path):
         make_trainer(out, [first, Crash(5)], max_steps=10, save_steps=3).train()
     first._ckpt.wait()
     shutil.rmtree(first._static)  # the exporter will miss training_args.bin
-    first._ckpt._engine._client.close()  # no flush by the saver: only the constructor writes step 4
+    first._ckpt.engine._client.close()  # no flush by the saver: only the constructor writes step 4
     first._ckpt = None
     with pytest.raises(CheckpointError, match=r"writing step 4 from memory to .*checkpoint-4 failed: rank 0: "):
         make_trainer(out, [FlashCheckpointCallback()], max_steps=10, save_steps=3)
