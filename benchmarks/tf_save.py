@@ -11,7 +11,10 @@ state built (parameters + two moments). Timed, medians over repeats, methods int
   (durable), ``load`` from memory (in place);
 - ``tf.train.Checkpoint.write`` (synchronous, to the same disk), its async variant
   (``CheckpointOptions(experimental_enable_async_checkpoint=True)``: blocking part only)
-  and ``tf.train.Checkpoint.read`` + ``assert_consumed``.
+  and ``tf.train.Checkpoint.read`` + ``assert_consumed``;
+- training time lost per checkpoint where the copy is deferred (``Checkpointer(...,
+  background=True)`` and TF's async write): blocking part + (the training step right
+  after it - a training step), as both leave the variables' buffers to copy-on-write.
 
 Part 2, graph mode (tf.estimator's session): the same parameter count as graph variables;
 floor (one copy into touched shared memory from a ``tf.numpy_function`` over the
@@ -114,8 +117,15 @@ def bench_eager(args, root: Path) -> dict:
     flash.save(1)
     flash.wait()
     async_opts = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
-    r: dict[str, list[float]] = {k: [] for k in ("floor", "flash_save", "flash_durable", "flash_load_memory",
-                                                 "tf_write", "tf_async_write_blocking", "tf_read")}
+    x, y = tf.random.uniform([8, 4096]), tf.zeros([8, 4096])
+    model.train_on_batch(x, y)  # traced once: a step is one optimizer update of every variable
+
+    def train_step() -> None:
+        model.train_on_batch(x, y)
+
+    r: dict[str, list[float]] = {k: [] for k in (
+        "floor", "flash_save", "flash_durable", "flash_load_memory", "tf_write", "tf_async_write_blocking",
+        "tf_read", "train_step", "flash_background_save", "step_after_flash_background", "step_after_tf_async")}
     step = 2
     for rep in range(args.repeats):
         r["floor"].append(median([timed(lambda: floor.copy(variables)) for _ in range(3)]))
@@ -125,10 +135,18 @@ def bench_eager(args, root: Path) -> dict:
         r["flash_durable"].append(timed(lambda: (flash.save(step), flash.wait())))
         step += 1
         r["flash_load_memory"].append(timed(lambda: flash.load()))
+        r["train_step"].append(timed(train_step))
+        flash._background = True  # Checkpointer(background=True): the copy overlaps the next step
+        r["flash_background_save"].append(timed(lambda: flash.save(step)))
+        r["step_after_flash_background"].append(timed(train_step))  # pays copy-on-write and a busy core
+        flash.wait()
+        flash._background = False
+        step += 1
         path = str(root / f"tf-{rep}" / "ckpt")
         r["tf_write"].append(timed(lambda: ckpt_obj.write(path)))
         apath = str(root / f"tfa-{rep}" / "ckpt")
         r["tf_async_write_blocking"].append(timed(lambda: ckpt_obj.write(apath, options=async_opts)))
+        r["step_after_tf_async"].append(timed(train_step))
         ckpt_obj.sync() if hasattr(ckpt_obj, "sync") else None
         time.sleep(1)
         r["tf_read"].append(timed(lambda: ckpt_obj.read(path).assert_consumed()))
@@ -281,6 +299,16 @@ def main() -> None:
               f"{eager['tf_async_write_blocking'] / eager['flash_save']:.2f}x flashckpt's blocking time")
         print(f"tf.train.Checkpoint.read           {eager['tf_read']:.3f}s  -> "
               f"{eager['tf_read'] / eager['flash_load_memory']:.1f}x flashckpt's memory load")
+        lost_bg = eager["flash_background_save"] + eager["step_after_flash_background"] - eager["train_step"]
+        lost_async = eager["tf_async_write_blocking"] + eager["step_after_tf_async"] - eager["train_step"]
+        print(f"training step (Adam, batch 8)      {eager['train_step']:.3f}s")
+        print(f"background=True save, blocking     {eager['flash_background_save']:.3f}s; the next step "
+              f"{eager['step_after_flash_background']:.3f}s -> {lost_bg:.3f}s lost per checkpoint")
+        print(f"TF async write, blocking           {eager['tf_async_write_blocking']:.3f}s; the next step "
+              f"{eager['step_after_tf_async']:.3f}s -> {lost_async:.3f}s lost per checkpoint")
+        print(f"(blocking flashckpt save loses {eager['flash_save']:.3f}s; tf.train.Checkpoint.write "
+              f"{eager['tf_write']:.3f}s)")
+        ratios.update(flash_background_lost=lost_bg, tf_async_lost=lost_async)
         ratios.update(flash_save_over_floor=eager["flash_save"] / eager["floor"],
                       tf_write_over_flash_save=eager["tf_write"] / eager["flash_save"],
                       tf_async_blocking_over_flash_save=eager["tf_async_write_blocking"] / eager["flash_save"],

@@ -337,21 +337,32 @@ class ShardPositions:
         elif self._finished and not self._producing:
             self._finish(self._take_finished())
 
-    def commit(self) -> None:
-        """Tell the coordinator the consumed positions; complete the finished shards."""
+    def mark(self) -> list[tuple[_Lease, int]]:
+        """The consumed positions now, for a later :meth:`commit` of exactly these (a
+        checkpoint taken now but written in the background commits what it holds)."""
         with self._lock:
-            self._finished = False
-            for lease in list(self._held):
-                self._commit_lease(lease)
+            return [(lease, lease.done) for lease in self._held]
 
-    def _commit_lease(self, lease: _Lease) -> None:
+    def commit(self, mark: list[tuple[_Lease, int]] | None = None) -> None:
+        """Tell the coordinator the consumed positions (default: now; else those of
+        ``mark``); complete the finished shards."""
+        with self._lock:
+            if mark is None:
+                self._finished = False
+                mark = [(lease, lease.done) for lease in self._held]
+            for lease, done in mark:
+                if lease in self._held:
+                    self._commit_lease(lease, done)
+
+    def _commit_lease(self, lease: _Lease, done: int | None = None) -> None:
+        done = lease.done if done is None else done
         try:
-            if lease.done >= len(lease.shard):
+            if done >= len(lease.shard):
                 self.dataset.complete(lease.shard)
                 self._held.remove(lease)
-            elif lease.done != lease.committed:
-                self.dataset.report(lease.shard, lease.done)
-            lease.committed = lease.done
+            elif done > lease.committed:
+                self.dataset.report(lease.shard, done)
+            lease.committed = max(lease.committed, done)
         except sharding.LeaseLost as exc:
             self._lost(lease, exc)
             if lease in self._held:

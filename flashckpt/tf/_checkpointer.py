@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -30,12 +31,22 @@ class Checkpointer(EngineCheckpointer):
     puts the data positions into every checkpoint, so model and data roll back together
     (``rollback``: an ``elastic.tf.Rollback``; default ``WORKER``).
 
+    ``background=True``: ``save`` takes the variables' current buffers (reads, no copy)
+    and returns; a thread copies them into shared memory while training goes on. TF
+    keeps the taken buffers intact (a variable updated meanwhile is copied on write,
+    a copy the training step pays for variables the thread has not reached yet). The
+    data positions commit once that copy is done; every other call waits for it first.
+
     One checkpointer per worker process and directory (workers of a job use their own
     directories). Also a context manager: leaving it calls :meth:`close`.
     """
 
     def __init__(self, directory: str | os.PathLike, checkpoint: Any, *, data: Any = None, rollback: Any = None,
-                 persist_every: int = 1, keep_last: int = 3, job_id: str | None = None) -> None:
+                 persist_every: int = 1, keep_last: int = 3, job_id: str | None = None,
+                 background: bool = False) -> None:
+        self._background = background
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
         self._root = _variables.as_checkpoint(checkpoint)
         self._positions = positions_of(data)
         if rollback is None and self._positions is not None:
@@ -46,18 +57,61 @@ class Checkpointer(EngineCheckpointer):
         self._engine = new_engine(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id)
 
     def save(self, step: int, *, persist: bool | None = None, export: bool = False) -> None:
-        """Copy every variable into shared memory (the only blocking work); persist it if
-        due (or if ``persist``). ``export``: once committed, the saver also writes a stock
-        TF checkpoint at ``<directory>/step-<N>/tf/ckpt``."""
+        """Copy every variable into shared memory (the only blocking work; with
+        ``background=True`` done by a thread); persist it if due (or if ``persist``).
+        ``export``: once committed, the saver also writes a stock TF checkpoint at
+        ``<directory>/step-<N>/tf/ckpt``."""
+        self._join()
         variables, graph = _variables.collect(self._root)
         state = {"variables": {key: _variables.read_alias(var) for key, var in variables.items()},
                  "tf": {"format": FORMAT, "object_graph": graph,
                         "bfloat16": _variables.bfloat16_keys({key: var.dtype for key, var in variables.items()})},
                  "data": data_state(self._positions, self._rollback)}
-        self._engine.save(step, state, persist=persist, export={"name": "tf", "params": {}} if export else None)
-        del state  # views of the variables' buffers must not outlive the save (copy-on-write)
-        if self._positions is not None:
-            self._positions.commit()
+        mark = self._positions.mark() if self._positions is not None else None
+        export_to = {"name": "tf", "params": {}} if export else None
+        if not self._background:
+            self._save_state(step, [state], persist, export_to, mark)
+            return
+        self._pending = threading.Thread(target=self._save_state, args=(step, [state], persist, export_to, mark),
+                                         name=f"flashckpt-tf-save-{step}")
+        del state
+        self._pending.start()
+
+    def _save_state(self, step: int, holder: list[dict[str, Any]], persist: bool | None,
+                    export: dict[str, Any] | None, mark: Any) -> None:
+        try:
+            self._engine.save(step, holder[0], persist=persist, export=export)
+            holder.clear()  # views of the variables' buffers must not outlive the save (copy-on-write)
+            if mark is not None:
+                self._positions.commit(mark)
+        except BaseException as exc:
+            holder.clear()
+            if not self._background:
+                raise
+            self._pending_error = exc
+
+    def _join(self) -> None:
+        """Wait for a background save; raise what it failed with."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        error, self._pending_error = self._pending_error, None
+        if error is not None:
+            raise error
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._join()
+        super().wait(timeout)
+
+    def flush(self, timeout: float | None = None) -> None:
+        self._join()
+        super().flush(timeout)
+
+    def close(self) -> None:
+        try:
+            self._join()
+        finally:
+            super().close()
 
     def load(self, *, step: int | None = None) -> int | None:
         """Restore the variables (and data positions) of ``step`` (default: the newest in
@@ -66,6 +120,7 @@ class Checkpointer(EngineCheckpointer):
         Keras optimizers that have not taken a step yet get their slots created first;
         a model must be built. Mismatched variables raise ``StateMismatchError`` naming them.
         """
+        self._join()
         _variables.build_optimizers(self._root)
         variables, _ = _variables.collect(self._root)
         targets: dict[str, np.ndarray] = {}
@@ -94,6 +149,7 @@ class Checkpointer(EngineCheckpointer):
         """Write committed ``step`` (default: the newest, after flushing memory) as a stock
         TF checkpoint with prefix ``path``, which ``tf.train.Checkpoint.restore(path)``
         reads without flashckpt. Returns the prefix."""
+        self._join()
         if step is None:
             self._engine.flush()
             step = self._engine.latest_step()

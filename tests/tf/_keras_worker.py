@@ -2,7 +2,7 @@
 records the weights at every save, and counts in a model variable how often each record
 was trained.
 
-argv: ckpt_dir coordinator_url num_records pause_at_step(0: never) out_dir
+argv: ckpt_dir coordinator_url num_records pause_at_step(0: never) out_dir [background]
 """
 
 import json
@@ -19,6 +19,7 @@ from flashckpt.tf import FlashCheckpointCallback
 
 ckpt_dir, url, n, pause_at, out = sys.argv[1:6]
 N, PAUSE = int(n), int(pause_at)
+BACKGROUND = sys.argv[6:7] == ["background"]
 loads = []
 _events.subscribe(lambda event, **info: loads.append(info) if event == "load" else None)
 
@@ -83,7 +84,7 @@ shards = etf.ShardDataset(url, "train", size=N, shard_size=16, num_epochs=1, wor
 model = Counting()
 model.compile(optimizer=tf.keras.optimizers.Adam(0.01))
 model(tf.zeros([1, 2]))
-flash = FlashCheckpointCallback(ckpt_dir, every_steps=3, data=shards, batch_size=8)
+flash = FlashCheckpointCallback(ckpt_dir, every_steps=3, data=shards, batch_size=8, background=BACKGROUND)
 recorder = Recorder(flash)
 model.fit(shards.flat_map(reader).batch(8), epochs=1, verbose=0, callbacks=[flash, recorder])
 flash.close()

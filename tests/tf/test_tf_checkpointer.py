@@ -4,6 +4,7 @@ from storage, export to a stock TF checkpoint, data positions inside the checkpo
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -154,3 +155,37 @@ def test_string_variables_and_lookup_tables_are_refused_by_name(tmp_path, job_id
     with Checkpointer(tmp_path / "t", {"table": table}, job_id=job_id) as ckpt:
         with pytest.raises(CheckpointError, match="not variables"):
             ckpt.save(1)
+
+
+def test_background_save_keeps_the_values_of_its_step_while_training_goes_on(tmp_path, job_id):
+    n = 24
+    shards = etf.ShardDataset(f"sqlite:///{tmp_path}/c.db", "d", size=n, shard_size=4, worker="w")
+    shards.positions.batch_size = 4
+    model = dense_model()
+    batches = iter(shards.flat_map(lambda s: tf.data.Dataset.from_tensor_slices(s.indices)).batch(4))
+    trained = []
+    with Checkpointer(tmp_path / "ck", model, data=shards, background=True, job_id=job_id) as ckpt:
+        for _ in range(2):
+            trained += next(batches).numpy().tolist()
+            shards.positions.consumed_steps(1)
+        saved = values(model)
+        gate, engine_save = threading.Event(), ckpt._engine.save
+        ckpt._engine.save = lambda *a, **k: (gate.wait(30), engine_save(*a, **k))[1]
+        ckpt.save(2)  # returns at once; the copy waits for the gate
+        model.fit(np.ones((8, 4)), np.zeros((8, 1)), verbose=0)  # updates first: TF copies on write
+        for _ in range(2):
+            trained += next(batches).numpy().tolist()
+            shards.positions.consumed_steps(1)
+        gate.set()
+        ckpt.wait()
+        del ckpt._engine.save
+        assert shards.positions.dataset.progress()["done"] == 2  # what step 2 held, not what came after
+        assert not same(values(model), saved)
+        assert ckpt.load() == 2
+        assert same(values(model), saved)
+        ckpt._engine.save = lambda *a, **k: (_ for _ in ()).throw(OSError("disk gone"))
+        ckpt.save(3)  # the failure comes out of the next call
+        with pytest.raises(OSError, match="disk gone"):
+            ckpt.wait()
+        del ckpt._engine.save
+    del batches

@@ -14,6 +14,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 import sharding
 from flashckpt._storage import LocalStorage
@@ -84,14 +85,15 @@ def test_estimator_two_workers_one_killed_every_record_once(tmp_path):
     assert progress["finished"] and progress["leased"] == 0
 
 
-def test_keras_fit_killed_resumes_from_memory_with_saved_weights(tmp_path):
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_keras_fit_killed_resumes_from_memory_with_saved_weights(tmp_path, mode):
     n = 240
     url = f"sqlite:///{tmp_path}/coord.db"
     sharding.connect(url).dataset("train", size=n, shard_size=16, num_epochs=1)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with open(tmp_path / "a.log", "w") as log:
-        first = spawn("_keras_worker.py", tmp_path / "ckpt", url, n, 8, tmp_path / "a", log=log)
+        first = spawn("_keras_worker.py", tmp_path / "ckpt", url, n, 8, tmp_path / "a", mode, log=log)
         try:
             wait_for(tmp_path / "a" / "paused", first)
             first.send_signal(signal.SIGKILL)
@@ -102,7 +104,7 @@ def test_keras_fit_killed_resumes_from_memory_with_saved_weights(tmp_path):
     for f in (tmp_path / "a").glob("weights-*.npz"):
         f.rename(tmp_path / "b" / f.name)
     with open(tmp_path / "b.log", "w") as log:
-        second = spawn("_keras_worker.py", tmp_path / "ckpt", url, n, 0, tmp_path / "b", log=log)
+        second = spawn("_keras_worker.py", tmp_path / "ckpt", url, n, 0, tmp_path / "b", mode, log=log)
         finish(second, tmp_path / "b.log")
     result = json.loads((tmp_path / "b" / "result.json").read_text())
     assert result["restored"] == 6  # saves every 3 batches; killed after batch 8
