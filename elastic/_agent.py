@@ -17,7 +17,10 @@ What it does, and on which thread:
   with ``ExitCode.SIGTERM`` (143);
 - on an uncaught exception (``sys.excepthook``): records the diagnosis, flushes, and lets
   Python exit with 1; a SIGTERM that comes meanwhile (torchrun stops the survivors when
-  a peer died) lets that flush finish, then the process exits with 143;
+  a peer died) lets that flush finish, then the process exits with 143. A failure the
+  launcher restarts on this node (oom, network) with a flashckpt checkpointer does not
+  wait for storage: the node's saver persists the newest step after the process exited,
+  overlapping the restart (``AgentOptions.wait_for_storage``);
 - outside the process: ``flashckpt._watchdog`` (the saver's poll, or the agent's own
   watcher process when there is no checkpointer) handles a hang that holds the GIL.
 
@@ -43,7 +46,7 @@ from typing import Any, Callable, TypeVar
 
 from flashckpt import _events, _watchdog
 from flashckpt._names import default_job_id
-from elastic._diagnosis import Diagnosis, Kind, diagnose
+from elastic._diagnosis import Action, Diagnosis, Kind, diagnose
 from elastic._errors import ElasticError
 from elastic._goodput import MetricsLog, read_records, summarize
 from elastic._hang import HangTimeout, format_stacks
@@ -582,11 +585,26 @@ class Agent:
                   diag.kind.value, diag.action.value)
         self._write_steps()
         self._log.write("failure", step=self._step, diagnosis=diag.to_json(), **extra)
-        self._flush_checkpoint()
+        self._flush_checkpoint(handoff=self._hands_off(diag))
 
-    def _flush_checkpoint(self) -> None:
+    def _hands_off(self, diag: Diagnosis) -> bool:
+        """Leave the flush to the node's saver (see ``AgentOptions.wait_for_storage``)? It
+        persists the newest slots of a trainer that exits without closing; the restarted
+        process's load waits for that, where it is not done by then."""
+        if self.options.wait_for_storage != "auto" or diag.action is not Action.RESTART_PROCESS \
+                or diag.kind in (Kind.PREEMPTED, Kind.HANG):
+            return False
+        base = sys.modules.get("flashckpt._base")
+        return base is not None and isinstance(self._ckpt, base.EngineCheckpointer)
+
+    def _flush_checkpoint(self, *, handoff: bool = False) -> None:
         ckpt = self._ckpt
         if ckpt is None or not hasattr(ckpt, "flush"):
+            return
+        if handoff:
+            log.warning("rank %d: the node's saver persists the newest checkpoint after this "
+                        "process exits (wait_for_storage='auto')", self.rank)
+            self._log.write("flush", ok=True, handoff=True, seconds=0.0)
             return
         began = time.monotonic()
         try:

@@ -72,6 +72,13 @@ class AgentOptions:
     max_inprocess_restarts: int = 0
     #: how long a flush-on-failure may wait for the checkpoint to reach storage
     flush_timeout_seconds: float | datetime.timedelta = 60.0
+    #: "auto": on a failure that the launcher restarts on this node (oom, network -- a
+    #: dead peer's collective --; not preemption, a hang or a replace_node/abort one),
+    #: with a flashckpt checkpointer, hand the newest step to the node's saver and exit
+    #: at once: the saver (a process that outlives this one) persists it while the
+    #: launcher restarts, and the restarted process loads it from memory. "always": wait
+    #: until the newest step is on storage on every failure (up to flush_timeout_seconds).
+    wait_for_storage: str = "auto"
     #: extra time the out-of-process backstop waits before acting (and how stale the
     #: agent thread's beat must be, i.e. the thread cannot run)
     backstop_grace_seconds: float | datetime.timedelta = 5.0
@@ -117,6 +124,8 @@ class AgentOptions:
         if self.backstop_grace_seconds < 1.0:
             raise ElasticError("backstop_grace_seconds must be >= 1.0 (the agent thread beats "
                                f"every 0.5 s at most), got {self.backstop_grace_seconds}")
+        if self.wait_for_storage not in ("auto", "always"):
+            raise ElasticError(f"wait_for_storage must be 'auto' or 'always', got {self.wait_for_storage!r}")
         if isinstance(self.datasets, str):
             self.datasets = (self.datasets,)
         self.datasets = tuple(self.datasets)

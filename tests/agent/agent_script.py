@@ -78,6 +78,7 @@ def main() -> int:
     p.add_argument("--restarts", type=int, default=0)
     p.add_argument("--pg-timeout", type=float, default=30.0)
     p.add_argument("--job-id", default=None)
+    p.add_argument("--wait-for-storage", default="auto")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', 0)} "
                         "%(name)s %(levelname)s %(message)s")
@@ -97,7 +98,8 @@ def main() -> int:
         checkpointer=ckpt, hang_timeout=hang_timeout, heartbeat_interval=0.2, on_hang=args.on_hang,
         metrics_dir=os.path.join(args.out, "metrics"), max_inprocess_restarts=args.restarts,
         hang_floor_seconds=1.0, hang_multiplier=5.0, warmup_steps=2, warmup_timeout_seconds=20.0,
-        backstop_grace_seconds=1.0, job_id=args.job_id if ckpt is None else None)
+        backstop_grace_seconds=1.0, job_id=args.job_id if ckpt is None else None,
+        wait_for_storage=args.wait_for_storage)
     faulty = rank == args.fault_rank and (attempt == 0 or args.every_attempt)
     fired = {"done": False}
 

@@ -17,9 +17,13 @@ from tests.agent.agent_helpers import ROOT, env, explain, of_type, records, run
 pytest.importorskip("flashckpt.torch")
 
 
-def committed(ckpt_dir: str) -> int | None:
-    """The committed step as a reader of the storage sees it."""
+def committed(ckpt_dir: str, wait: float = 0.0) -> int | None:
+    """The committed step as a reader of the storage sees it (after up to ``wait`` seconds
+    for the node's saver, which persists a trainer's newest step after it exited)."""
     path = os.path.join(ckpt_dir, "latest")
+    deadline = time.monotonic() + wait
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
     if not os.path.exists(path):
         return None
     step = int(open(path).read().strip())
@@ -27,23 +31,28 @@ def committed(ckpt_dir: str) -> int | None:
     return step
 
 
-@pytest.mark.parametrize("fault, kind, code", [
-    ("sigterm", "preempted", 143),  # ExitCode.SIGTERM
-    ("memory", "oom", 1),           # a real MemoryError
-    ("data", "data", 1),            # raised from inside the DataLoader
+@pytest.mark.parametrize("fault, kind, code, wait, handoff", [
+    ("sigterm", "preempted", 143, "auto", False),  # ExitCode.SIGTERM; preemption always waits
+    ("memory", "oom", 1, "always", False),         # a real MemoryError
+    ("memory", "oom", 1, "auto", True),            # restarted on this node: the saver persists
+    ("data", "data", 1, "auto", False),            # raised from inside the DataLoader (abort)
 ])
-def test_failure_flushes_newest_step_and_records_diagnosis(tmp_path, fault, kind, code):
+def test_failure_flushes_newest_step_and_records_diagnosis(tmp_path, fault, kind, code, wait, handoff):
     out, ck = str(tmp_path), str(tmp_path / "ck")
     # persist_every=1000 in the script: only the flush puts a step on storage
-    proc = run(out, "--ckpt", ck, "--fault", fault, "--fault-step", "6", "--steps", "10", timeout=120)
+    proc = run(out, "--ckpt", ck, "--fault", fault, "--fault-step", "6", "--steps", "10",
+               "--wait-for-storage", wait, timeout=120)
     assert proc.returncode == code, explain(proc)
     recs = records(out, 0)
     failures = of_type(recs, "failure")
     assert len(failures) == 1 and failures[0]["diagnosis"]["kind"] == kind, recs
     assert failures[0]["step"] == 5
     flush = of_type(recs, "flush")
-    assert flush and flush[0]["ok"], recs
-    assert committed(ck) == 5
+    assert flush and flush[0]["ok"] and flush[0].get("handoff", False) == handoff, recs
+    if handoff:  # the process did not wait: the saver commits the step soon after it exits
+        assert committed(ck, wait=30.0) == 5
+    else:  # on storage before the process exited
+        assert flush[0]["step"] == 5 and committed(ck) == 5
 
 
 def test_gloo_collective_timeout_is_a_network_failure_and_the_peer_is_preempted(tmp_path):
@@ -58,7 +67,8 @@ def test_gloo_collective_timeout_is_a_network_failure_and_the_peer_is_preempted(
     assert "Timed out" in f0[0]["exception"] or "timed out" in f0[0]["exception"].lower()
     f1 = of_type(records(out, 1), "failure")
     assert f1 and f1[0]["diagnosis"]["kind"] == "preempted", (f1, explain(proc))
-    assert committed(ck) == 5, explain(proc)
+    assert committed(ck, wait=30.0) == 5, explain(proc)  # rank 0 handed its flush to the saver
+    assert of_type(records(out, 0), "flush")[0]["handoff"] and not of_type(records(out, 1), "flush")[0].get("handoff")
 
 
 def test_inprocess_restart_survives_a_transient_error_with_the_same_final_state(tmp_path):
