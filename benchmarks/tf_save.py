@@ -190,7 +190,8 @@ def bench_graph(args, root: Path) -> dict:
             return np.int64(0)
 
         floor_op = tf.numpy_function(floor_copy, [v.value() for v in variables], tf.int64, stateful=True)
-        r: dict[str, list[float]] = {"floor": [], "hook_save": [], "hook_durable": [], "saver_save": []}
+        r: dict[str, list[float]] = {"floor": [], "hook_save": [], "hook_durable": [], "saver_save": [],
+                                     "hook_load_memory": [], "saver_restore": []}
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             sess.run(floor_op)
@@ -202,7 +203,10 @@ def bench_graph(args, root: Path) -> dict:
                 r["hook_save"].append(timed(lambda: hook._save(sess, 2 * rep + 1)))
                 hook._engine.wait()
                 r["hook_durable"].append(timed(lambda: (hook._save(sess, 2 * rep + 2), hook._engine.wait())))
+                prefix = saver.save(sess, str(root / "saver" / "model"), global_step=rep)
                 r["saver_save"].append(timed(lambda: saver.save(sess, str(root / "saver" / "model"), global_step=rep)))
+                r["hook_load_memory"].append(timed(lambda: hook._load(sess)))  # one copy into the buffers
+                r["saver_restore"].append(timed(lambda: saver.restore(sess, prefix)))
                 print(f"  graph repeat {rep}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in r.items()), flush=True)
             hook.close()
     floor_mm.close()
@@ -321,6 +325,10 @@ def main() -> None:
         print(f"FlashCheckpointHook save + wait    {graph['hook_durable']:.3f}s")
         print(f"Saver.save (CheckpointSaverHook)   {graph['saver_save']:.3f}s  -> "
               f"{graph['saver_save'] / graph['hook_save']:.1f}x the hook's blocking time")
+        print(f"FlashCheckpointHook load (memory)  {graph['hook_load_memory']:.3f}s  = "
+              f"{graph['hook_load_memory'] / graph['floor']:.2f}x floor")
+        print(f"Saver.restore                      {graph['saver_restore']:.3f}s  -> "
+              f"{graph['saver_restore'] / graph['hook_load_memory']:.1f}x the hook's load")
         ratios.update(saver_save_over_hook_save=graph["saver_save"] / graph["hook_save"],
                       hook_save_over_floor=graph["hook_save"] / graph["floor"])
     if data:
