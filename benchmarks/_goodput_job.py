@@ -28,11 +28,9 @@ def run(args: argparse.Namespace) -> None:
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # torchrun keeps its store across restarts: keys per attempt (see tests/agent/agent_script.py)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"goodput-{attempt}", store),
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    from flashckpt.torch import init_process_group  # a store prefix per torchrun attempt
+
+    init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out = Path(args.out)
     log = open(out / f"rank{rank}.jsonl", "a", buffering=1)
 
