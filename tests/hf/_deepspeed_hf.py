@@ -1,9 +1,9 @@
 """The Trainer's DeepSpeed integration on CPU, with or without the callback.
 
-    torchrun --standalone --nproc_per_node=1 _deepspeed_hf.py OUT MODE STAGE
+    torchrun --standalone --nproc_per_node=1 _deepspeed_hf.py OUT MODE STAGE [only-model]
 
 MODE "flash" trains with FlashCheckpointCallback, "stock" without; ZeRO stage STAGE
-with AdamW, 4 steps, a save every 2.
+with AdamW, 4 steps, a save every 2; "only-model" sets ``save_only_model=True``.
 """
 
 import logging
@@ -27,5 +27,5 @@ DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "
       "steps_per_print": 10**9}
 init_process_group()
 trainer = make_trainer(out, [FlashCheckpointCallback()] if mode == "flash" else [], deepspeed=DS, max_steps=4,
-                       save_steps=2, ddp_backend="gloo")
+                       save_steps=2, ddp_backend="gloo", save_only_model="only-model" in sys.argv[4:])
 trainer.train()

@@ -134,14 +134,14 @@ def test_added_after_construction_still_saves(tmp_path):
     assert cb._stock_save is not None and cb._ckpt is None and not shm_left(tmp_path)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_same_folders_as_the_stock_save(tmp_path, stage):
+@pytest.mark.parametrize("stage, extra", [(2, ""), (3, ""), (2, "only-model")])
+def test_deepspeed_same_folders_as_the_stock_save(tmp_path, stage, extra):
     """The Trainer's DeepSpeed integration (1 process, torchrun): DeepSpeed's tag, ``latest``
     and recovery scripts in each folder, every tensor equal to the stock save's."""
     script = os.path.join(os.path.dirname(__file__), "_deepspeed_hf.py")
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     runs = {mode: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                    "--nproc_per_node=1", script, str(tmp_path / mode), mode, str(stage)],
+                                    "--nproc_per_node=1", script, str(tmp_path / mode), mode, str(stage), extra],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             for mode in ("stock", "flash")}
     for proc in runs.values():
@@ -151,5 +151,6 @@ def test_deepspeed_same_folders_as_the_stock_save(tmp_path, stage):
     assert _folders(flash) == _folders(stock) == ["checkpoint-2", "checkpoint-4"]
     for name in _folders(stock):
         _compare_folder(os.path.join(stock, name), os.path.join(flash, name))
-    assert "latest" in os.listdir(os.path.join(flash, "checkpoint-4"))  # DeepSpeed's own resume reads it
+    # DeepSpeed's own resume reads ``latest``; save_only_model leaves DeepSpeed's tag out, as the stock save
+    assert ("latest" in os.listdir(os.path.join(flash, "checkpoint-4"))) == (extra != "only-model")
     assert not glob.glob(os.path.join(flash, ".checkpoint-*")) and not shm_left(flash)
