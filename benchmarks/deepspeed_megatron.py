@@ -12,13 +12,20 @@ speed drifts):
   call with flashckpt's engine installed (blocking time; then ``wait()`` until the step
   and its exported DeepSpeed tag are durable). Load: stock ``engine.load_checkpoint`` of
   the default tag vs ``DeepSpeedCheckpointer.load()`` from memory into a fresh engine
-  (what a restarted process does; same job id).
+  (what a restarted process does; same job id). Also one unsynced ``write()`` of the
+  same bytes into a new file: no save into the page cache (DeepSpeed's default is one)
+  can be faster, so its ratio to the floor bounds how far a flash save can beat it.
 - megatron-core GPTModel (TP=1): ``dist_checkpointing.save`` with megatron's default
   ``torch_dist`` strategy vs ``MegatronCheckpointer.save`` (blocking, then ``wait()``);
-  load: ``dist_checkpointing.load`` vs ``MegatronCheckpointer.load`` from memory.
+  load: ``dist_checkpointing.load`` vs ``MegatronCheckpointer.load`` from memory. The
+  flash save is timed with ``model.sharded_state_dict()`` inside (as megatron's own save
+  is) and, separately, given an already built one (flashckpt's own part).
   megatron's strategy calls ``torch.cuda.synchronize()``/``current_device`` unconditionally;
   here (CPU only) those are replaced by no-ops for megatron's own runs, in this script only.
 Storage is the directory given by --dir (default: a temp dir on the current file system).
+Every sample is printed (this machine is shared: the spread tells how noisy a run was).
+A GPT-2-small-sized run: ``--ds-hidden 2048 --ds-layers 24`` (1.5 GiB of ZeRO-1 state),
+``--mg-hidden 768 --mg-layers 12 --mg-vocab 50304`` (620 MiB of megatron parameters).
 """
 
 from __future__ import annotations
@@ -78,6 +85,33 @@ class Floor:
         os.unlink(self.path)
 
 
+class PageCacheWrite:
+    """One unsynced ``write()`` of the same bytes into a new file: the least any save into
+    the page cache costs (new page-cache pages are allocated and filled), no pickling."""
+
+    def __init__(self, tensors: list[torch.Tensor], directory: Path) -> None:
+        self.buffers = [memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors]
+        self.directory = directory
+        self.count = 0
+
+    def sample(self) -> float:
+        path = self.directory / f"page-cache-write-{self.count}"
+        self.count += 1
+
+        def write() -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                for buf in self.buffers:
+                    while buf:
+                        buf = buf[os.write(fd, buf):]
+            finally:
+                os.close(fd)
+
+        seconds = timed(write)
+        path.unlink()
+        return seconds
+
+
 def captured_tensors(engine) -> list[torch.Tensor]:
     """The tensors of the newest flash save of ``engine`` (a flashckpt Engine)."""
     from flashckpt._tree import flatten
@@ -123,10 +157,12 @@ def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int) -> dict:
     first = timed(lambda: ck.save(1))  # also reserves shared memory
     ck.wait()
     floor = Floor(captured_tensors(ck._flash))
+    page_cache = PageCacheWrite(floor.tensors, root)
     nbytes = sum(t.numel() * t.element_size() for t in floor.tensors)
-    floors, default, blocking, durable = [], [], [], []
+    floors, writes, default, blocking, durable = [], [], [], [], []
     for i in range(repeats):  # interleaved: this machine's speed drifts
         floors.append(floor.sample())
+        writes.append(page_cache.sample())
         b = timed(lambda i=i: ck.save(i + 2))
         blocking.append(b)
         durable.append(b + timed(ck.wait))
@@ -141,10 +177,11 @@ def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int) -> dict:
     sources = []
     _events.subscribe(lambda event, **info: sources.append(info.get("source")) if event == "load" else None)
     flash_load = [timed(ck2.load) for _ in range(repeats)]
-    ck2._ckpt._engine.close(unlink=False)  # shares ck's memory; ck frees it
+    ck2._ckpt.engine.close(unlink=False)  # shares ck's memory; ck frees it
     ck.close()
-    return {"bytes": nbytes, "floor_s": statistics.median(floors), "default_save_s": statistics.median(default),
-            "flash_first_blocking_s": first,
+    return {"samples": {"floor": floors, "page_cache_write": writes, "flash_blocking": blocking, "default": default},
+            "bytes": nbytes, "floor_s": statistics.median(floors), "page_cache_write_s": statistics.median(writes),
+            "default_save_s": statistics.median(default), "flash_first_blocking_s": first,
             "flash_blocking_s": statistics.median(blocking), "flash_durable_s": statistics.median(durable),
             "default_load_s": statistics.median(stock_load), "flash_load_s": statistics.median(flash_load),
             "flash_load_source": sources[-1] if sources else None}
@@ -152,7 +189,7 @@ def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int) -> dict:
 
 # -- megatron-core ----------------------------------------------------------------------
 
-def mg_model(hidden: int, layers: int):
+def mg_model(hidden: int, layers: int, vocab: int = 8192):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -162,14 +199,14 @@ def mg_model(hidden: int, layers: int):
     torch.manual_seed(0)
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=8,
                                use_cpu_initialization=True, params_dtype=torch.float32)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=8192,
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
                     max_sequence_length=128)
 
 
-def bench_megatron(root: Path, repeats: int, hidden: int, layers: int) -> dict:
+def bench_megatron(root: Path, repeats: int, hidden: int, layers: int, vocab: int) -> dict:
     from megatron.core import dist_checkpointing
     from flashckpt.megatron import MegatronCheckpointer
-    model = mg_model(hidden, layers)
+    model = mg_model(hidden, layers, vocab)
     job = "bench" + uuid.uuid4().hex[:8]
     ck = MegatronCheckpointer(root / "mg-flash", job_id=job, keep_last=2)
     capture(ck._flash)
@@ -178,12 +215,16 @@ def bench_megatron(root: Path, repeats: int, hidden: int, layers: int) -> dict:
     floor = Floor(captured_tensors(ck._flash))
     nbytes = sum(t.numel() * t.element_size() for t in floor.tensors)
     cuda_sync, cuda_dev = torch.cuda.synchronize, torch.cuda.current_device
-    floors, default, blocking, durable = [], [], [], []
+    floors, default, blocking, durable, building, prebuilt = [], [], [], [], [], []
     for i in range(repeats):  # interleaved: this machine's speed drifts
         floors.append(floor.sample())
         b = timed(lambda i=i: ck.save(i + 2, model.sharded_state_dict()))
         blocking.append(b)
         durable.append(b + timed(ck.wait))
+        box = []
+        building.append(timed(lambda: box.append(model.sharded_state_dict())))  # megatron's part of a save
+        prebuilt.append(timed(lambda i=i: ck.save(repeats + i + 2, box[0])))  # flashckpt's part
+        ck.wait()
         target = root / "mg-default" / f"iter_{i:07d}"
         target.mkdir(parents=True)
         try:
@@ -205,11 +246,15 @@ def bench_megatron(root: Path, repeats: int, hidden: int, layers: int) -> dict:
     sources = []
     _events.subscribe(lambda event, **info: sources.append(info.get("source")) if event == "load" else None)
     flash_load = [timed(lambda: ck2.load(model.sharded_state_dict())) for _ in range(repeats)]
-    ck2._ckpt._engine.close(unlink=False)  # shares ck's memory; ck frees it
+    ck2._ckpt.engine.close(unlink=False)  # shares ck's memory; ck frees it
     ck.close()
-    return {"bytes": nbytes, "floor_s": statistics.median(floors), "default_save_s": statistics.median(default),
+    return {"samples": {"floor": floors, "flash_blocking": blocking, "flash_blocking_prebuilt": prebuilt,
+                        "sharded_state_dict": building, "default": default},
+            "bytes": nbytes, "floor_s": statistics.median(floors), "default_save_s": statistics.median(default),
             "flash_first_blocking_s": first,
             "flash_blocking_s": statistics.median(blocking), "flash_durable_s": statistics.median(durable),
+            "sharded_state_dict_s": statistics.median(building),
+            "flash_blocking_prebuilt_s": statistics.median(prebuilt),
             "default_load_s": statistics.median(default_load), "flash_load_s": statistics.median(flash_load),
             "flash_load_source": sources[-1] if sources else None}
 
@@ -217,13 +262,33 @@ def bench_megatron(root: Path, repeats: int, hidden: int, layers: int) -> dict:
 def report(name: str, r: dict) -> None:
     mb = r["bytes"] / 2**20
     print(f"\n{name}: {mb:.0f} MiB of tensors copied per save")
+    for what, samples in r["samples"].items():
+        print(f"  samples {what:24s} " + " ".join(f"{x * 1e3:7.1f}" for x in samples) + " ms")
     print(f"  floor (one copy into /dev/shm)   {r['floor_s'] * 1e3:9.1f} ms")
     print(f"  flash save, blocking              {r['flash_blocking_s'] * 1e3:9.1f} ms   "
           f"{r['flash_blocking_s'] / r['floor_s']:.2f}x floor")
     print(f"  flash save, first (maps memory)  {r['flash_first_blocking_s'] * 1e3:9.1f} ms")
     print(f"  flash save + wait (durable)       {r['flash_durable_s'] * 1e3:9.1f} ms")
+    if "sharded_state_dict_s" in r:
+        print(f"    of which model.sharded_state_dict() {r['sharded_state_dict_s'] * 1e3:7.1f} ms; the save given "
+              f"it: {r['flash_blocking_prebuilt_s'] * 1e3:.1f} ms = "
+              f"{r['flash_blocking_prebuilt_s'] / r['floor_s']:.2f}x floor")
     print(f"  framework's own save              {r['default_save_s'] * 1e3:9.1f} ms   "
           f"{r['default_save_s'] / r['flash_blocking_s']:.1f}x the flash blocking time")
+    if "page_cache_write_s" in r:
+        gbs = lambda sec: r["bytes"] / sec / 1e9  # noqa: E731
+        print(f"  one write() of the bytes to page cache {r['page_cache_write_s'] * 1e3:6.1f} ms   "
+              f"{r['page_cache_write_s'] / r['floor_s']:.1f}x floor: the most any save into the page cache "
+              f"can gain over a flash save")
+        print(f"  bandwidth: memcpy {gbs(r['floor_s']):.2f} GB/s, page-cache write "
+              f"{gbs(r['page_cache_write_s']):.2f} GB/s, framework's save {gbs(r['default_save_s']):.2f} GB/s")
+    best = {what: min(samples) for what, samples in r["samples"].items()}
+    line = (f"  best samples (quietest moments): floor {best['floor'] * 1e3:.1f} ms, flash blocking "
+            f"{best['flash_blocking'] * 1e3:.1f} ms ({best['flash_blocking'] / best['floor']:.2f}x floor), "
+            f"framework {best['default'] * 1e3:.1f} ms ({best['default'] / best['flash_blocking']:.1f}x flash)")
+    if "page_cache_write" in best:
+        line += f", page-cache write {best['page_cache_write'] / best['floor']:.1f}x floor"
+    print(line)
     print(f"  framework's own load              {r['default_load_s'] * 1e3:9.1f} ms")
     print(f"  flash load ({r['flash_load_source']})            {r['flash_load_s'] * 1e3:9.1f} ms   "
           f"{r['default_load_s'] / r['flash_load_s']:.1f}x faster")
@@ -237,6 +302,8 @@ def main() -> None:
     parser.add_argument("--ds-layers", type=int, default=16)
     parser.add_argument("--mg-hidden", type=int, default=512)
     parser.add_argument("--mg-layers", type=int, default=8)
+    parser.add_argument("--mg-vocab", type=int, default=8192)
+    parser.add_argument("--only", choices=("deepspeed", "megatron"), default=None)
     parser.add_argument("--json", default=str(ROOT / "results" / "deepspeed_megatron.json"))
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -247,10 +314,14 @@ def main() -> None:
     deepspeed.init_distributed("gloo")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
-        results = {"deepspeed_zero1": bench_deepspeed(root, args.repeats, args.ds_hidden, args.ds_layers),
-                   "megatron_gpt": bench_megatron(root, args.repeats, args.mg_hidden, args.mg_layers)}
-    report("DeepSpeed ZeRO-1 + Adam, engine.save_checkpoint", results["deepspeed_zero1"])
-    report("megatron-core GPTModel, dist_checkpointing.save (torch_dist)", results["megatron_gpt"])
+        results = {}
+        if args.only in (None, "deepspeed"):
+            results["deepspeed_zero1"] = bench_deepspeed(root, args.repeats, args.ds_hidden, args.ds_layers)
+            report("DeepSpeed ZeRO-1 + Adam, engine.save_checkpoint", results["deepspeed_zero1"])
+        if args.only in (None, "megatron"):
+            results["megatron_gpt"] = bench_megatron(root, args.repeats, args.mg_hidden, args.mg_layers,
+                                                     args.mg_vocab)
+            report("megatron-core GPTModel, dist_checkpointing.save (torch_dist)", results["megatron_gpt"])
     results["env"] = {"python": platform.python_version(), "torch": torch.__version__,
                       "deepspeed": deepspeed.__version__, "cpus": os.cpu_count(), "repeats": args.repeats,
                       "argv": sys.argv[1:]}
