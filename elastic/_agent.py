@@ -173,7 +173,7 @@ class Agent:
                                       on_pause=self._on_heartbeat_pause)
         self._publisher = EventPublisher(self.worker)
         self._reader: Any = None  # a Coordinator opened by events() before the agent thread did
-        self._log = MetricsLog(options.metrics_dir, rank=self.rank, source=self.worker,
+        self._log = MetricsLog(options.metrics_dir, rank=self.rank, worker=self.worker,
                                on_event=self._publisher.put if _publishes(coordinator) else None)
         self._stack_path = os.path.join(
             options.metrics_dir or tempfile.gettempdir(),
@@ -227,8 +227,9 @@ class Agent:
 
     def events(self, *, local: bool = False) -> list[dict[str, Any]]:
         """Events (every record but the step aggregates), oldest first; each has ``type``,
-        ``time``, ``rank``, ``pid`` and ``source`` (the worker name of the agent that
-        recorded it).
+        ``time``, ``rank``, ``pid`` and ``worker`` (the worker name of the agent that
+        recorded it: the ``source`` of its event in the coordinator's log; a record's own
+        ``source`` field, where it has one, says what found a hang or where a load read).
 
         Job-wide: with a coordinator (a URL or Coordinator), every rank's events from the
         coordinator's log -- across process restarts, with ``seq`` -- plus this process's
@@ -663,7 +664,7 @@ def _publishes(coordinator: Any) -> bool:
 
 
 def _event_key(record: dict[str, Any]) -> tuple:
-    return (record.get("source"), record.get("pid"), record.get("type"), record.get("time"))
+    return (record.get("worker"), record.get("pid"), record.get("type"), record.get("time"))
 
 
 def _reinit_process_group(attempt: int) -> None:

@@ -3,7 +3,7 @@
 Each training process appends records to ``<metrics_dir>/rank<R>.jsonl``; a restarted
 process of the same rank appends to the same file, so the file is the rank's whole
 history across process restarts. Record types (all carry ``type``, ``time`` (wall
-clock), ``rank``, ``pid``, and ``source``, the agent's worker name):
+clock), ``rank``, ``pid``, and ``worker``, the agent's worker name):
 
 - ``start``: an agent started (a new process or a re-started agent);
 - ``steps``: an aggregate of consecutive steps ``first..last`` (step numbers), with
@@ -44,10 +44,10 @@ class MetricsLog:
     """Appends JSON records to ``<metrics_dir>/rank<R>.jsonl`` (or keeps them in memory);
     ``on_event`` gets every record but ``steps`` (called with no lock held)."""
 
-    def __init__(self, metrics_dir: str | None, *, rank: int, source: str | None = None,
+    def __init__(self, metrics_dir: str | None, *, rank: int, worker: str | None = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.rank = rank
-        self.source = source
+        self.worker = worker
         self._on_event = on_event
         self.path = None if metrics_dir is None else os.path.join(metrics_dir, f"rank{rank}.jsonl")
         self._memory: list[dict[str, Any]] = []
@@ -65,8 +65,8 @@ class MetricsLog:
 
     def write(self, record_type: str, **fields: Any) -> dict[str, Any]:
         record = {"type": record_type, "time": time.time(), "rank": self.rank, "pid": os.getpid()}
-        if self.source is not None:
-            record["source"] = self.source
+        if self.worker is not None:
+            record["worker"] = self.worker
         record.update(fields)
         line = json.dumps(record, sort_keys=True, default=str)
         with self._lock:

@@ -9,9 +9,10 @@ the coordinator refuses (``ValueError``: too large, not JSON) is logged and drop
 most ``max_pending`` events wait; beyond that the oldest are dropped (and counted).
 
 Each event is published as ``kind`` = the record's ``type``, ``payload`` = the whole
-record (``type``, ``time``, ``rank``, ``pid``, ``source``, ``job_id`` and its fields),
-``source`` = the agent's worker name. :func:`as_record` turns a coordinator event back
-into a record like the ones in ``metrics_dir``, with ``seq`` added.
+record (``type``, ``time``, ``rank``, ``pid``, ``worker`` and its fields), ``source`` =
+the agent's worker name. :func:`as_record` turns a coordinator event back into a record
+like the ones in ``metrics_dir``, with ``seq`` added (and ``worker`` = the event's
+``source`` where the payload has none: an event another program published).
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ def coordinator_of(target: Any) -> Any:
 
 
 def as_record(event: dict[str, Any]) -> dict[str, Any]:
-    """A coordinator event as a metrics record: its payload, plus ``type``, ``source``, ``seq``."""
+    """A coordinator event as a metrics record: its payload, plus ``type``, ``worker`` (the
+    event's source), ``seq``. A payload's own ``source`` field (a hang's detector, a load's
+    origin) is kept."""
     payload = event.get("payload")
     record = dict(payload) if isinstance(payload, dict) else {"payload": payload}
     record.setdefault("type", event.get("kind"))
     record.setdefault("time", event.get("time"))
-    record["source"] = event.get("source")
+    record.setdefault("worker", event.get("source"))
     record["seq"] = event.get("seq")
     return record
 

@@ -1,4 +1,5 @@
-"""``python -m elastic.report METRICS_DIR [--png PATH]``: goodput summary and a timeline.
+"""``python -m elastic.report METRICS_DIR [--png PATH] [--coordinator URL]``: goodput
+summary and a timeline.
 
 Reads every ``rank*.jsonl`` the agents wrote into ``METRICS_DIR`` (across process
 restarts), prints the job's goodput, restart downtime, rollback, checkpoint blocking
@@ -6,7 +7,9 @@ time and failures by kind, and draws ``METRICS_DIR/timeline.png``: one row per r
 time left to right; green where steps ran (brightness: step number), a red line at each
 failure or hang, a blue line at each restore (checkpoint load). The PNG is written with
 numpy and zlib only (no plotting library needed), so it carries no text labels; the
-printed summary carries the numbers.
+printed summary carries the numbers. With ``--coordinator URL`` (the ``sharding`` URL
+the agents were given) it also lists the job-wide events of every rank from the
+coordinator's log -- the failures and hangs of ranks whose ``metrics_dir`` is elsewhere.
 
 Exit codes: 0 done, 1 no records found, 2 bad arguments.
 """
@@ -23,7 +26,7 @@ from typing import Any
 
 from elastic._goodput import read_records, summarize
 
-__all__ = ["format_summary", "main", "timeline_png"]
+__all__ = ["format_events", "format_summary", "main", "timeline_png"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,35 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"{r['restarts']:>8}  {f(r['restart_downtime_seconds']):>8}  "
                      f"{r['rollback_steps']:>8}  {kinds}")
     return "\n".join(lines)
+
+
+def _detail(event: dict[str, Any]) -> str:
+    diag = event.get("diagnosis") or {}
+    if diag:
+        return f"{diag.get('kind')} -> {diag.get('action')}: {diag.get('reason', '')}"[:160]
+    keys = ("step", "source", "seconds", "ok", "handoff", "code", "stalled_seconds", "paused")
+    return " ".join(f"{k}={event[k]}" for k in keys if event.get(k) is not None)
+
+
+def format_events(events: list[dict[str, Any]]) -> str:
+    """Events (``Agent.events()`` records) as one line each: time, seq, worker, type, detail."""
+    import time
+
+    lines = []
+    for e in events:
+        at = e.get("time") or 0.0
+        stamp = time.strftime("%H:%M:%S", time.gmtime(at)) + f".{int(at % 1 * 1000):03d}"
+        lines.append(f"{stamp}  {e.get('seq', '-'):>5}  {e.get('worker', '?'):<24} "
+                     f"{e.get('type', '?'):<11} {_detail(e)}")
+    return "\n".join(lines)
+
+
+def _coordinator_events(url: str) -> list[dict[str, Any]]:
+    import sharding
+
+    from elastic._publish import as_record
+
+    return [as_record(e) for e in sharding.connect(url).events()]
 
 
 def _png(pixels: Any) -> bytes:
@@ -112,7 +144,18 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Goodput summary and PNG timeline of an agent's metrics_dir.")
     parser.add_argument("metrics_dir")
     parser.add_argument("--png", help="where to write the timeline (default METRICS_DIR/timeline.png)")
+    parser.add_argument("--coordinator", metavar="URL", help="also list every rank's events from "
+                        "this sharding coordinator's job-wide log")
     args = parser.parse_args(argv)
+    if args.coordinator:
+        try:
+            events = _coordinator_events(args.coordinator)
+        except Exception as err:
+            sys.stderr.write(f"cannot read the events of {args.coordinator}: {err}\n")
+            return 2
+        sys.stdout.write(f"events in the coordinator's log: {len(events)}\n")
+        if events:
+            sys.stdout.write(format_events(events) + "\n\n")
     records = read_records(args.metrics_dir) if os.path.isdir(args.metrics_dir) else []
     if not records:
         sys.stderr.write(f"no agent records (rank*.jsonl) in {args.metrics_dir}\n")

@@ -46,7 +46,7 @@ def test_events_are_job_wide_with_source_and_seq():
             return got if len(got) == 2 else None
 
         got = wait_for(published, what="both events in the coordinator's log")
-        assert {(e["source"], e["type"]) for e in got} == {("w-me", "custom"), ("w-other", "failure")}
+        assert {(e["worker"], e["type"]) for e in got} == {("w-me", "custom"), ("w-other", "failure")}
         mine = next(e for e in got if e["type"] == "custom")
         assert mine["answer"] == 42 and mine["rank"] == 0 and mine["pid"] == os.getpid()
         assert [e["type"] for e in agent.events(local=True)] == ["start", "custom"]  # local: own only
@@ -161,7 +161,7 @@ print("ready", flush=True)
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline:
     agent.step()
-    seen = [e for e in agent.events() if e.get("source") == other and e["type"] in ("hang", "failure")]
+    seen = [e for e in agent.events() if e.get("worker") == other and e["type"] in ("hang", "failure")]
     if seen:
         print(json.dumps(seen[0]), flush=True)
         break
@@ -198,9 +198,10 @@ def test_rank_b_sees_rank_a_hang_or_failure_through_the_coordinator(tmp_path, re
             reader.wait()
     assert reader.returncode == 0 and out.strip(), err
     event = json.loads(out.strip().splitlines()[-1])
-    assert event["source"] == a and event["seq"] >= 1 and event["pid"] != reader.pid
+    assert event["worker"] == a and event["seq"] >= 1 and event["pid"] != reader.pid
     if mode == "hang":
         assert event["type"] == "hang" and event["action"] == "exit" and event["step"] == 10
+        assert event["source"] == "agent"  # the record's own field: the agent thread found it
         assert "in inject_sleep" in event["stacks"]  # the dump travels with the event
     else:
         assert event["type"] == "failure" and event["diagnosis"]["kind"] == "data", event

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import struct
 import subprocess
 import sys
@@ -65,6 +66,28 @@ def test_metrics_of_a_run_across_a_torchrun_restart_and_the_report(tmp_path):
     job = summarize(read_records(f"{out}/metrics"))["job"]
     assert job["last_step"] == 12 and job["restarts"] == 1 and 0 < job["goodput"] < 1
     assert job["rollback_steps"] == 6 and job["restart_downtime_seconds"] > 0
+
+
+def test_report_lists_every_rank_events_from_the_coordinator(tmp_path):
+    import sharding
+
+    url = f"sqlite:///{tmp_path}/job.db"
+    coord = sharding.connect(url)
+    coord.publish("failure", {"type": "failure", "rank": 1, "worker": "node2-rank1", "step": 40,
+                              "diagnosis": {"kind": "oom", "action": "restart_process",
+                                            "reason": "out of memory: MemoryError"}}, source="node2-rank1")
+    coord.publish("load", {"type": "load", "rank": 0, "step": 40, "source": "memory"}, source="node1-rank0")
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    (metrics / "rank0.jsonl").write_text(json.dumps(steps(1, 1, 4, 0.0, 2.0, 2.0)) + "\n")
+    rep = subprocess.run([sys.executable, "-m", "elastic.report", str(metrics), "--coordinator", url],
+                         env=env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 0, rep.stderr
+    lines = rep.stdout.splitlines()
+    assert lines[0] == "events in the coordinator's log: 2", rep.stdout
+    assert "node2-rank1" in lines[1] and "failure" in lines[1] and "oom -> restart_process" in lines[1]
+    assert "node1-rank0" in lines[2] and "source=memory" in lines[2] and "step=40" in lines[2]
+    assert "goodput:" in rep.stdout
 
 
 def test_report_without_records_exits_1(tmp_path):
