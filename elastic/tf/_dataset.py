@@ -31,6 +31,7 @@ shuffled (after a resume, ``start`` is past the records already trained); with
 ``shuffle=True`` read ``indices``. ``file`` is "" for ``size=`` data sets."""
 
 _SHARDS_AHEAD = 2
+_SHARDS_PER_CROSSING = 2  # unshuffled shards leased back to back: the second round trip runs warm
 _SIGNATURE = ShardSpec(
     start=tf.TensorSpec([], tf.int64), end=tf.TensorSpec([], tf.int64), indices=tf.TensorSpec([None], tf.int64),
     file=tf.TensorSpec([], tf.string), index=tf.TensorSpec([], tf.int64), epoch=tf.TensorSpec([], tf.int64))
@@ -52,6 +53,22 @@ def open_positions(coordinator: Any, name: str, *, size: int | None = None,
     ds = _connect(coordinator).dataset(name, size=size, files=files, shard_size=shard_size, num_epochs=num_epochs,
                                        shuffle=shuffle, seed=seed, lease_timeout=lease_timeout)
     return ShardPositions(ds, worker)
+
+
+def _pack(batch: list[tuple[sharding.Shard, int]], shuffle: bool, files: bool) -> tuple[np.ndarray, ...]:
+    """``(shard, position)`` pairs as the generator's arrays: ``[k, 4]`` heads (start, end,
+    index, epoch), then the one shuffled shard's ``[1, n]`` indices, then ``[k]`` files."""
+    head = np.array([[shard.start if shuffle else shard.start + position, shard.end, shard.index, shard.epoch]
+                     for shard, position in batch], dtype=np.int64)
+    packed: tuple[np.ndarray, ...] = (head,)
+    if shuffle:
+        (shard, position), = batch
+        order = sharding.sample_order(shard.start, shard.end, seed=shard.seed, epoch=shard.epoch, shard=shard.index,
+                                      shuffle=True)
+        packed += (np.asarray(order[position:], dtype=np.int64)[None, :],)
+    if files:
+        packed += (np.array([shard.file for shard, _ in batch], dtype=object),)
+    return packed
 
 
 class ShardDataset(tf.data.Dataset):
@@ -95,27 +112,31 @@ class ShardDataset(tf.data.Dataset):
 
         shuffle, files = definition.shuffle, definition.files is not None
 
-        def generate():  # one crossing from TF into Python per shard: as few values as will do
-            for shard, position in positions.shards():
-                start = shard.start if shuffle else shard.start + position
-                head = np.array([start, shard.end, shard.index, shard.epoch], dtype=np.int64)
-                rest: tuple[Any, ...] = ()
-                if shuffle:
-                    order = sharding.sample_order(shard.start, shard.end, seed=shard.seed, epoch=shard.epoch,
-                                                  shard=shard.index, shuffle=True)
-                    rest += (np.asarray(order[position:], dtype=np.int64),)
-                yield (head,) + rest + ((shard.file,) if files else ())
+        def generate():  # few crossings from TF into Python, each with as few values as will do
+            shards = positions.shards()
+            for first in shards:
+                batch = [first]
+                try:
+                    while len(batch) < (1 if shuffle else _SHARDS_PER_CROSSING):
+                        more = next(shards, None)  # holds a lease now: never waits for other workers
+                        if more is None:
+                            break
+                        batch.append(more)
+                except Exception:  # what was leased is handed out, so consumption counts stay right
+                    yield _pack(batch, shuffle, files)
+                    raise
+                yield _pack(batch, shuffle, files)
 
         def spec(head: tf.Tensor, *rest: tf.Tensor) -> ShardSpec:
             # unshuffled indices are a range: built by TF, not copied across from Python
             indices = rest[0] if shuffle else tf.range(head[0], head[1])
             return ShardSpec(head[0], head[1], indices, rest[-1] if files else tf.constant(""), head[2], head[3])
 
-        signature = ((tf.TensorSpec([4], tf.int64),) + ((_SIGNATURE.indices,) if shuffle else ())
-                     + ((_SIGNATURE.file,) if files else ()))
+        signature = ((tf.TensorSpec([None, 4], tf.int64),) + ((tf.TensorSpec([1, None], tf.int64),) if shuffle else ())
+                     + ((tf.TensorSpec([None], tf.string),) if files else ()))
         # leasing runs a couple of shards ahead on tf.data's thread, so the reader never waits
         # for the coordinator round trip (records count only once the step consumed them)
-        source = tf.data.Dataset.from_generator(generate, output_signature=signature).map(spec)
+        source = tf.data.Dataset.from_generator(generate, output_signature=signature).unbatch().map(spec)
         self._source = source.prefetch(_SHARDS_AHEAD) if _SHARDS_AHEAD else source
         super().__init__(self._source._variant_tensor)
 

@@ -5,6 +5,7 @@ with ShardReportHook completes every shard."""
 import collections
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import elastic.tf as etf
@@ -102,3 +103,33 @@ def test_files_data_set_hands_out_file_and_offsets_and_shuffled_indices():
     specs = [(s.file.numpy().decode(), s.start.numpy(), s.end.numpy(), s.indices.numpy().tolist()) for s in plain]
     assert specs[0] == ("/data/a.rec", 0, 4, [0, 1, 2, 3])
     assert ("/data/b.rec", 4, 5, [4]) in specs
+
+
+class FailingSecondLease:
+    """A sharding.Dataset whose second lease fails (the coordinator went away)."""
+
+    def __init__(self, inner):
+        self._inner, self.leases = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def acquire(self, *args, **kwargs):
+        self.leases += 1
+        if self.leases == 2:
+            raise sharding.CoordinatorUnavailable("coordinator went away")
+        return self._inner.acquire(*args, **kwargs)
+
+
+def test_a_shard_leased_before_a_coordinator_error_is_still_handed_out():
+    inner = sharding.connect("memory://tf-fail-second").dataset("d", size=20, shard_size=5)
+    positions = etf.ShardPositions(FailingSecondLease(inner), "w")
+    positions.batch_size = 5
+    got = []
+    with pytest.raises(tf.errors.OpError, match="coordinator went away"):
+        for batch in etf.ShardDataset.from_positions(positions).flat_map(read_ids).batch(5):
+            got += batch.numpy().tolist()
+            positions.consumed_steps(1)
+    assert got == [0, 1, 2, 3, 4]  # the first lease of the crossing reached the pipeline
+    positions.commit()
+    assert inner.progress()["done"] == 1
