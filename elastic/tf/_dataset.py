@@ -32,9 +32,6 @@ shuffled (after a resume, ``start`` is past the records already trained); with
 
 _SHARDS_AHEAD = 2
 _SHARDS_PER_CROSSING = 2  # unshuffled shards leased back to back: the second round trip runs warm
-_SIGNATURE = ShardSpec(
-    start=tf.TensorSpec([], tf.int64), end=tf.TensorSpec([], tf.int64), indices=tf.TensorSpec([None], tf.int64),
-    file=tf.TensorSpec([], tf.string), index=tf.TensorSpec([], tf.int64), epoch=tf.TensorSpec([], tf.int64))
 
 
 def _connect(coordinator: Any) -> sharding.Coordinator:
@@ -137,7 +134,7 @@ class ShardDataset(tf.data.Dataset):
         # leasing runs a couple of shards ahead on tf.data's thread, so the reader never waits
         # for the coordinator round trip (records count only once the step consumed them)
         source = tf.data.Dataset.from_generator(generate, output_signature=signature).unbatch().map(spec)
-        self._source = source.prefetch(_SHARDS_AHEAD) if _SHARDS_AHEAD else source
+        self._source = source.prefetch(_SHARDS_AHEAD)
         super().__init__(self._source._variant_tensor)
 
     def _inputs(self) -> list[tf.data.Dataset]:
