@@ -35,6 +35,7 @@ import json
 import mmap
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -152,7 +153,7 @@ def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int) -> dict:
     engine = ds_engine(hidden, layers)
     default_dir, flash_dir = root / "ds-default", root / "ds-flash"
     job = "bench" + uuid.uuid4().hex[:8]
-    ck = DeepSpeedCheckpointer(engine, flash_dir, job_id=job, keep_last=2)
+    ck = DeepSpeedCheckpointer(engine, flash_dir, job_id=job, keep_last=1)  # disk space
     capture(ck._flash)
     first = timed(lambda: ck.save(1))  # also reserves shared memory
     ck.wait()
@@ -169,6 +170,7 @@ def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int) -> dict:
         engine.checkpoint_engine = ck._previous_engine  # DeepSpeed's default TorchCheckpointEngine
         default.append(timed(lambda i=i: engine.save_checkpoint(str(default_dir), tag=f"t{i}")))
         engine.checkpoint_engine = ck.checkpoint_engine
+        shutil.rmtree(default_dir / f"t{i - 1}", ignore_errors=True)  # disk space: only the last is loaded
     floor.close()
     fresh = ds_engine(hidden, layers)
     stock_load = [timed(lambda: fresh.load_checkpoint(str(default_dir), tag=f"t{repeats - 1}")) for _ in range(repeats)]
@@ -227,6 +229,7 @@ def bench_megatron(root: Path, repeats: int, hidden: int, layers: int, vocab: in
         ck.wait()
         target = root / "mg-default" / f"iter_{i:07d}"
         target.mkdir(parents=True)
+        shutil.rmtree(root / "mg-default" / f"iter_{i - 1:07d}", ignore_errors=True)
         try:
             torch.cuda.synchronize = lambda *a, **k: None  # megatron's own strategy only (see module doc)
             torch.cuda.current_device = lambda: "cpu"  # it places a flag tensor there for an all-reduce
