@@ -47,6 +47,17 @@ Costs and limits
     hyper-parameter search trials keep the stock save, with a warning; so do PEFT
     adapters and quantized models. Only process 0 writes the model files
     (``save_on_each_node`` is not honoured; multi-node runs need a shared file system).
+
+Trainer internals it relies on, and why no public hook does
+    ``Trainer._save_checkpoint`` (replaced on the instance: no callback event sits at the
+    stock save point, see above); the calling frames, to find the Trainer (callback
+    events are not given it); ``model._keys_to_ignore_on_save``,
+    ``remove_tied_weights_from_state_dict`` and ``revert_weight_conversion`` (the steps
+    ``save_pretrained`` applies, so ``model.safetensors`` is byte-equal without calling
+    it in the training loop); under DeepSpeed, ``engine.checkpoint_engine`` (DeepSpeed
+    has no registry) and ``_zero3_consolidated_16bit_state_dict`` (what accelerate
+    calls). Everything else is public: ``store_flos``, ``callback_handler``,
+    ``accelerator``, ``model_wrapped``, ``is_deepspeed_enabled``, ``hp_search_backend``.
 """
 
 from __future__ import annotations
