@@ -36,6 +36,10 @@ class Checkpointer(EngineCheckpointer):
     keeps the taken buffers intact (a variable updated meanwhile is copied on write,
     a copy the training step pays for variables the thread has not reached yet). The
     data positions commit once that copy is done; every other call waits for it first.
+    It pays off when a training step outlasts the copy; when the next step updates every
+    variable at once (one optimizer step over all of them), it pays the copy-on-write
+    plus a busy core instead, often more than the blocking copy (``benchmarks/tf_save.py``
+    measures both, and TF's own async write, which defers the same way).
 
     One checkpointer per worker process and directory (workers of a job use their own
     directories). Also a context manager: leaving it calls :meth:`close`.
