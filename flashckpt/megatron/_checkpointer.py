@@ -89,7 +89,9 @@ class MegatronCheckpointer:
         for value in nested_values(sharded):
             if isinstance(value, ShardedTensor):
                 if value.flattened_range is not None:
-                    raise CheckpointError(f"{value.key}: flattened_range shards are not supported")
+                    raise CheckpointError(f"{value.key}: flattened_range shards are not supported (megatron-core "
+                                          "0.16 refuses them too; its distributed optimizer's 'dp_reshardable' "
+                                          "format has none)")
                 if value.data is None:
                     raise CheckpointError(f"{value.key}: ShardedTensor without data cannot be saved")
                 if _is_main(value.replica_id):
