@@ -30,6 +30,7 @@ import resource
 import shutil
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -285,8 +286,7 @@ def _measure_redis(url: str, port: int, password: str, server: int, n: int, seco
 
 
 def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else float("nan")
+    return statistics.median(values) if values else float("nan")
 
 
 def _verdicts(rows: list[dict[str, Any]], workers: int) -> dict[str, Any]:
@@ -317,7 +317,8 @@ def _verdicts(rows: list[dict[str, Any]], workers: int) -> dict[str, Any]:
             "python_floor_cpu_bound_vs_c_floor": _median([_cpu(f["c"]) / _cpu(f["py_packed"]) for f in floors]),
         }
         v = out[f"redis_{mode}"]
-        v["goal_half_of_c_floor"] = v["operations_vs_c_floor"] >= 0.5
+        # both ways: a C floor starved by other load flatters the rate ratio
+        v["goal_half_of_c_floor"] = min(v["operations_vs_c_floor"], v["cpu_bound_vs_c_floor"]) >= 0.5
         v["goal_p99_under_5ms"] = v["p99_ms"] < 5.0
     sqlite = [r for r in rows if r["backend"] == "sqlite" and r["mode"] == "pair" and r["workers"] == 8]
     if sqlite:
@@ -348,8 +349,8 @@ def _print(rows: list[dict[str, Any]], verdicts: dict[str, Any], simulation: dic
     for name, v in verdicts.items():
         if name.startswith("redis_"):
             print(f"  {name} at {v['workers']} procs: {v['ops_per_s']:.0f} shards/s; acquire+complete operations = "
-                  f"{v['operations_vs_c_floor']:.0%} of the C round-trip rate (goal 50%: "
-                  f"{'met' if v['goal_half_of_c_floor'] else 'MISSED'}; counted in round trips "
+                  f"{v['operations_vs_c_floor']:.0%} of the C round-trip rate, {v['cpu_bound_vs_c_floor']:.0%} from CPU cost "
+                  f"(goal 50%: {'met' if v['goal_half_of_c_floor'] else 'MISSED'}; counted in round trips "
                   f"{v['round_trips_vs_c_floor']:.0%}); {v['operations_vs_python_floor']:.0%} of the Python-client floor, "
                   f"which itself is {v['python_floor_vs_c_floor']:.0%} of the C rate")
             print(f"    p99 {v['p99_ms']:.2f} ms (goal <5 ms: {'met' if v['goal_p99_under_5ms'] else 'MISSED'}); PING p99 "
