@@ -148,7 +148,7 @@ def ds_engine(hidden: int, layers: int):
     return engine
 
 
-def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int) -> dict:
+def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int, tight_rounds: int = 0) -> dict:
     from flashckpt.deepspeed import DeepSpeedCheckpointer
     engine = ds_engine(hidden, layers)
     default_dir, flash_dir = root / "ds-default", root / "ds-flash"
@@ -171,6 +171,17 @@ def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int) -> dict:
         default.append(timed(lambda i=i: engine.save_checkpoint(str(default_dir), tag=f"t{i}")))
         engine.checkpoint_engine = ck.checkpoint_engine
         shutil.rmtree(default_dir / f"t{i - 1}", ignore_errors=True)  # disk space: only the last is loaded
+    # tight rounds: no persist and no wait between the samples, so a round fits in this
+    # shared machine's short quiet moments (the flash save is then memory only)
+    tight: dict[str, list[float]] = {"floor": [], "page_cache_write": [], "flash_blocking": [], "default": []}
+    for i in range(tight_rounds):
+        tight["floor"].append(floor.sample())
+        tight["page_cache_write"].append(page_cache.sample())
+        tight["flash_blocking"].append(timed(lambda i=i: ck.save(1000 + i, persist=False)))
+        engine.checkpoint_engine = ck._previous_engine
+        tight["default"].append(timed(lambda i=i: engine.save_checkpoint(str(default_dir), tag=f"tight{i}")))
+        engine.checkpoint_engine = ck.checkpoint_engine
+        shutil.rmtree(default_dir / f"tight{i}", ignore_errors=True)
     floor.close()
     fresh = ds_engine(hidden, layers)
     stock_load = [timed(lambda: fresh.load_checkpoint(str(default_dir), tag=f"t{repeats - 1}")) for _ in range(repeats)]
@@ -182,6 +193,7 @@ def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int) -> dict:
     ck2._ckpt.engine.close(unlink=False)  # shares ck's memory; ck frees it
     ck.close()
     return {"samples": {"floor": floors, "page_cache_write": writes, "flash_blocking": blocking, "default": default},
+            "tight_samples": tight,
             "bytes": nbytes, "floor_s": statistics.median(floors), "page_cache_write_s": statistics.median(writes),
             "default_save_s": statistics.median(default), "flash_first_blocking_s": first,
             "flash_blocking_s": statistics.median(blocking), "flash_durable_s": statistics.median(durable),
@@ -292,6 +304,18 @@ def report(name: str, r: dict) -> None:
     if "page_cache_write" in best:
         line += f", page-cache write {best['page_cache_write'] / best['floor']:.1f}x floor"
     print(line)
+    if r.get("tight_samples", {}).get("floor"):
+        t = {what: statistics.median(samples) for what, samples in r["tight_samples"].items()}
+        low = {what: min(samples) for what, samples in r["tight_samples"].items()}
+        print(f"  tight rounds ({len(r['tight_samples']['floor'])}, no persist), median / best: floor "
+              f"{t['floor'] * 1e3:.1f} / {low['floor'] * 1e3:.1f} ms, flash {t['flash_blocking'] * 1e3:.1f} / "
+              f"{low['flash_blocking'] * 1e3:.1f} ms, page-cache write {t['page_cache_write'] * 1e3:.1f} / "
+              f"{low['page_cache_write'] * 1e3:.1f} ms, framework {t['default'] * 1e3:.1f} / "
+              f"{low['default'] * 1e3:.1f} ms")
+        print(f"    flash / floor {t['flash_blocking'] / t['floor']:.2f}x / {low['flash_blocking'] / low['floor']:.2f}x; "
+              f"framework / flash {t['default'] / t['flash_blocking']:.1f}x / "
+              f"{low['default'] / low['flash_blocking']:.1f}x; framework / floor {t['default'] / t['floor']:.1f}x / "
+              f"{low['default'] / low['floor']:.1f}x (a flash save at the floor could gain no more)")
     print(f"  framework's own load              {r['default_load_s'] * 1e3:9.1f} ms")
     print(f"  flash load ({r['flash_load_source']})            {r['flash_load_s'] * 1e3:9.1f} ms   "
           f"{r['default_load_s'] / r['flash_load_s']:.1f}x faster")
@@ -307,6 +331,7 @@ def main() -> None:
     parser.add_argument("--mg-layers", type=int, default=8)
     parser.add_argument("--mg-vocab", type=int, default=8192)
     parser.add_argument("--only", choices=("deepspeed", "megatron"), default=None)
+    parser.add_argument("--tight", type=int, default=15, help="DeepSpeed rounds without persist or wait")
     parser.add_argument("--json", default=str(ROOT / "results" / "deepspeed_megatron.json"))
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -319,7 +344,8 @@ def main() -> None:
         root = Path(tmp)
         results = {}
         if args.only in (None, "deepspeed"):
-            results["deepspeed_zero1"] = bench_deepspeed(root, args.repeats, args.ds_hidden, args.ds_layers)
+            results["deepspeed_zero1"] = bench_deepspeed(root, args.repeats, args.ds_hidden, args.ds_layers,
+                                                          args.tight)
             report("DeepSpeed ZeRO-1 + Adam, engine.save_checkpoint", results["deepspeed_zero1"])
         if args.only in (None, "megatron"):
             results["megatron_gpt"] = bench_megatron(root, args.repeats, args.mg_hidden, args.mg_layers,
