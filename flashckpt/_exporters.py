@@ -24,7 +24,6 @@ log = logging.getLogger(__name__)
 EXPORTERS = {
     "hf": "flashckpt.hf._export",
     "deepspeed": "flashckpt.deepspeed._export",
-    "megatron": "flashckpt.megatron._export",
     "tf": "flashckpt.tf._export",
 }
 
