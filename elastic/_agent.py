@@ -659,7 +659,7 @@ class Agent:
 
 
 def _publishes(coordinator: Any) -> bool:
-    """A URL or a Coordinator gets the events; a Dataset only when it exposes its coordinator."""
+    """A URL, a Coordinator or a Dataset (through its coordinator) gets the events."""
     return isinstance(coordinator, str) or coordinator_of(coordinator) is not None
 
 

@@ -90,6 +90,11 @@ class Dataset:
     def __repr__(self) -> str:
         return f"Dataset({self.name!r}, {self.definition!r}, at {self._coordinator.url})"
 
+    @property
+    def coordinator(self) -> "Coordinator":
+        """The coordinator this data set lives in (its event log, its other data sets)."""
+        return self._coordinator
+
     # -- leases ----------------------------------------------------------------------
 
     def acquire(self, worker: str, *, timeout: float | None = None) -> Shard | None:

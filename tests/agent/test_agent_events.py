@@ -58,6 +58,18 @@ def test_events_are_job_wide_with_source_and_seq():
     assert [e["kind"] for e in coord.events() if e["source"] == "w-me"] == ["start", "custom", "stop"]
 
 
+def test_a_dataset_given_as_coordinator_publishes_to_its_coordinator():
+    coord = sharding.connect(f"memory://events-{uuid.uuid4().hex[:8]}")
+    ds = coord.dataset("train", size=100, shard_size=10)
+    assert ds.coordinator is coord
+    agent = elastic.start_agent(coordinator=ds, handle_failures=False, worker="w-ds", job_id=job_id())
+    try:
+        agent.record("custom", answer=7)
+    finally:
+        agent.stop()
+    assert [e["kind"] for e in coord.events() if e["source"] == "w-ds"] == ["start", "custom", "stop"]
+
+
 class FakeCoordinator:
     """publish() blocks while ``blocked``, raises while ``down``; refuses kind 'huge'."""
 
