@@ -1,6 +1,6 @@
 """A slot: one shared-memory file holding a 4 KiB header and a safetensors image.
 
-Each rank that keeps a copy in memory owns two slots, so that a save never
+Each rank that keeps a copy in memory owns two slots (by default), so that a save never
 overwrites the newest complete copy while the saver may be reading it. The header
 says whether the image is WRITING or COMPLETE, with a generation counter bumped on
 every write; a reader trusts an image only if it saw COMPLETE with the same
@@ -11,6 +11,7 @@ would stay taken by a process killed inside its critical section).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
@@ -33,13 +34,28 @@ _FMT = "<8sIIQqQIIdI"  # magic, state, pad, generation, step, image_len, writer,
 _FIXED = struct.calcsize(_FMT)
 _GROW_HEADROOM = 1 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _populate_write(mm: mmap.mmap) -> None:
+    """``madvise(MADV_POPULATE_WRITE)`` over the whole mapping, through ctypes: Python's
+    ``mmap.madvise`` holds the GIL for the whole call (a second per GB), which would stall
+    the training thread while a background thread prepares a slot."""
+    buf = (ctypes.c_char * len(mm)).from_buffer(mm)
+    try:
+        if _libc.madvise(ctypes.addressof(buf), len(mm), _MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        del buf  # releases the buffer export, so the mapping can be closed
 
 
 def _probe_populate_write() -> bool:
     """Whether this kernel has MADV_POPULATE_WRITE (Linux 5.14+)."""
     try:
         with mmap.mmap(-1, mmap.PAGESIZE) as mm:
-            mm.madvise(_MADV_POPULATE_WRITE)
+            _populate_write(mm)
         return True
     except (OSError, ValueError):
         return False
@@ -147,7 +163,7 @@ class Slot:
             # allocates missing pages, zeroes and maps them in one pass; a full /dev/shm is
             # ENOMEM here instead of SIGBUS later
             try:
-                self.mm.madvise(_MADV_POPULATE_WRITE)
+                _populate_write(self.mm)
             except OSError as exc:
                 raise SharedMemoryError(f"shared memory in {os.path.dirname(self.path)} ran out while "
                                         f"reserving {size / 2**20:.1f} MiB for {self.path}: {exc}") from exc
