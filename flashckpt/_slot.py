@@ -18,6 +18,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ _FMT = "<8sIIQqQIIdI"  # magic, state, pad, generation, step, image_len, writer,
 _FIXED = struct.calcsize(_FMT)
 _GROW_HEADROOM = 1 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_POPULATE_THREADS = 8
+_POPULATE_MIN_PART = 64 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -41,12 +44,29 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 def _populate_write(mm: mmap.mmap) -> None:
     """``madvise(MADV_POPULATE_WRITE)`` over the whole mapping, through ctypes: Python's
     ``mmap.madvise`` holds the GIL for the whole call (a second per GB), which would stall
-    the training thread while a background thread prepares a slot."""
+    the training thread while a background thread prepares a slot. Large mappings are
+    populated by several threads at once: the kernel's page allocation is the cost, and
+    it runs in parallel."""
     buf = (ctypes.c_char * len(mm)).from_buffer(mm)
     try:
-        if _libc.madvise(ctypes.addressof(buf), len(mm), _MADV_POPULATE_WRITE) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
+        base = ctypes.addressof(buf)
+        parts = max(1, min(os.cpu_count() or 1, _POPULATE_THREADS, len(mm) // _POPULATE_MIN_PART))
+        step = -(-len(mm) // parts // mmap.PAGESIZE) * mmap.PAGESIZE
+        errors: list[int] = []
+
+        def populate(start: int) -> None:
+            if _libc.madvise(base + start, min(step, len(mm) - start), _MADV_POPULATE_WRITE) != 0:
+                errors.append(ctypes.get_errno())
+
+        helpers = [threading.Thread(target=populate, args=(start,), name="flashckpt-populate")
+                   for start in range(step, len(mm), step)]
+        for thread in helpers:
+            thread.start()
+        populate(0)
+        for thread in helpers:
+            thread.join()
+        if errors:
+            raise OSError(errors[0], os.strerror(errors[0]))
     finally:
         del buf  # releases the buffer export, so the mapping can be closed
 
