@@ -54,14 +54,15 @@ class DeepSpeedCheckpointer:
     """
 
     def __init__(self, engine: Any, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
-                 job_id: str | None = None, allow_pickle: bool = False, process_group: Any = None) -> None:
+                 job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
+                 process_group: Any = None) -> None:
         if not hasattr(engine, "save_checkpoint") or not hasattr(engine, "checkpoint_engine"):
             raise TypeError(f"expected a DeepSpeedEngine, got {type(engine).__qualname__}")
         self.engine = engine
         self.directory = os.path.abspath(os.fspath(directory))
         self._ckpt = Checkpointer(os.path.join(self.directory, FLASH_SUBDIR), persist_every=persist_every,
                                   keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
-                                  process_group=process_group)
+                                  memory_slots=memory_slots, process_group=process_group)
         self._flash = self._ckpt.engine
         self._previous_engine = engine.checkpoint_engine
         self.checkpoint_engine = FlashCheckpointEngine(self._flash_save)

@@ -58,9 +58,10 @@ class MegatronCheckpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
-                 job_id: str | None = None, allow_pickle: bool = False, process_group: Any = None) -> None:
+                 job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
+                 process_group: Any = None) -> None:
         self._ckpt = Checkpointer(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id,
-                                  allow_pickle=allow_pickle, process_group=process_group)
+                                  allow_pickle=allow_pickle, memory_slots=memory_slots, process_group=process_group)
         self._flash = self._ckpt.engine
 
     @property
