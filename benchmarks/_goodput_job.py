@@ -286,8 +286,17 @@ class DcpAsync(Method):
         began = time.perf_counter()
         if self.future is not None:
             self.future.result()  # one save in flight at a time
+            self._prune()
         self.future = self._async(self.dir / f"step-{step}")
         return time.perf_counter() - began
+
+    def _prune(self) -> None:
+        """Keep the two newest committed steps (DCP deletes nothing: ~14 GB per run otherwise)."""
+        if self.rank != 0:
+            return
+        committed = sorted((int(p.name[5:]) for p in self.dir.glob("step-*") if (p / ".metadata").exists()))
+        for step in committed[:-2]:
+            shutil.rmtree(self.dir / f"step-{step}", ignore_errors=True)
 
     def finish(self) -> None:
         if self.future is not None:
