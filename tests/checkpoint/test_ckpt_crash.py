@@ -82,14 +82,17 @@ def test_kill9_at_random_moments_never_tears_or_damages(tmp_path, job_id, memory
             wipe_shared_memory(job_id)  # a fresh machine: only storage is left
         ck = Checkpointer(tmp_path, job_id=job_id, keep_last=2, memory_slots=memory_slots)
         step = ck.load(state)
-        assert step is not None and check(state) == step
-        assert committed_before is None or step >= committed_before
+        if step is None:  # one slot: the kill tore the only copy before any step was committed
+            assert memory_slots == 1 and committed_before is None and storage.latest_step() is None
+        else:
+            assert check(state) == step
+            assert committed_before is None or step >= committed_before
         for s in storage.committed_steps():
             assert storage.verify(s) == [], f"committed step {s} damaged"
         for s in storage.committed_steps():  # a killed persist leaves only its pending step-N.tmp-* dir
             assert sorted(os.listdir(tmp_path / f"step-{s}")) == ["metadata.json", "rank-0.done", "rank-0.safetensors"]
-        ck._engine._client.close()  # leave memory as a crashed process would, without flushing
-        start = step + 1
+        ck.engine._client.close()  # leave memory as a crashed process would, without flushing
+        start = (step or 0) + 1
     assert storage.latest_step() is not None
 
 
