@@ -13,7 +13,7 @@ from typing import Any
 
 from ._errors import CorruptCheckpointError
 
-__all__ = ["BLOCK_SIZE", "BlockCheck", "StreamCheck", "block_crcs"]
+__all__ = ["BLOCK_SIZE", "BlockCheck", "StreamCheck", "block_crcs", "pread_exact"]
 
 BLOCK_SIZE = 4 << 20
 
@@ -23,25 +23,39 @@ def block_crcs(data: memoryview, block_size: int) -> list[int]:
     return [zlib.crc32(data[at:at + block_size]) for at in range(0, len(data), block_size)]
 
 
-def _expected(record: dict[str, Any], path: str) -> tuple[int, list[int]]:
-    try:
-        return int(record["block_size"]), list(record["block_crc32"])
-    except (KeyError, TypeError, ValueError):
-        raise CorruptCheckpointError(f"{path}: the commit records no block checksums") from None
+def pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` from ``fd`` at ``offset``; a short file is a :class:`CorruptCheckpointError`."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{path}: truncated at byte {offset + done}")
+        done += n
 
 
-def _mismatch(path: str, block: int, block_size: int, crc: int, want: int) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{path}: checksum {crc:#010x} of bytes {block * block_size}-"
-                                  f"{(block + 1) * block_size} does not match the recorded {want:#010x}")
-
-
-class StreamCheck:
-    """Verifies a shard file's bytes fed in file order, from offset 0 to the end."""
+class _Checksums:
+    """A shard file's recorded size and block checksums."""
 
     def __init__(self, record: dict[str, Any], path: str) -> None:
         self.path = path
         self.size = int(record["size"])
-        self.block_size, self.crcs = _expected(record, path)
+        try:
+            self.block_size, self.crcs = int(record["block_size"]), list(record["block_crc32"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCheckpointError(f"{path}: the commit records no block checksums") from None
+
+    def _check(self, block: int, crc: int) -> None:
+        want = self.crcs[block] if block < len(self.crcs) else -1
+        if crc != want:
+            raise CorruptCheckpointError(f"{self.path}: checksum {crc:#010x} of bytes {block * self.block_size}-"
+                                         f"{(block + 1) * self.block_size} does not match the recorded {want:#010x}")
+
+
+class StreamCheck(_Checksums):
+    """Verifies a shard file's bytes fed in file order, from offset 0 to the end."""
+
+    def __init__(self, record: dict[str, Any], path: str) -> None:
+        super().__init__(record, path)
         self._block, self._fill, self._crc, self._total = 0, 0, 0, 0
 
     def update(self, data: Any) -> None:
@@ -56,9 +70,7 @@ class StreamCheck:
                 self._end_block()
 
     def _end_block(self) -> None:
-        want = self.crcs[self._block] if self._block < len(self.crcs) else None
-        if want != self._crc:
-            raise _mismatch(self.path, self._block, self.block_size, self._crc, -1 if want is None else want)
+        self._check(self._block, self._crc)
         self._block, self._fill, self._crc = self._block + 1, 0, 0
 
     def finish(self) -> None:
@@ -70,13 +82,11 @@ class StreamCheck:
                                          f"{self.size} (truncated?)")
 
 
-class BlockCheck:
+class BlockCheck(_Checksums):
     """Verifies the blocks of one shard file that byte ranges touch, each block once."""
 
     def __init__(self, record: dict[str, Any], path: str) -> None:
-        self.path = path
-        self.size = int(record["size"])
-        self.block_size, self.crcs = _expected(record, path)
+        super().__init__(record, path)
         self._verified: set[int] = set()
         self._scratch: bytearray | None = None
 
@@ -88,18 +98,9 @@ class BlockCheck:
             if block in self._verified:
                 continue
             at = block * self.block_size
-            length = min(self.block_size, self.size - at)
             if self._scratch is None:
                 self._scratch = bytearray(self.block_size)
-            view = memoryview(self._scratch)[:length]
-            done = 0
-            while done < length:
-                n = os.preadv(fd, [view[done:]], at + done)
-                if n <= 0:
-                    raise CorruptCheckpointError(f"{self.path}: truncated at byte {at + done}")
-                done += n
-            crc = zlib.crc32(view)
-            if block >= len(self.crcs) or crc != self.crcs[block]:
-                raise _mismatch(self.path, block, self.block_size, crc,
-                                self.crcs[block] if block < len(self.crcs) else -1)
+            view = memoryview(self._scratch)[:min(self.block_size, self.size - at)]
+            pread_exact(fd, view, at, self.path)
+            self._check(block, zlib.crc32(view))
             self._verified.add(block)

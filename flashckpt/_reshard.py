@@ -31,7 +31,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ._checksum import BlockCheck
+from ._checksum import BlockCheck, pread_exact
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ._format import DTYPE_SIZES, Entry, Image, parse_header
 from ._storage import LocalStorage
@@ -335,7 +335,7 @@ class RangeReader:
             raise StateMismatchError(f"{src.path}: entry {entry.name!r} has {entry.nbytes} bytes, "
                                      f"the target {flat.nbytes}")
         self._verify(src, src.file_offset(entry), entry.nbytes)
-        _pread_exact(self._fd(src.path), memoryview(flat), src.file_offset(entry), src.path)
+        pread_exact(self._fd(src.path), memoryview(flat), src.file_offset(entry), src.path)
         self.bytes_read += entry.nbytes
 
     def _verify(self, src: Source, start: int, length: int) -> None:
@@ -355,7 +355,7 @@ class RangeReader:
         if s_run is not None and d_run is not None:
             flat = dst.reshape(-1)
             view = memoryview(flat[d_run[0]:d_run[0] + d_run[1]])
-            _pread_exact(self._fd(src.path), view, base + s_run[0], src.path)
+            pread_exact(self._fd(src.path), view, base + s_run[0], src.path)
         else:
             mm = self._map(src.path)
             whole = np.frombuffer(mm, dtype=np.uint8, count=entry.nbytes, offset=base).reshape(spiece.lengths)
@@ -364,12 +364,3 @@ class RangeReader:
             dst[d_idx] = whole[s_idx]
             del whole
         self.bytes_read += box.numel
-
-
-def _pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise CorruptCheckpointError(f"{path}: truncated at byte {offset + done}")
-        done += n
