@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .._checksum import BlockCheck, pread_exact
 from .._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from .._format import Entry, Image, parse_header
 from ..torch._tensors import DTYPE_NAMES
@@ -55,14 +56,18 @@ class FileSource:
             raise CorruptCheckpointError(f"{path}: truncated (no header)")
         (n,) = struct.unpack("<Q", head)
         self.image = parse_header(head + os.pread(self._fd, min(n, size - 8), 8), path, size)
+        self._check = BlockCheck(record, path)
+        try:
+            self._check.verify_range(self._fd, 0, len(self.image.header))
+        except CorruptCheckpointError:
+            os.close(self._fd)
+            raise
 
     def readinto(self, view: memoryview, body_offset: int) -> None:
-        at, done = len(self.image.header) + body_offset, 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], at + done)
-            if n <= 0:
-                raise CorruptCheckpointError(f"{self.where}: truncated inside the tensor data")
-            done += n
+        """Read ``view`` from the tensor data, verifying the checksums of the blocks it touches."""
+        at = len(self.image.header) + body_offset
+        self._check.verify_range(self._fd, at, at + len(view))
+        pread_exact(self._fd, view, at, self.where)
 
     def close(self) -> None:
         os.close(self._fd)

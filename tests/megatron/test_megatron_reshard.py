@@ -168,3 +168,27 @@ def test_same_layout_restart_from_memory_and_bad_input(saved):
         assert out["step"] == STEP and out["source"] == "memory"
         assert out["checked"] >= 20 and out["bad"] == []
         assert out["other_model"] is not None and "global shape" in out["other_model"]
+
+
+def test_a_flipped_byte_in_a_saved_block_is_a_checksum_error(saved, tmp_path):
+    """Storage reads for another layout verify the checksums of the blocks they touch."""
+    import shutil
+
+    from flashckpt import CorruptCheckpointError
+    from flashckpt._storage import LocalStorage
+    from flashckpt.megatron._reader import FileSource
+
+    shutil.copytree(saved["tp"]["flash"], tmp_path / "ck")
+    path, record = LocalStorage(str(tmp_path / "ck")).shard_path(STEP, 0)
+    source = FileSource(path, record)
+    entry = max(source.image.entries, key=lambda e: e.nbytes)
+    at = len(source.image.header) + entry.offset
+    source.close()
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0xFF]))
+    with pytest.raises(CorruptCheckpointError, match=r"rank-0\.safetensors: checksum"):
+        source = FileSource(path, record)  # the file is one block: the header's check already reads it
+        source.readinto(memoryview(bytearray(entry.nbytes)), entry.offset)
