@@ -532,13 +532,8 @@ class Agent:
         if self._pub is not None:
             self._pub.mark_handled(step)
         exit_ = self.options.on_hang is OnHang.EXIT
-        header = (f"elastic agent: hang on rank {self.rank} at step {step}: no progress for "
-                  f"{stalled:.1f}s (timeout {timeout:.1f}s)")
-        text = format_stacks(header)
-        log.error("%s", text)
-        if self._stack_file is not None:
-            self._stack_file.write(text + "\n")
-            self._stack_file.flush()
+        text = self._dump_stacks(f"hang on rank {self.rank} at step {step}: no progress for "
+                                 f"{stalled:.1f}s (timeout {timeout:.1f}s)")
         diag = Diagnosis.of(Kind.HANG, f"no progress for {stalled:.1f}s (timeout {timeout:.1f}s)")
         self._log.write("hang", source="agent", step=step, stalled_seconds=stalled,
                         timeout_seconds=timeout, action="exit" if exit_ else "dump",
@@ -550,6 +545,25 @@ class Agent:
                 self._flush_checkpoint()
                 self._write_steps()
             self._exit(ExitCode.HANG)
+
+    def _dump_stacks(self, what: str) -> str:
+        """Log every thread's stack and append it to the rank's stack file."""
+        text = format_stacks(f"elastic agent: {what}")
+        log.error("%s", text)
+        if self._stack_file is not None:
+            self._stack_file.write(text + "\n")
+            self._stack_file.flush()
+        return text
+
+    def _dump_stacks_if_stalled(self, why: str) -> None:
+        """A launcher stops every rank when one fails: where this rank had made no progress
+        for half its hang timeout, its stacks say where it waited (the hung rank, when a
+        peer's agent found the hang first)."""
+        stalled = time.monotonic() - self._last_progress
+        timeout = self._hang.current()
+        if stalled >= timeout / 2:
+            self._dump_stacks(f"{why} on rank {self.rank} at step {self._step} after "
+                              f"{stalled:.1f}s without progress (hang timeout {timeout:.1f}s)")
 
     def _on_heartbeat_pause(self, paused: bool, targets: int) -> None:
         log.warning("rank %d: %s heartbeats (%d targets)", self.rank,
@@ -584,6 +598,8 @@ class Agent:
             exc.__elastic_recorded__ = True  # type: ignore[attr-defined]
         log.error("rank %d failed at step %d: %s (%s -> %s)", self.rank, self._step, diag.reason,
                   diag.kind.value, diag.action.value)
+        if diag.kind is Kind.PREEMPTED:
+            self._dump_stacks_if_stalled(diag.reason)
         self._write_steps()
         self._log.write("failure", step=self._step, diagnosis=diag.to_json(), **extra)
         self._flush_checkpoint(handoff=self._hands_off(diag))

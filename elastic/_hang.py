@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from types import FrameType
 
 __all__ = ["HangTimeout", "format_stacks"]
 
@@ -100,7 +101,21 @@ def format_stacks(header: str) -> str:
     me = threading.get_ident()
     for ident, frame in sys._current_frames().items():
         if ident == me:
-            continue  # the agent thread itself: its stack is this function
+            if threading.current_thread() is not threading.main_thread():
+                continue  # the agent thread itself: its stack is this function
+            frame = _outside_elastic(frame)  # a signal handler's: the code it interrupted
+            if frame is None:
+                continue
         out.write(f"\nThread {names.get(ident, '?')} ({ident:#x}), most recent call last:\n")
         out.write("".join(traceback.format_stack(frame)))
     return out.getvalue()
+
+
+def _outside_elastic(frame: FrameType | None) -> FrameType | None:
+    """The innermost caller of ``frame`` that is not this package's code."""
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _PACKAGE_DIR:
+        frame = frame.f_back
+    return frame
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.agent.agent_helpers import ROOT, env, explain, of_type, records, run
+from tests.agent.agent_helpers import ROOT, env, explain, of_type, records, run, stacks
 
 pytest.importorskip("flashckpt.torch")
 
@@ -67,6 +67,9 @@ def test_gloo_collective_timeout_is_a_network_failure_and_the_peer_is_preempted(
     assert "Timed out" in f0[0]["exception"] or "timed out" in f0[0]["exception"].lower()
     f1 = of_type(records(out, 1), "failure")
     assert f1 and f1[0]["diagnosis"]["kind"] == "preempted", (f1, explain(proc))
+    # stopped while stalled: rank 1's stacks at the SIGTERM say where it waited
+    head, _, dump = stacks(out, 1).rpartition("SIGTERM received on rank 1 at step 5 after")
+    assert head and "time.sleep(args.fault_seconds)" in dump, stacks(out, 1)
     assert committed(ck, wait=30.0) == 5, explain(proc)  # rank 0 handed its flush to the saver
     assert of_type(records(out, 0), "flush")[0]["handoff"] and not of_type(records(out, 1), "flush")[0].get("handoff")
 
