@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from ._definition import Definition
 from ._errors import (
@@ -25,7 +25,7 @@ from ._errors import (
     UnknownWorker,
 )
 from ._order import sample_order, shard_order
-from ._store import Ask, Grant, Status, Store, Wait
+from ._store import Ask, Grant, Lease, Status, Store, Wait
 
 __all__ = ["Coordinator", "Dataset", "Options", "Shard", "STATE_VERSION"]
 
@@ -66,6 +66,10 @@ class Shard:
             self.start, self.end, seed=self.seed, epoch=self.epoch, shard=self.index, shuffle=self.shuffle
         )
         return iter(order[self.consumed :])
+
+
+def _lease(shard: Shard) -> Lease:
+    return shard.epoch, shard.slot, shard.lease
 
 
 def _check_worker(worker: Any) -> str:
@@ -117,14 +121,46 @@ class Dataset:
         and raises :class:`AcquireTimeout` (only the waiting costs more round trips).
         """
         self._own(shard)
-        d = self.definition
         began = time.monotonic()
-        ask = Ask(shard.worker, d.lease_timeout, d.num_shards, d.num_epochs)
-        status, holder, got = self._store.complete_and_acquire(
-            self.name, epoch=shard.epoch, slot=shard.slot, token=shard.lease, ask=ask
-        )
-        self._refuse(shard, status, holder, action="complete")
-        return self._settle(got, shard.worker, timeout, began)
+        statuses, answers = self._store.complete_and_acquire(self.name, done=[_lease(shard)], ask=self._ask(shard.worker, 1))
+        self._refuse(shard, *statuses[0], action="complete")
+        return self._settle(answers[0], shard.worker, timeout, began)
+
+    def complete_and_acquire_many(
+        self, done: Sequence[Shard], worker: str, count: int, *, timeout: float | None = None
+    ) -> tuple[list[Shard], list[LeaseLost]]:
+        """Complete each shard of ``done`` and lease up to ``count`` shards for ``worker``,
+        in one round trip (a worker that reads shards ahead pays one per batch).
+
+        Returns the shards leased and one :class:`LeaseLost` (or :class:`AlreadyCompleted`)
+        per refused completion; the accepted ones stand, and when any is refused nothing
+        is leased. Fewer than ``count`` shards come back when no more are free now, none
+        once every epoch is done; while none is free but other workers hold leases, it
+        waits as :meth:`acquire` does (and then leases one).
+        """
+        _check_worker(worker)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidArgument(f"count must be an int >= 1, got {count!r}")
+        for shard in done:
+            self._own(shard)
+        began = time.monotonic()
+        statuses, answers = self._store.complete_and_acquire(
+            self.name, done=[_lease(shard) for shard in done], ask=self._ask(worker, count))
+        refused: list[LeaseLost] = []
+        for shard, status in zip(done, statuses):
+            try:
+                self._refuse(shard, *status, action="complete")
+            except LeaseLost as exc:
+                refused.append(exc)
+        grants = [self._shard(got, worker) for got in answers if isinstance(got, Grant)]
+        if not grants and answers:  # none free now: wait as acquire does
+            shard = self._settle(answers[-1], worker, timeout, began)
+            grants = [] if shard is None else [shard]
+        return grants, refused
+
+    def _ask(self, worker: str, count: int) -> Ask:
+        d = self.definition
+        return Ask(worker, d.lease_timeout, d.num_shards, d.num_epochs, count)
 
     def _store_acquire(self, worker: str) -> Grant | Wait | None:
         d = self.definition

@@ -10,9 +10,9 @@ import bisect
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Sequence
 
-from ._store import Ask, Event, Grant, Status, Wait
+from ._store import Ask, Event, Grant, Lease, Status, Wait
 from ._table import LeaseTable
 
 __all__ = ["MemoryStore", "memory_store"]
@@ -63,10 +63,10 @@ class MemoryStore:
             return self._tables[name].complete(epoch, slot, token)
 
     def complete_and_acquire(
-        self, name: str, *, epoch: int, slot: int, token: int, ask: Ask
-    ) -> tuple[Status, str | None, Grant | Wait | None]:
+        self, name: str, *, done: Sequence[Lease], ask: Ask
+    ) -> tuple[list[tuple[Status, str | None]], list[Grant | Wait | None]]:
         with self._lock:
-            return self._tables[name].complete_and_acquire(epoch, slot, token, time.time(), ask)
+            return self._tables[name].complete_and_acquire(done, time.time(), ask)
 
     def heartbeat(self, name: str, worker: str, *, lease_timeout: float) -> int:
         with self._lock:

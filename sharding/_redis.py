@@ -28,11 +28,11 @@ import os
 import random
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ._errors import CoordinatorError, CoordinatorUnavailable
 from ._redis_scripts import SCRIPTS
-from ._store import Ask, Event, Grant, Status, Wait
+from ._store import Ask, Event, Grant, Lease, Status, Wait
 
 __all__ = ["RedisStore"]
 
@@ -193,25 +193,27 @@ class RedisStore:
         return _granted(self._call(lambda retry: head + request + _RETRY[retry], "acquire"))
 
     def complete_and_acquire(
-        self, name: str, *, epoch: int, slot: int, token: int, ask: Ask
-    ) -> tuple[Status, str | None, Grant | Wait | None]:
-        worker, lease_timeout, num_shards, num_epochs = ask
+        self, name: str, *, done: Sequence[Lease], ask: Ask
+    ) -> tuple[list[tuple[Status, str | None]], list[Grant | Wait | None]]:
+        worker, lease_timeout, num_shards, num_epochs, count = ask
         head = self._head(
-            "complete_acquire", self._base(name), 9,
-            worker, repr(lease_timeout), num_shards, -1 if num_epochs is None else num_epochs,
+            "complete_acquire", self._base(name), 7 + 3 * len(done),
+            worker, repr(lease_timeout), num_shards, -1 if num_epochs is None else num_epochs, count,
         )
-        lease = _bulk(epoch) + _bulk(slot) + _bulk(token) + _bulk(self._request_id())
+        request = _bulk(self._request_id())
+        leases = b"".join(_bulk(value) for lease in done for value in lease)
         retried: list[bool] = []
-        reply = self._call(lambda retry: head + lease + _RETRY[retry], "complete_acquire", retried=retried)
-        status = _STATUS[reply[0]]
-        if status is not Status.OK:
-            if retried and status is Status.DONE:  # the first attempt completed; what it acquired is gone
-                log.info("%s: complete of slot %d landed before the connection broke", self._url, slot)
-                return Status.OK, None, self.acquire(
-                    name, worker, lease_timeout=lease_timeout, num_shards=num_shards, num_epochs=num_epochs
-                )
-            return status, reply[1].decode() or None, None
-        return status, reply[1].decode(), _granted(reply[2:])
+        reply = self._call(lambda retry: head + request + _RETRY[retry] + leases, "complete_acquire", retried=retried)
+        n = int(reply[0])
+        statuses = [(_STATUS[reply[i]], reply[i + 1].decode() or None) for i in range(1, 1 + 2 * n, 2)]
+        answers = _answers(reply[1 + 2 * n:])
+        if retried and any(s is Status.DONE for s, _ in statuses):
+            # the first attempt completed them; what it acquired, it did not hold on to
+            log.info("%s: completions landed before the connection broke", self._url)
+            statuses = [(Status.OK, h) if s is Status.DONE else (s, h) for s, h in statuses]
+            if all(s is Status.OK for s, _ in statuses):
+                answers = self.complete_and_acquire(name, done=(), ask=ask)[1]
+        return statuses, answers
 
     def report(
         self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float
@@ -278,6 +280,16 @@ class RedisStore:
             if self._connection is not None and self._pid == os.getpid():
                 self._connection.disconnect()
             self._connection = None
+
+
+def _answers(flat: list[Any]) -> list[Grant | Wait | None]:
+    """Acquire replies one after another (5 items a grant, 2 a wait, 1 none) as answers."""
+    answers: list[Grant | Wait | None] = []
+    i = 0
+    while i < len(flat):
+        answers.append(_granted(flat[i:i + 5]))
+        i += {b"grant": 5, b"wait": 2}.get(flat[i], 1)
+    return answers
 
 
 def _granted(reply: list[Any]) -> Grant | Wait | None:

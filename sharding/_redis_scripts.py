@@ -58,19 +58,30 @@ local function finish(slot, info)
   local _, worker = drop(slot, info)
   redis.call('HINCRBY', stats, 'c:'..worker, 1)
 end
--- on a retry: the grant this request already took, if it still holds it
+-- on a retry: the grants this request already took that it still holds (nil when the
+-- worker's last grants are another request's)
 local function granted_before(worker, request)
   local last = redis.call('HGET', req, worker)
   if not last then return nil end
-  local id, slot, token = string.match(last, '^(.*)|(%d+)|(%d+)$')
+  local id, rest = string.match(last, '^(.-)|(.*)$')
   if id ~= request then return nil end
-  local info = redis.call('HGET', lease, slot)
-  if not info then return nil end
-  local held, consumed = parse(info)
-  if held ~= tonumber(token) then return nil end
-  return {'grant', tonumber(redis.call('HGET', meta, 'epoch')), tonumber(slot), consumed, held}
+  local epoch, grants = tonumber(redis.call('HGET', meta, 'epoch')), {}
+  for slot, token in string.gmatch(rest, '(%d+)|(%d+)') do
+    local info = redis.call('HGET', lease, slot)
+    if info then
+      local held, consumed = parse(info)
+      if held == tonumber(token) then grants[#grants + 1] = {'grant', epoch, tonumber(slot), consumed, held} end
+    end
+  end
+  return grants
 end
-local function acquire(worker, timeout, num_shards, num_epochs, request)
+-- what a retry of this request finds (granted_before)
+local function remember(worker, request, grants)
+  local parts = {request}
+  for _, grant in ipairs(grants) do parts[#parts + 1] = grant[3]..'|'..grant[5] end
+  redis.call('HSET', req, worker, table.concat(parts, '|'))
+end
+local function acquire(worker, timeout, num_shards, num_epochs)
   local now = clock()
   local flat = redis.call('ZRANGEBYSCORE', dl, '-inf', now, 'WITHSCORES')
   if #flat > 0 then
@@ -108,7 +119,6 @@ local function acquire(worker, timeout, num_shards, num_epochs, request)
   if redis.call('HINCRBY', stats, 'a:'..worker, 1) == 1 then  -- a new worker: completed 0
     redis.call('HSETNX', stats, 'c:'..worker, 0)
   end
-  redis.call('HSET', req, worker, request..'|'..slot..'|'..token)
   return {'grant', epoch, slot, consumed, token}
 end
 """
@@ -118,25 +128,48 @@ _ACQUIRE = """
 local worker, request = ARGV[1], ARGV[5]
 if ARGV[6] == '1' then
   local again = granted_before(worker, request)
-  if again then return again end
+  if again and again[1] then return again[1] end
 end
-return acquire(worker, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), request)
+local got = acquire(worker, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))
+if got[1] == 'grant' then remember(worker, request, {got}) end
+return got
 """
 
-# ARGV: worker, lease_timeout, num_shards, num_epochs, epoch, slot, token, request id, retry.
-# Completes the lease; only if that succeeds, acquires for the worker.
-# Reply: {status, holder, acquire's reply...}
+# ARGV: worker, lease_timeout, num_shards, num_epochs, count, request id, retry, then
+# epoch, slot, token of each lease to complete. Completes them in order; only if every
+# one succeeds, acquires for the worker up to count times (stopping after an answer that
+# is not a grant). Reply: {n, status, holder (n times), the acquires' replies...}
 _COMPLETE_ACQUIRE = """
-local worker, request = ARGV[1], ARGV[8]
-local epoch, slot, token = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-if ARGV[9] == '1' then
+local worker, count, request = ARGV[1], tonumber(ARGV[5]), ARGV[6]
+local n = (#ARGV - 7) / 3
+local reply = {n}
+if ARGV[7] == '1' then
   local again = granted_before(worker, request)
-  if again then return {'ok', worker, unpack(again)} end
+  if again and again[1] then
+    for _ = 1, n do reply[#reply + 1] = 'ok'; reply[#reply + 1] = worker end
+    for _, grant in ipairs(again) do for _, v in ipairs(grant) do reply[#reply + 1] = v end end
+    return reply
+  end
 end
-local status, holder, info = check(epoch, slot, token)
-if status ~= 'ok' then return {status, holder} end
-finish(slot, info)
-return {'ok', holder, unpack(acquire(worker, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), request))}
+local accepted = true
+for i = 8, #ARGV, 3 do
+  local slot = tonumber(ARGV[i + 1])
+  local status, holder, info = check(tonumber(ARGV[i]), slot, tonumber(ARGV[i + 2]))
+  if status == 'ok' then finish(slot, info) else accepted = false end
+  reply[#reply + 1] = status
+  reply[#reply + 1] = holder
+end
+if accepted then
+  local grants = {}
+  for _ = 1, count do
+    local got = acquire(worker, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))
+    for _, v in ipairs(got) do reply[#reply + 1] = v end
+    if got[1] ~= 'grant' then break end
+    grants[#grants + 1] = got
+  end
+  if #grants > 0 then remember(worker, request, grants) end
+end
+return reply
 """
 
 _REPORT = """

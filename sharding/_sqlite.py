@@ -22,10 +22,10 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from ._errors import CoordinatorError, CoordinatorUnavailable
-from ._store import Ask, Event, Grant, Status, Wait
+from ._store import Ask, Event, Grant, Lease, Status, Wait
 from ._table import LeaseTable
 
 __all__ = ["SQLiteStore"]
@@ -146,9 +146,9 @@ class SQLiteStore:
         return self._transact(name, lambda t, now: t.complete(epoch, slot, token))
 
     def complete_and_acquire(
-        self, name: str, *, epoch: int, slot: int, token: int, ask: Ask
-    ) -> tuple[Status, str | None, Grant | Wait | None]:
-        return self._transact(name, lambda t, now: t.complete_and_acquire(epoch, slot, token, now, ask))
+        self, name: str, *, done: Sequence[Lease], ask: Ask
+    ) -> tuple[list[tuple[Status, str | None]], list[Grant | Wait | None]]:
+        return self._transact(name, lambda t, now: t.complete_and_acquire(done, now, ask))
 
     def heartbeat(self, name: str, worker: str, *, lease_timeout: float) -> int:
         return self._transact(name, lambda t, now: t.heartbeat(worker, now, lease_timeout=lease_timeout))

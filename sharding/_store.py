@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, Sequence
 
-__all__ = ["Ask", "Event", "Grant", "Status", "Store", "Wait"]
+__all__ = ["Ask", "Event", "Grant", "Lease", "Status", "Store", "Wait"]
 
+#: a lease as the store knows it: (epoch, slot, token)
+Lease = tuple[int, int, int]
 #: an event as a store keeps it: (seq, time or None, source, kind, payload as JSON text)
 Event = tuple[int, float | None, str, str, str]
 
@@ -54,6 +56,8 @@ class Ask(NamedTuple):
     lease_timeout: float
     num_shards: int
     num_epochs: int | None
+    #: grants wanted: acquiring stops at the first answer that is not a grant
+    count: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +80,12 @@ class Store(Protocol):
         slot, advancing the epoch when the last one is done. None when all epochs are done."""
 
     def complete_and_acquire(
-        self, name: str, *, epoch: int, slot: int, token: int, ask: Ask
-    ) -> tuple[Status, str | None, Grant | Wait | None]:
-        """:meth:`complete`, then, only if that gave OK, :meth:`acquire` as ``ask`` says,
-        in one atomic operation; the third item is the acquire's answer (None if refused)."""
+        self, name: str, *, done: Sequence[Lease], ask: Ask
+    ) -> tuple[list[tuple[Status, str | None]], list[Grant | Wait | None]]:
+        """:meth:`complete` each lease of ``done`` in order, then, only if every one gave
+        OK, :meth:`acquire` as ``ask`` says up to ``ask.count`` times, stopping after the
+        first answer that is not a grant; one atomic operation. Returns each completion's
+        (status, holder) and the acquires' answers (none when a completion was refused)."""
 
     def report(
         self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float

@@ -9,9 +9,9 @@ table round-trips through JSON.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
-from ._store import Ask, Grant, Status, Wait
+from ._store import Ask, Grant, Lease, Status, Wait
 
 __all__ = ["LeaseTable"]
 
@@ -77,15 +77,15 @@ class LeaseTable:
         return status
 
     def complete_and_acquire(
-        self, epoch: int, slot: int, token: int, now: float, ask: Ask
-    ) -> tuple[Status, str | None, Grant | Wait | None]:
-        status, holder = self.complete(epoch, slot, token)
-        if status is not Status.OK:
-            return status, holder, None
-        got = self.acquire(
-            ask.worker, now, lease_timeout=ask.lease_timeout, num_shards=ask.num_shards, num_epochs=ask.num_epochs
-        )
-        return status, holder, got
+        self, done: Sequence[Lease], now: float, ask: Ask
+    ) -> tuple[list[tuple[Status, str | None]], list[Grant | Wait | None]]:
+        statuses = [self.complete(epoch, slot, token) for epoch, slot, token in done]
+        answers: list[Grant | Wait | None] = []
+        if all(status is Status.OK for status, _ in statuses):
+            while len(answers) < ask.count and (not answers or isinstance(answers[-1], Grant)):
+                answers.append(self.acquire(ask.worker, now, lease_timeout=ask.lease_timeout,
+                                            num_shards=ask.num_shards, num_epochs=ask.num_epochs))
+        return statuses, answers
 
     def heartbeat(self, worker: str, now: float, *, lease_timeout: float) -> int:
         self.workers.setdefault(worker, [0, 0])

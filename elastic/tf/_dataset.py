@@ -31,7 +31,16 @@ shuffled (after a resume, ``start`` is past the records already trained); with
 ``shuffle=True`` read ``indices``. ``file`` is "" for ``size=`` data sets."""
 
 _SHARDS_AHEAD = 2
-_SHARDS_PER_CROSSING = 2  # unshuffled shards leased back to back: the second round trip runs warm
+# Shards are leased in one coordinator round trip, and (unshuffled) cross from Python into
+# TF together, up to this many records (and at most _MAX_SHARDS_PER_CROSSING shards): a
+# crossing and a lease each cost the pipeline ~100 us of the GIL, which small shards would
+# otherwise pay per shard. A worker holds that many leases ahead.
+_RECORDS_PER_CROSSING = 8192
+_MAX_SHARDS_PER_CROSSING = 8
+
+
+def _shards_per_lease(definition: Any) -> int:
+    return max(1, min(_MAX_SHARDS_PER_CROSSING, _RECORDS_PER_CROSSING // definition.shard_size))
 
 
 def _connect(coordinator: Any) -> sharding.Coordinator:
@@ -108,13 +117,15 @@ class ShardDataset(tf.data.Dataset):
         definition = positions.dataset.definition
 
         shuffle, files = definition.shuffle, definition.files is not None
+        per_lease = _shards_per_lease(definition)
+        per_crossing = 1 if shuffle else per_lease  # a shuffled shard carries its own order of indices
 
         def generate():  # few crossings from TF into Python, each with as few values as will do
-            shards = positions.shards()
+            shards = positions.shards(per_lease)
             for first in shards:
                 batch = [first]
                 try:
-                    while len(batch) < (1 if shuffle else _SHARDS_PER_CROSSING):
+                    while len(batch) < per_crossing:
                         more = next(shards, None)  # holds a lease now: never waits for other workers
                         if more is None:
                             break

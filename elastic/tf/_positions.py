@@ -127,7 +127,7 @@ class ShardPositions:
         self._lock = threading.RLock()
         self._held: list[_Lease] = []
         self._fifo: deque[list[Any]] = deque()  # [lease, records handed out, not consumed]
-        self._stranded: deque[_Lease] = deque()  # leased by an abandoned pass, never handed out
+        self._ready: deque[_Lease] = deque()  # leased (held), not handed out yet
         self._pass = 0
         self._started = False
         self._over_consumed = False
@@ -141,26 +141,27 @@ class ShardPositions:
         return f"ShardPositions({self.dataset.name!r}, worker={self.worker!r})"
 
     # -- producer -----------------------------------------------------------------
-    def shards(self) -> Iterator[tuple[sharding.Shard, int]]:
-        """Yield ``(shard, position)`` to read from, leasing shards on demand. A new pass
-        first re-yields what an abandoned pass handed out but the step never consumed."""
+    def shards(self, batch: int = 1) -> Iterator[tuple[sharding.Shard, int]]:
+        """Yield ``(shard, position)`` to read from, leasing ``batch`` shards per round trip
+        to the coordinator. A new pass first re-yields what an abandoned pass handed out
+        but the step never consumed."""
         with self._lock:
             self._pass += 1
             me = self._pass
             if not self._started:
                 self._take_back()
             self._fifo.clear()
-            self._stranded.clear()  # the replay below covers them
+            self._ready.clear()  # the replay below covers them
             replay = [lease for lease in self._held if lease.done < len(lease.shard)]
             self._producing = True
         try:
-            yield from self._produce(me, replay)
+            yield from self._produce(me, replay, batch)
         finally:
             with self._lock:
                 if me == self._pass:
                     self._producing = False
 
-    def _produce(self, me: int, replay: list[_Lease]) -> Iterator[tuple[sharding.Shard, int]]:
+    def _produce(self, me: int, replay: list[_Lease], batch: int) -> Iterator[tuple[sharding.Shard, int]]:
         for lease in replay:
             with self._lock:
                 if me != self._pass:
@@ -169,53 +170,56 @@ class ShardPositions:
             yield lease.shard, lease.done
         while True:
             with self._lock:
-                stranded = self._stranded.popleft() if self._stranded else None
-            shard = stranded.shard if stranded is not None else self._acquire()
-            if shard is None:
-                return
-            with self._lock:
-                lease = stranded or _Lease(shard, done=shard.consumed, committed=shard.consumed)
-                if stranded is None:
-                    self._held.append(lease)
-                self._start_heartbeat()
-                if me != self._pass:  # leased for an abandoned pass: the current one reads it
-                    self._stranded.append(lease)
+                lease = self._ready.popleft() if self._ready else None
+            if lease is None:
+                if not self._lease(batch):
                     return
-                if lease.done >= len(shard):
+                continue
+            with self._lock:
+                if me != self._pass:  # the current pass reads it
+                    self._ready.appendleft(lease)
+                    return
+                if lease.done >= len(lease.shard):
                     self._commit_lease(lease)
                     continue
-                self._fifo.append([lease, len(shard) - lease.done])
+                self._fifo.append([lease, len(lease.shard) - lease.done])
             tick_agent()
-            yield shard, lease.done
+            yield lease.shard, lease.done
 
-    def _acquire(self) -> sharding.Shard | None:
-        """Lease the next shard, completing the shards the step finished in the same round
-        trip. Waits for other workers' leases only while none of ours is in flight (else it
-        could wait for ourselves: the pass ends instead)."""
+    def _lease(self, count: int) -> bool:
+        """Lease up to ``count`` shards into ``_ready`` (held from now on, so a pass that
+        ends before handing them out leaves them to the next), completing the shards the
+        step finished in the same round trip. False when none came. Waits for other
+        workers' leases only while none of ours is in flight (else it could wait for
+        ourselves: the pass ends instead)."""
         with self._lock:
             in_flight = any(lease.done < len(lease.shard) for lease in self._held)
-            # one completion rides with each lease (they come at the same rate), the rest
-            # with the next ones; before a wait, all of them (else we could wait for ourselves)
-            finished = self._take_finished(limit=1 if in_flight else None)
+            # completions ride with the leases (they come at the same rate); before a
+            # wait, all of them go (else we could wait for ourselves)
+            finished = self._take_finished(limit=count if in_flight else None)
             holding = bool(self._held)
-        timeout = 0 if holding else None
-        last = finished.pop() if finished else None
-        self._finish(finished)
         try:
-            if last is not None:
-                try:
-                    return self.dataset.complete_and_acquire(last.shard, timeout=timeout)
-                except sharding.LeaseLost as exc:  # not completed, and nothing leased
-                    self._lost(last, exc)
-                last = None
-            return self.dataset.acquire(self.worker, timeout=timeout)
-        except sharding.AcquireTimeout:  # a completion stands
+            shards, refused = self.dataset.complete_and_acquire_many(
+                [lease.shard for lease in finished], self.worker, count, timeout=0 if holding else None)
+            for exc in refused:
+                self._lost(exc)
+            if refused:  # the others stand; nothing was leased
+                shards, _ = self.dataset.complete_and_acquire_many([], self.worker, count,
+                                                                   timeout=0 if holding else None)
+        except sharding.AcquireTimeout:  # the completions stand
             log.debug("%s: no shard free for %s now; this pass ends", self.dataset.name, self.worker)
-            return None
-        except BaseException:
-            if last is not None:  # maybe not completed: again later (a repeat is harmless)
-                self._keep([last])
+            return False
+        except BaseException:  # maybe not completed: again later (a repeat is harmless)
+            self._keep(finished)
             raise
+        with self._lock:
+            for shard in shards:
+                lease = _Lease(shard, done=shard.consumed, committed=shard.consumed)
+                self._held.append(lease)
+                self._ready.append(lease)
+            if shards:
+                self._start_heartbeat()
+        return bool(shards)
 
     def _finish(self, leases: list[_Lease]) -> None:
         """Complete finished leases taken from ``_held``; on a coordinator error the rest
@@ -251,7 +255,7 @@ class ShardPositions:
         try:
             self.dataset.complete(lease.shard)
         except sharding.LeaseLost as exc:
-            self._lost(lease, exc)
+            self._lost(exc)
 
     def _complete_finished(self) -> None:
         """Before leases go back to the queue: complete what the step finished (no
@@ -261,9 +265,9 @@ class ShardPositions:
         except sharding.CoordinatorError as exc:
             log.warning("%s: could not complete the shards %s finished: %s", self.dataset.name, self.worker, exc)
 
-    def _lost(self, lease: _Lease, exc: sharding.LeaseLost) -> None:
+    def _lost(self, exc: sharding.LeaseLost) -> None:
         if isinstance(exc, sharding.AlreadyCompleted):  # a commit re-applied on restore
-            log.debug("%s: shard %d was completed already", self.dataset.name, lease.shard.index)
+            log.debug("%s: %s", self.dataset.name, exc)
         else:  # expired and re-leased: its records may train twice
             log.warning("%s: %s", self.dataset.name, exc)
 
@@ -364,7 +368,7 @@ class ShardPositions:
                 self.dataset.report(lease.shard, done)
             lease.committed = max(lease.committed, done)
         except sharding.LeaseLost as exc:
-            self._lost(lease, exc)
+            self._lost(exc)
             if lease in self._held:
                 self._held.remove(lease)
             self._fifo = deque(e for e in self._fifo if e[0] is not lease)
@@ -380,7 +384,7 @@ class ShardPositions:
             self._complete_finished()
             self._fifo.clear()
             self._held.clear()
-            self._stranded.clear()
+            self._ready.clear()
             try:
                 self.dataset.release(self.worker)
             except sharding.CoordinatorError as exc:
@@ -415,7 +419,7 @@ class ShardPositions:
         with self._lock:
             self._fifo.clear()
             self._held.clear()
-            self._stranded.clear()
+            self._ready.clear()
             if state.get("rollback") == Rollback.DATASET.value:
                 self.dataset.load_state_dict(state["coordinator"])
             else:
@@ -439,7 +443,7 @@ class ShardPositions:
             self._complete_finished()
             self._fifo.clear()
             self._held.clear()
-            self._stranded.clear()
+            self._ready.clear()
             try:
                 self.dataset.release(self.worker)
             except sharding.UnknownWorker:

@@ -237,6 +237,28 @@ def test_complete_and_acquire_refused_acquires_nothing_and_a_done_completion_sta
         ds.complete_and_acquire("not a shard")  # type: ignore[arg-type]
 
 
+def test_complete_and_acquire_many_leases_in_batches_and_names_refusals(backend: Backend) -> None:
+    ds = backend.connect().dataset("cm", size=50, shard_size=10, num_epochs=2)
+    first, refused = ds.complete_and_acquire_many([], "w", 3)
+    assert [s.index for s in first] == [0, 1, 2] and refused == []
+    other = ds.acquire("x")  # shard 3
+    ds.complete(first[0])
+    more, refused = ds.complete_and_acquire_many(first, "w", 3)  # one refused: the others stand, nothing leased
+    assert more == [] and [type(e) for e in refused] == [sharding.AlreadyCompleted], refused
+    assert ds.progress()["done"] == 3 and ds.progress()["workers"]["w"]["leased"] == 0
+    more, refused = ds.complete_and_acquire_many([], "w", 3)  # only shard 4 is free now
+    assert [s.index for s in more] == [4] and refused == []
+    with pytest.raises(sharding.AcquireTimeout):  # the completion stands; none free while x holds 3
+        ds.complete_and_acquire_many(more, "w", 2, timeout=0)
+    assert ds.progress()["done"] == 4
+    nxt, _ = ds.complete_and_acquire_many([other], "x", 10)  # epoch 0 ends: all of epoch 1, no more
+    assert [(s.epoch, s.index, s.worker) for s in nxt] == [(1, i, "x") for i in range(5)]
+    assert ds.complete_and_acquire_many(nxt, "x", 2) == ([], [])  # every epoch done
+    assert ds.progress()["finished"]
+    with pytest.raises(sharding.InvalidArgument, match="count"):
+        ds.complete_and_acquire_many([], "w", 0)
+
+
 def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
     """The Redis transitions are Lua, the others Python: same calls, same answers, same state."""
     reference = sharding.connect(f"memory://ref-{uuid.uuid4().hex}")
@@ -255,7 +277,7 @@ def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
 
     for step in range(600):
         op = rng.choice(["acquire", "acquire", "report", "complete", "complete", "release", "heartbeat", "stale",
-                         "complete_and_acquire", "complete_and_acquire"])
+                         "complete_and_acquire", "complete_and_acquire", "many"])
         worker = rng.choice(workers)
         pick = rng.randrange(1_000_000)
         answers = []
@@ -278,6 +300,14 @@ def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
                         mine.append(got)
                 except sharding.CoordinatorError as exc:
                     answers.append((type(exc).__name__, None))
+            elif op == "many":  # a random few of the held shards, one of them maybe stale
+                done = [shard for i, shard in enumerate(mine) if (pick >> i) & 1][:3]
+                try:
+                    got, refused = ds.complete_and_acquire_many(done, worker, 1 + pick % 4, timeout=0.01)
+                    answers.append(("ok", [(g.epoch, g.index, g.consumed) for g in got], [type(e) for e in refused]))
+                    mine[:] = [shard for shard in mine if shard not in done or pick % 5 == 0] + got
+                except sharding.CoordinatorError as exc:
+                    answers.append((type(exc).__name__, None))
             elif op in ("report", "complete", "stale") and mine:
                 shard = mine[pick % len(mine)]
                 if op == "report":
@@ -298,6 +328,7 @@ def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
     assert seen["complete_and_acquire", "ok", True] >= 20, seen
     assert seen["complete_and_acquire", "AcquireTimeout", False] + seen["complete_and_acquire", "ok", False] >= 1, seen
     assert seen["complete_and_acquire", "LeaseLost", False] + seen["complete_and_acquire", "AlreadyCompleted", False] >= 5, seen
+    assert seen["many", "ok", True] >= 20, seen
 
 
 def test_acquire_timeout_while_leases_are_out(backend: Backend) -> None:

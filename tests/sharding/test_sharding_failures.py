@@ -126,17 +126,22 @@ def test_redis_replies_lost_after_landing_leave_no_orphan_lease_nor_double_event
         assert (progress["done"], progress["leased"]) == (1, 1)
         assert progress["workers"]["victim"] == {"acquired": 2, "completed": 1, "leased": 1}
         assert second.lease == first.lease + 1  # no lease was handed out in between
+        proxy.lose_reply_to(b"victim")
+        (third, fourth), refused = ds.complete_and_acquire_many([second], "victim", 2)
+        assert proxy.cuts == 3 and refused == [] and ds.heartbeat("victim") == 2  # the same two, no orphan
+        assert ds.progress()["done"] == 2 and fourth.lease == third.lease + 1 == second.lease + 2
         proxy.lose_reply_to(b"EVALSHA")
-        ds.complete(second)  # found done on the retry: the first attempt landed
-        assert proxy.cuts == 3 and ds.progress()["done"] == 2
+        ds.complete(third)  # found done on the retry: the first attempt landed
+        assert proxy.cuts == 4 and ds.progress()["done"] == 3
         proxy.lose_reply_to(b"agent-7")
         assert coord.publish("hang", {"rank": 7}, source="agent-7") == 2
-        assert proxy.cuts == 4 and [e["seq"] for e in coord.events()] == [1, 2]
+        assert proxy.cuts == 5 and [e["seq"] for e in coord.events()] == [1, 2]
+        ds.complete(fourth)
         rest = []
         while (shard := ds.acquire("victim", timeout=10)) is not None:
             rest.append(shard.index)
             ds.complete(shard)
-        assert len(rest) == 3 and ds.progress()["finished"]
+        assert len(rest) == 1 and ds.progress()["finished"]
     finally:
         coord.close()
         proxy.close()

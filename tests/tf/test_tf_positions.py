@@ -3,6 +3,8 @@ needed): the crash window between a save and its commit, passes abandoned mid-le
 
 import uuid
 
+import pytest
+
 import sharding
 from elastic.tf import ShardPositions
 
@@ -66,7 +68,7 @@ class CountingDataset:
 
     def __getattr__(self, name):
         attr = getattr(self._inner, name)
-        if name in ("acquire", "complete", "complete_and_acquire", "report"):
+        if name in ("acquire", "complete", "complete_and_acquire", "complete_and_acquire_many", "report"):
             def counted(*args, **kwargs):
                 self.calls.append(name)
                 return attr(*args, **kwargs)
@@ -74,18 +76,20 @@ class CountingDataset:
         return attr
 
 
-def test_each_lease_carries_the_completion_of_a_finished_shard_in_one_round_trip():
+@pytest.mark.parametrize("batch, calls", [(1, 9), (3, 4), (8, 2)])
+def test_each_lease_carries_the_completion_of_the_finished_shards_in_one_round_trip(batch, calls):
     ds = CountingDataset(dataset(size=40, shard_size=5))
     positions = ShardPositions(ds, "w")
     positions.batch_size = 5
     handed = []
-    for shard, _ in positions.shards():  # the step trains each shard before the next is read
+    for shard, _ in positions.shards(batch):  # the step trains each shard before the next is read
         handed.append(shard.index)
         positions.consumed_steps(1)
+        assert ds.progress()["workers"]["w"]["leased"] <= batch
     assert handed == list(range(8))
     assert ds.progress()["finished"]
-    # a plain first lease; then one round trip per shard (the last one learns the end)
-    assert ds.calls == ["acquire"] + ["complete_and_acquire"] * 8
+    # one round trip per `batch` shards, each completing the ones before (the last learns the end)
+    assert ds.calls == ["complete_and_acquire_many"] * calls
 
 
 def test_finished_shards_complete_before_close_gives_the_leases_back():
