@@ -142,6 +142,8 @@ class FlashCheckpointCallback(TrainerCallback):
         persist_every: write a ``checkpoint-<N>`` folder every this many steps (the
             Trainer's save steps are then memory snapshots). None: at the Trainer's save steps.
         keep_last: folders to keep. None: ``save_total_limit``.
+        memory_slots: shared-memory copies per rank: 2, or 1 for half the memory (a
+            save then waits while the previous folder is read from it).
 
     Attributes:
         resumed_from: after construction, ``{"step": N, "source": "memory"}`` when shared
@@ -150,13 +152,16 @@ class FlashCheckpointCallback(TrainerCallback):
     """
 
     def __init__(self, *, memory_every: int | None = None, persist_every: int | None = None,
-                 keep_last: int | None = None) -> None:
+                 keep_last: int | None = None, memory_slots: int = 2) -> None:
         _check_positive("memory_every", memory_every, 1)
         _check_positive("persist_every", persist_every, 1)
         _check_positive("keep_last", keep_last, 0)
         self.memory_every = memory_every
         self.persist_every = persist_every
         self.keep_last = keep_last
+        if memory_slots not in (1, 2):
+            raise ValueError(f"memory_slots must be 1 or 2, got {memory_slots!r}")
+        self.memory_slots = memory_slots
         self.resumed_from: dict[str, Any] | None = None
         self._trainer: Any = None
         self._stock_save: Any = None
@@ -275,7 +280,7 @@ class FlashCheckpointCallback(TrainerCallback):
 
     def _open(self) -> None:
         # only the newest step is kept here: the checkpoint-N folders are the checkpoints
-        self._ckpt = Checkpointer(self._state_dir(), keep_last=1)
+        self._ckpt = Checkpointer(self._state_dir(), keep_last=1, memory_slots=self.memory_slots)
 
     def _close(self) -> None:
         if self._ckpt is None:

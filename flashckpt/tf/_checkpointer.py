@@ -29,7 +29,9 @@ class Checkpointer(EngineCheckpointer):
     ``persist_every`` saves. ``load()`` restores the newest step from memory, or from
     storage when memory holds nothing newer. ``data`` (an ``elastic.tf.ShardDataset``)
     puts the data positions into every checkpoint, so model and data roll back together
-    (``rollback``: an ``elastic.tf.Rollback``; default ``WORKER``).
+    (``rollback``: an ``elastic.tf.Rollback``; default ``WORKER``). ``memory_slots=1``
+    keeps one shared-memory copy instead of two (half the memory; a save then waits
+    while storage reads the copy).
 
     ``background=True``: ``save`` takes the variables' current buffers (reads, no copy)
     and returns; a thread copies them into shared memory while training goes on. TF
@@ -47,7 +49,7 @@ class Checkpointer(EngineCheckpointer):
 
     def __init__(self, directory: str | os.PathLike, checkpoint: Any, *, data: Any = None, rollback: Any = None,
                  persist_every: int = 1, keep_last: int = 3, job_id: str | None = None,
-                 background: bool = False) -> None:
+                 memory_slots: int = 2, background: bool = False) -> None:
         self._background = background
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
@@ -58,7 +60,8 @@ class Checkpointer(EngineCheckpointer):
 
             rollback = Rollback.WORKER
         self._rollback = rollback
-        self._engine = new_engine(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id)
+        self._engine = new_engine(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id,
+                                  memory_slots=memory_slots)
 
     def save(self, step: int, *, persist: bool | None = None, export: bool = False) -> None:
         """Copy every variable into shared memory (the only blocking work; with

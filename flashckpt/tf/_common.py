@@ -18,9 +18,10 @@ log = logging.getLogger("flashckpt.tf")
 FORMAT = "flashckpt.tf/1"
 
 
-def new_engine(directory: str | os.PathLike, *, persist_every: int, keep_last: int, job_id: str | None) -> Engine:
-    """An engine for one TF worker: its own directory, memory slot and shard ``rank-0``."""
-    options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id)
+def new_engine(directory: str | os.PathLike, *, persist_every: int, keep_last: int, job_id: str | None,
+               memory_slots: int = 2) -> Engine:
+    """An engine for one TF worker: its own directory, memory slots and shard ``rank-0``."""
+    options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id, memory_slots=memory_slots)
     placement = Placement(local_rank=0, memory_rank=0, writes_memory=True, storage_rank=0, storage_world=1,
                           persists=True, token=new_token())
     return Engine(os.fspath(directory), options, placement, SingleProcess())

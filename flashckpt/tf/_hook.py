@@ -44,7 +44,7 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
     coordinator at each save, so model and data roll back together. ``export``: at
     the end, also write a TF checkpoint (``<directory>/step-<N>/tf/ckpt``) that
     estimators and ``tf.compat.v1.train.Saver`` restore. Keyword ``options`` go to the
-    engine (``persist_every``, ``keep_last``, ``job_id``).
+    engine (``persist_every``, ``keep_last``, ``job_id``, ``memory_slots``).
     """
 
     def __init__(self, directory: str | os.PathLike, *, every_steps: int = 100, data: Any = None,
@@ -57,7 +57,7 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
         self._rollback = rollback
         self._restore = restore
         self._export = export
-        self._options = {"persist_every": 1, "keep_last": 3, "job_id": None, **options}
+        self._options = {"persist_every": 1, "keep_last": 3, "job_id": None, "memory_slots": 2, **options}
         self._engine: Any = None
         self.restored_step: int | None = None
         self.last_saved: int | None = None

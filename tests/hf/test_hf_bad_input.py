@@ -15,7 +15,7 @@ from ._hf import make_trainer, shm_left
 
 
 @pytest.mark.parametrize("kwargs", [{"memory_every": 0}, {"persist_every": -1}, {"keep_last": -1},
-                                    {"memory_every": 2.5}, {"persist_every": True}])
+                                    {"memory_every": 2.5}, {"persist_every": True}, {"memory_slots": 3}])
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         FlashCheckpointCallback(**kwargs)

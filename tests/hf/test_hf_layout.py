@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from flashckpt.hf import FlashCheckpointCallback
 
@@ -119,10 +120,18 @@ def test_memory_snapshots_between_saves_write_no_folder(tmp_path):
     assert _folders(tmp_path) == ["checkpoint-3", "checkpoint-5"]
 
 
-def test_persist_every_and_keep_last(tmp_path):
-    make_trainer(str(tmp_path), [FlashCheckpointCallback(persist_every=2, keep_last=2)], max_steps=7,
-                 save_steps=1).train()
+@pytest.mark.parametrize("memory_slots", [2, 1])
+def test_persist_every_and_keep_last(tmp_path, memory_slots):
+    slots = []
+
+    class CountSlots(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            slots.append(len([p for p in shm_left(tmp_path) if ".slot" in p]))
+
+    make_trainer(str(tmp_path), [FlashCheckpointCallback(persist_every=2, keep_last=2, memory_slots=memory_slots),
+                                 CountSlots()], max_steps=7, save_steps=1).train()
     assert _folders(tmp_path) == ["checkpoint-6", "checkpoint-7"]
+    assert max(slots) == memory_slots, slots
 
 
 def test_added_after_construction_still_saves(tmp_path):

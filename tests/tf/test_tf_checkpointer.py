@@ -1,7 +1,7 @@
 """flashckpt.tf.Checkpointer in one process: one-copy save, in-place load from memory and
 from storage, export to a stock TF checkpoint, data positions inside the checkpoint."""
 
-import os
+import glob
 import subprocess
 import sys
 import threading
@@ -47,11 +47,15 @@ def test_save_reads_each_variable_through_a_view_of_its_own_buffer():
             assert _variables.writable_alias(var) is not None
 
 
-def test_load_in_place_from_memory_then_from_storage(tmp_path, job_id, loads):
+@pytest.mark.parametrize("memory_slots", [2, 1])
+def test_load_in_place_from_memory_then_from_storage(tmp_path, job_id, loads, memory_slots):
     model = dense_model()
     saved = values(model)
-    with Checkpointer(tmp_path, model, job_id=job_id) as ckpt:
+    with Checkpointer(tmp_path, model, job_id=job_id, memory_slots=memory_slots) as ckpt:
         ckpt.save(7)
+        ckpt.save(7)  # a second save fills the other slot, where there is one
+        slots = glob.glob(f"/dev/shm/flashckpt.*.{job_id}.rank0.slot*")
+        assert len(slots) == memory_slots, slots
         buffers = [v.value()._numpy().ctypes.data for v in model.variables if v.shape.rank]
         model.fit(np.ones((8, 4)), np.zeros((8, 1)), verbose=0)
         assert not same(values(model), saved)
