@@ -1,4 +1,4 @@
-"""The fault-tolerant agent: one daemon thread per training process.
+"""The fault-tolerant agent: two daemon threads per training process.
 
 What it does, and on which thread:
 
@@ -6,11 +6,13 @@ What it does, and on which thread:
   additions, one ``struct.pack_into`` into the backstop's progress file -- a few
   microseconds, so the agent costs well under 1% of a 10 ms step;
 - agent thread, a few times a second: checks the adaptive hang timeout (dump stacks,
-  record, and with ``on_hang="exit"`` flush and exit with ``ExitCode.HANG``),
-  heartbeats the coordinator for this worker (only while training makes progress, so a
-  hung worker's shard leases expire like a dead one's), publishes the events queued
-  since (``elastic._publish``) to the coordinator's job-wide log, writes aggregated step
-  records, beats the progress file;
+  record, and with ``on_hang="exit"`` flush and exit with ``ExitCode.HANG``), writes
+  aggregated step records, beats the progress file;
+- coordinator thread: heartbeats the coordinator for this worker (only while training
+  makes progress, so a hung worker's shard leases expire like a dead one's) and
+  publishes the events queued since (``elastic._publish``) to the coordinator's
+  job-wide log; its calls may block while the coordinator is unreachable, which is why
+  they are not the agent thread's;
 - on SIGTERM (preemption, or the launcher stopping the group): the agent thread is woken
   through ``signal.set_wakeup_fd`` -- even while the main thread sits in a C call --
   records a ``preempted`` diagnosis, flushes the newest checkpoint to storage and exits
@@ -168,6 +170,7 @@ class Agent:
         self._exiting = threading.Lock()  # set once a failure is recorded and flushed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._io_thread: threading.Thread | None = None
         self._heartbeats = Heartbeats(worker=self.worker, max_interval=options.heartbeat_interval,
                                       coordinator=coordinator, datasets=options.datasets,
                                       on_pause=self._on_heartbeat_pause)
@@ -304,6 +307,8 @@ class Agent:
             os.write(self._stop_w, b"x")
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
+        if self._io_thread is not None and self._io_thread is not threading.current_thread():
+            self._io_thread.join(timeout=1.0)  # a call stuck on the coordinator: the exit publish copes
         self._write_steps()
         self._log.write("stop", step=self._step)
         self._publish_before_exit()
@@ -340,6 +345,9 @@ class Agent:
                         hang_timeout=opts.hang_timeout, on_hang=opts.on_hang.value)
         self._thread = threading.Thread(target=self._loop, name="elastic-agent", daemon=True)
         self._thread.start()
+        self._io_thread = threading.Thread(target=self._coordinator_loop, name="elastic-agent-coordinator",
+                                           daemon=True)
+        self._io_thread.start()
         atexit.register(self.stop)
 
     def _install_failure_handlers(self) -> None:
@@ -485,8 +493,11 @@ class Agent:
 
     # ---------------------------------------------------------------- the thread
     def _loop(self) -> None:
+        """The watch thread: hang checks, the backstop's progress, metrics. It never
+        waits on the coordinator (that is :meth:`_coordinator_loop`'s), so an unreachable
+        coordinator cannot delay finding a hang."""
         opts = self.options
-        next_connect = next_metrics = time.monotonic()
+        next_metrics = time.monotonic()
         published = -1.0
         waitables = [fd for fd in (self._stop_r, self._wake_r) if fd is not None]
         while not self._stop.is_set():
@@ -499,21 +510,32 @@ class Agent:
                     published = timeout
             try:
                 self._check_hang(now, timeout)
-                if now >= next_connect:
-                    next_connect = now + opts.heartbeat_interval
-                    self._heartbeats.connect()
-                self._heartbeats.beat(now, hung=now - self._last_progress > timeout)
-                self._publisher.publish(self._heartbeats.coordinator)
                 if now >= next_metrics:
                     next_metrics = now + opts.metrics_interval_seconds
                     self._write_steps()
             except Exception:  # the agent must never die of its own bug
                 log.exception("elastic agent iteration failed")
-            wait = min(0.5, opts.heartbeat_interval, opts.metrics_interval_seconds,
-                       max(0.05, timeout / 10), self._heartbeats.shortest_interval())
+            wait = min(0.5, opts.metrics_interval_seconds, max(0.05, timeout / 10))
             ready, _, _ = select.select(waitables, [], [], wait)
             if self._wake_r is not None and self._wake_r in ready:
                 self._on_wakeup()
+
+    def _coordinator_loop(self) -> None:
+        """The coordinator thread: lease heartbeats (withheld while hung) and events.
+        Its calls may block for the coordinator's whole retry budget."""
+        opts = self.options
+        next_connect = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                if now >= next_connect:
+                    next_connect = now + opts.heartbeat_interval
+                    self._heartbeats.connect()
+                self._heartbeats.beat(now, hung=now - self._last_progress > self._hang.current())
+                self._publisher.publish(self._heartbeats.coordinator)
+            except Exception:  # the agent must never die of its own bug
+                log.exception("elastic agent coordinator iteration failed")
+            self._stop.wait(min(0.5, opts.heartbeat_interval, self._heartbeats.shortest_interval()))
 
     def _on_wakeup(self) -> None:
         try:

@@ -125,6 +125,24 @@ def test_a_blocked_coordinator_never_blocks_the_training_thread():
         agent.stop()
 
 
+def test_a_blocked_coordinator_never_delays_finding_a_hang(tmp_path):
+    coord = FakeCoordinator()
+    coord.release.clear()  # the coordinator thread sits in publish("start") from now on
+    agent = elastic.start_agent(coordinator=coord, handle_failures=False, worker="w-stuck", job_id=job_id(),
+                                hang_timeout=1.0, heartbeat_interval=0.2, metrics_dir=str(tmp_path))
+    try:
+        assert coord.entered.wait(10), "the agent never published"
+        agent.step()
+        stalled = time.monotonic()
+        wait_for(lambda: [e for e in agent.events(local=True) if e["type"] == "hang"], timeout=10,
+                 what="the hang to be found")
+        assert time.monotonic() - stalled < 3.0  # the 1 s timeout plus the check interval
+        assert not coord.release.is_set() and coord.published == []  # publish still stuck meanwhile
+    finally:
+        coord.release.set()
+        agent.stop()
+
+
 def test_publish_failures_are_logged_and_retried_not_raised(caplog):
     caplog.set_level(logging.WARNING, logger="elastic.agent")
     coord = FakeCoordinator()
