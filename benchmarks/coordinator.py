@@ -3,9 +3,11 @@ worker processes and way of calling, next to the floor of the same machine.
 
     python benchmarks/coordinator.py [--seconds 2] [--workers 1,8,32] [--repeats 1]
 
-Two ways of calling: ``pair`` = ``acquire`` then ``complete`` (two round trips / two
-SQLite transactions per shard), ``combined`` = ``complete_and_acquire`` (one per shard);
-both are two coordinator operations (acquire, complete) per shard.
+Three ways of calling: ``pair`` = ``acquire`` then ``complete`` (two round trips / two
+SQLite transactions per shard), ``combined`` = ``complete_and_acquire`` (one per shard),
+``batch4`` = ``complete_and_acquire_many`` of 4 shards (one per 4 shards, as a reader
+that leases ahead calls it; latencies are per call); all are two coordinator operations
+(acquire, complete) per shard, and rates and CPU costs are per shard.
 Floors: ``redis-benchmark`` PING round trips (C client, pipelining off, as many clients
 as worker processes), the same PINGs from Python in as many processes (redis-py's
 ``Redis.ping()``, and a packed PING over one ``redis.connection.Connection``: the
@@ -52,7 +54,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 #: round trips (or SQLite transactions) per shard
-ROUND_TRIPS = {"pair": 2, "combined": 1}
+ROUND_TRIPS = {"pair": 2, "combined": 1, "batch4": 0.25}
+#: shards one call of each mode moves on
+SHARDS_PER_CALL = {"pair": 1, "combined": 1, "batch4": 4}
 #: coordinator operations per shard (acquire and complete), however they are sent
 OPERATIONS = 2
 
@@ -74,6 +78,14 @@ def _ops(url: str, options: dict[str, Any], worker: str, mode: str, gate: "_Gate
     ds = sharding.connect(url, **options).dataset("bench", **DEFINITION)
     if mode == "pair":
         _timed(lambda: ds.complete(ds.acquire(worker)), gate, seconds, out)
+    elif mode == "batch4":
+        batch = ds.complete_and_acquire_many([], worker, 4)[0]
+
+        def many() -> None:
+            nonlocal batch
+            batch = ds.complete_and_acquire_many(batch, worker, 4)[0]
+
+        _timed(many, gate, seconds, out)
     else:
         held = [ds.acquire(worker)]
 
@@ -258,6 +270,13 @@ def _ratios(row: dict[str, Any], floors: dict[str, dict[str, float]]) -> dict[st
     return out
 
 
+def _per_shard(stats: dict[str, float], mode: str) -> dict[str, float]:
+    """A fleet's per-call figures as per-shard rates and costs (latencies stay per call)."""
+    k = SHARDS_PER_CALL[mode]
+    return {**stats, "ops_per_s": stats["ops_per_s"] * k, "client_cpu_us": stats["client_cpu_us"] / k,
+            "server_cpu_us": stats["server_cpu_us"] / k}
+
+
 def _measure_sqlite(tmp: Path, n: int, seconds: float, run: int) -> list[dict[str, Any]]:
     floor = _fleet(_sqlite_floor, [(str(tmp / f"floor-{n}-{run}.db"),) for _ in range(n)], seconds)
     floors = {"sqlite_empty_txn": floor}
@@ -265,7 +284,7 @@ def _measure_sqlite(tmp: Path, n: int, seconds: float, run: int) -> list[dict[st
     for mode in ROUND_TRIPS:
         url = f"sqlite://{tmp / f'bench-{n}-{mode}-{run}.db'}"
         row = {"backend": "sqlite", "mode": mode, "workers": n, "run": run,
-               **_fleet(_ops, [(url, {}, f"w{i}", mode) for i in range(n)], seconds)}
+               **_per_shard(_fleet(_ops, [(url, {}, f"w{i}", mode) for i in range(n)], seconds), mode)}
         rows.append({**row, **_ratios(row, floors), "floors": floors})
     return rows
 
@@ -280,7 +299,7 @@ def _measure_redis(url: str, port: int, password: str, server: int, n: int, seco
     for mode in ROUND_TRIPS:
         options = {"key_prefix": f"bench{n}-{mode}-{run}:"}
         row = {"backend": "redis", "mode": mode, "workers": n, "run": run,
-               **_fleet(_ops, [(url, options, f"w{i}", mode) for i in range(n)], seconds, server)}
+               **_per_shard(_fleet(_ops, [(url, options, f"w{i}", mode) for i in range(n)], seconds, server), mode)}
         rows.append({**row, **_ratios(row, floors), "floors": floors})
     return rows
 
@@ -329,8 +348,8 @@ def _verdicts(rows: list[dict[str, Any]], workers: int) -> dict[str, Any]:
 
 def _print(rows: list[dict[str, Any]], verdicts: dict[str, Any], simulation: dict[str, Any] | None) -> None:
     print(f"\ncoordinator ({os.cpu_count()} cores, Python {platform.python_version()}); pair = acquire+complete "
-          "(2 round trips), combined = complete_and_acquire (1); ops/s = shards/s; cpu = machine CPU us per call "
-          "(callers + server); op/floor = 2 operations per shard x shards/s / floor calls/s; cpu-bound = the same "
+          "(2 round trips), combined = complete_and_acquire (1), batch4 = complete_and_acquire_many of 4 shards (1 per 4); "
+          "ops/s = shards/s; p50/p99 per call; cpu = machine CPU us per shard (callers + server); op/floor = 2 operations per shard x shards/s / floor calls/s; cpu-bound = the same "
           "from CPU cost alone")
     print(f"{'backend':7} {'mode':9} {'procs':>5} {'run':>3} {'ops/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'cpu':>6} | "
           f"{'floor':16} {'floor/s':>8} {'fl p50':>7} {'fl p99':>7} {'fl cpu':>6} {'op/floor':>8} {'cpu-bound':>9}")
