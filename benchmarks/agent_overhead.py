@@ -5,7 +5,7 @@ Two measurements, side by side:
    not depend on scheduling) with and without the agent, interleaved in rounds; the
    difference of mean step times over the step time.
 2. Direct: the cost of ``agent.step()`` itself (a tight loop of calls), and the CPU
-   time the agent thread used per step (from /proc/self/task/<tid>/stat), over the
+   time the agent's threads used per step (from /proc/self/task/<tid>/stat), over the
    step time. On 2 shared cores the A/B number is noisy; the direct one is not.
 
 The agent runs as in training: metrics records (and TensorBoard scalars where
@@ -61,15 +61,15 @@ def main() -> None:
             "bench", size=1000, shard_size=10, lease_timeout=3.0)
         ds.acquire("w0")
         agent.add_heartbeat(ds, "w0", interval_seconds=1.0)
-        tid = agent._thread.native_id
+        tids = [agent._thread.native_id, agent._io_thread.native_id]  # the watch and coordinator threads
         base, with_agent = [], []
-        cpu0 = thread_cpu(tid)
+        cpu0 = sum(map(thread_cpu, tids))
         agent_steps = 0
         for _ in range(args.rounds):
             base.append(loop(args.steps, None))
             with_agent.append(loop(args.steps, agent))
             agent_steps += args.steps
-        cpu = thread_cpu(tid) - cpu0
+        cpu = sum(map(thread_cpu, tids)) - cpu0
         wall_agent = sum(with_agent) * args.steps
         n = 200_000
         t = time.perf_counter()
@@ -84,7 +84,7 @@ def main() -> None:
     print(f"step time with agent    : {a * 1e3:.3f} ms")
     print(f"A/B overhead            : {(a - b) / b * 100:+.3f}% (noisy: other processes share the cores)")
     print(f"agent.step() call       : {call * 1e6:.2f} us = {call / STEP * 100:.4f}% of a 10 ms step")
-    print(f"agent thread CPU        : {cpu * 1e3:.1f} ms over {wall_agent:.1f} s of agent steps "
+    print(f"agent threads CPU       : {cpu * 1e3:.1f} ms over {wall_agent:.1f} s of agent steps "
           f"= {cpu / wall_agent * 100:.3f}% of one core")
     print(f"direct overhead         : {(call / STEP + cpu / wall_agent) * 100:.3f}% (goal < 1%)")
 
