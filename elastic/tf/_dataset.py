@@ -1,8 +1,9 @@
 """``ShardDataset``: a ``tf.data.Dataset`` of shards leased from the sharding coordinator.
 
 Each element is a :data:`ShardSpec` (``start``, ``end``, ``indices``, ``file``, ``index``,
-``epoch``) pulled from the coordinator when the pipeline asks for the next shard, so a
-fast worker takes more shards and a dead worker's shards go to the others. The user's
+``epoch``) pulled from the coordinator when the pipeline asks for more shards (up to 8
+shards, or 8,192 records, per round trip), so a fast worker takes more shards and a dead
+worker's shards go to the others. The user's
 reader turns a shard into records (``.flat_map(read)``); records are counted as
 consumed by the training step (estimator hook / Keras callback), never when prefetched.
 """
