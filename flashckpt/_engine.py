@@ -75,8 +75,7 @@ class Options:
             raise ValueError(f"persist_every must be an int >= 1, got {self.persist_every!r}")
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(f"keep_last must be an int >= 0, got {self.keep_last!r}")
-        if self.memory_slots not in (1, 2):
-            raise ValueError(f"memory_slots must be 1 or 2, got {self.memory_slots!r}")
+        check_memory_slots(self.memory_slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +101,12 @@ class LoadInfo:
     source: str | None
     """"memory", "storage", or None when there was nothing to load."""
     seconds: float
+
+
+def check_memory_slots(memory_slots: Any) -> None:
+    """``memory_slots`` is 1 or 2, else a ValueError (for adapters that open their engine later)."""
+    if memory_slots not in (1, 2):
+        raise ValueError(f"memory_slots must be 1 or 2, got {memory_slots!r}")
 
 
 def new_token() -> str:

@@ -74,6 +74,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 
 from .. import _events
+from .._engine import check_memory_slots
 from .._errors import CheckpointError
 from ..torch import Checkpointer
 from . import _deepspeed, _export
@@ -159,8 +160,7 @@ class FlashCheckpointCallback(TrainerCallback):
         self.memory_every = memory_every
         self.persist_every = persist_every
         self.keep_last = keep_last
-        if memory_slots not in (1, 2):
-            raise ValueError(f"memory_slots must be 1 or 2, got {memory_slots!r}")
+        check_memory_slots(memory_slots)
         self.memory_slots = memory_slots
         self.resumed_from: dict[str, Any] | None = None
         self._trainer: Any = None
