@@ -197,15 +197,14 @@ class ShardPositions:
             # completions ride with the leases (they come at the same rate); before a
             # wait, all of them go (else we could wait for ourselves)
             finished = self._take_finished(limit=count if in_flight else None)
-            holding = bool(self._held)
+            timeout = 0 if self._held else None
         try:
             shards, refused = self.dataset.complete_and_acquire_many(
-                [lease.shard for lease in finished], self.worker, count, timeout=0 if holding else None)
+                [lease.shard for lease in finished], self.worker, count, timeout=timeout)
             for exc in refused:
                 self._lost(exc)
             if refused:  # the others stand; nothing was leased
-                shards, _ = self.dataset.complete_and_acquire_many([], self.worker, count,
-                                                                   timeout=0 if holding else None)
+                shards, _ = self.dataset.complete_and_acquire_many([], self.worker, count, timeout=timeout)
         except sharding.AcquireTimeout:  # the completions stand
             log.debug("%s: no shard free for %s now; this pass ends", self.dataset.name, self.worker)
             return False
