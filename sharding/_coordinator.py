@@ -246,9 +246,9 @@ class Dataset:
             raise InvalidArgument(f"shard of data set {shard.dataset!r} given to data set {self.name!r}")
 
     def _refuse(self, shard: Shard, status: Status, holder: str | None, *, action: str) -> None:
-        what = f"{self.name}: cannot {action} shard {shard.index} of epoch {shard.epoch} (lease {shard.lease} of {shard.worker!r})"
         if status is Status.OK:
             return
+        what = f"{self.name}: cannot {action} shard {shard.index} of epoch {shard.epoch} (lease {shard.lease} of {shard.worker!r})"
         if status is Status.DONE:
             raise AlreadyCompleted(f"{what}: it was already completed")
         if status is Status.HELD:

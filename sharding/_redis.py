@@ -238,13 +238,17 @@ class RedisStore:
 
     def snapshot(self, name: str) -> dict[str, Any]:
         (epoch, cursor, token), queued, positions, leases, deadlines, stats = self._run("snapshot", self._base(name))
-        workers: dict[str, list[int]] = {}
+        workers: dict[str, list[int]] = {}  # acquired = completed + lost + held
         for i in range(0, len(stats), 2):
             kind, worker = stats[i].decode().split(":", 1)
-            workers.setdefault(worker, [0, 0])[0 if kind == "a" else 1] = int(stats[i + 1])
+            counts = workers.setdefault(worker, [0, 0])
+            counts[0] += int(stats[i + 1])
+            if kind == "c":
+                counts[1] = int(stats[i + 1])
         table: dict[str, Any] = {}
         for i in range(0, len(leases), 2):
-            held, consumed, worker = leases[i + 1].decode().split("|", 2)
+            held, consumed, worker = leases[i + 1].decode().rsplit("|", 1)[0].split("|", 2)
+            workers.setdefault(worker, [0, 0])[0] += 1
             table[leases[i].decode()] = {
                 "worker": worker,
                 "token": int(held),

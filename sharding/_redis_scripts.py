@@ -2,13 +2,17 @@
 
 Per data set (keys share the hash tag ``{name}`` under the key prefix): ``meta`` (epoch,
 cursor, token counter), ``queue`` (returned slots, front first) with ``qpos`` (their
-positions), ``lease`` (slot -> ``token|consumed|worker``), ``dl`` (a sorted set of leased
+positions), ``lease`` (slot -> ``token|consumed|worker|request``, ``request`` being the
+call that took the lease, so that an acquire retried after its reply was lost gets back
+the leases its first attempt took instead of taking more), ``dl`` (a sorted set of leased
 slots by deadline, so reclaiming expired leases is a range query), ``w:WORKER`` (a
-worker's slots, for heartbeat and release), ``stats`` (per-worker counters) and ``req``
-(worker -> ``request|slot|token`` of its last grant, so that an acquire retried after
-its reply was lost gets the lease its first attempt took instead of a second one).
+worker's slots, for heartbeat, release and retries) and ``stats`` (per worker ``c:``
+completed and ``l:`` lost: leases that expired or were released; a worker's acquired
+count is completed + lost + held, so taking a lease writes no counter).
 Deadlines use the server clock (``TIME``), so worker clocks need not agree.
 
+Each script reads ``meta`` once and writes it at most once; the hot path (complete one
+shard, lease the next) is 13 Redis calls.
 The transitions mirror ``_table.LeaseTable`` (a differential test keeps them equal).
 """
 
@@ -18,15 +22,24 @@ __all__ = ["SCRIPTS"]
 
 _PRELUDE = """
 local base = KEYS[1]
-local meta, queue, qpos, lease, dl, stats, req =
-  base..'meta', base..'queue', base..'qpos', base..'lease', base..'dl', base..'stats', base..'req'
+local meta, queue, qpos, lease, dl, stats =
+  base..'meta', base..'queue', base..'qpos', base..'lease', base..'dl', base..'stats'
 local function clock()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 local function parse(info)
-  local token, consumed, worker = string.match(info, '^(%d+)|(%d+)|(.*)$')
-  return tonumber(token), tonumber(consumed), worker
+  local token, consumed, worker, request = string.match(info, '^(%d+)|(%d+)|(.*)|([^|]*)$')
+  return tonumber(token), tonumber(consumed), worker, request
+end
+-- the data set's position (epoch, cursor, last token): read once, changed in place,
+-- written back by save
+local function position()
+  local p = redis.call('HMGET', meta, 'epoch', 'cursor', 'token')
+  return {epoch = tonumber(p[1]), cursor = tonumber(p[2]), token = tonumber(p[3])}
+end
+local function save(pos)
+  redis.call('HSET', meta, 'epoch', pos.epoch, 'cursor', pos.cursor, 'token', pos.token)
 end
 local function drop(slot, info)
   local _, consumed, worker = parse(info or redis.call('HGET', lease, slot))
@@ -35,15 +48,17 @@ local function drop(slot, info)
   redis.call('SREM', base..'w:'..worker, slot)
   return consumed, worker
 end
-local function push_front(slot, consumed)
+-- a lease given up without completing: back to the front of the queue
+local function give_back(slot)
+  local consumed, worker = drop(slot)
   redis.call('LPUSH', queue, slot)
   redis.call('HSET', qpos, slot, consumed)
+  redis.call('HINCRBY', stats, 'l:'..worker, 1)
 end
 -- status of lease (epoch, slot, token), its holder, and its lease info when held
-local function check(epoch, slot, token)
-  local current = tonumber(redis.call('HGET', meta, 'epoch'))
-  if epoch < current then return 'done', '' end
-  if epoch > current then return 'unknown', '' end
+local function check(pos, epoch, slot, token)
+  if epoch < pos.epoch then return 'done', '' end
+  if epoch > pos.epoch then return 'unknown', '' end
   local info = redis.call('HGET', lease, slot)
   if info then
     local held, _, worker = parse(info)
@@ -51,87 +66,69 @@ local function check(epoch, slot, token)
     return 'held', worker
   end
   if redis.call('HEXISTS', qpos, slot) == 1 then return 'returned', '' end
-  if slot < tonumber(redis.call('HGET', meta, 'cursor')) then return 'done', '' end
+  if slot < pos.cursor then return 'done', '' end
   return 'unknown', ''
 end
 local function finish(slot, info)
   local _, worker = drop(slot, info)
   redis.call('HINCRBY', stats, 'c:'..worker, 1)
 end
--- on a retry: the grants this request already took that it still holds (nil when the
--- worker's last grants are another request's)
-local function granted_before(worker, request)
-  local last = redis.call('HGET', req, worker)
-  if not last then return nil end
-  local id, rest = string.match(last, '^(.-)|(.*)$')
-  if id ~= request then return nil end
-  local epoch, grants = tonumber(redis.call('HGET', meta, 'epoch')), {}
-  for slot, token in string.gmatch(rest, '(%d+)|(%d+)') do
-    local info = redis.call('HGET', lease, slot)
-    if info then
-      local held, consumed = parse(info)
-      if held == tonumber(token) then grants[#grants + 1] = {'grant', epoch, tonumber(slot), consumed, held} end
-    end
+-- on a retry: the grants that this request took and the worker still holds, in order
+local function granted_before(pos, worker, request)
+  local grants = {}
+  for _, slot in ipairs(redis.call('SMEMBERS', base..'w:'..worker)) do
+    local token, consumed, _, took = parse(redis.call('HGET', lease, slot))
+    if took == request then grants[#grants + 1] = {'grant', pos.epoch, tonumber(slot), consumed, token} end
   end
+  table.sort(grants, function(a, b) return a[5] < b[5] end)
   return grants
 end
--- what a retry of this request finds (granted_before)
-local function remember(worker, request, grants)
-  local parts = {request}
-  for _, grant in ipairs(grants) do parts[#parts + 1] = grant[3]..'|'..grant[5] end
-  redis.call('HSET', req, worker, table.concat(parts, '|'))
-end
-local function acquire(worker, timeout, num_shards, num_epochs)
-  local now = clock()
+-- expired leases back to the front of the queue, the earliest deadline first
+local function reclaim(now)
   local flat = redis.call('ZRANGEBYSCORE', dl, '-inf', now, 'WITHSCORES')
-  if #flat > 0 then
-    local expired = {}
-    for i = 1, #flat, 2 do expired[#expired + 1] = {tonumber(flat[i + 1]), tonumber(flat[i])} end
-    table.sort(expired, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
-    for i = #expired, 1, -1 do
-      local slot = expired[i][2]
-      push_front(slot, (drop(slot)))
-    end
-  end
-  local position = redis.call('HMGET', meta, 'epoch', 'cursor', 'token')
-  local epoch, cursor, token = tonumber(position[1]), tonumber(position[2]), tonumber(position[3]) + 1
+  if #flat == 0 then return end
+  local expired = {}
+  for i = 1, #flat, 2 do expired[#expired + 1] = {tonumber(flat[i + 1]), tonumber(flat[i])} end
+  table.sort(expired, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
+  for i = #expired, 1, -1 do give_back(expired[i][2]) end
+end
+-- one lease for worker (after reclaim(now)); the caller saves pos after a grant
+local function acquire(pos, worker, request, timeout, num_shards, num_epochs, now)
   local slot, consumed
   local front = redis.call('LPOP', queue)
   if front then
     slot, consumed = tonumber(front), tonumber(redis.call('HGET', qpos, front))
     redis.call('HDEL', qpos, front)
-    redis.call('HSET', meta, 'token', token)
-  elseif cursor < num_shards then
-    slot, consumed = cursor, 0
-    redis.call('HSET', meta, 'cursor', cursor + 1, 'token', token)
+  elseif pos.cursor < num_shards then
+    slot, consumed, pos.cursor = pos.cursor, 0, pos.cursor + 1
   elseif redis.call('HLEN', lease) > 0 then
     local first = redis.call('ZRANGE', dl, 0, 0, 'WITHSCORES')
     return {'wait', tostring(math.max(0, tonumber(first[2]) - now))}
-  elseif num_epochs >= 0 and epoch + 1 >= num_epochs then
+  elseif num_epochs >= 0 and pos.epoch + 1 >= num_epochs then
     return {'none'}
   else
-    epoch, slot, consumed = epoch + 1, 0, 0
-    redis.call('HSET', meta, 'epoch', epoch, 'cursor', 1, 'token', token)
+    slot, consumed, pos.epoch, pos.cursor = 0, 0, pos.epoch + 1, 1
   end
-  redis.call('HSET', lease, slot, token..'|'..consumed..'|'..worker)
+  pos.token = pos.token + 1
+  redis.call('HSET', lease, slot, pos.token..'|'..consumed..'|'..worker..'|'..request)
   redis.call('ZADD', dl, now + timeout, slot)
   redis.call('SADD', base..'w:'..worker, slot)
-  if redis.call('HINCRBY', stats, 'a:'..worker, 1) == 1 then  -- a new worker: completed 0
-    redis.call('HSETNX', stats, 'c:'..worker, 0)
-  end
-  return {'grant', epoch, slot, consumed, token}
+  return {'grant', pos.epoch, slot, consumed, pos.token}
 end
 """
 
 # ARGV: worker, lease_timeout, num_shards, num_epochs (-1: endless), request id, retry (0/1)
 _ACQUIRE = """
 local worker, request = ARGV[1], ARGV[5]
+local pos = position()
 if ARGV[6] == '1' then
-  local again = granted_before(worker, request)
-  if again and again[1] then return again[1] end
+  local again = granted_before(pos, worker, request)
+  if again[1] then return again[1] end
 end
-local got = acquire(worker, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))
-if got[1] == 'grant' then remember(worker, request, {got}) end
+local now = clock()
+reclaim(now)
+local got = acquire(pos, worker, request, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), now)
+if got[1] == 'grant' then save(pos) end
 return got
 """
 
@@ -143,9 +140,10 @@ _COMPLETE_ACQUIRE = """
 local worker, count, request = ARGV[1], tonumber(ARGV[5]), ARGV[6]
 local n = (#ARGV - 7) / 3
 local reply = {n}
+local pos = position()
 if ARGV[7] == '1' then
-  local again = granted_before(worker, request)
-  if again and again[1] then
+  local again = granted_before(pos, worker, request)
+  if again[1] then
     for _ = 1, n do reply[#reply + 1] = 'ok'; reply[#reply + 1] = worker end
     for _, grant in ipairs(again) do for _, v in ipairs(grant) do reply[#reply + 1] = v end end
     return reply
@@ -154,20 +152,21 @@ end
 local accepted = true
 for i = 8, #ARGV, 3 do
   local slot = tonumber(ARGV[i + 1])
-  local status, holder, info = check(tonumber(ARGV[i]), slot, tonumber(ARGV[i + 2]))
+  local status, holder, info = check(pos, tonumber(ARGV[i]), slot, tonumber(ARGV[i + 2]))
   if status == 'ok' then finish(slot, info) else accepted = false end
   reply[#reply + 1] = status
   reply[#reply + 1] = holder
 end
 if accepted then
-  local grants = {}
+  local now, granted = clock(), false
+  reclaim(now)
   for _ = 1, count do
-    local got = acquire(worker, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))
+    local got = acquire(pos, worker, request, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), now)
     for _, v in ipairs(got) do reply[#reply + 1] = v end
     if got[1] ~= 'grant' then break end
-    grants[#grants + 1] = got
+    granted = true
   end
-  if #grants > 0 then remember(worker, request, grants) end
+  if granted then save(pos) end
 end
 return reply
 """
@@ -175,9 +174,10 @@ return reply
 _REPORT = """
 local epoch, slot, token = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local consumed, timeout = tonumber(ARGV[4]), tonumber(ARGV[5])
-local status, worker = check(epoch, slot, token)
+local status, worker, info = check(position(), epoch, slot, token)
 if status == 'ok' then
-  redis.call('HSET', lease, slot, token..'|'..consumed..'|'..worker)
+  local _, _, _, request = parse(info)
+  redis.call('HSET', lease, slot, token..'|'..consumed..'|'..worker..'|'..request)
   redis.call('ZADD', dl, clock() + timeout, slot)
 end
 return {status, worker}
@@ -185,15 +185,14 @@ return {status, worker}
 
 _COMPLETE = """
 local epoch, slot, token = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local status, worker, info = check(epoch, slot, token)
+local status, worker, info = check(position(), epoch, slot, token)
 if status == 'ok' then finish(slot, info) end
 return {status, worker}
 """
 
 _HEARTBEAT = """
 local worker, timeout = ARGV[1], tonumber(ARGV[2])
-redis.call('HSETNX', stats, 'a:'..worker, 0)
-redis.call('HSETNX', stats, 'c:'..worker, 0)
+redis.call('HSETNX', stats, 'c:'..worker, 0)  -- known from now on
 local slots = redis.call('SMEMBERS', base..'w:'..worker)
 local deadline = clock() + timeout
 for _, slot in ipairs(slots) do redis.call('ZADD', dl, 'XX', deadline, slot) end
@@ -202,11 +201,14 @@ return #slots
 
 _RELEASE = """
 local worker = ARGV[1]
-if redis.call('HEXISTS', stats, 'a:'..worker) == 0 then return -1 end
 local slots = redis.call('SMEMBERS', base..'w:'..worker)
+if #slots == 0 and redis.call('HEXISTS', stats, 'c:'..worker) == 0
+   and redis.call('HEXISTS', stats, 'l:'..worker) == 0 then
+  return -1  -- never acquired nor heartbeated
+end
 for i, slot in ipairs(slots) do slots[i] = tonumber(slot) end
 table.sort(slots)
-for i = #slots, 1, -1 do push_front(slots[i], (drop(slots[i]))) end
+for i = #slots, 1, -1 do give_back(slots[i]) end
 return #slots
 """
 
@@ -229,14 +231,14 @@ for i = 2, #leases, 2 do
   local _, _, worker = parse(leases[i])
   redis.call('DEL', base..'w:'..worker)
 end
-redis.call('DEL', queue, qpos, lease, dl, stats, req)
+redis.call('DEL', queue, qpos, lease, dl, stats)
 redis.call('HSET', meta, 'epoch', state['epoch'], 'cursor', state['cursor'])
 for _, entry in ipairs(state['queue']) do
   redis.call('RPUSH', queue, entry[1])
   redis.call('HSET', qpos, entry[1], entry[2])
 end
 for worker, counts in pairs(state['workers']) do
-  redis.call('HSET', stats, 'a:'..worker, counts[1], 'c:'..worker, counts[2])
+  redis.call('HSET', stats, 'c:'..worker, counts[2], 'l:'..worker, counts[1] - counts[2])  -- no lease held
 end
 return 1
 """

@@ -109,6 +109,8 @@ def test_expired_lease_is_reclaimed_and_late_complete_refused(backend: Backend) 
         ds.report(slow, consumed=5)
     ds.complete(taken)
     assert ds.acquire("fast") is None
+    counts = {w: (c["acquired"], c["completed"], c["leased"]) for w, c in ds.progress()["workers"].items()}
+    assert counts == {"slow": (1, 0, 0), "other": (1, 1, 0), "fast": (1, 1, 0)}  # the lost lease still counts
 
 
 def test_expired_lease_waiting_in_queue_refuses_complete(backend: Backend) -> None:
