@@ -27,7 +27,11 @@ Part 3, input: records/s of ``make_input_fn``'s pipeline (SQLite coordinator, sh
 ``tf.data.Dataset.range`` over the same shards with the same reader, interleaved. Reported:
 medians of wall-clock records/s, of records per CPU-second of the process (steadier on a
 shared machine: it counts the coordinator's and Python's work wherever it runs), and the
-best run of each (the least disturbed by other load).
+best run of each (the least disturbed by other load). Each repeat also runs both pipelines
+with tf.data's autotuning off: under the default options TF's autotuner flips each run, of
+either pipeline, between two speeds (~775k and ~1M records/s here), which a median over a
+few runs can hide or exaggerate; with it off both are steady, and the ratio shows what the
+coordinator and the counting cost.
 """
 
 from __future__ import annotations
@@ -240,28 +244,44 @@ def bench_input(args, root: Path) -> dict:
         assert count == n, count
         return n / (time.perf_counter() - start), n / (time.process_time() - cpu)
 
-    r: dict[str, list[float]] = {k: [] for k in ("plain_records_per_s", "elastic_records_per_s",
-                                                 "plain_records_per_cpu_s", "elastic_records_per_cpu_s")}
+    def options(dataset, autotune: bool):
+        if autotune:
+            return dataset
+        off = tf.data.Options()
+        off.autotune.enabled = False
+        return dataset.with_options(off)
+
+    kinds = ("plain_records_per_s", "elastic_records_per_s", "plain_records_per_cpu_s", "elastic_records_per_cpu_s")
+    settings = {"default": True, "autotune_off": False}
+    r: dict[str, dict[str, list[float]]] = {setting: {k: [] for k in kinds} for setting in settings}
     for rep in range(args.input_repeats):
-        def elastic() -> None:
-            input_fn = etf.make_input_fn(reader, coordinator=f"sqlite:///{root}/input-{rep}.db", name="train",
-                                         size=n, shard_size=shard, batch_size=batch, worker="bench")
-            wall, cpu = run(input_fn(), input_fn.positions)  # as under ShardReportHook
-            input_fn.positions.close()
-            r["elastic_records_per_s"].append(wall)
-            r["elastic_records_per_cpu_s"].append(cpu)
+        for setting, autotune in settings.items():
+            def elastic() -> None:
+                input_fn = etf.make_input_fn(reader, coordinator=f"sqlite:///{root}/input-{setting}-{rep}.db",
+                                             name="train", size=n, shard_size=shard, batch_size=batch, worker="bench")
+                wall, cpu = run(options(input_fn(), autotune), input_fn.positions)  # as under ShardReportHook
+                input_fn.positions.close()
+                r[setting]["elastic_records_per_s"].append(wall)
+                r[setting]["elastic_records_per_cpu_s"].append(cpu)
 
-        def base() -> None:
-            wall, cpu = run(plain())
-            r["plain_records_per_s"].append(wall)
-            r["plain_records_per_cpu_s"].append(cpu)
+            def base() -> None:
+                wall, cpu = run(options(plain(), autotune))
+                r[setting]["plain_records_per_s"].append(wall)
+                r[setting]["plain_records_per_cpu_s"].append(cpu)
 
-        for fn in ((base, elastic) if rep % 2 == 0 else (elastic, base)):
-            fn()
-        print(f"  input repeat {rep}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in r.items()), flush=True)
-    out = {k: median(v) for k, v in r.items()}
-    out.update({f"best_{k}": max(v) for k, v in r.items()})  # the least disturbed run of each
-    out.update(records=n, shard_size=shard, batch_size=batch, samples=r)
+            for fn in ((base, elastic) if rep % 2 == 0 else (elastic, base)):
+                fn()
+            print(f"  input repeat {rep}, {setting}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in r[setting].items()),
+                  flush=True)
+
+    def summary(runs: dict[str, list[float]]) -> dict:
+        out = {k: median(v) for k, v in runs.items()}
+        out.update({f"best_{k}": max(v) for k, v in runs.items()})  # the least disturbed run of each
+        out["samples"] = runs
+        return out
+
+    out = summary(r["default"])
+    out.update(records=n, shard_size=shard, batch_size=batch, autotune_off=summary(r["autotune_off"]))
     return out
 
 
@@ -344,6 +364,12 @@ def main() -> None:
               f"{data['best_elastic_records_per_s']:,.0f} records/s = {best:.0%}")
         ratios.update(input_elastic_over_plain=ratio, input_elastic_over_plain_cpu=cpu_ratio,
                       input_elastic_over_plain_best=best)
+        off = data["autotune_off"]
+        off_ratio = off["elastic_records_per_s"] / off["plain_records_per_s"]
+        off_cpu = off["elastic_records_per_cpu_s"] / off["plain_records_per_cpu_s"]
+        print(f"both with tf.data autotune off     plain {off['plain_records_per_s']:,.0f}, make_input_fn "
+              f"{off['elastic_records_per_s']:,.0f} records/s = {off_ratio:.0%}; per CPU-s {off_cpu:.0%}")
+        ratios.update(input_elastic_over_plain_autotune_off=off_ratio, input_elastic_over_plain_autotune_off_cpu=off_cpu)
     result = {"machine": {"python": platform.python_version(), "tensorflow": tf.__version__, "cpus": os.cpu_count(),
                           "platform": platform.platform(), "load_average_at_start": load_at_start,
                           "load_average_at_end": os.getloadavg()},
