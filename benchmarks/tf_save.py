@@ -169,7 +169,7 @@ def bench_graph(args, root: Path) -> dict:
     layers = max(1, round(args.params / (width * width)))
     graph = tf.Graph()
     with graph.as_default():
-        gs = tf.compat.v1.train.get_or_create_global_step()
+        tf.compat.v1.train.get_or_create_global_step()  # the hook reads it
         for i in range(layers):
             tf.compat.v1.get_variable(f"w{i}", [width, width], initializer=tf.compat.v1.ones_initializer(),
                                       use_resource=True)
