@@ -159,9 +159,10 @@ for i = 8, #ARGV, 3 do
 end
 if accepted then
   local now, granted = clock(), false
+  local timeout, num_shards, num_epochs = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
   reclaim(now)
   for _ = 1, count do
-    local got = acquire(pos, worker, request, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), now)
+    local got = acquire(pos, worker, request, timeout, num_shards, num_epochs, now)
     for _, v in ipairs(got) do reply[#reply + 1] = v end
     if got[1] ~= 'grant' then break end
     granted = true
