@@ -23,11 +23,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from ._errors import SharedMemoryError
 
-__all__ = ["HEADER_SIZE", "SlotState", "SlotHeader", "Slot", "RankLock", "mark_writing", "shm_free_bytes", "pid_alive"]
+__all__ = ["HEADER_SIZE", "SlotState", "SlotHeader", "Slot", "PageLocker", "RankLock", "mark_writing",
+           "shm_free_bytes", "pid_alive"]
 
 HEADER_SIZE = 4096
 _MAGIC = b"FCKSLOT1"
@@ -82,6 +83,18 @@ def _probe_populate_write() -> bool:
 
 
 _POPULATE_WRITE = _probe_populate_write()
+
+
+class PageLocker(Protocol):
+    """Page-locks host memory for an accelerator's copies (CUDA's ``cudaHostRegister``):
+    device copies to and from locked pages run by DMA at full bus speed, with no
+    staging through the driver's own buffers."""
+
+    def lock(self, buffer: Any, *, read_only: bool) -> Any:
+        """Lock the pages of ``buffer``; a handle for :meth:`unlock`, or None if they
+        could not be locked (copies then still work, slower)."""
+
+    def unlock(self, handle: Any) -> None: ...
 
 
 class SlotState(IntEnum):
@@ -151,6 +164,8 @@ class Slot:
         self._populate = populate
         self.mm: mmap.mmap | None = None
         self.capacity = 0
+        self._locker: PageLocker | None = None
+        self._lock_handle: Any = None
         self._map()
 
     @classmethod
@@ -171,6 +186,7 @@ class Slot:
 
     def _map(self) -> None:
         size = os.fstat(self._fd).st_size
+        self._unlock_pages()
         self.mm = None  # views into an old mapping keep it alive until they go
         self.capacity = size
         if size < HEADER_SIZE:
@@ -187,6 +203,22 @@ class Slot:
             except OSError as exc:
                 raise SharedMemoryError(f"shared memory in {os.path.dirname(self.path)} ran out while "
                                         f"reserving {size / 2**20:.1f} MiB for {self.path}: {exc}") from exc
+        if self._locker is not None:
+            self.lock_pages(self._locker)
+
+    def lock_pages(self, locker: PageLocker) -> None:
+        """Keep this mapping page-locked by ``locker`` (a grown slot's new mapping is
+        locked again); unlocked before it is unmapped."""
+        if self.mm is None or (self._locker is locker and self._lock_handle is not None):
+            return
+        self._unlock_pages()
+        self._locker = locker
+        self._lock_handle = locker.lock(self.mm, read_only=not self._writable)
+
+    def _unlock_pages(self) -> None:
+        if self._lock_handle is not None:
+            self._locker.unlock(self._lock_handle)
+            self._lock_handle = None
 
     def ensure_capacity(self, image_size: int) -> bool:
         """Grow the file to hold ``image_size`` bytes of image; True if it was remapped.
@@ -254,6 +286,8 @@ class Slot:
         return memoryview(self.mm)[HEADER_SIZE:HEADER_SIZE + length]
 
     def close(self) -> None:
+        self._unlock_pages()
+        self._locker = None
         self.mm = None
         if self._fd >= 0:
             os.close(self._fd)

@@ -38,6 +38,10 @@ class TensorKind(Protocol):
     def empty(self, dtype: str, shape: tuple[int, ...]) -> Any:
         """A new host tensor to load into (for entries the caller's state lacks)."""
 
+    # Optional: ``page_locker(objs) -> PageLocker | None`` -- for kinds whose tensors may
+    # live on an accelerator, what page-locks the shared memory their copies go through
+    # (see :class:`flashckpt._slot.PageLocker`).
+
 
 _kinds: list[TensorKind] = []
 _kind_by_type: dict[type, TensorKind | None] = {}

@@ -15,11 +15,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out: Any) -> None:
+def _entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out: Any, backend: str) -> None:
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         out.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
@@ -28,13 +28,13 @@ def _entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out: Any
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """``fn(rank, world, *args)`` on every rank; returns the results by rank, or raises
-    with every failing rank's traceback."""
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0, backend: str = "gloo") -> list[Any]:
+    """``fn(rank, world, *args)`` on every rank of a ``backend`` process group; returns the
+    results by rank, or raises with every failing rank's traceback."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out, backend)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
