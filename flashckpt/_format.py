@@ -9,6 +9,7 @@ can open the file and flashckpt can rebuild the nested state.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -65,20 +66,29 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def plan_image(tensors: list[tuple[str, str, tuple[int, ...]]], meta: dict[str, Any]) -> Image:
     """Lay out ``(name, dtype, shape)`` tensors and encode the header with ``meta``."""
+    entries, encoded, size = _plan_entries(tuple((name, dtype, tuple(shape)) for name, dtype, shape in tensors))
+    metadata = json.dumps({"__metadata__": {META_KEY: json.dumps(meta, separators=(",", ":"))}}, separators=(",", ":"))
+    raw = (metadata[:-1] + encoded + "}").encode() if encoded else metadata.encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)
+    return Image(struct.pack("<Q", len(raw)) + raw, entries, size, meta)
+
+
+@functools.lru_cache(maxsize=8)
+def _plan_entries(tensors: tuple[tuple[str, str, tuple[int, ...]], ...]) -> tuple[list[Entry], str, int]:
+    """The entries of ``tensors`` (largest dtypes first), their header JSON (``,"name":{...}``
+    each) and the body size. Cached: a training job saves the same layout again and again."""
     order = sorted(range(len(tensors)), key=lambda i: -DTYPE_SIZES[tensors[i][1]])
     entries: list[Entry] = []
     offset = 0
     for i in order:
         name, dtype, shape = tensors[i]
         nbytes = _numel(shape) * DTYPE_SIZES[dtype]
-        entries.append(Entry(name, dtype, tuple(shape), offset, nbytes))
+        entries.append(Entry(name, dtype, shape, offset, nbytes))
         offset += nbytes
-    header: dict[str, Any] = {"__metadata__": {META_KEY: json.dumps(meta, separators=(",", ":"))}}
-    for e in entries:
-        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.offset, e.offset + e.nbytes]}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % ALIGN)
-    return Image(struct.pack("<Q", len(raw)) + raw, entries, offset, meta)
+    encoded = "".join("," + json.dumps({e.name: {"dtype": e.dtype, "shape": list(e.shape),
+                                                  "data_offsets": [e.offset, e.offset + e.nbytes]}},
+                                       separators=(",", ":"))[1:-1] for e in entries)
+    return entries, encoded, offset
 
 
 def parse_header(buf: bytes | memoryview, where: str, total_size: int | None = None) -> Image:

@@ -36,7 +36,7 @@ import torch
 
 from .. import _events
 from .._base import EngineCheckpointer
-from .._engine import Engine, LoadInfo, Options, place
+from .._engine import Engine, LoadInfo, Options, gc_paused, place
 from .._errors import CheckpointError, StateMismatchError
 from .._reshard import LAYOUT_KEY, Piece, RangeReader, path_key, read_header, read_layout, read_sources
 from .._tree import merge_into
@@ -81,6 +81,13 @@ class _Target:
     """Layout key -> the local tensor that holds (or receives) this rank's piece."""
 
 
+@functools.lru_cache(maxsize=4096)
+def _local_shape_and_offset(shape: tuple[int, ...], mesh: Any, placements: tuple) -> tuple[tuple, tuple]:
+    """This rank's piece of a DTensor of ``shape`` (the same for every save of a model)."""
+    lengths, offsets = _api().local_shape_and_offset(shape, mesh, placements)
+    return tuple(lengths), tuple(offsets)
+
+
 def _local_piece(value: Any, key: str) -> tuple[torch.Tensor, dict[str, Any]]:
     """The local tensor of a (possibly sharded) tensor and its layout record."""
     api = _api()
@@ -89,7 +96,7 @@ def _local_piece(value: Any, key: str) -> tuple[torch.Tensor, dict[str, Any]]:
             if type(p) not in (api.Shard, api.Replicate):
                 raise CheckpointError(f"{key}: placement {p} is not supported (only Shard and Replicate)")
         local = value.to_local()
-        lengths, offsets = api.local_shape_and_offset(value.shape, value.device_mesh, value.placements)
+        lengths, offsets = _local_shape_and_offset(tuple(value.shape), value.device_mesh, tuple(value.placements))
         if tuple(local.shape) != tuple(lengths):
             raise CheckpointError(f"{key}: local shard has shape {list(local.shape)}, its placements "
                                   f"{value.placements} imply {list(lengths)}; this layout cannot be described")
@@ -156,6 +163,10 @@ class FsdpCheckpointer(EngineCheckpointer):
         no state yet (a step with zero gradients: Adam's step count becomes 1); unless the
         state is about to be filled (``filling``), that is undone and the optimizer is
         recorded as fresh, so saving before the first step changes no training."""
+        with torch.no_grad():  # DTensor.to_local is then a plain attribute read
+            return self._collect_state(model, optimizer, extra, filling)
+
+    def _collect_state(self, model: torch.nn.Module, optimizer: Any, extra: Any, filling: bool) -> _Target:
         api = _api()
         fresh = False
         if optimizer is None:
@@ -199,8 +210,9 @@ class FsdpCheckpointer(EngineCheckpointer):
         shared memory; persist them if due (or if ``persist``). Every rank calls this
         for the same step: flashckpt adds no communication, but FSDP1's sharded state
         dict is itself collective (FSDP2's is not)."""
-        target = self._collect(model, optimizer, extra)
-        self._engine.save(step, target.tree, persist=persist)
+        with gc_paused():
+            target = self._collect(model, optimizer, extra)
+            self._engine.save(step, target.tree, persist=persist)
 
     # -- load -----------------------------------------------------------------------
 
