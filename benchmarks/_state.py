@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SPECS", "ShmFloor", "StateSpec", "build_state", "copy_into", "fingerprint", "nbytes", "tensors"]
+__all__ = ["SPECS", "PinnedFloor", "ShmFloor", "StateSpec", "build_state", "copy_into", "fingerprint", "nbytes", "tensors"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,6 +183,27 @@ class ShmFloor:
         os.close(self._fd)
         if unlink:
             self.path.unlink()
+
+
+class PinnedFloor:
+    """The GPU floor: one page-locked host buffer with a view per tensor; copies are
+    queued without waiting and waited for once."""
+
+    def __init__(self, like: list[torch.Tensor]) -> None:
+        offsets, size = _layout(like)
+        self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self._views = [self._buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                       for t, o in zip(like, offsets, strict=True)]
+
+    def save(self, ts: list[torch.Tensor]) -> None:
+        for view, t in zip(self._views, ts):
+            view.copy_(t, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+
+    def load(self, ts: list[torch.Tensor]) -> None:
+        for view, t in zip(self._views, ts):
+            t.copy_(view, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
 
 
 def _layout(like: list[torch.Tensor]) -> tuple[list[int], int]:

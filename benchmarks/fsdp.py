@@ -2,6 +2,11 @@
 torch.distributed.checkpoint (DCP) on the same model, 2 gloo ranks on CPU.
 
     python benchmarks/fsdp.py [--params-m 48] [--repeats 3] [--dir DIR] [--json results/fsdp.json]
+                              [--device cuda]
+
+``--device cuda``: the model lives on the one GPU of a 1-rank job (NCCL for FSDP's
+collectives); the floor copies into page-locked host memory, and the resharded loads
+are left out (they need 2 ranks, and they read storage on any device).
 
 The model is a stack of square Linear layers (hidden 2048, one ``fully_shard`` each)
 with AdamW state after one step: parameters + two moments, fp32. A 1-rank job first
@@ -47,16 +52,16 @@ from tests.checkpoint._dist import run_ranks  # noqa: E402
 HIDDEN = 2048
 
 
-def build(layers: int):
+def build(layers: int, device: str = "cpu"):
     import torch
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(layers)]).to(device)
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(4, HIDDEN)
+    x = torch.randn(4, HIDDEN, device=device)
     model(x).square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -108,19 +113,22 @@ def save_sources(rank: int, world: int, root: str, layers: int) -> None:
     dcp.save(sharded_state(model, opt), checkpoint_id=os.path.join(root, "dcp-w1"))
 
 
-def measure(rank: int, world: int, root: str, layers: int, repeats: int) -> dict:
+def measure(rank: int, world: int, root: str, layers: int, repeats: int, device: str) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from _state import ShmFloor
+    from _state import PinnedFloor, ShmFloor
     from flashckpt.torch import FsdpCheckpointer
 
-    model, opt = build(layers)
+    model, opt = build(layers, device)
     local = local_tensors(sharded_state(model, opt))
     state_bytes = sum(t.numel() * t.element_size() for t in local)
     job = f"bf{hashlib.sha1(root.encode()).hexdigest()[:8]}"  # the same on every rank
     async_group = dist.new_group(backend="gloo")  # async_save's collectives run off the training thread
-    floor = ShmFloor(Path(f"/dev/shm/flashckpt-bench-floor.{job}.{rank}"), local, create=True)
+    if device == "cuda":
+        floor = PinnedFloor(local)
+    else:
+        floor = ShmFloor(Path(f"/dev/shm/flashckpt-bench-floor.{job}.{rank}"), local, create=True)
     ck = FsdpCheckpointer(os.path.join(root, "flash-w2"), job_id=job, persist_every=1000)
     step = 1
     ck.save(step, model, opt, persist=False)  # warm-up: slots allocated and touched
@@ -132,6 +140,8 @@ def measure(rank: int, world: int, root: str, layers: int, repeats: int) -> dict
         if before is not None:
             before()
         dist.barrier()
+        if device == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
         seconds = time.perf_counter() - start
@@ -202,6 +212,8 @@ def measure(rank: int, world: int, root: str, layers: int, repeats: int) -> dict
         ("dcp load", dcp_load, lambda: drop_cache(dcp_dir)),
         ("dcp resharded load 1->2", dcp_reshard, lambda: drop_cache(os.path.join(root, "dcp-w1"))),
     ]
+    if world == 1:
+        methods = [m for m in methods if "resharded" not in m[0]]
     flash_durable()  # every load below has something committed to read
     dcp_save()
     for r in range(repeats):
@@ -219,7 +231,8 @@ def measure(rank: int, world: int, root: str, layers: int, repeats: int) -> dict
             while closing:
                 closing.pop().close()
     ck.close()
-    floor.close(unlink=True)
+    if device != "cuda":
+        floor.close(unlink=True)
     total = [None] * world
     dist.all_gather_object(total, state_bytes)
     return {"samples": samples, "state_bytes_per_rank": total, "torch": torch.__version__}
@@ -231,12 +244,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir under /tmp)")
     parser.add_argument("--json", default=str(REPO / "results" / "fsdp.json"))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     layers = max(1, round(args.params_m * 1e6 / (HIDDEN * HIDDEN + HIDDEN)))
     root = tempfile.mkdtemp(prefix="flashckpt-fsdp-bench-", dir=args.dir)
+    world, backend = (1, "cpu:gloo,cuda:nccl") if args.device == "cuda" else (2, "gloo")
     try:
-        run_ranks(save_sources, 1, root, layers, timeout=3600)
-        result = run_ranks(measure, 2, root, layers, args.repeats, timeout=3600)[0]
+        if world > 1:
+            run_ranks(save_sources, 1, root, layers, timeout=3600)
+        result = run_ranks(measure, world, root, layers, args.repeats, args.device, timeout=3600,
+                           backend=backend)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {name: statistics.median(v) for name, v in result["samples"].items()}
@@ -247,11 +264,13 @@ def main() -> None:
         "flashckpt load from memory / floor load": med["flashckpt load from memory"] / med["floor load"],
         "dcp load / flashckpt load from memory": med["dcp load"] / med["flashckpt load from memory"],
         "dcp load / flashckpt load from storage": med["dcp load"] / med["flashckpt load from storage"],
-        "dcp resharded load / flashckpt resharded load": med["dcp resharded load 1->2"]
-        / med["flashckpt resharded load 1->2"],
     }
+    if world > 1:
+        ratios["dcp resharded load / flashckpt resharded load"] = (med["dcp resharded load 1->2"]
+                                                                   / med["flashckpt resharded load 1->2"])
     total_bytes = sum(result["state_bytes_per_rank"])
-    print(f"FSDP2, 2 gloo ranks on CPU, {layers} x Linear({HIDDEN}, {HIDDEN}) + AdamW: "
+    where = f"1 rank on {args.device}" if world == 1 else "2 gloo ranks on CPU"
+    print(f"FSDP2, {where}, {layers} x Linear({HIDDEN}, {HIDDEN}) + AdamW: "
           f"{total_bytes / 2**20:.0f} MiB of state ({result['state_bytes_per_rank'][0] / 2**20:.0f} MiB a rank); "
           f"median of {args.repeats}, slowest rank")
     width = max(len(n) for n in med)
@@ -261,7 +280,7 @@ def main() -> None:
     print("ratios:")
     for name, value in ratios.items():
         print(f"  {name:<52} {value:6.2f}x")
-    out = {"benchmark": "fsdp", "world_size": 2, "layers": layers, "hidden": HIDDEN,
+    out = {"benchmark": "fsdp", "world_size": world, "device": args.device, "layers": layers, "hidden": HIDDEN,
            "state_bytes": total_bytes, "repeats": args.repeats, "median_seconds": med,
            "samples_seconds": result["samples"], "ratios": ratios, "torch": result["torch"],
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
