@@ -88,6 +88,28 @@ def _local_shape_and_offset(shape: tuple[int, ...], mesh: Any, placements: tuple
     return tuple(lengths), tuple(offsets)
 
 
+@dataclass(slots=True)
+class _SaveCache:
+    """What the next save of the same FSDP2 model reuses: its state-dict tensors are the
+    live parameters and optimizer states, so while those are the same tensors only the
+    plain values (param groups' hyper-parameters, ``extra``) are read again."""
+
+    key: tuple
+    target: _Target
+    pointers: tuple[int, ...]
+    group_params: list[list[str]]
+    """Each param group's parameter names, as ``get_state_dict`` gave them."""
+
+
+def _live_key(model: torch.nn.Module, optimizer: Any) -> tuple:
+    """Identities of the tensors a state dict of ``model`` and ``optimizer`` is made of."""
+    key = (id(model), tuple(map(id, model.parameters())), tuple(map(id, model.buffers())))
+    if optimizer is None:
+        return key
+    state = tuple((id(p), tuple((k, id(v)) for k, v in st.items())) for p, st in optimizer.state.items())
+    return key + (id(optimizer), len(optimizer.param_groups), state)
+
+
 def _local_piece(value: Any, key: str) -> tuple[torch.Tensor, dict[str, Any]]:
     """The local tensor of a (possibly sharded) tensor and its layout record."""
     api = _api()
@@ -155,6 +177,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         self._engine = Engine(os.fspath(directory), options, place(collective, replicated=False), collective)
         self.extra: Any = None
         """What ``extra`` held at the step the last ``load`` restored (None before)."""
+        self._save_cache: _SaveCache | None = None
 
     # -- state ----------------------------------------------------------------------
 
@@ -211,8 +234,42 @@ class FsdpCheckpointer(EngineCheckpointer):
         for the same step: flashckpt adds no communication, but FSDP1's sharded state
         dict is itself collective (FSDP2's is not)."""
         with gc_paused():
-            target = self._collect(model, optimizer, extra)
+            target = self._reuse(model, optimizer, extra)
+            if target is None:
+                target = self._collect(model, optimizer, extra)
+                self._remember(model, optimizer, target)
             self._engine.save(step, target.tree, persist=persist)
+
+    def _reuse(self, model: torch.nn.Module, optimizer: Any, extra: Any) -> _Target | None:
+        """The previous save's target with fresh plain values, if its tensors are still the
+        live ones (``get_state_dict`` costs more than the rest of a save's bookkeeping)."""
+        cache = self._save_cache
+        if cache is None or cache.key != _live_key(model, optimizer):
+            return None
+        if tuple(t.data_ptr() for t in cache.target.locals.values()) != cache.pointers:
+            return None
+        tree = cache.target.tree
+        if optimizer is not None:
+            tree["optim"]["param_groups"] = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
+                                             for group, names in zip(optimizer.param_groups, cache.group_params)]
+        tree["extra"] = extra
+        return cache.target
+
+    def _remember(self, model: torch.nn.Module, optimizer: Any, target: _Target) -> None:
+        """Keep ``target`` for :meth:`_reuse` when every tensor of it is live (FSDP2) and the
+        optimizer's state holds nothing but tensors (FSDP1's state dicts are copies)."""
+        self._save_cache = None
+        optim = target.tree.get("optim")
+        if target.layout["optimizer"] == FRESH or not self._aliased(model, optimizer, target):
+            return
+        if not all(isinstance(v, torch.Tensor) for v in target.tree["model"].values()):
+            return
+        if optim is not None and not all(isinstance(v, torch.Tensor) for st in optim["state"].values()
+                                         for v in st.values()):
+            return
+        groups = [list(g["params"]) for g in optim["param_groups"]] if optim is not None else []
+        self._save_cache = _SaveCache(_live_key(model, optimizer), target,
+                                      tuple(t.data_ptr() for t in target.locals.values()), groups)
 
     # -- load -----------------------------------------------------------------------
 
@@ -225,6 +282,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         world size or mesh it is resharded from storage.
         """
         start = time.perf_counter()
+        self._save_cache = None
         eng = self._engine
         coll = eng.collective
         eng.wait()  # a crash flush of the previous run commits first

@@ -125,6 +125,32 @@ def fresh_optimizer(rank: int, root: str, job: str) -> None:
         assert [train_step(other, other_opt, rank, step) for step in (1, 2)] == expected
 
 
+def repeated_saves(rank: int, root: str, job: str) -> None:
+    """Every save reads the live state: more training, a scheduler's new learning rate,
+    then a new optimizer (new state tensors) with no load between the saves."""
+    from flashckpt.torch import FsdpCheckpointer
+    model, opt = make(0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with FsdpCheckpointer(os.path.join(root, "repeated"), job_id=f"{job}r") as ck:
+        for step in range(1, 4):
+            train_step(model, opt, rank, step)
+            sched.step()
+            ck.save(step, model, opt, extra={"step": step})
+        at3 = local_state(model, opt)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.2)
+        train_step(model, opt, rank, 4)
+        ck.save(4, model, opt, extra={"step": 4})
+        at4 = local_state(model, opt)
+
+        other, other_opt = make(5)
+        assert ck.load(other, other_opt, step=3) == 3 and ck.extra == {"step": 3}
+        assert_equal_states(local_state(other, other_opt), at3, "step 3: ")
+        assert other_opt.param_groups[0]["lr"] == 0.01 * 0.5 ** 3
+        assert ck.load(other, other_opt) == 4 and ck.extra == {"step": 4}
+        assert_equal_states(local_state(other, other_opt), at4, "step 4, new optimizer: ")
+        assert other_opt.param_groups[0]["lr"] == 0.2
+
+
 def bad_input(rank: int, root: str, job: str) -> None:
     from flashckpt import StateMismatchError
     from flashckpt.torch import FsdpCheckpointer
@@ -221,7 +247,7 @@ def damaged(rank: int, world: int, root: str, job: str, name: str) -> None:
 
 
 OPS = {"round_trip": round_trip, "model_only": model_only, "fresh_optimizer": fresh_optimizer,
-       "bad_input": bad_input}
+       "repeated_saves": repeated_saves, "bad_input": bad_input}
 WORLD_OPS = {"save": save, "load": load, "mismatch": mismatch, "damaged": damaged}
 
 
