@@ -15,7 +15,9 @@ resharded loads (1 -> 2 ranks). Then, on 2 ranks, each repeat runs every method 
 (in a rotated order) and the table shows medians over repeats of the slowest rank:
 
 - floor: one ``copy_`` of every local tensor into an already-touched /dev/shm file
-  (the least any save to memory must do); its reverse is the load floor.
+  (the least any save to memory must do); its reverse is the load floor. Floor and
+  steady flashckpt saves alternate, 5 pairs back to back per repeat (as in a training
+  loop), so the medians are over 5 x repeats samples.
 - flashckpt save (blocking, persist=False, steady state), save + wait (durable), load
   from memory (in place), load from storage (a new job: nothing in memory; checksums
   verified), resharded load (1 -> 2 ranks, ranged reads).
@@ -50,6 +52,9 @@ sys.path[:0] = [str(HERE), str(REPO)]
 from tests.checkpoint._dist import run_ranks  # noqa: E402
 
 HIDDEN = 2048
+STEADY_SAVES = 5
+"""Saves (and floor copies) per repeat: a repeat's other methods write gigabytes to disk,
+whose writeback a lone save right after them would also measure."""
 
 
 def build(layers: int, device: str = "cpu"):
@@ -199,9 +204,8 @@ def measure(rank: int, world: int, root: str, layers: int, repeats: int, device:
         dcp.load(sharded_state(model, opt), checkpoint_id=os.path.join(root, "dcp-w1"))
 
     methods = [
-        ("floor save", lambda: floor.save(local), None),
+        ("steady saves", None, None),  # STEADY_SAVES pairs of the two below, back to back
         ("floor load", lambda: floor.load(local), None),
-        ("flashckpt save (blocking)", flash_save, None),
         ("flashckpt save + wait (durable)", flash_durable, None),
         ("flashckpt load from memory", lambda: ck.load(model, opt), None),
         ("flashckpt load from storage", flash_storage, lambda: open_other(os.path.join(root, "flash-w2"), "s")),
@@ -225,7 +229,13 @@ def measure(rank: int, world: int, root: str, layers: int, repeats: int, device:
         for name, fn, before in order:
             if name.startswith("flashckpt load from memory"):
                 flash_save()  # the newest step is in memory
-            timed(name, fn, before)
+            if name == "steady saves":  # as in a training loop: save after save, alternating with the floor
+                for _ in range(STEADY_SAVES):
+                    timed("floor save", lambda: floor.save(local))
+                    timed("flashckpt save (blocking)", flash_save)
+                name = "flashckpt save (blocking)"
+            else:
+                timed(name, fn, before)
             if rank == 0:
                 print(f"[fsdp bench] repeat {r}: {name} {samples[name][-1]:.3f}s", file=sys.stderr, flush=True)
             while closing:
@@ -272,7 +282,7 @@ def main() -> None:
     where = f"1 rank on {args.device}" if world == 1 else "2 gloo ranks on CPU"
     print(f"FSDP2, {where}, {layers} x Linear({HIDDEN}, {HIDDEN}) + AdamW: "
           f"{total_bytes / 2**20:.0f} MiB of state ({result['state_bytes_per_rank'][0] / 2**20:.0f} MiB a rank); "
-          f"median of {args.repeats}, slowest rank")
+          f"median of {args.repeats} repeats (steady saves: {STEADY_SAVES} a repeat), slowest rank")
     width = max(len(n) for n in med)
     for name, seconds in med.items():
         samples = ", ".join(f"{s:.3f}" for s in result["samples"][name])
