@@ -31,7 +31,7 @@ from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotStat
 from ._storage import LocalStorage
 from ._tree import Flat, Merge, TensorKind, flatten, kind_named, merge_into
 
-__all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SingleProcess", "place"]
+__all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SingleProcess", "gc_paused", "place"]
 
 log = logging.getLogger("flashckpt")
 
