@@ -57,16 +57,26 @@ class SQLiteStore:
     def _connection(self) -> sqlite3.Connection:
         if self._db is not None and self._pid == os.getpid():
             return self._db
+        flock_fd = -1
         try:
-            db = sqlite3.connect(self._path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            for statement in _SCHEMA:
-                db.execute(statement)
-            self._flock_fd = os.open(self._path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            flock_fd = os.open(self._path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            # one process at a time switches to WAL and creates the schema: SQLite answers a
+            # journal-mode change that meets another "database is locked" at once, with no wait
+            fcntl.flock(flock_fd, fcntl.LOCK_EX)
+            try:
+                db = sqlite3.connect(self._path, timeout=self._busy_timeout, isolation_level=None,
+                                     check_same_thread=False)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                for statement in _SCHEMA:
+                    db.execute(statement)
+            finally:
+                fcntl.flock(flock_fd, fcntl.LOCK_UN)
         except (sqlite3.Error, OSError) as exc:
+            if flock_fd >= 0:
+                os.close(flock_fd)
             raise CoordinatorError(f"cannot open {self._url}: {exc}") from exc
-        self._db, self._pid = db, os.getpid()
+        self._db, self._pid, self._flock_fd = db, os.getpid(), flock_fd
         return db
 
     def _transact(self, name: str, change: Callable[[LeaseTable, float], T], *, write: bool = True) -> T:
