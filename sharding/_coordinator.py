@@ -163,10 +163,7 @@ class Dataset:
         return Ask(worker, d.lease_timeout, d.num_shards, d.num_epochs, count)
 
     def _store_acquire(self, worker: str) -> Grant | Wait | None:
-        d = self.definition
-        return self._store.acquire(
-            self.name, worker, lease_timeout=d.lease_timeout, num_shards=d.num_shards, num_epochs=d.num_epochs
-        )
+        return self._store.complete_and_acquire(self.name, done=(), ask=self._ask(worker, 1))[1][0]
 
     def _settle(self, got: Grant | Wait | None, worker: str, timeout: float | None, began: float) -> Shard | None:
         """The shard of a store's acquire answer, waiting and asking again while told to."""

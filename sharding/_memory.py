@@ -44,14 +44,6 @@ class MemoryStore:
                 self._tables[name] = LeaseTable()
             return self._definitions.get(name)
 
-    def acquire(
-        self, name: str, worker: str, *, lease_timeout: float, num_shards: int, num_epochs: int | None
-    ) -> Grant | Wait | None:
-        with self._lock:
-            return self._tables[name].acquire(
-                worker, time.time(), lease_timeout=lease_timeout, num_shards=num_shards, num_epochs=num_epochs
-            )
-
     def report(
         self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float
     ) -> tuple[Status, str | None]:

@@ -39,7 +39,7 @@ __all__ = ["RedisStore"]
 log = logging.getLogger(__name__)
 
 _STATUS = {status.value.encode(): status for status in Status}
-_RETRY = (b"$1\r\n0\r\n", b"$1\r\n1\r\n")  # the last argument of acquire: is this a retry
+_RETRY = (b"$1\r\n0\r\n", b"$1\r\n1\r\n")  # complete_acquire's retry argument: is this a retry
 _PING = b"*1\r\n$4\r\nPING\r\n"
 
 
@@ -182,15 +182,6 @@ class RedisStore:
     def define(self, name: str, definition: str | None) -> str | None:
         stored = self._run("define", self._base(name), definition or "")
         return None if stored is None else stored.decode()
-
-    def acquire(
-        self, name: str, worker: str, *, lease_timeout: float, num_shards: int, num_epochs: int | None
-    ) -> Grant | Wait | None:
-        head = self._head(
-            "acquire", self._base(name), 6, worker, repr(lease_timeout), num_shards, -1 if num_epochs is None else num_epochs
-        )
-        request = _bulk(self._request_id())
-        return _granted(self._call(lambda retry: head + request + _RETRY[retry], "acquire"))
 
     def complete_and_acquire(
         self, name: str, *, done: Sequence[Lease], ask: Ask

@@ -117,22 +117,7 @@ local function acquire(pos, worker, request, timeout, num_shards, num_epochs, no
 end
 """
 
-# ARGV: worker, lease_timeout, num_shards, num_epochs (-1: endless), request id, retry (0/1)
-_ACQUIRE = """
-local worker, request = ARGV[1], ARGV[5]
-local pos = position()
-if ARGV[6] == '1' then
-  local again = granted_before(pos, worker, request)
-  if again[1] then return again[1] end
-end
-local now = clock()
-reclaim(now)
-local got = acquire(pos, worker, request, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), now)
-if got[1] == 'grant' then save(pos) end
-return got
-"""
-
-# ARGV: worker, lease_timeout, num_shards, num_epochs, count, request id, retry, then
+# ARGV: worker, lease_timeout, num_shards, num_epochs (-1: endless), count, request id, retry (0/1), then
 # epoch, slot, token of each lease to complete. Completes them in order; only if every
 # one succeeds, acquires for the worker up to count times (stopping after an answer that
 # is not a grant). Reply: {n, status, holder (n times), the acquires' replies...}
@@ -279,7 +264,6 @@ SCRIPTS: dict[str, str] = {
     **{
         op: _PRELUDE + body
         for op, body in {
-            "acquire": _ACQUIRE,
             "complete_acquire": _COMPLETE_ACQUIRE,
             "report": _REPORT,
             "complete": _COMPLETE,

@@ -135,16 +135,6 @@ class SQLiteStore:
                 raise CoordinatorError(f"{self._url}: {exc}") from exc
             return None if row is None else str(row[0])
 
-    def acquire(
-        self, name: str, worker: str, *, lease_timeout: float, num_shards: int, num_epochs: int | None
-    ) -> Grant | Wait | None:
-        return self._transact(
-            name,
-            lambda t, now: t.acquire(
-                worker, now, lease_timeout=lease_timeout, num_shards=num_shards, num_epochs=num_epochs
-            ),
-        )
-
     def report(
         self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float
     ) -> tuple[Status, str | None]:

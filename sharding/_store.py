@@ -73,19 +73,16 @@ class Store(Protocol):
     def define(self, name: str, definition: str | None) -> str | None:
         """Store ``definition`` if ``name`` is new; return the stored one (None if absent)."""
 
-    def acquire(
-        self, name: str, worker: str, *, lease_timeout: float, num_shards: int, num_epochs: int | None
-    ) -> Grant | Wait | None:
-        """Reclaim expired leases to the queue front, then lease the queue front or the next
-        slot, advancing the epoch when the last one is done. None when all epochs are done."""
-
     def complete_and_acquire(
         self, name: str, *, done: Sequence[Lease], ask: Ask
     ) -> tuple[list[tuple[Status, str | None]], list[Grant | Wait | None]]:
         """:meth:`complete` each lease of ``done`` in order, then, only if every one gave
-        OK, :meth:`acquire` as ``ask`` says up to ``ask.count`` times, stopping after the
-        first answer that is not a grant; one atomic operation. Returns each completion's
-        (status, holder) and the acquires' answers (none when a completion was refused)."""
+        OK, acquire for ``ask.worker`` up to ``ask.count`` times, stopping after the first
+        answer that is not a grant; one atomic operation (``done=()``: an acquire alone).
+        An acquire reclaims expired leases to the queue front, then leases the queue front
+        or the next slot, advancing the epoch when the last one is done; its answer is None
+        when all epochs are done. Returns each completion's (status, holder) and the
+        acquires' answers (none when a completion was refused)."""
 
     def report(
         self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float
