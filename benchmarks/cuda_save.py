@@ -85,11 +85,14 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+from flashckpt.torch._tensors import TorchKind  # noqa: E402
+
+_PAGE_LOCKER = TorchKind.page_locker
+
+
 def page_locking(enabled: bool) -> None:
     """Turn flashckpt's page-locking of slots for GPU copies on or off (for comparison)."""
-    from flashckpt.torch._tensors import TorchKind, _CUDA_PAGES
-    TorchKind.page_locker = ((lambda self, objs: _CUDA_PAGES if any(t.is_cuda for t in objs) else None)
-                             if enabled else (lambda self, objs: None))
+    TorchKind.page_locker = _PAGE_LOCKER if enabled else (lambda self, objs: None)
 
 
 def child_load(argv: list[str]) -> None:
