@@ -49,6 +49,7 @@ class Definition:
     #: seconds a lease lives without a heartbeat or report
     lease_timeout: float = 60.0
     _first_shard: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    _num_shards: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if (self.size is None) == (self.files is None):
@@ -69,6 +70,7 @@ class Definition:
         object.__setattr__(self, "lease_timeout", float(self.lease_timeout))
         if self.size is not None:
             _whole("size", self.size, minimum=1)
+            object.__setattr__(self, "_num_shards", -(-self.size // self.shard_size))
             return
         files = tuple(self._checked_file(entry) for entry in self.files or ())
         if not files or sum(n for _, n in files) == 0:
@@ -79,6 +81,7 @@ class Definition:
             first.append(total)
             total += -(-records // self.shard_size)
         object.__setattr__(self, "_first_shard", tuple(first))
+        object.__setattr__(self, "_num_shards", total)
 
     @staticmethod
     def _checked_file(entry: Any) -> tuple[str, int]:
@@ -93,14 +96,11 @@ class Definition:
     @property
     def num_shards(self) -> int:
         """Shards per epoch."""
-        if self.size is not None:
-            return -(-self.size // self.shard_size)
-        assert self.files is not None
-        return self._first_shard[-1] + -(-self.files[-1][1] // self.shard_size)
+        return self._num_shards
 
     def bounds(self, index: int) -> tuple[str | None, int, int]:
         """``(file, start, end)`` of shard ``index``; ``file`` is None for index ranges."""
-        if not 0 <= index < self.num_shards:
+        if not 0 <= index < self._num_shards:
             raise InvalidArgument(f"shard index {index} outside 0..{self.num_shards - 1}")
         if self.size is not None:
             start = index * self.shard_size

@@ -2,11 +2,11 @@
 
 Every operation is one Lua script (``_redis_scripts``), so it is atomic on the server.
 
-Client side, each process keeps one connection (shared by its threads under a lock) and
-sends ``EVALSHA`` commands it packs itself from cached byte prefixes, then reads the reply:
-no connection pool, no per-call script lookup, one ``sendall`` and one reply per
-operation. A ``NOSCRIPT`` reply (a restarted or flushed server) loads the script and
-resends.
+Client side, each process keeps one connection (``_resp.Connection``, shared by its
+threads under a lock; a forked child opens its own) and sends ``EVALSHA`` commands it
+packs itself from cached byte prefixes, then reads the reply: no connection pool, no
+per-call script lookup, one ``send`` and one ``recv`` system call per operation. A
+``NOSCRIPT`` reply (a restarted or flushed server) loads the script and resends.
 
 Durability is Redis's: with AOF and ``appendfsync always`` an acknowledged operation
 survives a server restart. Calls that fail on connection errors are retried with
@@ -21,6 +21,7 @@ retried ``publish`` is not appended twice.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import json
 import logging
@@ -28,10 +29,12 @@ import os
 import random
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 from ._errors import CoordinatorError, CoordinatorUnavailable
 from ._redis_scripts import SCRIPTS
+from ._resp import Connection, ReplyError, bulk as _bulk, command
 from ._store import Ask, Event, Grant, Lease, Status, Wait
 
 __all__ = ["RedisStore"]
@@ -40,18 +43,9 @@ log = logging.getLogger(__name__)
 
 _STATUS = {status.value.encode(): status for status in Status}
 _RETRY = (b"$1\r\n0\r\n", b"$1\r\n1\r\n")  # complete_acquire's retry argument: is this a retry
-_PING = b"*1\r\n$4\r\nPING\r\n"
-
-
-def _bulk(value: Any) -> bytes:
-    """One RESP bulk string."""
-    data = value if isinstance(value, bytes) else str(value).encode()
-    return b"$%d\r\n%s\r\n" % (len(data), data)
-
-
-def _command(*args: Any) -> bytes:
-    """A whole RESP command."""
-    return b"*%d\r\n" % len(args) + b"".join(_bulk(a) for a in args)
+_PING = command(b"PING")
+#: error replies that mean the password is wrong or missing
+_AUTH_ERRORS = ("NOAUTH", "WRONGPASS", "ERR invalid password", "ERR AUTH", "ERR Client sent AUTH")
 
 
 class RedisStore:
@@ -69,89 +63,79 @@ class RedisStore:
         retry_seconds: float,
         socket_timeout: float,
     ) -> None:
-        # imported here: `import sharding` must not need redis
-        from redis import exceptions as errors
-        from redis.backoff import NoBackoff
-        from redis.connection import Connection
-        from redis.retry import Retry
-
-        self._errors = errors
-        self._retryable = (errors.ConnectionError, errors.TimeoutError)  # BusyLoadingError is one
+        if importlib.util.find_spec("hiredis") is None:  # the parser of _resp.Connection
+            raise CoordinatorError(f"{url} needs the hiredis package: pip install 'flashckpt[redis]'")
         self._url, self._prefix, self._retry_seconds = url, key_prefix, retry_seconds
-        self._connection_args: dict[str, Any] = dict(
-            host=host,
-            port=port,
-            db=db,
-            password=password,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=socket_timeout,
-            retry=Retry(NoBackoff(), 0),  # retries are ours, with backoff and a budget
-        )
-        self._new_connection = Connection
+        self._address: dict[str, Any] = dict(host=host, port=port, password=password, db=db, timeout=socket_timeout)
         self._lock = threading.Lock()
-        self._connection: Any = None
-        self._pid = -1
+        self._connection: Connection | None = None
         self._sha = {op: hashlib.sha1(source.encode()).hexdigest().encode() for op, source in SCRIPTS.items()}
         self._heads: dict[tuple[Any, ...], bytes] = {}
+        self._acquire_heads: dict[tuple[str, Ask, int], bytes] = {}
         self._requests = itertools.count()
         self._instance = os.urandom(6).hex()
+        self._request_prefix = self._new_request_prefix()
+        _STORES.add(self)
         try:
             self._roundtrip(_PING, None)
-        except errors.AuthenticationError as exc:
-            raise CoordinatorError(f"cannot use {url}: authentication failed: {exc}") from exc
-        except errors.RedisError as exc:
+        except ReplyError as exc:
+            if str(exc).startswith(_AUTH_ERRORS):
+                raise CoordinatorError(f"cannot use {url}: authentication failed: {exc}") from exc
+            raise CoordinatorError(f"cannot use {url}: {exc}") from exc
+        except OSError as exc:
             raise CoordinatorUnavailable(f"cannot reach {url}: {exc}") from exc
 
     # -- transport -----------------------------------------------------------------------
 
     def _roundtrip(self, packed: bytes, op: str | None) -> Any:
         """Send one packed command and read its reply; load script ``op`` on NOSCRIPT."""
-        errors = self._errors
         with self._lock:
-            if self._connection is None or self._pid != os.getpid():  # first use, or forked
-                self._connection, self._pid = self._new_connection(**self._connection_args), os.getpid()
             connection = self._connection
+            if connection is None:  # first use, after a broken one, or in a forked child
+                connection = self._connection = Connection(**self._address)
             try:
-                connection.send_packed_command([packed], check_health=False)
                 try:
-                    return connection.read_response()
-                except errors.NoScriptError:
-                    if op is None:
+                    return connection.roundtrip(packed)
+                except ReplyError as exc:
+                    if op is None or not str(exc).startswith("NOSCRIPT"):
                         raise
                 log.info("%s: loading script %s", self._url, op)
-                connection.send_packed_command([_command(b"SCRIPT", b"LOAD", SCRIPTS[op])], check_health=False)
-                connection.read_response()
-                connection.send_packed_command([packed], check_health=False)
-                return connection.read_response()
-            except errors.ResponseError:
+                connection.roundtrip(command(b"SCRIPT", b"LOAD", SCRIPTS[op]))
+                return connection.roundtrip(packed)
+            except ReplyError:
                 raise  # the connection is in step: the reply was read whole
             except BaseException:
-                connection.disconnect()  # the next attempt connects afresh
+                connection.close()  # the next attempt connects afresh
+                self._connection = None
                 raise
 
     def _call(self, pack: Callable[[bool], bytes], op: str | None, *, retried: list[bool] | None = None) -> Any:
-        """Round trip ``pack(retry)``, retrying connection errors with backoff for ``retry_seconds``."""
-        errors = self._errors
+        """Round trip ``pack(retry)``, retrying connection errors (and a server still
+        loading its data) with backoff for ``retry_seconds``."""
         began, delay, attempts = time.monotonic(), 0.05, 0
         while True:
             attempts += 1
             try:
                 return self._roundtrip(pack(attempts > 1), op)
-            except errors.AuthenticationError as exc:
-                raise CoordinatorError(f"{self._url}: authentication failed: {exc}") from exc
-            except self._retryable as exc:
-                if retried is not None:
-                    retried.append(True)
-                waited = time.monotonic() - began
-                if waited + delay > self._retry_seconds:
-                    raise CoordinatorUnavailable(
-                        f"{self._url}: unreachable after {attempts} attempts over {waited:.1f}s: {exc}"
-                    ) from exc
-                log.warning("%s: %s; retrying in %.2fs", self._url, exc, delay)
-                time.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, 2.0)
-            except errors.RedisError as exc:
-                raise CoordinatorError(f"{self._url}: {exc}") from exc
+            except ReplyError as exc:
+                message = str(exc)
+                if message.startswith(_AUTH_ERRORS):
+                    raise CoordinatorError(f"{self._url}: authentication failed: {message}") from exc
+                if not message.startswith("LOADING"):
+                    raise CoordinatorError(f"{self._url}: {message}") from exc
+                error: Exception = exc
+            except OSError as exc:
+                error = exc
+            if retried is not None:
+                retried.append(True)
+            waited = time.monotonic() - began
+            if waited + delay > self._retry_seconds:
+                raise CoordinatorUnavailable(
+                    f"{self._url}: unreachable after {attempts} attempts over {waited:.1f}s: {error}"
+                ) from error
+            log.warning("%s: %s; retrying in %.2fs", self._url, error, delay)
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, 2.0)
 
     def _head(self, op: str, key: str, count: int, *fixed: Any) -> bytes:
         """The packed start of ``EVALSHA sha 1 key *fixed`` for a command of ``count``
@@ -166,13 +150,35 @@ class RedisStore:
             self._heads[cache_key] = head
         return head
 
+    def _acquire_head(self, name: str, ask: Ask, completions: int) -> bytes:
+        """``_head`` of complete_acquire for ``ask`` and ``completions`` leases, also cached
+        under ``(name, ask, completions)``: the hot path's one dict lookup."""
+        worker, lease_timeout, num_shards, num_epochs, count = ask
+        head = self._head(
+            "complete_acquire", self._base(name), 7 + 3 * completions,
+            worker, repr(lease_timeout), num_shards, -1 if num_epochs is None else num_epochs, count,
+        )
+        if len(self._acquire_heads) > 4096:
+            self._acquire_heads.clear()
+        self._acquire_heads[(name, ask, completions)] = head
+        return head
+
     def _run(self, op: str, key: str, *args: Any, retried: list[bool] | None = None) -> Any:
         packed = self._head(op, key, len(args)) + b"".join(_bulk(a) for a in args)
         return self._call(lambda retry: packed, op, retried=retried)
 
+    def _new_request_prefix(self) -> bytes:
+        return b"%s-%d-" % (self._instance.encode(), os.getpid())
+
     def _request_id(self) -> bytes:
         """Unique per call (the same across its retries), to recognise a retried call that landed."""
-        return b"%s-%d-%d" % (self._instance.encode(), os.getpid(), next(self._requests))
+        return self._request_prefix + b"%d" % next(self._requests)
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's connection and lock are not ours to use."""
+        self._lock = threading.Lock()
+        self._connection = None
+        self._request_prefix = self._new_request_prefix()
 
     def _base(self, name: str) -> str:
         return f"{self._prefix}{{{name}}}:"
@@ -186,18 +192,16 @@ class RedisStore:
     def complete_and_acquire(
         self, name: str, *, done: Sequence[Lease], ask: Ask
     ) -> tuple[list[tuple[Status, str | None]], list[Grant | Wait | None]]:
-        worker, lease_timeout, num_shards, num_epochs, count = ask
-        head = self._head(
-            "complete_acquire", self._base(name), 7 + 3 * len(done),
-            worker, repr(lease_timeout), num_shards, -1 if num_epochs is None else num_epochs, count,
-        )
+        head = self._acquire_heads.get((name, ask, len(done)))
+        if head is None:
+            head = self._acquire_head(name, ask, len(done))
         request = _bulk(self._request_id())
-        leases = b"".join(_bulk(value) for lease in done for value in lease)
+        leases = b"".join([_bulk(value) for lease in done for value in lease])
         retried: list[bool] = []
         reply = self._call(lambda retry: head + request + _RETRY[retry] + leases, "complete_acquire", retried=retried)
-        n = int(reply[0])
+        n = reply[0]
         statuses = [(_STATUS[reply[i]], reply[i + 1].decode() or None) for i in range(1, 1 + 2 * n, 2)]
-        answers = _answers(reply[1 + 2 * n:])
+        answers = _answers(reply, 1 + 2 * n)
         if retried and any(s is Status.DONE for s, _ in statuses):
             # the first attempt completed them; what it acquired, it did not hold on to
             log.info("%s: completions landed before the connection broke", self._url)
@@ -263,7 +267,7 @@ class RedisStore:
 
     def events(self, since: int, limit: int | None) -> list[Event]:
         page = () if limit is None else (b"LIMIT", 0, limit)
-        packed = _command(b"ZRANGEBYSCORE", self._prefix + "{events}:elog", f"({since}", b"+inf", *page)
+        packed = command(b"ZRANGEBYSCORE", self._prefix + "{events}:elog", f"({since}", b"+inf", *page)
         events: list[Event] = []
         for row in self._call(lambda retry: packed, None):
             seq, at, source, kind, payload = json.loads(row)
@@ -272,26 +276,37 @@ class RedisStore:
 
     def close(self) -> None:
         with self._lock:
-            if self._connection is not None and self._pid == os.getpid():
-                self._connection.disconnect()
+            if self._connection is not None:
+                self._connection.close()
             self._connection = None
 
 
-def _answers(flat: list[Any]) -> list[Grant | Wait | None]:
-    """Acquire replies one after another (5 items a grant, 2 a wait, 1 none) as answers."""
+#: every store of this process, so that a forked child drops their connections
+_STORES: "weakref.WeakSet[RedisStore]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _answers(reply: list[Any], i: int) -> list[Grant | Wait | None]:
+    """The acquire replies in ``reply`` from ``i`` on (5 items a grant, 2 a wait, 1 none)
+    as the store protocol's answers."""
     answers: list[Grant | Wait | None] = []
-    i = 0
-    while i < len(flat):
-        answers.append(_granted(flat[i:i + 5]))
-        i += {b"grant": 5, b"wait": 2}.get(flat[i], 1)
+    end = len(reply)
+    while i < end:
+        kind = reply[i]
+        if kind == b"grant":
+            answers.append(Grant(reply[i + 1], reply[i + 2], reply[i + 3], reply[i + 4]))
+            i += 5
+        elif kind == b"wait":
+            answers.append(Wait(float(reply[i + 1])))
+            i += 2
+        else:
+            answers.append(None)
+            i += 1
     return answers
-
-
-def _granted(reply: list[Any]) -> Grant | Wait | None:
-    """An acquire script's reply as the store protocol's answer."""
-    kind = reply[0]
-    if kind == b"grant":
-        return Grant(int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
-    if kind == b"wait":
-        return Wait(float(reply[1]))
-    return None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import sharding
+from sharding._resp import command
 from sharding_fixtures import REDIS_PASSWORD, Backend, Fleet, LossyProxy, RedisServer, check_exactly_once, free_port
 
 
@@ -57,6 +60,43 @@ def test_wrong_redis_password_is_fatal(redis_server: RedisServer) -> None:
     with pytest.raises(sharding.CoordinatorError, match="authentication failed") as info:
         sharding.connect(f"redis://:wrong@127.0.0.1:{redis_server.port}/0")
     assert not info.value.retryable and "wrong" not in str(info.value)
+
+
+def test_silent_redis_times_out_and_names_the_wait() -> None:
+    """A server that accepts but never answers: each attempt gives up after the socket
+    timeout (kept by the kernel, not by polling), then the retries run out."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        began = time.monotonic()
+        with pytest.raises(sharding.CoordinatorUnavailable, match=r"no reply from the server within 0\.3s") as info:
+            sharding.connect(url, socket_timeout_seconds=0.3)
+        assert 0.3 <= time.monotonic() - began < 5 and info.value.retryable
+
+
+CLIENT_ID = command(b"CLIENT", b"ID")
+
+
+def test_forked_child_opens_its_own_redis_connection(redis_server: RedisServer) -> None:
+    """A child forked from a process that already talks to Redis must not share its
+    socket (replies would go to whichever process reads first)."""
+    ds = sharding.connect(redis_server.url, key_prefix="fork:").dataset("fork", size=40, shard_size=10)
+    client_id = ds._store._roundtrip(CLIENT_ID, None)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: one call, then report the connection it used
+        code = 1
+        try:
+            ds.complete(ds.acquire("child"))
+            os.write(write, b"%d" % ds._store._roundtrip(CLIENT_ID, None))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    child_id = int(os.read(read, 64) or -1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert child_id not in (-1, client_id)
+    ds.complete(ds.acquire("parent"))  # the parent's connection is still in step
+    assert ds.progress()["done"] == 2
 
 
 def test_key_prefixes_keep_jobs_apart(redis_server: RedisServer) -> None:
