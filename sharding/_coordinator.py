@@ -126,7 +126,7 @@ class Dataset:
             self._own(shard)
         began = time.monotonic()
         statuses, answers = self._store.complete_and_acquire(
-            self.name, done=(_lease(shard),), ask=self._ask(shard.worker, 1))
+            self.name, done=((shard.epoch, shard.slot, shard.lease),), ask=self._ask(shard.worker, 1))
         status, holder = statuses[0]
         if status is not Status.OK:
             self._refuse(shard, status, holder, action="complete")
@@ -197,22 +197,12 @@ class Dataset:
 
     def _shard(self, grant: Grant, worker: str) -> Shard:
         d = self.definition
-        index = shard_order(self._num_shards, seed=d.seed, epoch=grant.epoch, shuffle=d.shuffle)[grant.slot]
+        epoch, slot, consumed, token = grant
+        index = shard_order(self._num_shards, seed=d.seed, epoch=epoch, shuffle=True)[slot] if d.shuffle else slot
         file, start, end = d.bounds(index)
-        return Shard(
-            dataset=self.name,
-            epoch=grant.epoch,
-            index=index,
-            start=start,
-            end=end,
-            file=file,
-            consumed=grant.consumed,
-            worker=worker,
-            lease=grant.token,
-            slot=grant.slot,
-            seed=d.seed,
-            shuffle=d.shuffle,
-        )
+        # positional: the hot path of every acquire (dataset, epoch, index, start, end, file,
+        # consumed, worker, lease, slot, seed, shuffle)
+        return Shard(self.name, epoch, index, start, end, file, consumed, worker, token, slot, d.seed, d.shuffle)
 
     def report(self, shard: Shard, consumed: int) -> None:
         """Record that the first ``consumed`` samples of ``shard.indices()`` order are done

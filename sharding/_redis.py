@@ -30,7 +30,7 @@ import random
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ._errors import CoordinatorError, CoordinatorUnavailable
 from ._redis_scripts import SCRIPTS
@@ -109,14 +109,17 @@ class RedisStore:
                 self._connection = None
                 raise
 
-    def _call(self, pack: Callable[[bool], bytes], op: str | None, *, retried: list[bool] | None = None) -> Any:
-        """Round trip ``pack(retry)``, retrying connection errors (and a server still
-        loading its data) with backoff for ``retry_seconds``."""
+    def _call(
+        self, packed: bytes, op: str | None, *, retry: bytes | None = None, retried: list[bool] | None = None
+    ) -> Any:
+        """Round trip ``packed`` (``retry``, if given, on later attempts), retrying
+        connection errors (and a server still loading its data) with backoff for
+        ``retry_seconds``."""
         began, delay, attempts = time.monotonic(), 0.05, 0
         while True:
             attempts += 1
             try:
-                return self._roundtrip(pack(attempts > 1), op)
+                return self._roundtrip(packed, op)
             except ReplyError as exc:
                 message = str(exc)
                 if message.startswith(_AUTH_ERRORS):
@@ -136,6 +139,7 @@ class RedisStore:
             log.warning("%s: %s; retrying in %.2fs", self._url, error, delay)
             time.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, 2.0)
+            packed = packed if retry is None else retry
 
     def _head(self, op: str, key: str, count: int, *fixed: Any) -> bytes:
         """The packed start of ``EVALSHA sha 1 key *fixed`` for a command of ``count``
@@ -165,7 +169,7 @@ class RedisStore:
 
     def _run(self, op: str, key: str, *args: Any, retried: list[bool] | None = None) -> Any:
         packed = self._head(op, key, len(args)) + b"".join(_bulk(a) for a in args)
-        return self._call(lambda retry: packed, op, retried=retried)
+        return self._call(packed, op, retried=retried)
 
     def _new_request_prefix(self) -> bytes:
         return b"%s-%d-" % (self._instance.encode(), os.getpid())
@@ -196,9 +200,11 @@ class RedisStore:
         if head is None:
             head = self._acquire_head(name, ask, len(done))
         request = _bulk(self._request_id())
-        leases = b"".join([_bulk(value) for lease in done for value in lease])
+        leases = _lease_args(done)
         retried: list[bool] = []
-        reply = self._call(lambda retry: head + request + _RETRY[retry] + leases, "complete_acquire", retried=retried)
+        reply = self._call(
+            head + request + _RETRY[0] + leases, "complete_acquire", retry=head + request + _RETRY[1] + leases, retried=retried
+        )
         n = reply[0]
         statuses = [(_STATUS[reply[i]], reply[i + 1].decode() or None) for i in range(1, 1 + 2 * n, 2)]
         answers = _answers(reply, 1 + 2 * n)
@@ -269,7 +275,7 @@ class RedisStore:
         page = () if limit is None else (b"LIMIT", 0, limit)
         packed = command(b"ZRANGEBYSCORE", self._prefix + "{events}:elog", f"({since}", b"+inf", *page)
         events: list[Event] = []
-        for row in self._call(lambda retry: packed, None):
+        for row in self._call(packed, None):
             seq, at, source, kind, payload = json.loads(row)
             events.append((int(seq), float(at), source, kind, payload))
         return events
@@ -279,6 +285,15 @@ class RedisStore:
             if self._connection is not None:
                 self._connection.close()
             self._connection = None
+
+
+def _lease_args(done: Sequence[Lease]) -> bytes:
+    """Epoch, slot and token of each lease as three packed script arguments."""
+    packed = []
+    for epoch, slot, token in done:
+        e, s, t = b"%d" % epoch, b"%d" % slot, b"%d" % token
+        packed.append(b"$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(e), e, len(s), s, len(t), t))
+    return b"".join(packed)
 
 
 #: every store of this process, so that a forked child drops their connections
