@@ -205,9 +205,7 @@ class RedisStore:
         reply = self._call(
             head + request + _RETRY[0] + leases, "complete_acquire", retry=head + request + _RETRY[1] + leases, retried=retried
         )
-        n = reply[0]
-        statuses = [(_STATUS[reply[i]], reply[i + 1].decode() or None) for i in range(1, 1 + 2 * n, 2)]
-        answers = _answers(reply, 1 + 2 * n)
+        statuses, answers = _parse_complete_acquire(reply)
         if retried and any(s is Status.DONE for s, _ in statuses):
             # the first attempt completed them; what it acquired, it did not hold on to
             log.info("%s: completions landed before the connection broke", self._url)
@@ -308,11 +306,13 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _answers(reply: list[Any], i: int) -> list[Grant | Wait | None]:
-    """The acquire replies in ``reply`` from ``i`` on (5 items a grant, 2 a wait, 1 none)
-    as the store protocol's answers."""
+def _parse_complete_acquire(reply: list[Any]) -> tuple[list[tuple[Status, str | None]], list[Grant | Wait | None]]:
+    """complete_acquire's reply: the count n of completions, n (status, holder) pairs, then
+    the acquires' replies (5 items a grant, 2 a wait, 1 none)."""
+    end = 1 + 2 * reply[0]
+    statuses = [(_STATUS[reply[i]], reply[i + 1].decode() or None) for i in range(1, end, 2)]
     answers: list[Grant | Wait | None] = []
-    end = len(reply)
+    i, end = end, len(reply)
     while i < end:
         kind = reply[i]
         if kind == b"grant":
@@ -324,4 +324,4 @@ def _answers(reply: list[Any], i: int) -> list[Grant | Wait | None]:
         else:
             answers.append(None)
             i += 1
-    return answers
+    return statuses, answers

@@ -12,7 +12,9 @@ count is completed + lost + held, so taking a lease writes no counter).
 Deadlines use the server clock (``TIME``), so worker clocks need not agree.
 
 Each script reads ``meta`` once and writes it at most once; the hot path (complete one
-shard, lease the next) is 13 Redis calls.
+shard, lease the next) is 13 Redis calls. Slots travel to Redis as the strings they
+arrived as: a Lua number passed to ``redis.call`` is formatted again on every call, and
+the hot path names a slot nine times.
 The transitions mirror ``_table.LeaseTable`` (a differential test keeps them equal).
 """
 
@@ -28,9 +30,10 @@ local function clock()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
+-- a lease's info: its token (a number), consumed (a string), worker and request
 local function parse(info)
   local token, consumed, worker, request = string.match(info, '^(%d+)|(%d+)|(.*)|([^|]*)$')
-  return tonumber(token), tonumber(consumed), worker, request
+  return tonumber(token), consumed, worker, request
 end
 -- the data set's position (epoch, cursor, last token): read once, changed in place,
 -- written back by save
@@ -41,21 +44,22 @@ end
 local function save(pos)
   redis.call('HSET', meta, 'epoch', pos.epoch, 'cursor', pos.cursor, 'token', pos.token)
 end
-local function drop(slot, info)
-  local _, consumed, worker = parse(info or redis.call('HGET', lease, slot))
+-- slot (a string) no longer leased by worker
+local function drop(slot, worker)
   redis.call('HDEL', lease, slot)
   redis.call('ZREM', dl, slot)
   redis.call('SREM', base..'w:'..worker, slot)
-  return consumed, worker
 end
 -- a lease given up without completing: back to the front of the queue
 local function give_back(slot)
-  local consumed, worker = drop(slot)
+  local _, consumed, worker = parse(redis.call('HGET', lease, slot))
+  drop(slot, worker)
   redis.call('LPUSH', queue, slot)
   redis.call('HSET', qpos, slot, consumed)
   redis.call('HINCRBY', stats, 'l:'..worker, 1)
 end
 -- status of lease (epoch, slot, token), its holder, and its lease info when held
+-- (slot: a string)
 local function check(pos, epoch, slot, token)
   if epoch < pos.epoch then return 'done', '' end
   if epoch > pos.epoch then return 'unknown', '' end
@@ -66,19 +70,19 @@ local function check(pos, epoch, slot, token)
     return 'held', worker
   end
   if redis.call('HEXISTS', qpos, slot) == 1 then return 'returned', '' end
-  if slot < pos.cursor then return 'done', '' end
+  if tonumber(slot) < pos.cursor then return 'done', '' end
   return 'unknown', ''
 end
-local function finish(slot, info)
-  local _, worker = drop(slot, info)
-  redis.call('HINCRBY', stats, 'c:'..worker, 1)
+local function finish(slot, worker)
+  drop(slot, worker)
+  redis.call('HINCRBY', stats, 'c:'..worker, '1')
 end
 -- on a retry: the grants that this request took and the worker still holds, in order
 local function granted_before(pos, worker, request)
   local grants = {}
   for _, slot in ipairs(redis.call('SMEMBERS', base..'w:'..worker)) do
     local token, consumed, _, took = parse(redis.call('HGET', lease, slot))
-    if took == request then grants[#grants + 1] = {'grant', pos.epoch, tonumber(slot), consumed, token} end
+    if took == request then grants[#grants + 1] = {'grant', pos.epoch, tonumber(slot), tonumber(consumed), token} end
   end
   table.sort(grants, function(a, b) return a[5] < b[5] end)
   return grants
@@ -88,32 +92,32 @@ local function reclaim(now)
   local flat = redis.call('ZRANGEBYSCORE', dl, '-inf', now, 'WITHSCORES')
   if #flat == 0 then return end
   local expired = {}
-  for i = 1, #flat, 2 do expired[#expired + 1] = {tonumber(flat[i + 1]), tonumber(flat[i])} end
+  for i = 1, #flat, 2 do expired[#expired + 1] = {tonumber(flat[i + 1]), tonumber(flat[i]), flat[i]} end
   table.sort(expired, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
-  for i = #expired, 1, -1 do give_back(expired[i][2]) end
+  for i = #expired, 1, -1 do give_back(expired[i][3]) end
 end
 -- one lease for worker (after reclaim(now)); the caller saves pos after a grant
 local function acquire(pos, worker, request, timeout, num_shards, num_epochs, now)
-  local slot, consumed
+  local slot, consumed  -- strings
   local front = redis.call('LPOP', queue)
   if front then
-    slot, consumed = tonumber(front), tonumber(redis.call('HGET', qpos, front))
+    slot, consumed = front, redis.call('HGET', qpos, front)
     redis.call('HDEL', qpos, front)
   elseif pos.cursor < num_shards then
-    slot, consumed, pos.cursor = pos.cursor, 0, pos.cursor + 1
+    slot, consumed, pos.cursor = string.format('%d', pos.cursor), '0', pos.cursor + 1
   elseif redis.call('HLEN', lease) > 0 then
     local first = redis.call('ZRANGE', dl, 0, 0, 'WITHSCORES')
     return {'wait', tostring(math.max(0, tonumber(first[2]) - now))}
   elseif num_epochs >= 0 and pos.epoch + 1 >= num_epochs then
     return {'none'}
   else
-    slot, consumed, pos.epoch, pos.cursor = 0, 0, pos.epoch + 1, 1
+    slot, consumed, pos.epoch, pos.cursor = '0', '0', pos.epoch + 1, 1
   end
   pos.token = pos.token + 1
   redis.call('HSET', lease, slot, pos.token..'|'..consumed..'|'..worker..'|'..request)
   redis.call('ZADD', dl, now + timeout, slot)
   redis.call('SADD', base..'w:'..worker, slot)
-  return {'grant', pos.epoch, slot, consumed, pos.token}
+  return {'grant', pos.epoch, tonumber(slot), tonumber(consumed), pos.token}
 end
 """
 
@@ -136,9 +140,9 @@ if ARGV[7] == '1' then
 end
 local accepted = true
 for i = 8, #ARGV, 3 do
-  local slot = tonumber(ARGV[i + 1])
-  local status, holder, info = check(pos, tonumber(ARGV[i]), slot, tonumber(ARGV[i + 2]))
-  if status == 'ok' then finish(slot, info) else accepted = false end
+  local slot = ARGV[i + 1]
+  local status, holder = check(pos, tonumber(ARGV[i]), slot, tonumber(ARGV[i + 2]))
+  if status == 'ok' then finish(slot, holder) else accepted = false end
   reply[#reply + 1] = status
   reply[#reply + 1] = holder
 end
@@ -158,8 +162,8 @@ return reply
 """
 
 _REPORT = """
-local epoch, slot, token = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local consumed, timeout = tonumber(ARGV[4]), tonumber(ARGV[5])
+local epoch, slot, token = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local consumed, timeout = ARGV[4], tonumber(ARGV[5])
 local status, worker, info = check(position(), epoch, slot, token)
 if status == 'ok' then
   local _, _, _, request = parse(info)
@@ -170,9 +174,9 @@ return {status, worker}
 """
 
 _COMPLETE = """
-local epoch, slot, token = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local status, worker, info = check(position(), epoch, slot, token)
-if status == 'ok' then finish(slot, info) end
+local epoch, slot, token = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local status, worker = check(position(), epoch, slot, token)
+if status == 'ok' then finish(slot, worker) end
 return {status, worker}
 """
 
@@ -192,8 +196,7 @@ if #slots == 0 and redis.call('HEXISTS', stats, 'c:'..worker) == 0
    and redis.call('HEXISTS', stats, 'l:'..worker) == 0 then
   return -1  -- never acquired nor heartbeated
 end
-for i, slot in ipairs(slots) do slots[i] = tonumber(slot) end
-table.sort(slots)
+table.sort(slots, function(a, b) return tonumber(a) < tonumber(b) end)
 for i = #slots, 1, -1 do give_back(slots[i]) end
 return #slots
 """
