@@ -90,7 +90,6 @@ class Dataset:
 
     def __init__(self, coordinator: "Coordinator", name: str, definition: Definition) -> None:
         self._coordinator, self._store, self.name, self.definition = coordinator, coordinator._store, name, definition
-        self._num_shards = definition.num_shards
         self._asks: dict[tuple[str, int], Ask] = {}
 
     def __repr__(self) -> str:
@@ -122,18 +121,11 @@ class Dataset:
         nothing. Once the completion is done it stands, even if the acquire then waits
         and raises :class:`AcquireTimeout` (only the waiting costs more round trips).
         """
-        if type(shard) is not Shard or shard.dataset != self.name:
-            self._own(shard)
+        self._own(shard)
         began = time.monotonic()
-        statuses, answers = self._store.complete_and_acquire(
-            self.name, done=((shard.epoch, shard.slot, shard.lease),), ask=self._ask(shard.worker, 1))
-        status, holder = statuses[0]
-        if status is not Status.OK:
-            self._refuse(shard, status, holder, action="complete")
-        got = answers[0]
-        if type(got) is Grant:
-            return self._shard(got, shard.worker)
-        return self._settle(got, shard.worker, timeout, began)
+        statuses, answers = self._store.complete_and_acquire(self.name, done=(_lease(shard),), ask=self._ask(shard.worker, 1))
+        self._refuse(shard, *statuses[0], action="complete")
+        return self._settle(answers[0], shard.worker, timeout, began)
 
     def complete_and_acquire_many(
         self, done: Sequence[Shard], worker: str, count: int, *, timeout: float | None = None
@@ -173,7 +165,7 @@ class Dataset:
             if len(self._asks) > 1024:
                 self._asks.clear()
             d = self.definition
-            ask = self._asks[worker, count] = Ask(worker, d.lease_timeout, self._num_shards, d.num_epochs, count)
+            ask = self._asks[worker, count] = Ask(worker, d.lease_timeout, d.num_shards, d.num_epochs, count)
         return ask
 
     def _store_acquire(self, worker: str) -> Grant | Wait | None:
@@ -198,7 +190,7 @@ class Dataset:
     def _shard(self, grant: Grant, worker: str) -> Shard:
         d = self.definition
         epoch, slot, consumed, token = grant
-        index = shard_order(self._num_shards, seed=d.seed, epoch=epoch, shuffle=True)[slot] if d.shuffle else slot
+        index = shard_order(d.num_shards, seed=d.seed, epoch=epoch, shuffle=d.shuffle)[slot]
         file, start, end = d.bounds(index)
         # positional: the hot path of every acquire (dataset, epoch, index, start, end, file,
         # consumed, worker, lease, slot, seed, shuffle)
