@@ -70,7 +70,7 @@ class RedisStore:
         self._lock = threading.Lock()
         self._connection: Connection | None = None
         self._sha = {op: hashlib.sha1(source.encode()).hexdigest().encode() for op, source in SCRIPTS.items()}
-        self._heads: dict[tuple[Any, ...], bytes] = {}
+        self._heads: dict[tuple[str, str, int], bytes] = {}
         self._acquire_heads: dict[tuple[str, Ask, int], bytes] = {}
         self._requests = itertools.count()
         self._instance = os.urandom(6).hex()
@@ -78,12 +78,10 @@ class RedisStore:
         _STORES.add(self)
         try:
             self._roundtrip(_PING, None)
-        except ReplyError as exc:
-            if str(exc).startswith(_AUTH_ERRORS):
-                raise CoordinatorError(f"cannot use {url}: authentication failed: {exc}") from exc
-            raise CoordinatorError(f"cannot use {url}: {exc}") from exc
-        except OSError as exc:
-            raise CoordinatorUnavailable(f"cannot reach {url}: {exc}") from exc
+        except (ReplyError, OSError) as exc:
+            if _retryable(exc):
+                raise CoordinatorUnavailable(f"cannot reach {url}: {exc}") from exc
+            raise _refused(f"cannot use {url}", exc) from exc
 
     # -- transport -----------------------------------------------------------------------
 
@@ -120,14 +118,9 @@ class RedisStore:
             attempts += 1
             try:
                 return self._roundtrip(packed, op)
-            except ReplyError as exc:
-                message = str(exc)
-                if message.startswith(_AUTH_ERRORS):
-                    raise CoordinatorError(f"{self._url}: authentication failed: {message}") from exc
-                if not message.startswith("LOADING"):
-                    raise CoordinatorError(f"{self._url}: {message}") from exc
-                error: Exception = exc
-            except OSError as exc:
+            except (ReplyError, OSError) as exc:
+                if not _retryable(exc):
+                    raise _refused(self._url, exc) from exc
                 error = exc
             if retried is not None:
                 retried.append(True)
@@ -141,24 +134,27 @@ class RedisStore:
             delay = min(delay * 2, 2.0)
             packed = packed if retry is None else retry
 
-    def _head(self, op: str, key: str, count: int, *fixed: Any) -> bytes:
+    def _pack_head(self, op: str, key: str, count: int, *fixed: Any) -> bytes:
         """The packed start of ``EVALSHA sha 1 key *fixed`` for a command of ``count``
-        script arguments in all (cached: the same data set and worker repeat)."""
-        cache_key = (op, key, count, *fixed)
+        script arguments in all."""
+        head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % (4 + count, self._sha[op])
+        return head + _bulk(key) + b"".join(_bulk(a) for a in fixed)
+
+    def _head(self, op: str, key: str, count: int) -> bytes:
+        """``_pack_head`` with no fixed arguments, cached: the same data sets repeat."""
+        cache_key = (op, key, count)
         head = self._heads.get(cache_key)
         if head is None:
             if len(self._heads) > 4096:
                 self._heads.clear()
-            head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % (4 + count, self._sha[op])
-            head += _bulk(key) + b"".join(_bulk(a) for a in fixed)
-            self._heads[cache_key] = head
+            head = self._heads[cache_key] = self._pack_head(op, key, count)
         return head
 
     def _acquire_head(self, name: str, ask: Ask, completions: int) -> bytes:
-        """``_head`` of complete_acquire for ``ask`` and ``completions`` leases, also cached
+        """``_pack_head`` of complete_acquire for ``ask`` and ``completions`` leases, cached
         under ``(name, ask, completions)``: the hot path's one dict lookup."""
         worker, lease_timeout, num_shards, num_epochs, count = ask
-        head = self._head(
+        head = self._pack_head(
             "complete_acquire", self._base(name), 7 + 3 * completions,
             worker, repr(lease_timeout), num_shards, -1 if num_epochs is None else num_epochs, count,
         )
@@ -283,6 +279,19 @@ class RedisStore:
             if self._connection is not None:
                 self._connection.close()
             self._connection = None
+
+
+def _retryable(error: ReplyError | OSError) -> bool:
+    """A connection error, or a server still loading its data: worth another attempt."""
+    return isinstance(error, OSError) or str(error).startswith("LOADING")
+
+
+def _refused(where: str, error: ReplyError) -> CoordinatorError:
+    """An error reply that retrying will not change, as the coordinator's error."""
+    message = str(error)
+    if message.startswith(_AUTH_ERRORS):
+        return CoordinatorError(f"{where}: authentication failed: {message}")
+    return CoordinatorError(f"{where}: {message}")
 
 
 def _lease_args(done: Sequence[Lease]) -> bytes:

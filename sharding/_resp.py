@@ -11,7 +11,7 @@ import socket
 import struct
 from typing import Any
 
-__all__ = ["Connection", "ConnectionClosed", "ReplyError", "command"]
+__all__ = ["Connection", "ConnectionClosed", "ReplyError", "bulk", "command"]
 
 
 class ReplyError(Exception):

@@ -8,6 +8,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +72,26 @@ def test_silent_redis_times_out_and_names_the_wait() -> None:
         with pytest.raises(sharding.CoordinatorUnavailable, match=r"no reply from the server within 0\.3s") as info:
             sharding.connect(url, socket_timeout_seconds=0.3)
         assert 0.3 <= time.monotonic() - began < 5 and info.value.retryable
+
+
+def test_redis_still_loading_at_connect_is_retryable() -> None:
+    """A server that answers LOADING (reading its AOF after a restart) is unavailable for
+    now, not refused: the caller may try again."""
+    with socket.create_server(("127.0.0.1", 0)) as loading:
+        url = f"redis://127.0.0.1:{loading.getsockname()[1]}/0"
+
+        def answer() -> None:
+            peer, _ = loading.accept()
+            with peer:
+                peer.recv(1024)
+                peer.sendall(b"-LOADING Redis is loading the dataset in memory\r\n")
+
+        server = threading.Thread(target=answer, daemon=True)
+        server.start()
+        with pytest.raises(sharding.CoordinatorUnavailable, match="cannot reach .*LOADING") as info:
+            sharding.connect(url, socket_timeout_seconds=5)
+        server.join(5)
+        assert info.value.retryable
 
 
 CLIENT_ID = command(b"CLIENT", b"ID")
