@@ -26,9 +26,10 @@ Part 3, input: records/s of ``make_input_fn``'s pipeline (SQLite coordinator, sh
 ``--shard-size`` records, the consumer counting each batch as the hook does) vs a plain
 ``tf.data.Dataset.range`` over the same shards with the same reader, interleaved. Reported:
 medians of wall-clock records/s, of records per CPU-second of the process (steadier on a
-shared machine: it counts the coordinator's and Python's work wherever it runs), and the
-best run of each (the least disturbed by other load). Each repeat also runs both pipelines
-with tf.data's autotuning off: under the default options TF's autotuner flips each run, of
+shared machine: it counts the coordinator's and Python's work wherever it runs), the
+best run of each (the least disturbed by other load), and the median of each repeat's
+ratio (its two runs back to back: this machine's speed drifts by a fifth within a minute).
+Each repeat also runs both pipelines with tf.data's autotuning off: under the default options TF's autotuner flips each run, of
 either pipeline, between two speeds (~775k and ~1M records/s here), which a median over a
 few runs can hide or exaggerate; with it off both are steady, and the ratio shows what the
 coordinator and the counting cost.
@@ -277,6 +278,9 @@ def bench_input(args, root: Path) -> dict:
     def summary(runs: dict[str, list[float]]) -> dict:
         out = {k: median(v) for k, v in runs.items()}
         out.update({f"best_{k}": max(v) for k, v in runs.items()})  # the least disturbed run of each
+        # each repeat ran the two back to back: their ratio cancels the machine's drift between repeats
+        out["paired_ratios"] = [e / p for e, p in zip(runs["elastic_records_per_s"], runs["plain_records_per_s"])]
+        out["paired_ratio"] = median(out["paired_ratios"])
         out["samples"] = runs
         return out
 
@@ -362,14 +366,19 @@ def main() -> None:
         best = data["best_elastic_records_per_s"] / data["best_plain_records_per_s"]
         print(f"best run of each (least disturbed)  plain {data['best_plain_records_per_s']:,.0f}, make_input_fn "
               f"{data['best_elastic_records_per_s']:,.0f} records/s = {best:.0%}")
+        print(f"paired (each repeat's two runs)     median {data['paired_ratio']:.0%} of plain; per repeat "
+              + " ".join(f"{r:.0%}" for r in data["paired_ratios"]))
         ratios.update(input_elastic_over_plain=ratio, input_elastic_over_plain_cpu=cpu_ratio,
                       input_elastic_over_plain_best=best)
         off = data["autotune_off"]
         off_ratio = off["elastic_records_per_s"] / off["plain_records_per_s"]
         off_cpu = off["elastic_records_per_cpu_s"] / off["plain_records_per_cpu_s"]
         print(f"both with tf.data autotune off     plain {off['plain_records_per_s']:,.0f}, make_input_fn "
-              f"{off['elastic_records_per_s']:,.0f} records/s = {off_ratio:.0%}; per CPU-s {off_cpu:.0%}")
-        ratios.update(input_elastic_over_plain_autotune_off=off_ratio, input_elastic_over_plain_autotune_off_cpu=off_cpu)
+              f"{off['elastic_records_per_s']:,.0f} records/s = {off_ratio:.0%}; per CPU-s {off_cpu:.0%}; paired "
+              f"{off['paired_ratio']:.0%}")
+        ratios.update(input_elastic_over_plain_autotune_off=off_ratio, input_elastic_over_plain_autotune_off_cpu=off_cpu,
+                      input_elastic_over_plain_paired=data["paired_ratio"],
+                      input_elastic_over_plain_autotune_off_paired=off["paired_ratio"])
     result = {"machine": {"python": platform.python_version(), "tensorflow": tf.__version__, "cpus": os.cpu_count(),
                           "platform": platform.platform(), "load_average_at_start": load_at_start,
                           "load_average_at_end": os.getloadavg()},
