@@ -29,10 +29,10 @@ medians of wall-clock records/s, of records per CPU-second of the process (stead
 shared machine: it counts the coordinator's and Python's work wherever it runs), the
 best run of each (the least disturbed by other load), and the median of each repeat's
 ratio (its two runs back to back: this machine's speed drifts by a fifth within a minute).
-Each repeat also runs both pipelines with tf.data's autotuning off: under the default options TF's autotuner flips each run, of
-either pipeline, between two speeds (~775k and ~1M records/s here), which a median over a
-few runs can hide or exaggerate; with it off both are steady, and the ratio shows what the
-coordinator and the counting cost.
+Each repeat also runs both pipelines with tf.data's autotuning off: under the default
+options TF's autotuner flips each run, of either pipeline, between two speeds (~775k and ~1M
+records/s here), which a median over a few runs can hide or exaggerate; with it off both are
+steady, and the ratio shows what the coordinator and the counting cost.
 """
 
 from __future__ import annotations
