@@ -369,7 +369,7 @@ def main() -> None:
         print(f"paired (each repeat's two runs)     median {data['paired_ratio']:.0%} of plain; per repeat "
               + " ".join(f"{r:.0%}" for r in data["paired_ratios"]))
         ratios.update(input_elastic_over_plain=ratio, input_elastic_over_plain_cpu=cpu_ratio,
-                      input_elastic_over_plain_best=best)
+                      input_elastic_over_plain_best=best, input_elastic_over_plain_paired=data["paired_ratio"])
         off = data["autotune_off"]
         off_ratio = off["elastic_records_per_s"] / off["plain_records_per_s"]
         off_cpu = off["elastic_records_per_cpu_s"] / off["plain_records_per_cpu_s"]
@@ -377,7 +377,6 @@ def main() -> None:
               f"{off['elastic_records_per_s']:,.0f} records/s = {off_ratio:.0%}; per CPU-s {off_cpu:.0%}; paired "
               f"{off['paired_ratio']:.0%}")
         ratios.update(input_elastic_over_plain_autotune_off=off_ratio, input_elastic_over_plain_autotune_off_cpu=off_cpu,
-                      input_elastic_over_plain_paired=data["paired_ratio"],
                       input_elastic_over_plain_autotune_off_paired=off["paired_ratio"])
     result = {"machine": {"python": platform.python_version(), "tensorflow": tf.__version__, "cpus": os.cpu_count(),
                           "platform": platform.platform(), "load_average_at_start": load_at_start,
