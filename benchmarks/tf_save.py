@@ -6,7 +6,9 @@
 Part 1, eager (Keras): a stack of Dense layers with about ``--params`` parameters, Adam
 state built (parameters + two moments). Timed, medians over repeats, methods interleaved:
 - floor: one ``np.copyto`` of every variable (through a view of its buffer) into a
-  preallocated, already-touched shared-memory mapping: the memcpy floor.
+  preallocated, already-touched shared-memory mapping: the memcpy floor; and the same
+  copies dealt out to as many threads as a save's copy uses (``flashckpt._copy``: the
+  usable CPUs, at most 4), the floor for a save that uses the machine's bandwidth.
 - ``Checkpointer.save`` blocking time (steady state, persist on), ``save`` + ``wait``
   (durable), ``load`` from memory (in place);
 - ``tf.train.Checkpoint.write`` (synchronous, to the same disk), its async variant
@@ -17,8 +19,8 @@ state built (parameters + two moments). Timed, medians over repeats, methods int
   after it - a training step), as both leave the variables' buffers to copy-on-write.
 
 Part 2, graph mode (tf.estimator's session): the same parameter count as graph variables;
-floor (one copy into touched shared memory from a ``tf.numpy_function`` over the
-variables' reads), ``FlashCheckpointHook``'s save, and ``tf.compat.v1.train.Saver.save``
+floors (one copy into touched shared memory from a ``tf.numpy_function`` over the
+variables' reads, on one thread and on the save's threads), ``FlashCheckpointHook``'s save, and ``tf.compat.v1.train.Saver.save``
 (what the estimator's ``CheckpointSaverHook`` calls; to the page cache, no fsync, like
 ``tf.train.Checkpoint.write`` in part 1).
 
@@ -48,6 +50,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -60,6 +63,7 @@ sys.path.insert(0, str(REPO))
 
 import elastic.tf as etf  # noqa: E402
 from flashckpt.tf import Checkpointer, FlashCheckpointHook  # noqa: E402
+from flashckpt import _copy  # noqa: E402
 from flashckpt.tf import _variables  # noqa: E402
 
 
@@ -82,6 +86,17 @@ def dense_stack(params: float) -> tuple[tf.keras.Model, int]:
     return model, int(sum(np.prod(v.shape) for v in model.trainable_variables))
 
 
+def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], threads: int = 1) -> None:
+    """``np.copyto`` of each pair; with ``threads``, the pairs are dealt out round-robin to
+    that many threads (numpy copies without the GIL): the floors' copies, with no engine."""
+    if threads == 1:
+        for dst, src in pairs:
+            np.copyto(dst, src)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(copy_pairs, [pairs[i::threads] for i in range(threads)]))
+
+
 class Floor:
     """A touched shared-memory mapping the size of the state, and one copy into it."""
 
@@ -98,9 +113,8 @@ class Floor:
             self.views.append(np.frombuffer(self.mm, a.dtype, a.size, at).reshape(a.shape))
             at += a.nbytes
 
-    def copy(self, variables: list[tf.Variable]) -> None:
-        for dst, v in zip(self.views, variables):
-            np.copyto(dst, _variables.read_alias(v))
+    def copy(self, variables: list[tf.Variable], threads: int = 1) -> None:
+        copy_pairs([(dst, _variables.read_alias(v)) for dst, v in zip(self.views, variables)], threads)
 
     def close(self) -> None:
         self.views = []
@@ -116,6 +130,7 @@ def bench_eager(args, root: Path) -> dict:
     print(f"eager: {nparams / 1e6:.1f}M parameters, state {state_bytes / 2**30:.2f} GiB "
           f"({len(variables)} variables with Adam moments)", flush=True)
     floor = Floor(variables)
+    threads = _copy.copy_threads()  # what a save's copy uses here
     flash = Checkpointer(root / "flash", ckpt_obj, keep_last=1, job_id=f"tfbench{uuid.uuid4().hex[:6]}")
     flash.save(0)  # first save maps fresh pages; steady state is what training sees
     flash.wait()
@@ -129,11 +144,12 @@ def bench_eager(args, root: Path) -> dict:
         model.train_on_batch(x, y)
 
     r: dict[str, list[float]] = {k: [] for k in (
-        "floor", "flash_save", "flash_durable", "flash_load_memory", "tf_write", "tf_async_write_blocking",
+        "floor", "floor_threads", "flash_save", "flash_durable", "flash_load_memory", "tf_write", "tf_async_write_blocking",
         "tf_read", "train_step", "flash_background_save", "step_after_flash_background", "step_after_tf_async")}
     step = 2
     for rep in range(args.repeats):
         r["floor"].append(median([timed(lambda: floor.copy(variables)) for _ in range(3)]))
+        r["floor_threads"].append(median([timed(lambda: floor.copy(variables, threads)) for _ in range(3)]))
         r["flash_save"].append(timed(lambda: flash.save(step)))
         flash.wait()
         step += 1
@@ -161,7 +177,7 @@ def bench_eager(args, root: Path) -> dict:
     flash.close()
     floor.close()
     out = {k: median(v) for k, v in r.items()}
-    out.update(params=nparams, state_bytes=state_bytes, samples=r)
+    out.update(params=nparams, state_bytes=state_bytes, copy_threads=threads, samples=r)
     return out
 
 
@@ -186,25 +202,35 @@ def bench_graph(args, root: Path) -> dict:
             floor_mm = mmap.mmap(f.fileno(), size)
         np.frombuffer(floor_mm, np.uint8)[:] = 1
 
+        views, at = [], 0
+        for v in variables:
+            shape, dtype = tuple(v.shape), v.dtype.as_numpy_dtype
+            views.append(np.frombuffer(floor_mm, dtype, int(np.prod(shape)), at).reshape(shape))
+            at += views[-1].nbytes
+        threads = _copy.copy_threads()
+
         def floor_copy(*arrays):  # the same one copy, from the same views, with no engine
-            at = 0
-            for a in arrays:
-                a = np.asarray(a)
-                np.copyto(np.frombuffer(floor_mm, a.dtype, a.size, at).reshape(a.shape), a)
-                at += a.nbytes
+            copy_pairs(list(zip(views, arrays)))
             return np.int64(0)
 
-        floor_op = tf.numpy_function(floor_copy, [v.value() for v in variables], tf.int64, stateful=True)
-        r: dict[str, list[float]] = {"floor": [], "hook_save": [], "hook_durable": [], "saver_save": [],
+        def floor_copy_threads(*arrays):
+            copy_pairs(list(zip(views, arrays)), threads)
+            return np.int64(0)
+
+        reads = [v.value() for v in variables]
+        floor_op = tf.numpy_function(floor_copy, reads, tf.int64, stateful=True)
+        floor_threads_op = tf.numpy_function(floor_copy_threads, reads, tf.int64, stateful=True)
+        r: dict[str, list[float]] = {"floor": [], "floor_threads": [], "hook_save": [], "hook_durable": [], "saver_save": [],
                                      "hook_load_memory": [], "saver_restore": []}
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            sess.run(floor_op)
+            sess.run([floor_op, floor_threads_op])
             for warm in (0, 1, 2):  # both memory slots mapped and touched
                 hook._save(sess, 100 + warm)
                 hook._engine.wait()
             for rep in range(args.repeats):
                 r["floor"].append(timed(lambda: sess.run(floor_op)))
+                r["floor_threads"].append(timed(lambda: sess.run(floor_threads_op)))
                 r["hook_save"].append(timed(lambda: hook._save(sess, 2 * rep + 1)))
                 hook._engine.wait()
                 r["hook_durable"].append(timed(lambda: (hook._save(sess, 2 * rep + 2), hook._engine.wait())))
@@ -214,10 +240,11 @@ def bench_graph(args, root: Path) -> dict:
                 r["saver_restore"].append(timed(lambda: saver.restore(sess, prefix)))
                 print(f"  graph repeat {rep}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in r.items()), flush=True)
             hook.close()
+    views.clear()
     floor_mm.close()
     os.unlink(floor_path)
     out = {k: median(v) for k, v in r.items()}
-    out.update(params=layers * width * width, samples=r)
+    out.update(params=layers * width * width, copy_threads=threads, samples=r)
     return out
 
 
@@ -316,11 +343,16 @@ def main() -> None:
     if eager:
         gib = eager["state_bytes"] / 2**30
         print(f"\n== eager / Keras, {eager['params'] / 1e6:.0f}M params, {gib:.2f} GiB state (medians) ==")
-        print(f"memcpy floor                       {eager['floor']:.3f}s  ({gib / eager['floor']:.1f} GiB/s)")
-        print(f"flashckpt save (blocking)          {eager['flash_save']:.3f}s  = {eager['flash_save'] / eager['floor']:.2f}x floor")
+        threads = eager["copy_threads"]
+        print(f"memcpy floor, one thread           {eager['floor']:.3f}s  ({gib / eager['floor']:.1f} GiB/s)")
+        print(f"memcpy floor, {threads} threads            {eager['floor_threads']:.3f}s  "
+              f"({gib / eager['floor_threads']:.1f} GiB/s; the save's copy uses {threads})")
+        print(f"flashckpt save (blocking)          {eager['flash_save']:.3f}s  = {eager['flash_save'] / eager['floor']:.2f}x "
+              f"the one-thread floor, {eager['flash_save'] / eager['floor_threads']:.2f}x the {threads}-thread floor")
         print(f"flashckpt save + wait (durable)    {eager['flash_durable']:.3f}s")
         print(f"flashckpt load from memory         {eager['flash_load_memory']:.3f}s  = "
-              f"{eager['flash_load_memory'] / eager['floor']:.2f}x floor")
+              f"{eager['flash_load_memory'] / eager['floor']:.2f}x the one-thread floor, "
+              f"{eager['flash_load_memory'] / eager['floor_threads']:.2f}x the {threads}-thread floor")
         print(f"tf.train.Checkpoint.write          {eager['tf_write']:.3f}s  -> flashckpt blocks "
               f"{eager['tf_write'] / eager['flash_save']:.1f}x less")
         print(f"  async write, blocking part       {eager['tf_async_write_blocking']:.3f}s  -> "
@@ -338,23 +370,29 @@ def main() -> None:
               f"{eager['tf_write']:.3f}s)")
         ratios.update(flash_background_lost=lost_bg, tf_async_lost=lost_async)
         ratios.update(flash_save_over_floor=eager["flash_save"] / eager["floor"],
+                      flash_save_over_floor_threads=eager["flash_save"] / eager["floor_threads"],
+                      flash_load_memory_over_floor_threads=eager["flash_load_memory"] / eager["floor_threads"],
                       tf_write_over_flash_save=eager["tf_write"] / eager["flash_save"],
                       tf_async_blocking_over_flash_save=eager["tf_async_write_blocking"] / eager["flash_save"],
                       flash_load_memory_over_floor=eager["flash_load_memory"] / eager["floor"],
                       tf_read_over_flash_load_memory=eager["tf_read"] / eager["flash_load_memory"])
     if graph:
         print(f"\n== graph mode / estimator, {graph['params'] / 1e6:.0f}M params (no optimizer) ==")
-        print(f"memcpy floor (inside Session.run)  {graph['floor']:.3f}s")
-        print(f"FlashCheckpointHook save           {graph['hook_save']:.3f}s  = {graph['hook_save'] / graph['floor']:.2f}x floor")
+        threads = graph["copy_threads"]
+        print(f"memcpy floor (inside Session.run)  {graph['floor']:.3f}s one thread, {graph['floor_threads']:.3f}s "
+              f"{threads} threads")
+        print(f"FlashCheckpointHook save           {graph['hook_save']:.3f}s  = {graph['hook_save'] / graph['floor']:.2f}x "
+              f"the one-thread floor, {graph['hook_save'] / graph['floor_threads']:.2f}x the {threads}-thread floor")
         print(f"FlashCheckpointHook save + wait    {graph['hook_durable']:.3f}s")
         print(f"Saver.save (CheckpointSaverHook)   {graph['saver_save']:.3f}s  -> "
               f"{graph['saver_save'] / graph['hook_save']:.1f}x the hook's blocking time")
         print(f"FlashCheckpointHook load (memory)  {graph['hook_load_memory']:.3f}s  = "
-              f"{graph['hook_load_memory'] / graph['floor']:.2f}x floor")
+              f"{graph['hook_load_memory'] / graph['floor']:.2f}x the one-thread floor")
         print(f"Saver.restore                      {graph['saver_restore']:.3f}s  -> "
               f"{graph['saver_restore'] / graph['hook_load_memory']:.1f}x the hook's load")
         ratios.update(saver_save_over_hook_save=graph["saver_save"] / graph["hook_save"],
-                      hook_save_over_floor=graph["hook_save"] / graph["floor"])
+                      hook_save_over_floor=graph["hook_save"] / graph["floor"],
+                      hook_save_over_floor_threads=graph["hook_save"] / graph["floor_threads"])
     if data:
         print(f"\n== input, {data['records']:,} records, shards of {data['shard_size']}, batches of {data['batch_size']} ==")
         ratio = data["elastic_records_per_s"] / data["plain_records_per_s"]

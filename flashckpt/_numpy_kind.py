@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Hashable
 
+from ._copy import copy_arrays
 from ._errors import CheckpointError
 from ._format import Entry
 from ._tree import register_kind
@@ -43,9 +44,7 @@ class NumpyKind:
                               offset=base + e.offset).reshape(e.shape) for e in entries]
 
     def copy(self, dsts: list[Any], srcs: list[Any]) -> None:
-        import numpy as np
-        for dst, src in zip(dsts, srcs):
-            np.copyto(dst, src)
+        copy_arrays(dsts, srcs)
 
     def host_bytes(self, obj: Any) -> memoryview | None:
         if not obj.flags.c_contiguous or not obj.flags.writeable:

@@ -1,0 +1,134 @@
+"""Large host copies of numpy arrays, split across a few threads.
+
+A save blocks training for exactly one copy of the state, and one thread's memcpy does
+not reach the machine's memory bandwidth: on the 2-core development machine one thread
+copies TF variables into shared memory at 6-7 GiB/s, two or three threads at 8.5-9.5
+(``benchmarks/tf_save.py``). The bytes to copy are cut into equal contiguous ranges,
+one per thread; numpy releases the GIL while it copies. Small copies stay on the
+calling thread (a hand-off costs more than it saves).
+
+``FLASHCKPT_COPY_THREADS`` sets the number of threads (default: the CPUs this process
+may run on, at most 4; 1 copies on the calling thread only). Torch tensors do not come
+here: torch splits its own copies across its intra-op threads.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Any
+
+__all__ = ["PARALLEL_MIN_BYTES", "copy_arrays", "copy_threads", "split_ranges"]
+
+PARALLEL_MIN_BYTES = 16 << 20
+"""Below this many bytes in all, one thread copies."""
+
+_MAX_DEFAULT_THREADS = 4
+_helpers: list["queue.SimpleQueue[Any]"] = []  # one job queue per helper thread
+_helpers_lock = threading.Lock()
+
+Pair = tuple[Any, Any]
+
+
+def copy_threads() -> int:
+    """Threads a large copy uses: ``FLASHCKPT_COPY_THREADS``, else the usable CPUs (at most 4)."""
+    setting = os.environ.get("FLASHCKPT_COPY_THREADS", "").strip()
+    if setting:
+        if not setting.isdigit() or int(setting) < 1:
+            raise ValueError(f"FLASHCKPT_COPY_THREADS must be an integer >= 1, got {setting!r}")
+        return int(setting)
+    return max(1, min(_MAX_DEFAULT_THREADS, len(os.sched_getaffinity(0))))
+
+
+def split_ranges(dsts: list[Any], srcs: list[Any], parts: int) -> list[list[Pair]]:
+    """``(dst, src)`` pairs in at most ``parts`` groups of about equal bytes, in order.
+
+    A pair of C-contiguous arrays of one dtype and shape is cut at element boundaries
+    (flat views, no copy); any other pair (broadcast, strided) stays whole in one group.
+    """
+    total = sum(dst.nbytes for dst in dsts)
+    share = max(1, -(-total // max(1, parts)))
+    groups: list[list[Pair]] = [[]]
+    room = share
+    for dst, src in zip(dsts, srcs):
+        whole = (dst.shape != src.shape or dst.dtype != src.dtype or dst.itemsize == 0
+                 or not dst.flags.c_contiguous or not src.flags.c_contiguous)
+        if whole:
+            if room <= 0 and len(groups) < parts:
+                groups.append([])
+                room = share
+            groups[-1].append((dst, src))
+            room -= dst.nbytes
+            continue
+        flat_dst, flat_src = dst.reshape(-1), src.reshape(-1)
+        at, count = 0, flat_dst.size
+        while at < count:
+            if room <= 0 and len(groups) < parts:
+                groups.append([])
+                room = share
+            take = count - at if len(groups) == parts else min(count - at, max(1, room // dst.itemsize))
+            groups[-1].append((flat_dst[at:at + take], flat_src[at:at + take]))
+            at += take
+            room -= take * dst.itemsize
+        if count == 0:
+            groups[-1].append((dst, src))
+    return [group for group in groups if group]
+
+
+def _copy_group(group: list[Pair]) -> None:
+    import numpy as np
+
+    for dst, src in group:
+        np.copyto(dst, src)
+
+
+def _help(jobs: "queue.SimpleQueue[Any]") -> None:
+    while True:
+        group, finished = jobs.get()
+        try:
+            _copy_group(group)
+        except BaseException as exc:  # the caller raises it
+            finished.put(exc)
+        else:
+            finished.put(None)
+
+
+def _helper_queues(count: int) -> list["queue.SimpleQueue[Any]"]:
+    """``count`` helper threads' job queues (each helper copies the groups put on its own
+    queue, so the parts run at once rather than queue behind one another)."""
+    with _helpers_lock:
+        while len(_helpers) < count:
+            jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+            threading.Thread(target=_help, args=(jobs,), name=f"flashckpt-copy-{len(_helpers)}", daemon=True).start()
+            _helpers.append(jobs)
+        return _helpers[:count]
+
+
+def _forget_helpers() -> None:
+    """A forked child has none of the parent's threads: it starts its own helpers."""
+    global _helpers, _helpers_lock
+    _helpers, _helpers_lock = [], threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
+
+
+def copy_arrays(dsts: list[Any], srcs: list[Any]) -> None:
+    """``np.copyto(dst, src)`` for each pair; large copies split across :func:`copy_threads`
+    threads. Returns once every byte is copied (also when one part raised: then raises)."""
+    threads = copy_threads()
+    if threads == 1 or sum(dst.nbytes for dst in dsts) < PARALLEL_MIN_BYTES:
+        _copy_group(list(zip(dsts, srcs)))
+        return
+    first, *rest = split_ranges(dsts, srcs, threads)
+    finished: "queue.SimpleQueue[BaseException | None]" = queue.SimpleQueue()
+    for jobs, group in zip(_helper_queues(len(rest)), rest):
+        jobs.put((group, finished))
+    try:
+        _copy_group(first)
+    finally:
+        errors = [finished.get() for _ in rest]  # waits: no helper writes after we return
+    for error in errors:
+        if error is not None:
+            raise error
