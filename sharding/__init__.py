@@ -33,6 +33,7 @@ from ._errors import (
     UnknownDataset,
     UnknownWorker,
 )
+from ._lease_process import LeaseProcess
 from ._order import sample_order, shard_order
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "Definition",
     "InvalidArgument",
     "LeaseLost",
+    "LeaseProcess",
     "Options",
     "Shard",
     "UnknownDataset",

@@ -56,7 +56,8 @@ def connect(url: str, **options: Any) -> Coordinator:
             raise CoordinatorError(f"malformed coordinator URL {shown!r}: expected sqlite:///absolute/path")
         if not os.path.isdir(os.path.dirname(path)):
             raise CoordinatorError(f"cannot open {shown}: directory {os.path.dirname(path)!r} does not exist")
-        return Coordinator(SQLiteStore(path, url=shown, busy_timeout=opts.busy_timeout_seconds), url=shown, options=opts)
+        return Coordinator(SQLiteStore(path, url=shown, busy_timeout=opts.busy_timeout_seconds), url=shown, options=opts,
+                           shared_url=url)
     if scheme == "redis":
         from ._redis import RedisStore
 
@@ -73,5 +74,5 @@ def connect(url: str, **options: Any) -> Coordinator:
             retry_seconds=opts.retry_seconds,
             socket_timeout=opts.socket_timeout_seconds,
         )
-        return Coordinator(store, url=shown, options=opts)
+        return Coordinator(store, url=shown, options=opts, shared_url=url)
     raise CoordinatorError(f"unknown coordinator URL scheme in {shown!r}: use memory://, sqlite:/// or redis://")

@@ -365,8 +365,9 @@ class Coordinator:
     :meth:`events`) that every process connected to the same store sees.
     """
 
-    def __init__(self, store: Store, *, url: str, options: Options) -> None:
+    def __init__(self, store: Store, *, url: str, options: Options, shared_url: str | None = None) -> None:
         self._store, self.url, self.options = store, url, options
+        self._shared_url = shared_url  # how another process opens this store (password included); None: it cannot
 
     def __repr__(self) -> str:
         return f"Coordinator({self.url!r})"

@@ -3,7 +3,10 @@
 Each element is a :data:`ShardSpec` (``start``, ``end``, ``indices``, ``file``, ``index``,
 ``epoch``) pulled from the coordinator when the pipeline asks for more shards (up to 8
 shards, or 8,192 records, per round trip), so a fast worker takes more shards and a dead
-worker's shards go to the others. The user's
+worker's shards go to the others. With a SQLite or Redis coordinator the round trips run
+in a helper process (:class:`sharding.LeaseProcess`): the training thread, which a cheap
+reader leaves as the bottleneck, never waits for the GIL while the coordinator's client
+runs. The user's
 reader turns a shard into records (``.flat_map(read)``); records are counted as
 consumed by the training step (estimator hook / Keras callback), never when prefetched.
 """
@@ -56,10 +59,11 @@ def open_positions(coordinator: Any, name: str, *, size: int | None = None,
                    files: list[tuple[str, int]] | None = None, shard_size: int, shuffle: bool = False,
                    seed: int = 0, num_epochs: int | None = 1, worker: str | None = None,
                    lease_timeout: float = 60.0) -> ShardPositions:
-    """Define (or open) the data set at the coordinator and track this worker's leases."""
+    """Define (or open) the data set at the coordinator and track this worker's leases; a
+    store that other processes can open gets a helper process for the round trips."""
     ds = _connect(coordinator).dataset(name, size=size, files=files, shard_size=shard_size, num_epochs=num_epochs,
                                        shuffle=shuffle, seed=seed, lease_timeout=lease_timeout)
-    return ShardPositions(ds, worker)
+    return ShardPositions(ds, worker, lease_process=sharding.LeaseProcess.start(ds))
 
 
 def _pack(batch: list[tuple[sharding.Shard, int]], shuffle: bool, files: bool) -> tuple[np.ndarray, ...]:

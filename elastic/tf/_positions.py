@@ -114,11 +114,15 @@ class ShardPositions:
     Producer side: :meth:`shards` (a generator, one call per pass of the pipeline).
     Consumer side: :meth:`consumed` after each training step, :meth:`commit` after each
     checkpoint when ``deferred``. Checkpoint side: :meth:`state` / :meth:`restore`.
-    Thread-safe (tf.data runs the producer on its own threads).
+    Thread-safe (tf.data runs the producer on its own threads). ``lease_process``: a
+    :class:`sharding.LeaseProcess` of ``dataset`` that runs the producer's round trips
+    outside this process's GIL (closed by :meth:`close`).
     """
 
-    def __init__(self, dataset: sharding.Dataset, worker: str | None = None) -> None:
+    def __init__(self, dataset: sharding.Dataset, worker: str | None = None, *,
+                 lease_process: sharding.LeaseProcess | None = None) -> None:
         self.dataset = dataset
+        self._leases: Any = lease_process or dataset  # who runs the producer's round trips
         self.worker = default_worker() if worker is None else worker
         self.deferred = False
         """True while a flash checkpointer commits the positions at its saves."""
@@ -199,12 +203,12 @@ class ShardPositions:
             finished = self._take_finished(limit=count if in_flight else None)
             timeout = 0 if self._held else None
         try:
-            shards, refused = self.dataset.complete_and_acquire_many(
+            shards, refused = self._leases.complete_and_acquire_many(
                 [lease.shard for lease in finished], self.worker, count, timeout=timeout)
             for exc in refused:
                 self._lost(exc)
             if refused:  # the others stand; nothing was leased
-                shards, _ = self.dataset.complete_and_acquire_many([], self.worker, count, timeout=timeout)
+                shards, _ = self._leases.complete_and_acquire_many([], self.worker, count, timeout=timeout)
         except sharding.AcquireTimeout:  # the completions stand
             log.debug("%s: no shard free for %s now; this pass ends", self.dataset.name, self.worker)
             return False
@@ -438,6 +442,9 @@ class ShardPositions:
     def close(self) -> None:
         """Stop heartbeating and give the leases back at their committed positions."""
         self._stop.set()
+        if self._leases is not self.dataset:
+            self._leases.close()
+            self._leases = self.dataset  # a later pass (after a close) leases in this process
         with self._lock:
             self._complete_finished()
             self._fifo.clear()

@@ -1,0 +1,51 @@
+"""The lease helper process of :class:`sharding.LeaseProcess` (``python -m sharding._lease_helper``).
+
+Reads a greeting (protocol version, store URL, options, data set) and then one JSON
+request per line from its standard input, answers each with one JSON line, and exits
+when its input closes. Imports nothing but this package.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from typing import IO, Any
+
+from ._connect import connect
+from ._coordinator import Shard
+from ._lease_process import PROTOCOL_VERSION, described, shard_fields
+
+
+def _serve(requests: IO[bytes], replies: IO[bytes]) -> None:
+    """The helper: a greeting, then one reply line per request line, until input ends."""
+    def reply(message: dict[str, Any]) -> None:
+        replies.write(json.dumps(message).encode() + b"\n")
+        replies.flush()
+
+    hello = json.loads(requests.readline() or "{}")
+    if hello.get("version") != PROTOCOL_VERSION:
+        reply({"error": ["CoordinatorError", f"lease helper: protocol {hello.get('version')!r}, "
+                                             f"expected {PROTOCOL_VERSION}"]})
+        return
+    try:
+        dataset = connect(hello["url"], **hello["options"]).dataset(hello["dataset"])
+    except Exception as exc:
+        reply({"error": described(exc)})
+        return
+    reply({"ready": True})
+    for line in requests:
+        try:
+            request = json.loads(line)
+            shards, refused = dataset.complete_and_acquire_many(
+                [Shard(*fields) for fields in request["done"]], request["worker"], request["count"],
+                timeout=request["timeout"])
+            reply({"shards": [shard_fields(s) for s in shards],
+                   "refused": [described(exc) for exc in refused]})
+        except Exception as exc:  # the caller raises it
+            reply({"error": described(exc)})
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the training process; we go when it does
+    _serve(sys.stdin.buffer, sys.stdout.buffer)

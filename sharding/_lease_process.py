@@ -1,0 +1,171 @@
+"""``LeaseProcess``: a data set's ``complete_and_acquire_many`` run by a helper process.
+
+A training process whose loop is Python-bound (TF's eager iterator, an estimator's
+hooks) pays for every millisecond another of its threads holds the GIL. Leasing is
+that kind of work: a SQLite transaction or a Redis script call, wrapped in some
+hundred microseconds of Python per round trip. The helper process holds its own
+connection to the same store and runs the round trips; the training process only
+writes and reads one line of JSON per round trip, and waits without the GIL.
+
+The helper is ``python -m sharding._lease_helper``: it imports nothing but this
+package, reads the store's URL (with any password) from its standard input, never
+from its command line, and exits when its standard input closes, so it does not
+outlive a killed training process. If it dies, the round trips go back into the
+calling process (with a warning); nothing is lost, as a store keeps no state in
+its clients. Only stores that other processes can open (SQLite, Redis) have one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from ._coordinator import Dataset, Shard
+from ._errors import (
+    AcquireTimeout,
+    AlreadyCompleted,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    InvalidArgument,
+    LeaseLost,
+    UnknownDataset,
+    UnknownWorker,
+)
+
+__all__ = ["PROTOCOL_VERSION", "LeaseProcess", "shard_fields", "described"]
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+_FIELDS = tuple(f.name for f in dataclasses.fields(Shard))
+_ERRORS = {cls.__name__: cls for cls in (AcquireTimeout, AlreadyCompleted, CoordinatorError, CoordinatorUnavailable,
+                                         InvalidArgument, LeaseLost, UnknownDataset, UnknownWorker)}
+
+
+def _error(kind: str, message: str) -> CoordinatorError:
+    return _ERRORS.get(kind, CoordinatorError)(message)
+
+
+def described(exc: BaseException) -> list[str]:
+    kind = type(exc).__name__
+    return [kind, str(exc)] if kind in _ERRORS else ["CoordinatorError", f"{kind}: {exc}"]
+
+
+def shard_fields(shard: Shard) -> list[Any]:
+    """A shard as the JSON list that ``Shard(*fields)`` makes again."""
+    return [getattr(shard, name) for name in _FIELDS]
+
+
+class LeaseProcess:
+    """``dataset.complete_and_acquire_many`` through a helper process (see the module doc).
+
+    ``url``: the URL the store was opened with, password included (it goes to the
+    helper over a pipe). Thread-safe (one round trip at a time). :meth:`close` stops
+    the helper; later calls run in this process.
+    """
+
+    @classmethod
+    def start(cls, dataset: Dataset) -> "LeaseProcess | None":
+        """A helper for ``dataset``, or None where its store is this process's alone (``memory://``)."""
+        url = dataset.coordinator._shared_url
+        return None if url is None else cls(dataset, url)
+
+    def __init__(self, dataset: Dataset, url: str) -> None:
+        self.dataset = dataset
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._closed = False
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [sys.executable, "-m", "sharding._lease_helper"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env)
+        self._send({"version": PROTOCOL_VERSION, "url": url, "dataset": dataset.name,
+                    "options": dataclasses.asdict(dataset.coordinator.options)})
+        self._ready = False  # the helper's greeting is read with the first reply: start-up overlaps
+
+    def __repr__(self) -> str:
+        state = "in-process" if self._process is None else f"pid {self._process.pid}"
+        return f"LeaseProcess({self.dataset.name!r}, {state})"
+
+    @property
+    def pid(self) -> int | None:
+        """The helper's process id; None once it is gone (round trips run in this process)."""
+        return None if self._process is None else self._process.pid
+
+    def complete_and_acquire_many(self, done: Sequence[Shard], worker: str, count: int, *,
+                                  timeout: float | None = None) -> tuple[list[Shard], list[LeaseLost]]:
+        """As :meth:`Dataset.complete_and_acquire_many`, run by the helper."""
+        with self._lock:
+            if self._process is None or os.getpid() != self._pid:  # gone, or a forked child's copy
+                if self._closed:
+                    raise CoordinatorUnavailable(f"{self}: closed")
+                return self.dataset.complete_and_acquire_many(done, worker, count, timeout=timeout)
+            try:
+                self._send({"done": [shard_fields(s) for s in done], "worker": worker,
+                            "count": count, "timeout": timeout})
+                if not self._ready:  # its greeting: connected, or why not
+                    self._check(self._receive())
+                    self._ready = True
+                reply = self._receive()
+            except (OSError, ValueError, EOFError) as exc:  # a broken pipe, a cut line, a failed start
+                if self._closed:
+                    raise CoordinatorUnavailable(f"{self}: closed during a round trip") from exc
+                self._lost(exc)
+                return self.dataset.complete_and_acquire_many(done, worker, count, timeout=timeout)
+        self._check(reply)
+        shards = [Shard(*fields) for fields in reply["shards"]]
+        return shards, [_error(kind, message) for kind, message in reply["refused"]]  # type: ignore[misc]
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self._process is not None and self._process.stdin is not None
+        self._process.stdin.write(json.dumps(message).encode() + b"\n")
+        self._process.stdin.flush()
+
+    def _receive(self) -> dict[str, Any]:
+        assert self._process is not None and self._process.stdout is not None
+        line = self._process.stdout.readline()
+        if not line:
+            raise EOFError("the helper closed its output")
+        return json.loads(line)
+
+    @staticmethod
+    def _check(reply: dict[str, Any]) -> dict[str, Any]:
+        if "error" in reply:
+            raise _error(*reply["error"])
+        return reply
+
+    def _lost(self, exc: BaseException) -> None:
+        """The helper died (or spoke garbage): leasing goes on in this process."""
+        process, self._process = self._process, None
+        assert process is not None
+        process.kill()
+        code = process.wait()
+        log.warning("%s: the lease helper (pid %d) is gone (exit code %s: %s); leasing in this process from now on",
+                    self.dataset.name, process.pid, code, exc)
+
+    def close(self) -> None:
+        """Stop the helper (it exits once its input closes)."""
+        self._closed = True
+        process, self._process = self._process, None
+        if process is None or os.getpid() != self._pid:
+            return
+        try:
+            assert process.stdin is not None
+            process.stdin.close()
+        except OSError:
+            pass
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # in a round trip that waits for other workers' leases
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
