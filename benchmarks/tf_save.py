@@ -9,7 +9,8 @@ state built (parameters + two moments). Timed, medians over repeats, methods int
   preallocated, already-touched shared-memory mapping: the memcpy floor; and the same
   copies dealt out to as many threads as a save's copy uses (``flashckpt._copy``: the
   usable CPUs, at most 4), the floor for a save that uses the machine's bandwidth.
-- ``Checkpointer.save`` blocking time (steady state, persist on), ``save`` + ``wait``
+- ``Checkpointer.save`` blocking time (steady state, persist on; ``--pairs`` saves per repeat,
+  each right after a threaded floor copy, with the median of their paired ratios), ``save`` + ``wait``
   (durable), ``load`` from memory (in place);
 - ``tf.train.Checkpoint.write`` (synchronous, to the same disk), its async variant
   (``CheckpointOptions(experimental_enable_async_checkpoint=True)``: blocking part only)
@@ -20,8 +21,9 @@ state built (parameters + two moments). Timed, medians over repeats, methods int
 
 Part 2, graph mode (tf.estimator's session): the same parameter count as graph variables;
 floors (one copy into touched shared memory from a ``tf.numpy_function`` over the
-variables' reads, on one thread and on the save's threads), ``FlashCheckpointHook``'s save, and ``tf.compat.v1.train.Saver.save``
-(what the estimator's ``CheckpointSaverHook`` calls; to the page cache, no fsync, like
+variables' reads, on one thread and on the save's threads), ``FlashCheckpointHook``'s
+load from memory and save, and ``tf.compat.v1.train.Saver.save`` (what the estimator's
+``CheckpointSaverHook`` calls; to the page cache, no fsync, like
 ``tf.train.Checkpoint.write`` in part 1).
 
 Part 3, input: records/s of ``make_input_fn``'s pipeline (SQLite coordinator, shards of
@@ -145,14 +147,20 @@ def bench_eager(args, root: Path) -> dict:
 
     r: dict[str, list[float]] = {k: [] for k in (
         "floor", "floor_threads", "flash_save", "flash_durable", "flash_load_memory", "tf_write", "tf_async_write_blocking",
-        "tf_read", "train_step", "flash_background_save", "step_after_flash_background", "step_after_tf_async")}
+        "tf_read", "train_step", "flash_background_save", "step_after_flash_background", "step_after_tf_async", "save_over_floor_threads_paired")}
     step = 2
     for rep in range(args.repeats):
         r["floor"].append(median([timed(lambda: floor.copy(variables)) for _ in range(3)]))
-        r["floor_threads"].append(median([timed(lambda: floor.copy(variables, threads)) for _ in range(3)]))
-        r["flash_save"].append(timed(lambda: flash.save(step)))
-        flash.wait()
-        step += 1
+        # steady saves alternate with the threaded floor, back to back, each save persisted before
+        # the next pair: their ratios cancel this machine's drift in memory bandwidth
+        pairs = []
+        for _ in range(args.pairs):
+            pairs.append((timed(lambda: floor.copy(variables, threads)), timed(lambda: flash.save(step))))
+            flash.wait()
+            step += 1
+        r["floor_threads"].append(median([f for f, _ in pairs]))
+        r["flash_save"].append(median([s for _, s in pairs]))
+        r["save_over_floor_threads_paired"].append(median([s / f for f, s in pairs]))
         r["flash_durable"].append(timed(lambda: (flash.save(step), flash.wait())))
         step += 1
         r["flash_load_memory"].append(timed(lambda: flash.load()))
@@ -231,12 +239,13 @@ def bench_graph(args, root: Path) -> dict:
             for rep in range(args.repeats):
                 r["floor"].append(timed(lambda: sess.run(floor_op)))
                 r["floor_threads"].append(timed(lambda: sess.run(floor_threads_op)))
-                r["hook_save"].append(timed(lambda: hook._save(sess, 2 * rep + 1)))
+                # steps after the warm-up's: memory must hold the newest step for a load from memory
+                r["hook_load_memory"].append(timed(lambda: hook._load(sess)))  # one copy into the buffers
+                r["hook_save"].append(timed(lambda: hook._save(sess, 200 + 2 * rep)))
                 hook._engine.wait()
-                r["hook_durable"].append(timed(lambda: (hook._save(sess, 2 * rep + 2), hook._engine.wait())))
+                r["hook_durable"].append(timed(lambda: (hook._save(sess, 201 + 2 * rep), hook._engine.wait())))
                 prefix = saver.save(sess, str(root / "saver" / "model"), global_step=rep)
                 r["saver_save"].append(timed(lambda: saver.save(sess, str(root / "saver" / "model"), global_step=rep)))
-                r["hook_load_memory"].append(timed(lambda: hook._load(sess)))  # one copy into the buffers
                 r["saver_restore"].append(timed(lambda: saver.restore(sess, prefix)))
                 print(f"  graph repeat {rep}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in r.items()), flush=True)
             hook.close()
@@ -322,6 +331,7 @@ def main() -> None:
                         help="run only these parts (default: all)")
     parser.add_argument("--params", type=float, default=100e6)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=5, help="save/threaded-floor pairs per repeat (eager)")
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--input-repeats", type=int, default=8)
     parser.add_argument("--shard-size", type=int, default=1024, help="records per shard in part 3")
@@ -348,7 +358,8 @@ def main() -> None:
         print(f"memcpy floor, {threads} threads            {eager['floor_threads']:.3f}s  "
               f"({gib / eager['floor_threads']:.1f} GiB/s; the save's copy uses {threads})")
         print(f"flashckpt save (blocking)          {eager['flash_save']:.3f}s  = {eager['flash_save'] / eager['floor']:.2f}x "
-              f"the one-thread floor, {eager['flash_save'] / eager['floor_threads']:.2f}x the {threads}-thread floor")
+              f"the one-thread floor, {eager['flash_save'] / eager['floor_threads']:.2f}x the {threads}-thread floor "
+              f"(paired, save after floor: {eager['save_over_floor_threads_paired']:.2f}x)")
         print(f"flashckpt save + wait (durable)    {eager['flash_durable']:.3f}s")
         print(f"flashckpt load from memory         {eager['flash_load_memory']:.3f}s  = "
               f"{eager['flash_load_memory'] / eager['floor']:.2f}x the one-thread floor, "
@@ -371,6 +382,7 @@ def main() -> None:
         ratios.update(flash_background_lost=lost_bg, tf_async_lost=lost_async)
         ratios.update(flash_save_over_floor=eager["flash_save"] / eager["floor"],
                       flash_save_over_floor_threads=eager["flash_save"] / eager["floor_threads"],
+                      flash_save_over_floor_threads_paired=eager["save_over_floor_threads_paired"],
                       flash_load_memory_over_floor_threads=eager["flash_load_memory"] / eager["floor_threads"],
                       tf_write_over_flash_save=eager["tf_write"] / eager["flash_save"],
                       tf_async_blocking_over_flash_save=eager["tf_async_write_blocking"] / eager["flash_save"],
@@ -387,7 +399,8 @@ def main() -> None:
         print(f"Saver.save (CheckpointSaverHook)   {graph['saver_save']:.3f}s  -> "
               f"{graph['saver_save'] / graph['hook_save']:.1f}x the hook's blocking time")
         print(f"FlashCheckpointHook load (memory)  {graph['hook_load_memory']:.3f}s  = "
-              f"{graph['hook_load_memory'] / graph['floor']:.2f}x the one-thread floor")
+              f"{graph['hook_load_memory'] / graph['floor']:.2f}x the one-thread floor, "
+              f"{graph['hook_load_memory'] / graph['floor_threads']:.2f}x the {threads}-thread floor")
         print(f"Saver.restore                      {graph['saver_restore']:.3f}s  -> "
               f"{graph['saver_restore'] / graph['hook_load_memory']:.1f}x the hook's load")
         ratios.update(saver_save_over_hook_save=graph["saver_save"] / graph["hook_save"],
