@@ -27,26 +27,17 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import _errors
 from ._coordinator import Dataset, Shard
-from ._errors import (
-    AcquireTimeout,
-    AlreadyCompleted,
-    CoordinatorError,
-    CoordinatorUnavailable,
-    InvalidArgument,
-    LeaseLost,
-    UnknownDataset,
-    UnknownWorker,
-)
+from ._errors import CoordinatorError, CoordinatorUnavailable, LeaseLost
 
-__all__ = ["PROTOCOL_VERSION", "LeaseProcess", "shard_fields", "described"]
+__all__ = ["PROTOCOL_VERSION", "LeaseProcess", "described", "shard_fields"]
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 _FIELDS = tuple(f.name for f in dataclasses.fields(Shard))
-_ERRORS = {cls.__name__: cls for cls in (AcquireTimeout, AlreadyCompleted, CoordinatorError, CoordinatorUnavailable,
-                                         InvalidArgument, LeaseLost, UnknownDataset, UnknownWorker)}
+_ERRORS: dict[str, type[CoordinatorError]] = {name: getattr(_errors, name) for name in _errors.__all__}
 
 
 def _error(kind: str, message: str) -> CoordinatorError:
@@ -54,6 +45,7 @@ def _error(kind: str, message: str) -> CoordinatorError:
 
 
 def described(exc: BaseException) -> list[str]:
+    """An exception as the ``[class name, message]`` a reply carries (foreign ones as CoordinatorError)."""
     kind = type(exc).__name__
     return [kind, str(exc)] if kind in _ERRORS else ["CoordinatorError", f"{kind}: {exc}"]
 
