@@ -51,28 +51,29 @@ def split_ranges(dsts: list[Any], srcs: list[Any], parts: int) -> list[list[Pair
     share = max(1, -(-total // max(1, parts)))
     groups: list[list[Pair]] = [[]]
     room = share
+
+    def room_left() -> int:
+        """Bytes the current group still takes; opens the next group when it is full."""
+        nonlocal room
+        if room <= 0 and len(groups) < parts:
+            groups.append([])
+            room = share
+        return room if len(groups) < parts else total  # the last group takes the rest
+
     for dst, src in zip(dsts, srcs):
-        whole = (dst.shape != src.shape or dst.dtype != src.dtype or dst.itemsize == 0
-                 or not dst.flags.c_contiguous or not src.flags.c_contiguous)
-        if whole:
-            if room <= 0 and len(groups) < parts:
-                groups.append([])
-                room = share
+        if (dst.shape != src.shape or dst.dtype != src.dtype or dst.size == 0
+                or not dst.flags.c_contiguous or not src.flags.c_contiguous):
+            room_left()
             groups[-1].append((dst, src))
             room -= dst.nbytes
             continue
         flat_dst, flat_src = dst.reshape(-1), src.reshape(-1)
-        at, count = 0, flat_dst.size
-        while at < count:
-            if room <= 0 and len(groups) < parts:
-                groups.append([])
-                room = share
-            take = count - at if len(groups) == parts else min(count - at, max(1, room // dst.itemsize))
+        at = 0
+        while at < flat_dst.size:
+            take = min(flat_dst.size - at, max(1, room_left() // dst.itemsize))
             groups[-1].append((flat_dst[at:at + take], flat_src[at:at + take]))
             at += take
             room -= take * dst.itemsize
-        if count == 0:
-            groups[-1].append((dst, src))
     return [group for group in groups if group]
 
 

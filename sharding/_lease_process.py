@@ -79,9 +79,12 @@ class LeaseProcess:
         self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
             [sys.executable, "-m", "sharding._lease_helper"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=env)
-        self._send({"version": PROTOCOL_VERSION, "url": url, "dataset": dataset.name,
-                    "options": dataclasses.asdict(dataset.coordinator.options)})
         self._ready = False  # the helper's greeting is read with the first reply: start-up overlaps
+        try:
+            self._send({"version": PROTOCOL_VERSION, "url": url, "dataset": dataset.name,
+                        "options": dataclasses.asdict(dataset.coordinator.options)})
+        except OSError as exc:  # it died at once: lease in this process
+            self._lost(exc)
 
     def __repr__(self) -> str:
         state = "in-process" if self._process is None else f"pid {self._process.pid}"

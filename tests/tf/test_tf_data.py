@@ -3,6 +3,7 @@ prefetched; an abandoned pass re-yields what was never trained; the estimator in
 with ShardReportHook completes every shard."""
 
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -82,11 +83,16 @@ def test_estimator_input_fn_with_report_hook_completes_every_shard(tmp_path):
     config = tf.estimator.RunConfig(model_dir=str(tmp_path / "model"), save_checkpoints_steps=1000,
                                     save_summary_steps=None)
     estimator = tf.estimator.Estimator(model_fn, config=config)
+    helper = input_fn.positions._leases
     estimator.train(input_fn, hooks=[etf.ShardReportHook()])
     progress = sharding.connect(url).dataset("train").progress()
     assert progress["finished"] and progress["leased"] == 0
     assert progress["workers"]["est-0"]["completed"] == n // 10
     assert estimator.get_variable_value("global_step") == int(np.ceil(n / batch))
+    # the round trips ran in the lease helper (it answered its greeting and every lease), never here
+    assert isinstance(helper, sharding.LeaseProcess) and helper.pid not in (None, os.getpid()) and helper._ready
+    input_fn.positions.close()
+    assert helper.pid is None and input_fn.positions._leases is input_fn.positions.dataset
 
 
 def test_files_data_set_hands_out_file_and_offsets_and_shuffled_indices():
