@@ -67,7 +67,13 @@ class LeaseProcess:
     def start(cls, dataset: Dataset) -> "LeaseProcess | None":
         """A helper for ``dataset``, or None where its store is this process's alone (``memory://``)."""
         url = dataset.coordinator._shared_url
-        return None if url is None else cls(dataset, url)
+        if url is None:
+            return None
+        try:
+            return cls(dataset, url)
+        except OSError as exc:  # no interpreter to start (an embedded or frozen Python)
+            log.warning("%s: no lease helper (%s); leasing in this process", dataset.name, exc)
+            return None
 
     def __init__(self, dataset: Dataset, url: str) -> None:
         self.dataset = dataset

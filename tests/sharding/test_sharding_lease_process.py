@@ -48,6 +48,13 @@ def test_memory_stores_have_none() -> None:
     assert sharding.LeaseProcess.start(ds) is None
 
 
+def test_no_interpreter_to_start_means_leasing_here(shared_backend: Backend, monkeypatch, caplog) -> None:
+    ds = shared_backend.connect().dataset("d", size=8, shard_size=4)
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    assert sharding.LeaseProcess.start(ds) is None
+    assert "no lease helper" in caplog.text
+
+
 def test_the_helper_leases_what_this_process_would(shared_backend: Backend) -> None:
     ds = shared_backend.connect().dataset("d", size=50, shard_size=4, num_epochs=2, shuffle=True, seed=3)
     leases = sharding.LeaseProcess.start(ds)
