@@ -1,4 +1,4 @@
-"""The lease helper process of :class:`sharding.LeaseProcess` (``python -m sharding._lease_helper``).
+"""The lease helper process of :class:`sharding.LeaseProcess` (:func:`main` in a fresh interpreter).
 
 Reads a greeting (protocol version, store URL, options, data set) and then one JSON
 request per line from its standard input, answers each with one JSON line, and exits
@@ -46,6 +46,11 @@ def _serve(requests: IO[bytes], replies: IO[bytes]) -> None:
             reply({"error": described(exc)})
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The helper's entry point: serve standard input until it closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the training process; we go when it does
     _serve(sys.stdin.buffer, sys.stdout.buffer)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,7 @@ hundred microseconds of Python per round trip. The helper process holds its own
 connection to the same store and runs the round trips; the training process only
 writes and reads one line of JSON per round trip, and waits without the GIL.
 
-The helper is ``python -m sharding._lease_helper``: it imports nothing but this
+The helper is ``sharding._lease_helper.main`` in a fresh interpreter: it imports nothing but this
 package, reads the store's URL (with any password) from its standard input, never
 from its command line, and exits when its standard input closes, so it does not
 outlive a killed training process. If it dies, the round trips go back into the
@@ -36,6 +36,7 @@ __all__ = ["PROTOCOL_VERSION", "LeaseProcess", "described", "shard_fields"]
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+_START_HELPER = "import sys; sys.path.append(sys.argv[1]); from sharding._lease_helper import main; main()"
 _FIELDS = tuple(f.name for f in dataclasses.fields(Shard))
 _ERRORS: dict[str, type[CoordinatorError]] = {name: getattr(_errors, name) for name in _errors.__all__}
 
@@ -80,11 +81,9 @@ class LeaseProcess:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._closed = False
-        package_root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        package_root = str(Path(__file__).resolve().parent.parent)  # appended: never shadows the stdlib
         self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-m", "sharding._lease_helper"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=env)
+            [sys.executable, "-c", _START_HELPER, package_root], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._ready = False  # the helper's greeting is read with the first reply: start-up overlaps
         try:
             self._send({"version": PROTOCOL_VERSION, "url": url, "dataset": dataset.name,
@@ -112,8 +111,10 @@ class LeaseProcess:
             try:
                 self._send({"done": [shard_fields(s) for s in done], "worker": worker,
                             "count": count, "timeout": timeout})
-                if not self._ready:  # its greeting: connected, or why not
-                    self._check(self._receive())
+                if not self._ready:  # its greeting: connected, or why not (then this process tries)
+                    greeting = self._receive()
+                    if "error" in greeting:
+                        raise ConnectionError(f"it could not open the store: {': '.join(greeting['error'])}")
                     self._ready = True
                 reply = self._receive()
             except (OSError, ValueError, EOFError) as exc:  # a broken pipe, a cut line, a failed start

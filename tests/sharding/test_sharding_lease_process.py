@@ -106,6 +106,18 @@ def test_a_dead_helper_hands_the_round_trips_back(shared_backend: Backend, caplo
     assert ds.progress()["finished"] is True
 
 
+def test_a_helper_that_cannot_open_the_store_leaves_leasing_here(shared_backend: Backend, caplog) -> None:
+    ds = shared_backend.connect().dataset("d", size=8, shard_size=4)
+    broken = "sqlite:////nonexistent-dir/shards.db" if shared_backend.kind == "sqlite" else "redis://127.0.0.1:1/0"
+    leases = sharding.LeaseProcess(ds, broken)
+    try:
+        shards, refused = leases.complete_and_acquire_many([], "w", 2)  # this process's store answers
+        assert [s.start for s in shards] == [0, 4] and refused == [] and leases.pid is None
+    finally:
+        leases.close()
+    assert "could not open the store" in caplog.text and "leasing in this process" in caplog.text
+
+
 def test_after_close_no_round_trip_runs(shared_backend: Backend) -> None:
     ds = shared_backend.connect().dataset("d", size=8, shard_size=4)
     leases = sharding.LeaseProcess.start(ds)
