@@ -56,6 +56,20 @@ def shard_fields(shard: Shard) -> list[Any]:
     return [getattr(shard, name) for name in _FIELDS]
 
 
+def _send(process: "subprocess.Popen[bytes]", message: dict[str, Any]) -> None:
+    assert process.stdin is not None
+    process.stdin.write(json.dumps(message).encode() + b"\n")
+    process.stdin.flush()
+
+
+def _receive(process: "subprocess.Popen[bytes]") -> dict[str, Any]:
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        raise EOFError("the helper closed its output")
+    return json.loads(line)
+
+
 class LeaseProcess:
     """``dataset.complete_and_acquire_many`` through a helper process (see the module doc).
 
@@ -86,8 +100,8 @@ class LeaseProcess:
             [sys.executable, "-c", _START_HELPER, package_root], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._ready = False  # the helper's greeting is read with the first reply: start-up overlaps
         try:
-            self._send({"version": PROTOCOL_VERSION, "url": url, "dataset": dataset.name,
-                        "options": dataclasses.asdict(dataset.coordinator.options)})
+            _send(self._process, {"version": PROTOCOL_VERSION, "url": url, "dataset": dataset.name,
+                                  "options": dataclasses.asdict(dataset.coordinator.options)})
         except OSError as exc:  # it died at once: lease in this process
             self._lost(exc)
 
@@ -104,50 +118,35 @@ class LeaseProcess:
                                   timeout: float | None = None) -> tuple[list[Shard], list[LeaseLost]]:
         """As :meth:`Dataset.complete_and_acquire_many`, run by the helper."""
         with self._lock:
-            if self._process is None or os.getpid() != self._pid:  # gone, or a forked child's copy
+            process = self._process  # a close() meanwhile lets this round trip end
+            if process is None or os.getpid() != self._pid:  # gone, or a forked child's copy
                 if self._closed:
                     raise CoordinatorUnavailable(f"{self}: closed")
                 return self.dataset.complete_and_acquire_many(done, worker, count, timeout=timeout)
             try:
-                self._send({"done": [shard_fields(s) for s in done], "worker": worker,
-                            "count": count, "timeout": timeout})
+                _send(process, {"done": [shard_fields(s) for s in done], "worker": worker, "count": count,
+                                "timeout": timeout})
                 if not self._ready:  # its greeting: connected, or why not (then this process tries)
-                    greeting = self._receive()
+                    greeting = _receive(process)
                     if "error" in greeting:
                         raise ConnectionError(f"it could not open the store: {': '.join(greeting['error'])}")
                     self._ready = True
-                reply = self._receive()
+                reply = _receive(process)
             except (OSError, ValueError, EOFError) as exc:  # a broken pipe, a cut line, a failed start
                 if self._closed:
                     raise CoordinatorUnavailable(f"{self}: closed during a round trip") from exc
                 self._lost(exc)
                 return self.dataset.complete_and_acquire_many(done, worker, count, timeout=timeout)
-        self._check(reply)
+        if "error" in reply:
+            raise _error(*reply["error"])
         shards = [Shard(*fields) for fields in reply["shards"]]
         return shards, [_error(kind, message) for kind, message in reply["refused"]]  # type: ignore[misc]
 
-    def _send(self, message: dict[str, Any]) -> None:
-        assert self._process is not None and self._process.stdin is not None
-        self._process.stdin.write(json.dumps(message).encode() + b"\n")
-        self._process.stdin.flush()
-
-    def _receive(self) -> dict[str, Any]:
-        assert self._process is not None and self._process.stdout is not None
-        line = self._process.stdout.readline()
-        if not line:
-            raise EOFError("the helper closed its output")
-        return json.loads(line)
-
-    @staticmethod
-    def _check(reply: dict[str, Any]) -> dict[str, Any]:
-        if "error" in reply:
-            raise _error(*reply["error"])
-        return reply
-
     def _lost(self, exc: BaseException) -> None:
-        """The helper died (or spoke garbage): leasing goes on in this process."""
+        """The helper died, spoke garbage or could not open the store: leasing goes on in this process."""
         process, self._process = self._process, None
-        assert process is not None
+        if process is None:  # closed meanwhile
+            return
         process.kill()
         code = process.wait()
         log.warning("%s: the lease helper (pid %d) is gone (exit code %s: %s); leasing in this process from now on",
@@ -169,5 +168,6 @@ class LeaseProcess:
         except subprocess.TimeoutExpired:  # in a round trip that waits for other workers' leases
             process.kill()
             process.wait()
-        if process.stdout is not None:
+        if process.stdout is not None and self._lock.acquire(blocking=False):  # else a round trip reads its reply
             process.stdout.close()
+            self._lock.release()

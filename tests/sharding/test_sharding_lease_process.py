@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,6 +126,34 @@ def test_after_close_no_round_trip_runs(shared_backend: Backend) -> None:
     with pytest.raises(sharding.CoordinatorUnavailable, match="closed"):
         leases.complete_and_acquire_many([], "w", 1)
     assert ds.progress()["leased"] == 0
+
+
+def test_a_close_during_a_waiting_round_trip_lets_it_end(shared_backend: Backend) -> None:
+    ds = shared_backend.connect().dataset("d", size=4, shard_size=4)
+    held = ds.acquire("a")
+    leases = sharding.LeaseProcess.start(ds)
+    with pytest.raises(sharding.AcquireTimeout):
+        leases.complete_and_acquire_many([], "b", 1, timeout=0.05)
+    result: dict = {}
+
+    def lease() -> None:
+        try:
+            result["got"] = leases.complete_and_acquire_many([], "b", 1)  # waits for a's lease
+        except Exception as exc:
+            result["error"] = exc
+
+    waiting = threading.Thread(target=lease)
+    waiting.start()
+    time.sleep(0.3)
+    closing = threading.Thread(target=leases.close)
+    closing.start()
+    time.sleep(0.2)
+    ds.complete(held)  # the epoch ends: the helper's wait returns, it answers, reads the end of its input, exits
+    waiting.join(10)
+    closing.join(10)
+    assert not waiting.is_alive() and not closing.is_alive()
+    assert result == {"got": ([], [])}
+    assert leases.pid is None
 
 
 def test_the_password_never_reaches_a_command_line(redis_server) -> None:
