@@ -1,7 +1,7 @@
 """TensorFlow: flashckpt.tf side by side with TF's own checkpoints, and elastic.tf input speed.
 
     python benchmarks/tf_save.py [--params 100e6] [--repeats 3] [--records 1000000]
-                                 [--dir DIR] [--json results/tf_save.json]
+                                 [--input-fresh] [--dir DIR] [--json results/tf_save.json]
 
 Part 1, eager (Keras): a stack of Dense layers with about ``--params`` parameters, Adam
 state built (parameters + two moments). Timed, medians over repeats, methods interleaved:
@@ -36,7 +36,9 @@ ratio (its two runs back to back: this machine's speed drifts by a fifth within 
 Each repeat also runs both pipelines with tf.data's autotuning off: under the default
 options TF's autotuner flips each run, of either pipeline, between two speeds (~775k and ~1M
 records/s here), which a median over a few runs can hide or exaggerate; with it off both are
-steady, and the ratio shows what the coordinator and the counting cost.
+steady, and the ratio shows what the coordinator and the counting cost. ``--input-fresh`` runs
+each pass in a fresh process, as a training job has one pipeline per process: in one long
+process the elastic pipeline measured lower (81-98% paired by run) than in fresh ones (96%).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -257,57 +260,63 @@ def bench_graph(args, root: Path) -> dict:
     return out
 
 
-def bench_input(args, root: Path) -> dict:
+def input_run(args, root: Path, kind: str, autotune: bool, tag: str) -> tuple[float, float]:
+    """One pass over ``args.records`` records through the plain or the elastic pipeline:
+    records per wall second and per CPU second of this process (all its threads)."""
     n, shard, batch, dim = args.records, args.shard_size, 64, 32
-    features = tf.random.uniform([n, dim])
-    labels = tf.random.uniform([n])
+    features = tf.random.stateless_uniform([n, dim], seed=[0, 1])
+    labels = tf.random.stateless_uniform([n], seed=[0, 2])
 
     def reader(s):
         return tf.data.Dataset.from_tensor_slices((features[s.start:s.end], labels[s.start:s.end]))
 
-    def plain():
+    positions = None
+    if kind == "plain":
         starts = tf.data.Dataset.range(0, n, shard)
         spec = starts.map(lambda s: etf.ShardSpec(s, tf.minimum(s + shard, n), tf.zeros([0], tf.int64), "", s, 0))
-        return spec.flat_map(reader).batch(batch).prefetch(tf.data.AUTOTUNE)
-
-    def run(dataset, positions=None) -> tuple[float, float]:
-        """records per wall second and per CPU second of the process (all its threads):
-        the second is steadier on a shared machine."""
-        count, start, cpu = 0, time.perf_counter(), time.process_time()
-        for x, _ in dataset:
-            count += int(x.shape[0])
-            if positions is not None:
-                positions.consumed_steps(1)
-        assert count == n, count
-        return n / (time.perf_counter() - start), n / (time.process_time() - cpu)
-
-    def options(dataset, autotune: bool):
-        if autotune:
-            return dataset
+        dataset = spec.flat_map(reader).batch(batch).prefetch(tf.data.AUTOTUNE)
+    else:
+        input_fn = etf.make_input_fn(reader, coordinator=f"sqlite:///{root}/input-{tag}.db", name="train", size=n,
+                                     shard_size=shard, batch_size=batch, worker="bench")
+        dataset, positions = input_fn(), input_fn.positions
+    if not autotune:
         off = tf.data.Options()
         off.autotune.enabled = False
-        return dataset.with_options(off)
+        dataset = dataset.with_options(off)
+    count, start, cpu = 0, time.perf_counter(), time.process_time()
+    for x, _ in dataset:
+        count += int(x.shape[0])
+        if positions is not None:
+            positions.consumed_steps(1)  # as under ShardReportHook
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    if positions is not None:
+        positions.close()
+    assert count == n, count
+    return n / wall, n / cpu
+
+
+def bench_input(args, root: Path) -> dict:
+    n, shard, batch = args.records, args.shard_size, 64
+
+    def measure(kind: str, autotune: bool, tag: str) -> tuple[float, float]:
+        if not args.input_fresh:
+            return input_run(args, root, kind, autotune, tag)
+        # a fresh process per run, as a training job has: no state carried over from the runs before
+        command = [sys.executable, __file__, "--input-run", kind, "--records", str(n), "--shard-size", str(shard),
+                   "--dir", str(root), "--tag", tag] + ([] if autotune else ["--autotune-off"])
+        reply = subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        wall, cpu = json.loads(reply)
+        return wall, cpu
 
     kinds = ("plain_records_per_s", "elastic_records_per_s", "plain_records_per_cpu_s", "elastic_records_per_cpu_s")
     settings = {"default": True, "autotune_off": False}
     r: dict[str, dict[str, list[float]]] = {setting: {k: [] for k in kinds} for setting in settings}
     for rep in range(args.input_repeats):
         for setting, autotune in settings.items():
-            def elastic() -> None:
-                input_fn = etf.make_input_fn(reader, coordinator=f"sqlite:///{root}/input-{setting}-{rep}.db",
-                                             name="train", size=n, shard_size=shard, batch_size=batch, worker="bench")
-                wall, cpu = run(options(input_fn(), autotune), input_fn.positions)  # as under ShardReportHook
-                input_fn.positions.close()
-                r[setting]["elastic_records_per_s"].append(wall)
-                r[setting]["elastic_records_per_cpu_s"].append(cpu)
-
-            def base() -> None:
-                wall, cpu = run(options(plain(), autotune))
-                r[setting]["plain_records_per_s"].append(wall)
-                r[setting]["plain_records_per_cpu_s"].append(cpu)
-
-            for fn in ((base, elastic) if rep % 2 == 0 else (elastic, base)):
-                fn()
+            for kind in (("plain", "elastic") if rep % 2 == 0 else ("elastic", "plain")):
+                wall, cpu = measure(kind, autotune, f"{setting}-{rep}")
+                r[setting][f"{kind}_records_per_s"].append(wall)
+                r[setting][f"{kind}_records_per_cpu_s"].append(cpu)
             print(f"  input repeat {rep}, {setting}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in r[setting].items()),
                   flush=True)
 
@@ -321,7 +330,8 @@ def bench_input(args, root: Path) -> dict:
         return out
 
     out = summary(r["default"])
-    out.update(records=n, shard_size=shard, batch_size=batch, autotune_off=summary(r["autotune_off"]))
+    out.update(records=n, shard_size=shard, batch_size=batch, fresh_processes=args.input_fresh,
+               autotune_off=summary(r["autotune_off"]))
     return out
 
 
@@ -335,9 +345,17 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--input-repeats", type=int, default=8)
     parser.add_argument("--shard-size", type=int, default=1024, help="records per shard in part 3")
+    parser.add_argument("--input-fresh", action="store_true",
+                        help="part 3: run each pipeline pass in a fresh process (as a training job does)")
+    parser.add_argument("--input-run", choices=("plain", "elastic"), help=argparse.SUPPRESS)  # one fresh run
+    parser.add_argument("--tag", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--autotune-off", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir under /tmp)")
     parser.add_argument("--json", default=str(REPO / "results" / "tf_save.json"))
     args = parser.parse_args()
+    if args.input_run:  # a child of --input-fresh: one run, its result as JSON on the last line
+        print(json.dumps(input_run(args, Path(args.dir), args.input_run, not args.autotune_off, args.tag)))
+        return
     root = Path(tempfile.mkdtemp(prefix="tfbench-", dir=args.dir))
     load_at_start = os.getloadavg()
     print(f"load average at start: {load_at_start[0]:.2f} {load_at_start[1]:.2f} {load_at_start[2]:.2f} "
