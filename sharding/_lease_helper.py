@@ -7,43 +7,47 @@ when its input closes. Imports nothing but this package.
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
-from typing import IO, Any
+from typing import IO
 
 from ._connect import connect
 from ._coordinator import Shard
-from ._lease_process import PROTOCOL_VERSION, described, shard_fields
+from ._lease_process import PROTOCOL_VERSION, described, read_message, shard_fields, write_message
 
 
 def _serve(requests: IO[bytes], replies: IO[bytes]) -> None:
-    """The helper: a greeting, then one reply line per request line, until input ends."""
-    def reply(message: dict[str, Any]) -> None:
-        replies.write(json.dumps(message).encode() + b"\n")
-        replies.flush()
-
-    hello = json.loads(requests.readline() or "{}")
+    """The helper: a greeting, then one reply per request, until input ends."""
+    try:
+        hello = read_message(requests)
+    except (EOFError, ValueError):
+        return
     if hello.get("version") != PROTOCOL_VERSION:
-        reply({"error": ["CoordinatorError", f"lease helper: protocol {hello.get('version')!r}, "
-                                             f"expected {PROTOCOL_VERSION}"]})
+        write_message(replies, {"error": ["CoordinatorError", f"lease helper: protocol {hello.get('version')!r}, "
+                                                              f"expected {PROTOCOL_VERSION}"]})
         return
     try:
         dataset = connect(hello["url"], **hello["options"]).dataset(hello["dataset"])
     except Exception as exc:
-        reply({"error": described(exc)})
+        write_message(replies, {"error": described(exc)})
         return
-    reply({"ready": True})
-    for line in requests:
+    write_message(replies, {"ready": True})
+    while True:
         try:
-            request = json.loads(line)
+            request = read_message(requests)
+        except EOFError:
+            return
+        except ValueError as exc:
+            write_message(replies, {"error": described(exc)})
+            continue
+        try:
             shards, refused = dataset.complete_and_acquire_many(
                 [Shard(*fields) for fields in request["done"]], request["worker"], request["count"],
                 timeout=request["timeout"])
-            reply({"shards": [shard_fields(s) for s in shards],
-                   "refused": [described(exc) for exc in refused]})
+            write_message(replies, {"shards": [shard_fields(s) for s in shards],
+                                    "refused": [described(exc) for exc in refused]})
         except Exception as exc:  # the caller raises it
-            reply({"error": described(exc)})
+            write_message(replies, {"error": described(exc)})
 
 
 def main() -> None:

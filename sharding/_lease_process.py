@@ -10,8 +10,8 @@ writes and reads one line of JSON per round trip, and waits without the GIL.
 The helper is ``sharding._lease_helper.main`` in a fresh interpreter: it imports nothing but this
 package, reads the store's URL (with any password) from its standard input, never
 from its command line, and exits when its standard input closes, so it does not
-outlive a killed training process. If it dies, the round trips go back into the
-calling process (with a warning); nothing is lost, as a store keeps no state in
+outlive a killed training process. If it dies (or cannot start, or cannot open the
+store), the round trips go back into the calling process (with a warning); nothing is lost, as a store keeps no state in
 its clients. Only stores that other processes can open (SQLite, Redis) have one.
 """
 
@@ -25,13 +25,13 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import IO, Any, Sequence
 
 from . import _errors
 from ._coordinator import Dataset, Shard
 from ._errors import CoordinatorError, CoordinatorUnavailable, LeaseLost
 
-__all__ = ["PROTOCOL_VERSION", "LeaseProcess", "described", "shard_fields"]
+__all__ = ["PROTOCOL_VERSION", "LeaseProcess", "described", "read_message", "shard_fields", "write_message"]
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +56,17 @@ def shard_fields(shard: Shard) -> list[Any]:
     return [getattr(shard, name) for name in _FIELDS]
 
 
-def _send(process: "subprocess.Popen[bytes]", message: dict[str, Any]) -> None:
-    assert process.stdin is not None
-    process.stdin.write(json.dumps(message).encode() + b"\n")
-    process.stdin.flush()
+def write_message(stream: IO[bytes], message: dict[str, Any]) -> None:
+    """One message of the helper's protocol: a line of JSON."""
+    stream.write(json.dumps(message).encode() + b"\n")
+    stream.flush()
 
 
-def _receive(process: "subprocess.Popen[bytes]") -> dict[str, Any]:
-    assert process.stdout is not None
-    line = process.stdout.readline()
+def read_message(stream: IO[bytes]) -> dict[str, Any]:
+    """The next message from ``stream``; EOFError once it has ended."""
+    line = stream.readline()
     if not line:
-        raise EOFError("the helper closed its output")
+        raise EOFError("the other side closed the pipe")
     return json.loads(line)
 
 
@@ -100,8 +100,8 @@ class LeaseProcess:
             [sys.executable, "-c", _START_HELPER, package_root], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._ready = False  # the helper's greeting is read with the first reply: start-up overlaps
         try:
-            _send(self._process, {"version": PROTOCOL_VERSION, "url": url, "dataset": dataset.name,
-                                  "options": dataclasses.asdict(dataset.coordinator.options)})
+            write_message(self._process.stdin, {"version": PROTOCOL_VERSION, "url": url, "dataset": dataset.name,
+                                          "options": dataclasses.asdict(dataset.coordinator.options)})
         except OSError as exc:  # it died at once: lease in this process
             self._lost(exc)
 
@@ -124,14 +124,14 @@ class LeaseProcess:
                     raise CoordinatorUnavailable(f"{self}: closed")
                 return self.dataset.complete_and_acquire_many(done, worker, count, timeout=timeout)
             try:
-                _send(process, {"done": [shard_fields(s) for s in done], "worker": worker, "count": count,
-                                "timeout": timeout})
+                write_message(process.stdin, {"done": [shard_fields(s) for s in done], "worker": worker,
+                                              "count": count, "timeout": timeout})
                 if not self._ready:  # its greeting: connected, or why not (then this process tries)
-                    greeting = _receive(process)
+                    greeting = read_message(process.stdout)
                     if "error" in greeting:
                         raise ConnectionError(f"it could not open the store: {': '.join(greeting['error'])}")
                     self._ready = True
-                reply = _receive(process)
+                reply = read_message(process.stdout)
             except (OSError, ValueError, EOFError) as exc:  # a broken pipe, a cut line, a failed start
                 if self._closed:
                     raise CoordinatorUnavailable(f"{self}: closed during a round trip") from exc
