@@ -38,7 +38,7 @@ options TF's autotuner flips each run, of either pipeline, between two speeds (~
 records/s here), which a median over a few runs can hide or exaggerate; with it off both are
 steady, and the ratio shows what the coordinator and the counting cost. ``--input-fresh`` runs
 each pass in a fresh process, as a training job has one pipeline per process: in one long
-process the elastic pipeline measured lower (81-98% paired by run) than in fresh ones (96%).
+process the elastic pipeline measured lower (81-98% paired by run) than in fresh ones (96-104%).
 """
 
 from __future__ import annotations
