@@ -1,7 +1,7 @@
 """TensorFlow: flashckpt.tf side by side with TF's own checkpoints, and elastic.tf input speed.
 
     python benchmarks/tf_save.py [--params 100e6] [--repeats 3] [--records 1000000]
-                                 [--input-fresh] [--dir DIR] [--json results/tf_save.json]
+                                 [--input-fresh] [--input-chunk 100] [--dir DIR] [--json results/tf_save.json]
 
 Part 1, eager (Keras): a stack of Dense layers with about ``--params`` parameters, Adam
 state built (parameters + two moments). Timed, medians over repeats, methods interleaved:
@@ -28,22 +28,19 @@ load from memory and save, and ``tf.compat.v1.train.Saver.save`` (what the estim
 
 Part 3, input: records/s of ``make_input_fn``'s pipeline (SQLite coordinator, shards of
 ``--shard-size`` records, the consumer counting each batch as the hook does) vs a plain
-``tf.data.Dataset.range`` over the same shards with the same reader, interleaved. Reported:
-medians of wall-clock records/s, of records per CPU-second of the process (steadier on a
-shared machine: it counts the coordinator's and Python's work wherever it runs), the
-best run of each (the least disturbed by other load), and the median of each repeat's
-ratio (its two runs back to back: this machine's speed drifts by a fifth within a minute).
-Each repeat also runs both pipelines with tf.data's autotuning off: under the default
-options TF's autotuner flips each run, of either pipeline, between two speeds (~775k and ~1M
-records/s here), which a median over a few runs can hide or exaggerate; with it off both are
-steady, and the ratio shows what the coordinator and the counting cost. ``--input-fresh`` runs
-each pass in a fresh process, as a training job has one pipeline per process: in one long
-process the elastic pipeline measured lower (81-98% paired by run) than in fresh ones (96-104%).
+``tf.data.Dataset.range`` over the same shards with the same reader. Both pipelines are open
+in one process and consumed in turns of ``--input-chunk`` batches, so the machine's drift
+(its speed swings by a fifth within a minute here, and runs of one pipeline alone land on
+one of two speeds) hits both alike; separate runs back to back measured anywhere from 56%
+to 135% by pair. Reported: each pass's ratio and their median, and records per CPU-second
+of the consuming thread. Each repeat also runs a pass with tf.data's autotuning off.
+``--input-fresh`` runs each pass in a fresh process, as a training job has.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import mmap
 import os
@@ -260,9 +257,12 @@ def bench_graph(args, root: Path) -> dict:
     return out
 
 
-def input_run(args, root: Path, kind: str, autotune: bool, tag: str) -> tuple[float, float]:
-    """One pass over ``args.records`` records through the plain or the elastic pipeline:
-    records per wall second and per CPU second of this process (all its threads)."""
+def input_interleaved(args, root: Path, autotune: bool, tag: str) -> dict[str, float]:
+    """One pass of ``args.records`` records through each of the plain and the elastic
+    pipeline, both open in this process and consumed in alternating chunks of
+    ``args.input_chunk`` batches (which one goes first alternates too), so a slowdown of
+    the machine hits both alike. Records per wall second, and per CPU second of the
+    consuming thread (the training thread), of each."""
     n, shard, batch, dim = args.records, args.shard_size, 64, 32
     features = tf.random.stateless_uniform([n, dim], seed=[0, 1])
     labels = tf.random.stateless_uniform([n], seed=[0, 2])
@@ -270,68 +270,66 @@ def input_run(args, root: Path, kind: str, autotune: bool, tag: str) -> tuple[fl
     def reader(s):
         return tf.data.Dataset.from_tensor_slices((features[s.start:s.end], labels[s.start:s.end]))
 
-    positions = None
-    if kind == "plain":
-        starts = tf.data.Dataset.range(0, n, shard)
-        spec = starts.map(lambda s: etf.ShardSpec(s, tf.minimum(s + shard, n), tf.zeros([0], tf.int64), "", s, 0))
-        dataset = spec.flat_map(reader).batch(batch).prefetch(tf.data.AUTOTUNE)
-    else:
-        input_fn = etf.make_input_fn(reader, coordinator=f"sqlite:///{root}/input-{tag}.db", name="train", size=n,
-                                     shard_size=shard, batch_size=batch, worker="bench")
-        dataset, positions = input_fn(), input_fn.positions
+    starts = tf.data.Dataset.range(0, n, shard)
+    spec = starts.map(lambda s: etf.ShardSpec(s, tf.minimum(s + shard, n), tf.zeros([0], tf.int64), "", s, 0))
+    input_fn = etf.make_input_fn(reader, coordinator=f"sqlite:///{root}/input-{tag}.db", name="train", size=n,
+                                 shard_size=shard, batch_size=batch, worker="bench")
+    datasets = {"plain": spec.flat_map(reader).batch(batch).prefetch(tf.data.AUTOTUNE), "elastic": input_fn()}
     if not autotune:
         off = tf.data.Options()
         off.autotune.enabled = False
-        dataset = dataset.with_options(off)
-    count, start, cpu = 0, time.perf_counter(), time.process_time()
-    for x, _ in dataset:
-        count += int(x.shape[0])
-        if positions is not None:
-            positions.consumed_steps(1)  # as under ShardReportHook
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    if positions is not None:
-        positions.close()
-    assert count == n, count
-    return n / wall, n / cpu
+        datasets = {kind: dataset.with_options(off) for kind, dataset in datasets.items()}
+    iterators = {kind: iter(dataset) for kind, dataset in datasets.items()}
+    wall, cpu, count = dict.fromkeys(datasets, 0.0), dict.fromkeys(datasets, 0.0), dict.fromkeys(datasets, 0)
+    turn = 0
+    while any(count[kind] < n for kind in datasets):
+        for kind in (("plain", "elastic") if turn % 2 == 0 else ("elastic", "plain")):
+            start, thread_cpu = time.perf_counter(), time.thread_time()
+            for x, _ in itertools.islice(iterators[kind], args.input_chunk):
+                count[kind] += int(x.shape[0])
+                if kind == "elastic":
+                    input_fn.positions.consumed_steps(1)  # as under ShardReportHook
+            wall[kind] += time.perf_counter() - start
+            cpu[kind] += time.thread_time() - thread_cpu
+        turn += 1
+    input_fn.positions.close()
+    assert count == {"plain": n, "elastic": n}, count
+    return {f"{kind}_records_per_{unit}": n / spent[kind]
+            for kind in datasets for unit, spent in (("s", wall), ("thread_cpu_s", cpu))}
 
 
 def bench_input(args, root: Path) -> dict:
-    n, shard, batch = args.records, args.shard_size, 64
-
-    def measure(kind: str, autotune: bool, tag: str) -> tuple[float, float]:
+    def measure(autotune: bool, tag: str) -> dict[str, float]:
         if not args.input_fresh:
-            return input_run(args, root, kind, autotune, tag)
-        # a fresh process per run, as a training job has: no state carried over from the runs before
-        command = [sys.executable, __file__, "--input-run", kind, "--records", str(n), "--shard-size", str(shard),
-                   "--dir", str(root), "--tag", tag] + ([] if autotune else ["--autotune-off"])
+            return input_interleaved(args, root, autotune, tag)
+        # a fresh process per pass, as a training job has: no state carried over from the passes before
+        command = [sys.executable, __file__, "--input-run", "--records", str(args.records), "--shard-size",
+                   str(args.shard_size), "--input-chunk", str(args.input_chunk), "--dir", str(root), "--tag", tag]
+        command += [] if autotune else ["--autotune-off"]
         reply = subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-        wall, cpu = json.loads(reply)
-        return wall, cpu
+        return json.loads(reply)
 
-    kinds = ("plain_records_per_s", "elastic_records_per_s", "plain_records_per_cpu_s", "elastic_records_per_cpu_s")
     settings = {"default": True, "autotune_off": False}
-    r: dict[str, dict[str, list[float]]] = {setting: {k: [] for k in kinds} for setting in settings}
+    runs: dict[str, list[dict[str, float]]] = {setting: [] for setting in settings}
     for rep in range(args.input_repeats):
         for setting, autotune in settings.items():
-            for kind in (("plain", "elastic") if rep % 2 == 0 else ("elastic", "plain")):
-                wall, cpu = measure(kind, autotune, f"{setting}-{rep}")
-                r[setting][f"{kind}_records_per_s"].append(wall)
-                r[setting][f"{kind}_records_per_cpu_s"].append(cpu)
-            print(f"  input repeat {rep}, {setting}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in r[setting].items()),
-                  flush=True)
+            runs[setting].append(measure(autotune, f"{setting}-{rep}"))
+            r = runs[setting][-1]
+            print(f"  input repeat {rep}, {setting}: plain {r['plain_records_per_s']:,.0f}, make_input_fn "
+                  f"{r['elastic_records_per_s']:,.0f} records/s", flush=True)
 
-    def summary(runs: dict[str, list[float]]) -> dict:
-        out = {k: median(v) for k, v in runs.items()}
-        out.update({f"best_{k}": max(v) for k, v in runs.items()})  # the least disturbed run of each
-        # each repeat ran the two back to back: their ratio cancels the machine's drift between repeats
-        out["paired_ratios"] = [e / p for e, p in zip(runs["elastic_records_per_s"], runs["plain_records_per_s"])]
-        out["paired_ratio"] = median(out["paired_ratios"])
-        out["samples"] = runs
+    def summary(passes: list[dict[str, float]]) -> dict:
+        out = {k: median([p[k] for p in passes]) for k in passes[0]}
+        out["ratios"] = [p["elastic_records_per_s"] / p["plain_records_per_s"] for p in passes]
+        out["ratio"] = median(out["ratios"])
+        out["thread_cpu_ratio"] = median([p["elastic_records_per_thread_cpu_s"] / p["plain_records_per_thread_cpu_s"]
+                                          for p in passes])
+        out["samples"] = passes
         return out
 
-    out = summary(r["default"])
-    out.update(records=n, shard_size=shard, batch_size=batch, fresh_processes=args.input_fresh,
-               autotune_off=summary(r["autotune_off"]))
+    out = summary(runs["default"])
+    out.update(records=args.records, shard_size=args.shard_size, batch_size=64, chunk_batches=args.input_chunk,
+               fresh_processes=args.input_fresh, autotune_off=summary(runs["autotune_off"]))
     return out
 
 
@@ -347,14 +345,16 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=1024, help="records per shard in part 3")
     parser.add_argument("--input-fresh", action="store_true",
                         help="part 3: run each pipeline pass in a fresh process (as a training job does)")
-    parser.add_argument("--input-run", choices=("plain", "elastic"), help=argparse.SUPPRESS)  # one fresh run
+    parser.add_argument("--input-chunk", type=int, default=100,
+                        help="part 3: batches taken from one pipeline before switching to the other")
+    parser.add_argument("--input-run", action="store_true", help=argparse.SUPPRESS)  # one fresh pass
     parser.add_argument("--tag", default="", help=argparse.SUPPRESS)
     parser.add_argument("--autotune-off", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir under /tmp)")
     parser.add_argument("--json", default=str(REPO / "results" / "tf_save.json"))
     args = parser.parse_args()
     if args.input_run:  # a child of --input-fresh: one run, its result as JSON on the last line
-        print(json.dumps(input_run(args, Path(args.dir), args.input_run, not args.autotune_off, args.tag)))
+        print(json.dumps(input_interleaved(args, Path(args.dir), not args.autotune_off, args.tag)))
         return
     root = Path(tempfile.mkdtemp(prefix="tfbench-", dir=args.dir))
     load_at_start = os.getloadavg()
@@ -425,28 +425,19 @@ def main() -> None:
                       hook_save_over_floor=graph["hook_save"] / graph["floor"],
                       hook_save_over_floor_threads=graph["hook_save"] / graph["floor_threads"])
     if data:
-        print(f"\n== input, {data['records']:,} records, shards of {data['shard_size']}, batches of {data['batch_size']} ==")
-        ratio = data["elastic_records_per_s"] / data["plain_records_per_s"]
-        cpu_ratio = data["elastic_records_per_cpu_s"] / data["plain_records_per_cpu_s"]
-        print(f"plain tf.data.Dataset.range        {data['plain_records_per_s']:,.0f} records/s, "
-              f"{data['plain_records_per_cpu_s']:,.0f} per CPU-s")
-        print(f"make_input_fn (SQLite coordinator) {data['elastic_records_per_s']:,.0f} records/s = {ratio:.0%} of plain; "
-              f"{data['elastic_records_per_cpu_s']:,.0f} per CPU-s = {cpu_ratio:.0%}")
-        best = data["best_elastic_records_per_s"] / data["best_plain_records_per_s"]
-        print(f"best run of each (least disturbed)  plain {data['best_plain_records_per_s']:,.0f}, make_input_fn "
-              f"{data['best_elastic_records_per_s']:,.0f} records/s = {best:.0%}")
-        print(f"paired (each repeat's two runs)     median {data['paired_ratio']:.0%} of plain; per repeat "
-              + " ".join(f"{r:.0%}" for r in data["paired_ratios"]))
-        ratios.update(input_elastic_over_plain=ratio, input_elastic_over_plain_cpu=cpu_ratio,
-                      input_elastic_over_plain_best=best, input_elastic_over_plain_paired=data["paired_ratio"])
+        print(f"\n== input, {data['records']:,} records, shards of {data['shard_size']}, batches of {data['batch_size']}, "
+              f"pipelines alternating every {data['chunk_batches']} batches ==")
+        print(f"plain tf.data.Dataset.range        {data['plain_records_per_s']:,.0f} records/s")
+        print(f"make_input_fn (SQLite coordinator) {data['elastic_records_per_s']:,.0f} records/s; median of the passes' "
+              f"ratios {data['ratio']:.0%} of plain (" + " ".join(f"{r:.0%}" for r in data["ratios"]) + ")")
+        print(f"  per CPU-second of the consuming thread: {data['thread_cpu_ratio']:.0%} of plain")
         off = data["autotune_off"]
-        off_ratio = off["elastic_records_per_s"] / off["plain_records_per_s"]
-        off_cpu = off["elastic_records_per_cpu_s"] / off["plain_records_per_cpu_s"]
         print(f"both with tf.data autotune off     plain {off['plain_records_per_s']:,.0f}, make_input_fn "
-              f"{off['elastic_records_per_s']:,.0f} records/s = {off_ratio:.0%}; per CPU-s {off_cpu:.0%}; paired "
-              f"{off['paired_ratio']:.0%}")
-        ratios.update(input_elastic_over_plain_autotune_off=off_ratio, input_elastic_over_plain_autotune_off_cpu=off_cpu,
-                      input_elastic_over_plain_autotune_off_paired=off["paired_ratio"])
+              f"{off['elastic_records_per_s']:,.0f} records/s; median ratio {off['ratio']:.0%} ("
+              + " ".join(f"{r:.0%}" for r in off["ratios"]) + f"); per thread CPU-s {off['thread_cpu_ratio']:.0%}")
+        ratios.update(input_elastic_over_plain=data["ratio"], input_elastic_over_plain_thread_cpu=data["thread_cpu_ratio"],
+                      input_elastic_over_plain_autotune_off=off["ratio"],
+                      input_elastic_over_plain_autotune_off_thread_cpu=off["thread_cpu_ratio"])
     result = {"machine": {"python": platform.python_version(), "tensorflow": tf.__version__, "cpus": os.cpu_count(),
                           "platform": platform.platform(), "load_average_at_start": load_at_start,
                           "load_average_at_end": os.getloadavg()},
