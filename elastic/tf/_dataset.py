@@ -153,6 +153,11 @@ class ShardDataset(tf.data.Dataset):
         self._source = source.prefetch(_SHARDS_AHEAD)
         super().__init__(self._source._variant_tensor)
 
+    def finished(self) -> bool:
+        """Every shard of every epoch completed at the coordinator: ``fit`` again (one pass
+        per ``fit`` epoch) until this is true."""
+        return self.positions.finished()
+
     def _inputs(self) -> list[tf.data.Dataset]:
         return []
 

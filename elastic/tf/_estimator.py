@@ -46,6 +46,9 @@ def make_input_fn(reader: Callable[[Any], tf.data.Dataset], *, coordinator: Any,
     One ``train`` call reads until no shard is free for this worker: at the latest at
     the end of an epoch while its last records are still in flight (the next epoch
     starts once they are trained). Call ``train`` until ``input_fn.finished()``.
+    A failed read comes out of ``train`` as TF's error; the shards being read stay
+    leased to this worker until it restarts, or ``input_fn.positions.fail(error)``
+    gives them back (and returns an ``elastic.tf.ShardReadError`` naming them).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -64,7 +67,7 @@ def make_input_fn(reader: Callable[[Any], tf.data.Dataset], *, coordinator: Any,
         return dataset
 
     input_fn.positions = positions  # type: ignore[attr-defined]
-    input_fn.finished = lambda: bool(positions.dataset.progress()["finished"])  # type: ignore[attr-defined]
+    input_fn.finished = positions.finished  # type: ignore[attr-defined]
     return input_fn
 
 

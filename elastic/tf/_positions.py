@@ -399,6 +399,11 @@ class ShardPositions:
         log.error(message)
         return ShardReadError(message)
 
+    def finished(self) -> bool:
+        """Every shard of every epoch completed at the coordinator (by any worker): train
+        or fit again until this is true."""
+        return bool(self.dataset.progress()["finished"])
+
     # -- checkpoint ---------------------------------------------------------------
     def state(self, rollback: Rollback = Rollback.WORKER) -> dict[str, Any]:
         """The positions as a small JSON-able dict (taken right before a checkpoint)."""

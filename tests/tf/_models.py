@@ -1,4 +1,4 @@
-"""Small Keras models for the in-process tests."""
+"""Small Keras models and an estimator model_fn for the in-process tests."""
 
 import numpy as np
 import tensorflow as tf
@@ -20,3 +20,12 @@ def values(model):
 
 def same(a, b):
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def linear_model_fn(features, labels, mode):
+    """An estimator model_fn: ``labels ~ features["x"] @ w``, one SGD step per batch."""
+    w = tf.compat.v1.get_variable("w", [1, 1])
+    loss = tf.reduce_mean((tf.matmul(features["x"], w)[:, 0] - labels) ** 2)
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, global_step=tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)

@@ -9,7 +9,7 @@ import elastic.tf as etf
 from flashckpt import CheckpointError, StateMismatchError
 from flashckpt.tf import Checkpointer, FlashCheckpointCallback
 
-from ._models import dense_model, same, values
+from ._models import dense_model, linear_model_fn, same, values
 
 
 def test_variables_that_changed_shape_name_the_variable_and_change_nothing(tmp_path, job_id):
@@ -90,3 +90,29 @@ def test_hook_and_callback_arguments_are_checked(tmp_path, job_id):
     with pytest.raises(CheckpointError, match="nothing to export"):
         with Checkpointer(tmp_path / "empty", dense_model(), job_id=job_id) as c:
             c.export(tmp_path / "x")
+
+
+def test_estimator_read_error_comes_out_of_train_and_fail_gives_the_shards_back(tmp_path):
+    n, bad = 48, 2
+    url = f"sqlite:///{tmp_path}/c.db"
+
+    def reader(shard):
+        def check(index):
+            if int(index) == bad:
+                raise OSError(f"cannot read shard {int(index)}")
+            return index
+
+        ids = shard.indices + 0 * tf.py_function(check, [shard.index], tf.int64)
+        return tf.data.Dataset.from_tensor_slices(({"x": tf.cast(ids, tf.float32)[:, None]}, tf.ones_like(ids, tf.float32)))
+
+    input_fn = etf.make_input_fn(reader, coordinator=url, name="train", size=n, shard_size=8, batch_size=4, worker="w")
+    estimator = tf.estimator.Estimator(linear_model_fn, config=tf.estimator.RunConfig(
+        model_dir=str(tmp_path / "model"), save_checkpoints_steps=None, save_checkpoints_secs=None))
+    with pytest.raises(tf.errors.OpError, match="cannot read shard 2"):
+        estimator.train(input_fn, hooks=[etf.ShardReportHook()])
+    assert input_fn.positions.dataset.progress()["leased"] > 0  # still this worker's
+    error = input_fn.positions.fail(OSError("cannot read shard 2"))
+    assert isinstance(error, etf.ShardReadError) and "shard 2 of epoch 0" in str(error)
+    progress = input_fn.positions.dataset.progress()
+    assert progress["leased"] == 0 and progress["done"] == 2 and progress["todo"] == 4
+    input_fn.positions.close()

@@ -1,6 +1,6 @@
 """elastic.tf in one process: records count as consumed when the step takes them, not when
 prefetched; an abandoned pass re-yields what was never trained; the estimator input_fn
-with ShardReportHook completes every shard."""
+with ShardReportHook completes every shard; Keras fits until the data set is finished."""
 
 import collections
 import os
@@ -11,6 +11,9 @@ import tensorflow as tf
 
 import elastic.tf as etf
 import sharding
+from flashckpt.tf import FlashCheckpointCallback
+
+from ._models import dense_model, linear_model_fn
 
 
 def read_ids(shard):
@@ -71,18 +74,11 @@ def test_estimator_input_fn_with_report_hook_completes_every_shard(tmp_path):
         x = tf.cast(shard.indices, tf.float32)[:, None] / n
         return tf.data.Dataset.from_tensor_slices(({"x": x}, 2.0 * x[:, 0]))
 
-    def model_fn(features, labels, mode):
-        w = tf.compat.v1.get_variable("w", [1, 1])
-        loss = tf.reduce_mean((tf.matmul(features["x"], w)[:, 0] - labels) ** 2)
-        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
-            loss, global_step=tf.compat.v1.train.get_global_step())
-        return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-
     input_fn = etf.make_input_fn(reader, coordinator=url, name="train", size=n, shard_size=10, batch_size=batch,
                                  worker="est-0")
     config = tf.estimator.RunConfig(model_dir=str(tmp_path / "model"), save_checkpoints_steps=1000,
                                     save_summary_steps=None)
-    estimator = tf.estimator.Estimator(model_fn, config=config)
+    estimator = tf.estimator.Estimator(linear_model_fn, config=config)
     helper = input_fn.positions._leases
     estimator.train(input_fn, hooks=[etf.ShardReportHook()])
     progress = sharding.connect(url).dataset("train").progress()
@@ -139,3 +135,26 @@ def test_a_shard_leased_before_a_coordinator_error_is_still_handed_out():
     assert got == list(range(20))  # the crossing's shards, leased before the error, reached the pipeline
     positions.commit()
     assert inner.progress()["done"] == 4
+
+
+def test_keras_fits_until_the_data_set_is_finished_and_a_rerun_finds_it_finished(tmp_path, job_id):
+    n, batch, url = 40, 4, f"sqlite:///{tmp_path}/c.db"
+
+    def reader(shard):
+        x = tf.cast(shard.indices, tf.float32)[:, None] * tf.ones([1, 4])
+        return tf.data.Dataset.from_tensor_slices((x, tf.ones_like(x[:, :1])))
+
+    model = dense_model()
+    shards = etf.ShardDataset(url, "d", size=n, shard_size=8, num_epochs=2, worker="w")
+    callback = FlashCheckpointCallback(tmp_path / "ck", every_steps=3, data=shards, batch_size=batch, job_id=job_id)
+    fits = 0
+    assert not shards.finished()
+    while not shards.finished() and fits < 5:  # one pass per fit epoch: it ends at the latest with its epoch
+        model.fit(shards.flat_map(reader).batch(batch), verbose=0, callbacks=[callback])
+        fits += 1
+    assert fits == 2 and callback.step == 2 * n // batch
+    callback.close()
+    shards.positions.close()
+    again = etf.ShardDataset(url, "d", size=n, shard_size=8, num_epochs=2, worker="w")
+    assert again.finished()  # a rerun of the finished job trains nothing
+    again.positions.close()
