@@ -103,7 +103,8 @@ def test_estimator_read_error_comes_out_of_train_and_fail_gives_the_shards_back(
             return index
 
         ids = shard.indices + 0 * tf.py_function(check, [shard.index], tf.int64)
-        return tf.data.Dataset.from_tensor_slices(({"x": tf.cast(ids, tf.float32)[:, None]}, tf.ones_like(ids, tf.float32)))
+        x = tf.cast(ids, tf.float32)[:, None]
+        return tf.data.Dataset.from_tensor_slices(({"x": x}, tf.ones_like(x[:, 0])))
 
     input_fn = etf.make_input_fn(reader, coordinator=url, name="train", size=n, shard_size=8, batch_size=4, worker="w")
     estimator = tf.estimator.Estimator(linear_model_fn, config=tf.estimator.RunConfig(
