@@ -65,8 +65,10 @@ class ShardReadError(ElasticError):
 
 
 def default_worker() -> str:
-    """A name stable across restarts: ``host-<task>`` from ``TF_CONFIG``, else
-    ``host-rank<RANK>``, else ``host-pid<pid>`` (pass ``worker=`` to take leases back)."""
+    """This worker's name: ``host-<task>`` from ``TF_CONFIG``, else ``host-rank<RANK>``
+    (both stable across restarts), else ``host-pid<pid>``, which a restart changes: a
+    restored checkpoint then gives back the name it was saved by (``worker=`` names a
+    worker for good)."""
     import json
 
     host = socket.gethostname()
@@ -124,6 +126,7 @@ class ShardPositions:
         self.dataset = dataset
         self._leases: Any = lease_process or dataset  # who runs the producer's round trips
         self.worker = default_worker() if worker is None else worker
+        self._named = worker is not None  # else a restore takes the checkpoint's name
         self.deferred = False
         """True while a flash checkpointer commits the positions at its saves."""
         self.batch_size: int | None = None
@@ -419,12 +422,20 @@ class ShardPositions:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Go back to ``state`` (from :meth:`state`): re-apply this worker's saved
-        positions, or roll the whole data set back; then lease anew."""
+        positions, or roll the whole data set back; then lease anew. A worker named by
+        default (host and pid, which a restart changes) that has not leased yet takes the
+        name the checkpoint was saved under, so it takes that worker's leases back at once
+        instead of waiting for them to expire."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ElasticError(f"{self}: not a ShardPositions state of version {STATE_VERSION}: {state!r:.200}")
         if state.get("dataset") != self.dataset.name:
             raise ElasticError(f"{self}: the checkpoint holds positions of data set {state.get('dataset')!r}")
         with self._lock:
+            saved_worker = state.get("worker")
+            if not self._named and not self._started and isinstance(saved_worker, str) and saved_worker != self.worker:
+                log.info("%s: worker %s goes on as %s, the worker its checkpoint was saved by", self.dataset.name,
+                         self.worker, saved_worker)
+                self.worker = saved_worker
             self._fifo.clear()
             self._held.clear()
             self._ready.clear()

@@ -33,6 +33,36 @@ def test_restore_reapplies_positions_a_kill_kept_from_the_coordinator():
     assert [index for index, _ in resumed] == [1, 2, 3]
 
 
+def killed_after_a_checkpoint(worker):
+    """A data set and the positions ``worker`` saved: shard 0 trained, shard 1 at 1 of 5."""
+    ds = dataset()
+    before = ShardPositions(ds, worker)
+    before.deferred, before.batch_size = True, 3
+    it = before.shards()
+    next(it), next(it)
+    before.consumed_steps(2)
+    return ds, before.state()
+
+
+def test_a_worker_named_by_default_takes_the_name_of_its_checkpoint_and_its_leases_back():
+    ds, saved = killed_after_a_checkpoint("host-pid1")  # the default name of the killed process
+    restarted = ShardPositions(ds)  # a new pid: a new default name
+    assert restarted.worker != "host-pid1"
+    restarted.restore(saved)
+    assert restarted.worker == "host-pid1"
+    assert ds.progress()["leased"] == 0  # taken back now, not after the lease timeout
+    resumed = [(shard.index, position) for shard, position in restarted.shards()]
+    assert resumed == [(1, 1), (2, 0), (3, 0)]
+
+
+def test_a_worker_name_the_user_gave_stays_after_a_restore():
+    ds, saved = killed_after_a_checkpoint("host-pid1")
+    named = ShardPositions(ds, "given")
+    named.restore(saved)
+    assert named.worker == "given"
+    assert ds.progress()["leased"] == 1  # shard 1 stays leased to host-pid1 until its lease expires
+
+
 def test_a_shard_leased_for_an_abandoned_pass_is_read_by_the_next():
     ds = dataset()
     positions = ShardPositions(ds, "w")
