@@ -9,17 +9,25 @@ subpackages (``flashckpt.torch``, ...); importing ``flashckpt`` imports no frame
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     CorruptCheckpointError,
+    JobConflictError,
+    SaverError,
     SharedMemoryError,
     StateMismatchError,
+    UnsafeFileError,
 )
 
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
     "CorruptCheckpointError",
+    "JobConflictError",
+    "SaverError",
     "SharedMemoryError",
     "StateMismatchError",
+    "UnsafeFileError",
     "__version__",
 ]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
-           "StateMismatchError", "SharedMemoryError"]
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointTimeoutError", "CorruptCheckpointError",
+           "JobConflictError", "SaverError", "StateMismatchError", "SharedMemoryError", "UnsafeFileError"]
 
 
 class CheckpointError(Exception):
@@ -24,3 +24,20 @@ class StateMismatchError(CheckpointError):
 
 class SharedMemoryError(CheckpointError):
     """Shared memory is too small or unavailable for the state being saved."""
+
+
+class SaverError(CheckpointError):
+    """The node's saver process died, refused this trainer, or could not be started."""
+
+
+class CheckpointTimeoutError(SaverError):
+    """A wait on the saver (load, flush, wait, close) passed its bound; the message names what is stuck."""
+
+
+class JobConflictError(CheckpointError):
+    """Another live run already uses this checkpoint directory or job id."""
+
+
+class UnsafeFileError(CheckpointError):
+    """A file, directory, socket or shared-memory object is not safe to use: a symlink or
+    name leaving the checkpoint directory, not a regular file, or owned by another user."""
