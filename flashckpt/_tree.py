@@ -22,6 +22,10 @@ PLAIN_TYPES = (int, float, str, bool, type(None))
 KEY_TYPES = (str, int, float, bool, type(None))
 
 
+SHOWN = 20
+"""How many lines (and key names per line) a mismatch error shows before "... and N more"."""
+
+
 class TensorKind(Protocol):
     """How the engine handles one framework's tensors (torch, numpy, ...)."""
 
@@ -171,11 +175,18 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
 
     Returns the tensors to fill in place and the plain values to write. Every mismatch
     (keys, shapes, dtypes, kinds) is collected and raised together as
-    :class:`StateMismatchError` before anything is modified. An empty dict in the state
+    :class:`StateMismatchError` before anything is modified: keys on one side only, shape
+    and dtype changes of the keys both sides share, all in one message (the first
+    ``SHOWN`` lines, then a count; the first line counts each kind). An empty dict in the state
     where the checkpoint has entries (an optimizer before its first step) is filled, and
     a subtree without tensors on either side (a sampler's state) is replaced whole.
     """
     problems: list[str] = []
+    counts: dict[str, int] = {}
+
+    def count(what: str, n: int = 1) -> None:
+        counts[what] = counts.get(what, 0) + n
+
     plain_writes: list[Callable[[], None]] = []
     fills: list[tuple[str, Any]] = []
 
@@ -208,39 +219,50 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
         if "t" in node:
             kind = kind_of(obj)
             if kind is None:
+                count("other")
                 problems.append(f"{where}: checkpoint has a tensor, state has {type(obj).__qualname__}")
                 return obj
             if kind.name != node["k"]:
+                count("other")
                 problems.append(f"{where}: checkpoint has a {node['k']} tensor, state a {kind.name} one")
                 return obj
             dtype, shape = kind.describe(obj)
             want_dtype, want_shape = entries[node["t"]]
             if (dtype, shape) != (want_dtype, want_shape):
+                if shape != want_shape:
+                    count("shape")
+                if dtype != want_dtype:
+                    count("dtype")
                 problems.append(f"{where}: checkpoint has {want_dtype}{list(want_shape)}, "
                                 f"state has {dtype}{list(shape)}")
             fills.append((node["t"], obj))
             return obj
         if "v" in node or "p" in node:
             if kind_of(obj) is not None:
+                count("other")
                 problems.append(f"{where}: checkpoint has a plain value, state has a tensor")
                 return obj
             return build(node, path)
         if "d" in node:
             if not isinstance(obj, dict):
+                count("other")
                 problems.append(f"{where}: checkpoint has a dict, state has {type(obj).__qualname__}")
                 return obj
             if not obj and node["d"]:  # an empty container is a place to fill (Adam before step 1)
                 new = build(node, path)
                 plain_writes.append(lambda: obj.update(new))
                 return obj
-            keys = [k for k, _ in node["d"]]
-            missing = [k for k in keys if k not in obj]
-            extra = [k for k in obj if k not in set(keys)]
+            keys = {k for k, _ in node["d"]}
+            missing = [k for k, _ in node["d"] if k not in obj]
+            extra = [k for k in obj if k not in keys]
             if missing or extra:
-                problems.append(f"{where}: keys differ; only in checkpoint: {missing[:8]}, "
-                                f"only in state: {extra[:8]}")
-                return obj
+                count("missing", len(missing))
+                count("unexpected", len(extra))
+                problems.append(f"{where}: keys differ; only in checkpoint: {_some(missing)}, "
+                                f"only in state: {_some(extra)}")
             for k, child in node["d"]:
+                if k not in obj:
+                    continue
                 new = walk(obj[k], child, f"{path}/{k}" if path else str(k))
                 if new is not obj[k]:
                     plain_writes.append(lambda o=obj, k=k, v=new: o.__setitem__(k, v))
@@ -248,6 +270,7 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
         items = node.get("l", node.get("u"))
         if not isinstance(obj, (list, tuple)) or len(obj) != len(items):
             got = f"{type(obj).__qualname__} of {len(obj)}" if isinstance(obj, (list, tuple)) else type(obj).__qualname__
+            count("other")
             problems.append(f"{where}: checkpoint has a sequence of {len(items)}, state has {got}")
             return obj
         new_items = [walk(o, child, f"{path}/{i}" if path else str(i)) for i, (o, child) in enumerate(zip(obj, items))]
@@ -260,7 +283,29 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
 
     walk(state, skeleton, "")
     if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise StateMismatchError(f"checkpoint does not match the state ({len(problems)} problems):\n  {shown}{more}")
+        raise StateMismatchError(_mismatch_message(problems, counts))
     return Merge(fills, plain_writes)
+
+
+def _some(keys: list[Any]) -> str:
+    """``keys`` as a list, the first :data:`SHOWN` of them, then how many more."""
+    more = f" ... and {len(keys) - SHOWN} more" if len(keys) > SHOWN else ""
+    return f"{keys[:SHOWN]}{more}"
+
+
+_KINDS = {  # what a mismatch error counts: (one, many)
+    "missing": ("key only in the checkpoint", "keys only in the checkpoint"),
+    "unexpected": ("key only in the state", "keys only in the state"),
+    "shape": ("shape change", "shape changes"),
+    "dtype": ("dtype change", "dtype changes"),
+    "other": ("other difference", "other differences"),
+}
+
+
+def _mismatch_message(problems: list[str], counts: dict[str, int]) -> str:
+    """One message for every difference: a count of each kind, then the first lines."""
+    summary = ", ".join(f"{counts[what]} {one if counts[what] == 1 else many}"
+                        for what, (one, many) in _KINDS.items() if counts.get(what))
+    shown = "\n  ".join(problems[:SHOWN])
+    more = f"\n  ... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+    return f"checkpoint does not match the state ({summary}):\n  {shown}{more}"
