@@ -70,7 +70,7 @@ _current_lock = threading.Lock()
 
 
 def start_agent(*, checkpointer: Any = None, coordinator: Any = None,
-                hang_timeout: float | str = "auto", heartbeat_interval: float = 5.0,
+                hang_timeout: float | str = "auto", heartbeat_interval: float | None = None,
                 on_hang: str = "dump", metrics_dir: str | None = None,
                 max_inprocess_restarts: int = 0, **options: Any) -> "Agent":
     """Start this process's agent, or return the one already running (idempotent).

@@ -11,6 +11,9 @@ from elastic._errors import ElasticError
 
 __all__ = ["AgentOptions", "ExitCode", "OnHang"]
 
+#: the heartbeat interval when the hang timeout leaves room for it (see AgentOptions)
+DEFAULT_HEARTBEAT_SECONDS = 5.0
+
 
 class OnHang(str, enum.Enum):
     """What the agent does when it detects a hang."""
@@ -46,8 +49,11 @@ class AgentOptions:
     """Everything :func:`elastic.start_agent` accepts besides the checkpointer and coordinator.
 
     Times are seconds (float) or ``datetime.timedelta``; they are normalised to float
-    seconds. Ordering rules checked here: ``heartbeat_interval`` < the hang floor (and
-    < a fixed ``hang_timeout``); ``hang_floor_seconds`` <= ``warmup_timeout_seconds``.
+    seconds. Ordering rules checked here: a ``heartbeat_interval`` the caller gives must be
+    shorter than a fixed ``hang_timeout`` (else than ``hang_floor_seconds``): heartbeats
+    stop once training makes no progress for the hang timeout, so a longer interval would
+    not heartbeat in time. Left unset, it is derived from them and always fits.
+    ``hang_floor_seconds`` <= ``warmup_timeout_seconds``.
     """
 
     #: "auto" (adaptive, see elastic._hang) or a fixed timeout in seconds / timedelta
@@ -60,8 +66,10 @@ class AgentOptions:
     warmup_steps: int = 3
     #: the hang timeout of the warm-up steps (compilation, first collectives)
     warmup_timeout_seconds: float | datetime.timedelta = 900.0
-    #: how often the agent heartbeats the coordinator
-    heartbeat_interval: float | datetime.timedelta = 5.0
+    #: how often the agent heartbeats the coordinator; default (None) derived from the
+    #: hang timeout: min(DEFAULT_HEARTBEAT_SECONDS, a quarter of the fixed ``hang_timeout``,
+    #: else of ``hang_floor_seconds``) -- 5 s with the defaults
+    heartbeat_interval: float | datetime.timedelta | None = None
     #: what to do on a hang
     on_hang: OnHang | str = OnHang.DUMP
     #: where JSON lines, stack dumps (and TensorBoard scalars) go; None: memory only
@@ -102,9 +110,10 @@ class AgentOptions:
                 raise ElasticError(f"hang_timeout must be 'auto' or seconds, got {self.hang_timeout!r}")
         else:
             self.hang_timeout = _seconds("hang_timeout", self.hang_timeout)
-        for name in ("hang_floor_seconds", "warmup_timeout_seconds", "heartbeat_interval",
+        for name in ("hang_floor_seconds", "warmup_timeout_seconds",
                      "metrics_interval_seconds", "flush_timeout_seconds", "backstop_grace_seconds"):
             setattr(self, name, _seconds(name, getattr(self, name)))
+        self._check_heartbeat_interval()
         try:
             self.on_hang = OnHang(self.on_hang)
         except ValueError:
@@ -114,10 +123,6 @@ class AgentOptions:
             raise ElasticError(f"hang_multiplier must be >= 1, got {self.hang_multiplier}")
         if self.warmup_steps < 0 or self.max_inprocess_restarts < 0:
             raise ElasticError("warmup_steps and max_inprocess_restarts must be >= 0")
-        smallest = self.hang_timeout if isinstance(self.hang_timeout, float) else self.hang_floor_seconds
-        if not self.heartbeat_interval < smallest:
-            raise ElasticError(f"heartbeat_interval ({self.heartbeat_interval}s) must be shorter "
-                               f"than the hang timeout / floor ({smallest}s)")
         if self.hang_floor_seconds > self.warmup_timeout_seconds:
             raise ElasticError(f"hang_floor_seconds ({self.hang_floor_seconds}) must not exceed "
                                f"warmup_timeout_seconds ({self.warmup_timeout_seconds})")
@@ -131,3 +136,17 @@ class AgentOptions:
         self.datasets = tuple(self.datasets)
         if self.job_id is not None and ("/" in self.job_id or "." in self.job_id or not self.job_id):
             raise ElasticError(f"job_id must be a non-empty name without '/' or '.', got {self.job_id!r}")
+
+    def _check_heartbeat_interval(self) -> None:
+        """Derive an unset ``heartbeat_interval``; check one the caller gave."""
+        fixed = isinstance(self.hang_timeout, float)
+        name, bound = ("hang_timeout", self.hang_timeout) if fixed else ("hang_floor_seconds", self.hang_floor_seconds)
+        if self.heartbeat_interval is None:
+            self.heartbeat_interval = min(DEFAULT_HEARTBEAT_SECONDS, bound / 4)
+            return
+        self.heartbeat_interval = _seconds("heartbeat_interval", self.heartbeat_interval)
+        if not self.heartbeat_interval < bound:
+            raise ElasticError(f"heartbeat_interval ({self.heartbeat_interval}s) must be shorter than {name} "
+                               f"({bound}s): heartbeats stop once training makes no progress for the hang "
+                               "timeout; leave heartbeat_interval unset to derive it "
+                               f"(min({DEFAULT_HEARTBEAT_SECONDS}s, {name} / 4))")

@@ -29,6 +29,33 @@ def test_options_are_checked_at_construction():
         elastic.start_agent(no_such_option=1)
 
 
+def test_default_heartbeat_interval_follows_the_hang_timeout(tmp_path):
+    assert elastic.AgentOptions().heartbeat_interval == 5.0
+    assert elastic.AgentOptions(hang_timeout=2.0).heartbeat_interval == 0.5
+    assert elastic.AgentOptions(hang_floor_seconds=8.0).heartbeat_interval == 2.0
+    assert elastic.AgentOptions(hang_timeout=2.0, heartbeat_interval=1.0).heartbeat_interval == 1.0
+    agent = elastic.start_agent(hang_timeout=2.0, metrics_dir=str(tmp_path), handle_failures=False,
+                                job_id="thb" + str(os.getpid()))
+    try:
+        assert agent.options.heartbeat_interval == 0.5
+    finally:
+        agent.stop()
+    agent = elastic.start_agent(hang_timeout=2.0, coordinator="memory://", handle_failures=False,
+                                job_id="thc" + str(os.getpid()))
+    try:
+        assert agent.options.heartbeat_interval == 0.5
+    finally:
+        agent.stop()
+
+
+def test_a_heartbeat_interval_the_caller_set_is_checked_against_the_hang_timeout():
+    with pytest.raises(elastic.ElasticError, match=r"heartbeat_interval \(3.0s\).*hang_timeout \(2.0s\)"):
+        elastic.start_agent(hang_timeout=2.0, heartbeat_interval=3.0, coordinator="memory://", handle_failures=False)
+    with pytest.raises(elastic.ElasticError, match=r"heartbeat_interval \(9.0s\).*hang_floor_seconds \(8.0s\)"):
+        elastic.AgentOptions(hang_floor_seconds=8.0, heartbeat_interval=9.0)
+    assert elastic.current_agent() is None
+
+
 def test_start_agent_is_idempotent_and_counts_steps(tmp_path):
     agent = elastic.start_agent(metrics_dir=str(tmp_path), handle_failures=False, job_id="tapi" + str(os.getpid()))
     try:
