@@ -1,5 +1,12 @@
 """The trainer's side of the saver protocol: connect (starting the saver if needed),
-ask for persists, learn their outcome, wait, flush, close."""
+report saves, ask for persists, learn their outcome, wait, flush, close.
+
+Nothing here waits without a bound. Every wait on the saver ends after
+``FLASHCKPT_SAVER_TIMEOUT`` seconds (default 600) or the caller's ``timeout`` with a
+:class:`~flashckpt.CheckpointTimeoutError` naming the saver and its state, and checks
+twice a second that the saver still lives: a dead saver (a zombie included) is replaced
+by a new one, which is told again about every save not yet reported persisted.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +15,58 @@ import json
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 from . import _names
-from ._errors import CheckpointError
+from ._errors import CheckpointTimeoutError, SaverError
+from ._slot import pid_alive
 
-__all__ = ["SaverClient"]
+__all__ = ["SaverClient", "saver_timeout"]
 
 log = logging.getLogger(__name__)
 
 _CONNECT_SECONDS = 60.0
-_PROTOCOL = 1
+_CHECK_SECONDS = 0.5
+_PROTOCOL = 2
+_TIMEOUT_ENV = "FLASHCKPT_SAVER_TIMEOUT"
+
+
+def saver_timeout() -> float:
+    """The default bound, in seconds, on any wait on the saver (``FLASHCKPT_SAVER_TIMEOUT``)."""
+    raw = os.environ.get(_TIMEOUT_ENV, "600")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{_TIMEOUT_ENV} must be positive, got {raw!r}")
+    return value
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return uid
+
+
+def process_state(pid: int) -> str:
+    """``running``, ``stopped`` (SIGSTOP, a debugger), ``exited`` or ``unknown``."""
+    if not pid_alive(pid):
+        return "exited"
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    return "stopped" if state in (b"T", b"t") else "running"
 
 
 def _spawn_saver(job_id: str) -> subprocess.Popen:
-    log_file = os.path.join(tempfile.gettempdir(), f"flashckpt.{job_id}.saver.log")
+    log_file = _names.saver_log_path(job_id)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -38,93 +78,151 @@ def _spawn_saver(job_id: str) -> subprocess.Popen:
 
 
 class SaverClient:
-    """A connection to this node's saver for ``job_id``."""
+    """A connection to this node's saver for ``job_id``.
 
-    def __init__(self, job_id: str, slots: list[str]) -> None:
+    ``info`` (directory, ranks, token, retention, pickling) is what the saver may act
+    on for this trainer; the saver takes it from this authenticated connection, never
+    from the bytes in shared memory.
+    """
+
+    def __init__(self, job_id: str, slots: list[str], info: dict[str, Any]) -> None:
         self.job_id = job_id
         self._ids = itertools.count()
         self._buffer = b""
         self.errors: list[str] = []
-        self.outstanding = 0
         self.last_committed: int | None = None
         self.saver_pid = 0
         self._slots = slots
-        self.sock = self._connect(slots)
+        self.info = info
+        self._saved: dict[str, dict[str, Any]] = {}
+        """slot -> the newest ``saved`` message sent for it (told again to a new saver)."""
+        self._pending: set[tuple[str, int]] = set()
+        """(slot, generation) asked to persist, outcome not yet reported."""
+        self._spawned: list[subprocess.Popen] = []
+        self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
 
-    def _connect(self, slots: list[str]) -> socket.socket:
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    # -- connection -----------------------------------------------------------------
+
+    def _connect(self, seconds: float) -> socket.socket:
         path = _names.socket_path(self.job_id)
-        deadline = time.monotonic() + _CONNECT_SECONDS
+        deadline = time.monotonic() + seconds
         spawned: subprocess.Popen | None = None
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
             try:
                 sock.connect(path)
-                sock.sendall(self._encode({"op": "hello", "v": _PROTOCOL, "pid": os.getpid(), "slots": slots}))
-                reply = self._read_message(sock, timeout=10.0)
+                if peer_uid(sock) != os.getuid():
+                    raise SaverError(f"the process listening on {path} runs as uid {peer_uid(sock)}, not as "
+                                     f"this user (uid {os.getuid()}); refusing to hand it checkpoints")
+                self._buffer = b""
+                sock.sendall(_encode({"op": "hello", "v": _PROTOCOL, "pid": os.getpid(), "slots": self._slots,
+                                      "info": self.info}))
+                reply = self._read_message(sock, timeout=min(10.0, max(0.1, deadline - time.monotonic())))
                 if reply is not None and reply.get("op") == "welcome":
-                    self.saver_pid = reply["pid"]
+                    self.saver_pid = int(reply["pid"])
                     return sock
                 if reply is not None and reply.get("op") == "error":
-                    raise CheckpointError(f"saver refused this trainer: {reply.get('message')}")
+                    sock.close()
+                    raise SaverError(f"the flashckpt saver refused this trainer: {reply.get('message')}")
             except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BrokenPipeError):
                 pass
+            except SaverError:
+                sock.close()
+                raise
             sock.close()
+            self._reap()
             if time.monotonic() > deadline:
-                raise CheckpointError(f"could not reach the flashckpt saver at {path} within {_CONNECT_SECONDS:.0f}s; "
-                                      f"see {tempfile.gettempdir()}/flashckpt.{self.job_id}.saver.log")
+                holder = _lock_holder(self.job_id)
+                state = f" (the saver holding its lock, pid {holder}, is {process_state(holder)})" if holder else ""
+                raise CheckpointTimeoutError(
+                    f"could not reach the flashckpt saver at {path} within {seconds:.0f}s{state}; "
+                    f"see {_names.saver_log_path(self.job_id)}")
             if spawned is None or spawned.poll() is not None:  # none yet, or one that lost the race or ended
                 spawned = _spawn_saver(self.job_id)
+                self._spawned.append(spawned)
             time.sleep(0.02)
 
-    @staticmethod
-    def _encode(msg: dict[str, Any]) -> bytes:
-        return json.dumps(msg).encode() + b"\n"
+    def _reap(self) -> None:
+        """Collect savers this process started that have exited (no zombies left behind)."""
+        self._spawned = [p for p in self._spawned if p.poll() is None]
 
-    def _read_message(self, sock: socket.socket, timeout: float | None) -> dict[str, Any] | None:
+    def _reconnect(self, why: str) -> None:
+        """A new saver (the old one died): it is told again about every save this
+        trainer made and every persist not yet reported done."""
+        log.warning("lost the flashckpt saver (pid %d: %s); starting a new one", self.saver_pid, why)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
+        for slot, msg in self._saved.items():
+            again = dict(msg, persist=(slot, msg["generation"]) in self._pending)
+            self.sock.sendall(_encode(again))
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        data = _encode(msg)
+        try:
+            self.sock.sendall(data)
+            return
+        except OSError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        try:
+            self._reconnect(why)
+            self.sock.sendall(data)
+        except OSError as exc:
+            raise SaverError(f"cannot reach the flashckpt saver for job {self.job_id}: {exc}") from exc
+
+    def _read_message(self, sock: socket.socket, timeout: float) -> dict[str, Any] | None:
         """One message, blocking up to ``timeout`` (0: only what is buffered); None on EOF/timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + timeout
         while b"\n" not in self._buffer:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            sock.settimeout(remaining)
+            sock.settimeout(max(0.0, deadline - time.monotonic()))
             try:
                 data = sock.recv(1 << 16)
             except (socket.timeout, BlockingIOError):
                 return None
+            except OSError:
+                return None
             finally:
-                sock.settimeout(None)
+                try:
+                    sock.settimeout(None)
+                except OSError:
+                    pass
             if not data:
                 return None
             self._buffer += data
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
 
+    # -- messages -------------------------------------------------------------------
+
     def _note(self, msg: dict[str, Any]) -> None:
         if msg.get("op") == "persisted":
-            self.outstanding -= 1
+            self._pending.discard((msg.get("slot"), msg.get("generation")))
             if "error" in msg:
                 self.errors.append(msg["error"])
             elif msg.get("committed"):
                 self.last_committed = max(self.last_committed or -1, msg["step"])
 
-    def _send(self, msg: dict[str, Any]) -> None:
-        try:
-            self.sock.sendall(self._encode(msg))
-        except OSError as exc:
-            log.warning("lost the flashckpt saver (%s); starting a new one", exc)
-            self._reconnect()
-            self.sock.sendall(self._encode(msg))
+    def saved(self, slot: str, generation: int, step: int, info: dict[str, Any], *, persist: bool) -> None:
+        """Tell the saver that ``slot`` now holds ``step`` (so it can persist it if this
+        trainer dies), and with ``persist`` have it written to storage now."""
+        msg = {"op": "saved", "slot": slot, "generation": generation, "step": step, "info": info,
+               "persist": persist}
+        self._saved[slot] = msg
+        if persist:
+            self._pending.add((slot, generation))
+        self._send(msg)
 
-    def _reconnect(self) -> None:
-        """A new saver (the old one died); what the old one had not reported is forgotten."""
-        self.sock.close()
-        self._buffer = b""
-        self.outstanding = 0
-        self.sock = self._connect(self._slots)
-
-    def persist(self, slot: str, generation: int) -> None:
-        self._send({"op": "persist", "slot": slot, "generation": generation})
-        self.outstanding += 1
+    def update_info(self, info: dict[str, Any]) -> None:
+        """New defaults for a crash flush of this trainer (after a load changed its line)."""
+        self.info = info
+        self._send({"op": "info", "info": info})
 
     def drain(self) -> None:
         """Take in what the saver reported so far, without blocking."""
@@ -132,32 +230,51 @@ class SaverClient:
             self._note(msg)
 
     def _roundtrip(self, op: str, answer: str, timeout: float | None) -> None:
+        bound = saver_timeout() if timeout is None else timeout
         ident = next(self._ids)
         self._send({"op": op, "id": ident})
-        deadline = None if timeout is None else time.monotonic() + timeout
-        retried = False
+        deadline = time.monotonic() + bound
+        replaced = 0
         while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(f"flashckpt saver did not finish {op} within {timeout}s")
-            msg = self._read_message(self.sock, remaining)
-            if msg is None:
-                if deadline is not None and deadline - time.monotonic() <= 0:
-                    continue
-                if retried:
-                    raise CheckpointError("the flashckpt saver went away twice; see its log in "
-                                          f"{tempfile.gettempdir()}/flashckpt.{self.job_id}.saver.log")
-                log.warning("the flashckpt saver went away during %s; starting a new one", op)
-                self._reconnect()
-                self._send({"op": op, "id": ident})
-                retried = True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CheckpointTimeoutError(
+                    f"the flashckpt saver (pid {self.saver_pid}, {process_state(self.saver_pid)}) did not finish "
+                    f"{op} within {bound:g}s ({self.outstanding} persists outstanding); see "
+                    f"{_names.saver_log_path(self.job_id)}, or raise {_TIMEOUT_ENV}")
+            msg = self._read_message(self.sock, min(remaining, _CHECK_SECONDS))
+            if msg is not None:
+                if msg.get("op") == answer and msg.get("id") == ident:
+                    return
+                self._note(msg)
                 continue
-            if msg.get("op") == answer and msg.get("id") == ident:
-                return
-            self._note(msg)
+            self._reap()
+            if pid_alive(self.saver_pid) and not self._closed_by_peer():
+                continue  # alive: keep waiting (a stopped saver runs into the bound)
+            if replaced >= 2:
+                raise SaverError(f"the flashckpt saver for job {self.job_id} died {replaced + 1} times during "
+                                 f"{op}; see {_names.saver_log_path(self.job_id)}")
+            replaced += 1
+            self._reconnect("it exited")
+            self.sock.sendall(_encode({"op": op, "id": ident}))
+
+    def _closed_by_peer(self) -> bool:
+        """The saver's end of the socket is closed (it exited, or dropped us)."""
+        try:
+            self.sock.setblocking(False)
+            try:
+                data = self.sock.recv(1 << 16, socket.MSG_PEEK)
+            finally:
+                self.sock.setblocking(True)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        return not data
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until everything asked of the saver so far is done."""
+        """Block until everything asked of the saver so far is done (``timeout``
+        default: ``FLASHCKPT_SAVER_TIMEOUT``)."""
         self._roundtrip("wait", "waited", timeout)
 
     def flush(self, timeout: float | None = None) -> None:
@@ -170,7 +287,21 @@ class SaverClient:
 
     def close(self) -> None:
         try:
-            self._send({"op": "close"})
-        except CheckpointError:
+            self.sock.sendall(_encode({"op": "close"}))
+        except OSError:
             pass
         self.sock.close()
+        self._reap()
+
+
+def _encode(msg: dict[str, Any]) -> bytes:
+    return json.dumps(msg).encode() + b"\n"
+
+
+def _lock_holder(job_id: str) -> int:
+    """The pid the running saver wrote into its lock file (0 if unknown)."""
+    try:
+        with open(_names.job_prefix(job_id) + ".saver.lock", "rb") as f:
+            return int(f.read(32).strip() or 0)
+    except (OSError, ValueError):
+        return 0

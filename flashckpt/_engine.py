@@ -24,8 +24,9 @@ from typing import Any, Callable, Iterator, Protocol
 
 from . import _errors, _events, _names, _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
 from ._checksum import StreamCheck
-from ._client import SaverClient
-from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ._client import SaverClient, saver_timeout
+from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError, CorruptCheckpointError,
+                      JobConflictError)
 from ._format import Entry, Image, parse_header, plan_image
 from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
 from ._storage import LocalStorage
@@ -112,7 +113,9 @@ def check_memory_slots(memory_slots: Any) -> None:
 
 
 def new_token() -> str:
-    return uuid.uuid4().hex[:12]
+    """A run's token: unique, and ordered by the time the run started (its line, see
+    ``flashckpt._storage``)."""
+    return f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
 
 
 def node_id() -> str:
@@ -162,9 +165,25 @@ class Engine:
         """Page-locks the slots when the state lives on a GPU (see :class:`flashckpt._slot.PageLocker`)."""
         self._saves = 0
         self._closed = False
+        self._branch: int | None = None
+        """The step this run's line starts from: the step it loaded (-1: none), or, if it
+        never loaded, the step before its first save."""
         self.last_load: LoadInfo | None = None
+        if placement.writes_memory:
+            self._check_other_job()
         own_slots = self._slot_paths if placement.writes_memory else []
-        self._client = SaverClient(self.job_id, own_slots)
+        self._client = SaverClient(self.job_id, own_slots, self._info(None))
+
+    def _check_other_job(self) -> None:
+        """Refuse slots that a live process of another run writes for another directory
+        (two jobs given one job id)."""
+        me = os.getpid()
+        for path, h in zip(self._slot_paths, self._headers()):
+            other = h.info.get("directory")
+            if h.writer_pid not in (0, me) and pid_alive(h.writer_pid) and other not in (None, self.storage.root):
+                raise JobConflictError(
+                    f"job id {self.job_id!r} is in use by pid {h.writer_pid}, which checkpoints {other} "
+                    f"({path}); give this job another job_id")
 
     # -- slots --------------------------------------------------------------------
 
@@ -179,24 +198,40 @@ class Engine:
                 else Slot.peek_header(self._slot_paths[i]) or SlotHeader() for i in range(len(self._slots))]
 
     def _choose_slot(self) -> int:
-        """A slot the saver is not holding (reading, or due to read), preferring the one
-        without the newest copy. Waits only when storage lags the requested persists."""
+        """A slot the saver is not holding (reading, or due to read) that does not hold
+        the newest complete copy, so a crash during this save still leaves that copy.
+        With one slot, or when the newest copy is committed, its slot may be reused.
+        Waits only when storage lags the requested persists, and at most
+        ``FLASHCKPT_SAVER_TIMEOUT`` seconds."""
         waited = time.perf_counter()
+        bound = saver_timeout()
         warned = False
         while True:
             with self._lock.held():
                 headers = self._headers()
                 free = [i for i, h in enumerate(headers) if not (h.reader_pid and pid_alive(h.reader_pid))]
                 complete = [i for i, h in enumerate(headers) if h.state == SlotState.COMPLETE]
-                newest = max(complete, key=lambda i: headers[i].saved_at, default=None)
-                choice = [i for i in free if i != newest] or free
+                newest = max(complete, key=lambda i: (headers[i].saved_at, headers[i].generation), default=None)
+                choice = [i for i in free if i != newest]
+                if not choice and (len(headers) == 1 or self._committed(headers[newest].step)):
+                    choice = free
                 if choice:
                     return choice[0]
-            if not warned and time.perf_counter() - waited > 1.0:
+            waiting = time.perf_counter() - waited
+            if not warned and waiting > 1.0:
                 log.warning("save waits for storage: persisting is slower than the saves asked to persist "
-                            "(raise persist_every, or use memory_slots=2, to keep saves from waiting)")
+                            "(raise persist_every to keep saves from waiting)")
                 warned = True
+            if waiting > bound:
+                raise CheckpointTimeoutError(
+                    f"save waited {bound:g}s for the saver (pid {self._client.saver_pid}) to release a "
+                    f"memory slot of job {self.job_id}; see {_names.saver_log_path(self.job_id)}")
+            self._client.drain()
             time.sleep(0.001)
+
+    def _committed(self, step: int) -> bool:
+        """Whether this rank knows ``step`` committed (so its memory copy is not the only one)."""
+        return self._client.last_committed is not None and self._client.last_committed >= step
 
     def _prepare(self, indices: list[int], size: int) -> None:
         """Reserve and map slots in the background, so later saves do not pay for fresh
@@ -250,6 +285,8 @@ class Engine:
         image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves],
                            self._meta(step, flat))
         self._prepared()
+        if self._branch is None:  # a run that never loaded starts its line here
+            self._start_line(step - 1)
         index = self._choose_slot()
         slot = self._slot(index, create=True)
         if slot.ensure_capacity(image.size):
@@ -265,8 +302,7 @@ class Engine:
             header.saved_at = time.time()
             header.reader_pid = self._client.saver_pid if due else 0  # held for the saver
             slot.write_header(header)
-        if due:
-            self._client.persist(slot.path, header.generation)
+        self._client.saved(slot.path, header.generation, step, header.info, persist=due)
         other = (index + 1) % len(self._slots)
         if self._slots[other] is None or self._slots[other].capacity < HEADER_SIZE + image.size:
             self._prepare([other], image.size)
@@ -275,14 +311,15 @@ class Engine:
         _events.emit("save", step=step, blocking_seconds=blocking)
 
     def _meta(self, step: int, flat: Flat) -> dict[str, Any]:
-        return {"format": "flashckpt/1", "step": step, "tree": flat.skeleton,
+        return {"format": "flashckpt/1", "step": step, "tree": flat.skeleton, "token": self.placement.token,
                 "rank": self.placement.storage_rank, "world_size": self.placement.storage_world,
                 "kinds": {leaf.name: leaf.kind.name for leaf in flat.leaves}}
 
     def _info(self, export: dict[str, Any] | None) -> dict[str, Any]:
         p = self.placement
         info = {"directory": self.storage.root, "storage_rank": p.storage_rank, "storage_world": p.storage_world,
-                "persist": p.persists, "token": p.token, "keep_last": self.options.keep_last}
+                "persist": p.persists, "token": p.token, "keep_last": self.options.keep_last,
+                "branch": -1 if self._branch is None else self._branch, "allow_pickle": self.options.allow_pickle}
         if export is not None:
             info["export"] = export
         return info
@@ -343,7 +380,8 @@ class Engine:
         """Have the saver persist (and export) this rank's in-memory copy of ``step`` now;
         :meth:`wait` for it to be durable."""
         index, generation = self._memory_slot(step)
-        self._client.persist(self._slot_paths[index], generation)
+        export = self.memory_info(step).get("export")
+        self._client.saved(self._slot_paths[index], generation, step, self._info(export), persist=True)
 
     def _memory_slot(self, step: int) -> tuple[int, int]:
         found = self.memory_steps().get(step)
@@ -351,8 +389,18 @@ class Engine:
             raise CheckpointNotFoundError(f"step {step} of {self.storage.root} is not in this rank's memory")
         return found
 
+    def _start_line(self, branch: int) -> None:
+        """This run's saves descend from ``branch``: copies of newer steps in memory belong
+        to an abandoned line, and so do newer steps on storage once this line commits."""
+        self._branch = branch
+        self.discard_newer_than(branch)
+        self._client.update_info(self._info(None))
+
     def load(self, state: Any, *, step: int | None = None) -> int | None:
-        """Load the agreed step into ``state`` in place; all ranks must call this."""
+        """Load the agreed step into ``state`` in place; all ranks must call this.
+
+        Waits for the saver to finish a crash flush of the previous run first, at most
+        ``FLASHCKPT_SAVER_TIMEOUT`` seconds (:class:`~flashckpt.CheckpointTimeoutError`)."""
         start = time.perf_counter()
         self._prepared()
         self._client.wait()  # a crash flush of the previous run finishes first
@@ -368,7 +416,7 @@ class Engine:
         elif committed is not None:
             step, source = committed, "storage"
         else:
-            self.discard_newer_than(-1)
+            self._start_line(-1)
             log.info("no checkpoint in memory or in %s: starting fresh", self.storage.root)
             self._loaded(None, None, start)
             self.prepare_for(state)
@@ -384,7 +432,7 @@ class Engine:
                 step, source = committed, "storage"
         if source == "storage":
             self.on_all_ranks(lambda: self._load_storage(state, step), f"loading step {step} from {self.storage.root}")
-        self.discard_newer_than(step)
+        self._start_line(step)
         self._loaded(step, source, start)
         self.prepare_for(state)
         return step
@@ -527,11 +575,14 @@ class Engine:
     # -- storage ------------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> None:
+        """Block until every persist asked for is done (``timeout`` default:
+        ``FLASHCKPT_SAVER_TIMEOUT``; past it :class:`~flashckpt.CheckpointTimeoutError`)."""
         self._client.wait(timeout)
         self._raise_persist_errors()
 
     def flush(self, timeout: float | None = None) -> None:
-        """Persist the newest in-memory step now, unless it is on storage already, and wait."""
+        """Persist the newest in-memory step now, unless it is on storage already, and wait
+        (bounded like :meth:`wait`)."""
         if self.placement.persists:
             self._client.flush(timeout)
         self._raise_persist_errors()
@@ -545,12 +596,23 @@ class Engine:
         me = os.getpid()
         return any(h.writer_pid not in (0, me) and pid_alive(h.writer_pid) for h in self._headers())
 
-    def close(self, *, unlink: bool = True) -> None:
-        """Flush the newest step, disconnect from the saver, free this rank's shared memory."""
+    def close(self, *, unlink: bool = True, timeout: float | None = None) -> None:
+        """Flush the newest step, disconnect from the saver, free this rank's shared memory.
+
+        If the flush fails (storage full, the saver stuck past ``timeout``), the shared
+        memory is kept, so that ``flashckpt persist`` can still write the newest step,
+        and the error is raised."""
         if self._closed:
             return
         try:
-            self.flush()
+            self.flush(timeout)
+        except CheckpointError:
+            if self.placement.writes_memory:
+                log.error("closing without persisting the newest step of %s: its memory copy is kept in %s "
+                          "(run `flashckpt persist --job-id %s` to write it to storage, `flashckpt gc` to free it)",
+                          self.storage.root, _names.job_prefix(self.job_id), self.job_id)
+            unlink = False
+            raise
         finally:
             self._closed = True
             self._prepared()

@@ -28,11 +28,16 @@ EXPORTERS = {
 }
 
 
-def run_exporter(spec: dict[str, Any], directory: str, step: int) -> None:
-    """Run the exporter ``spec["name"]`` with ``spec.get("params", {})`` for a committed step."""
+def run_exporter(spec: dict[str, Any], directory: str, step: int, *, allow_pickle: bool = False) -> None:
+    """Run the exporter ``spec["name"]`` with ``spec.get("params", {})`` for a committed step.
+
+    ``allow_pickle`` is the job's own option: the exporter may unpickle only when the job
+    passed ``allow_pickle=True``, whatever its params say."""
     name = spec.get("name")
     if name not in EXPORTERS:
         raise CheckpointError(f"unknown exporter {name!r}; known: {sorted(EXPORTERS)}")
+    params = dict(spec.get("params") or {})
+    params["allow_pickle"] = allow_pickle and bool(params.get("allow_pickle", True))
     start = time.perf_counter()
-    importlib.import_module(EXPORTERS[name]).export(directory, step, dict(spec.get("params", {})))
+    importlib.import_module(EXPORTERS[name]).export(directory, step, params)
     log.info("exported step %d of %s as %s in %.2fs", step, directory, name, time.perf_counter() - start)

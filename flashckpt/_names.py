@@ -1,26 +1,50 @@
 """Names of the shared-memory objects of a job on this node.
 
-Everything a job keeps in shared memory lives under one prefix,
-``/dev/shm/flashckpt.<user>.<job_id>``, so that ``flashckpt gc`` and the saver can
-find a job's objects by listing one directory. Segments are created 0600.
+Everything a job keeps in shared memory (slots, rank locks, the saver's socket, lock
+and log, progress files) lives in one private directory per user,
+``<shm>/flashckpt-<uid>`` (``<shm>`` is ``/dev/shm`` or ``FLASHCKPT_SHM_DIR``), created
+0700 and checked before every use: owned by this user, mode 0700, not a symlink. No other
+local user can create, replace, read or connect to anything in it, so predictable names
+inside it are safe. A job's objects share the prefix ``<private dir>/<job_id>``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import pwd
+import stat
 
-__all__ = ["SHM_DIR", "default_job_id", "job_prefix", "lock_path", "slot_path", "socket_path"]
+from ._errors import UnsafeFileError
+
+__all__ = ["SHM_DIR", "default_job_id", "job_objects", "job_prefix", "lock_path", "private_dir",
+           "saver_log_path", "slot_path", "socket_path", "watchdog_log_path"]
 
 SHM_DIR = os.environ.get("FLASHCKPT_SHM_DIR", "/dev/shm")
 
 
-def _user() -> str:
+def private_dir() -> str:
+    """This user's private directory of shared-memory objects, created 0700 if missing.
+
+    Raises :class:`UnsafeFileError` if the path is a symlink, not a directory, owned by
+    another user, or open to others: another user may have planted it.
+    """
+    path = os.path.join(SHM_DIR, f"flashckpt-{os.getuid()}")
     try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        return str(os.getuid())
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise UnsafeFileError(f"cannot create the private shared-memory directory {path}: {exc}") from exc
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFileError(f"{path} is not a directory (a symlink or file planted there?); remove it")
+    if st.st_uid != os.getuid():
+        raise UnsafeFileError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}); "
+                              f"remove it, or set FLASHCKPT_SHM_DIR to another tmpfs")
+    if st.st_mode & 0o077:
+        raise UnsafeFileError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                              f"chmod 700 it or remove it")
+    return path
 
 
 def default_job_id(directory: str) -> str:
@@ -30,11 +54,23 @@ def default_job_id(directory: str) -> str:
     return digest[:16]
 
 
+def check_job_id(job_id: str) -> None:
+    if not job_id or "/" in job_id or "." in job_id or job_id.startswith("-"):
+        raise ValueError(f"job_id must be a non-empty name without '/' or '.', got {job_id!r}")
+
+
 def job_prefix(job_id: str) -> str:
     """The path prefix of every shared-memory object of ``job_id`` on this node."""
-    if not job_id or "/" in job_id or "." in job_id:
-        raise ValueError(f"job_id must be a non-empty name without '/' or '.', got {job_id!r}")
-    return os.path.join(SHM_DIR, f"flashckpt.{_user()}.{job_id}")
+    check_job_id(job_id)
+    return os.path.join(private_dir(), job_id)
+
+
+def job_objects(job_id: str) -> list[str]:
+    """Every shared-memory object of ``job_id`` on this node (slots, locks, socket, log...)."""
+    prefix = job_prefix(job_id) + "."
+    directory = os.path.dirname(prefix)
+    return sorted(os.path.join(directory, name) for name in os.listdir(directory)
+                  if os.path.join(directory, name).startswith(prefix))
 
 
 def slot_path(job_id: str, local_rank: int, slot: int) -> str:
@@ -48,3 +84,14 @@ def lock_path(slot: str) -> str:
 
 def socket_path(job_id: str) -> str:
     return f"{job_prefix(job_id)}.sock"
+
+
+def saver_log_path(job_id: str) -> str:
+    """The saver's log (size-capped) in the private directory; kept after the job's
+    shared memory is freed, removed by ``flashckpt gc`` once the job is gone."""
+    return f"{job_prefix(job_id)}-saver.log"
+
+
+def watchdog_log_path(job_id: str) -> str:
+    """The hang watcher's log, beside the saver's."""
+    return f"{job_prefix(job_id)}-watchdog.log"

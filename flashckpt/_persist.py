@@ -1,8 +1,10 @@
 """Persisting one complete slot to storage; shared by the saver process and the CLI.
 
-Everything needed comes from the slot header (its ``info`` names the directory, the
-storage rank and world size, the save's token and the retention), so a slot left by
-a dead job can be persisted by a process that never saw the trainer.
+What to write where (the directory, the storage rank and world size, the save's token,
+branch and retention, the exporter and whether it may unpickle) is the ``info`` the
+trainer sent the saver over its authenticated socket. Only ``flashckpt persist``, run
+by the user on their own private objects, takes it from the slot header, so that a slot
+left by a dead job can be persisted by a process that never saw the trainer.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from . import _names
 from ._exporters import run_exporter
@@ -32,8 +35,10 @@ class PersistResult:
     nbytes: int = 0
 
 
-def persist_slot(slot_path: str, generation: int | None = None, *, already_persisted: bool = False) -> PersistResult:
-    """Write the image in ``slot_path`` to its storage and commit its step if complete.
+def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, Any] | None = None, *,
+                 already_persisted: bool = False) -> PersistResult:
+    """Write the image in ``slot_path`` to storage as ``info`` says (default: the slot
+    header's) and commit its step if complete.
 
     With ``generation`` given, does nothing (``skipped``) unless the slot still holds
     exactly that save. The slot is marked as being read, so the trainer writes its
@@ -56,12 +61,12 @@ def persist_slot(slot_path: str, generation: int | None = None, *, already_persi
             return PersistResult(h.step, False, skipped=True)
         try:
             start = time.perf_counter()
-            info = h.info
+            info = h.info if info is None else info
             storage = LocalStorage(info["directory"])
             storage.write_shard(h.step, info["storage_rank"], info["token"], slot.image(h.image_len))
             committed = storage.try_commit(h.step, info["storage_world"], info["token"], info["keep_last"])
             if committed and info.get("export"):
-                run_exporter(info["export"], storage.root, h.step)
+                run_exporter(info["export"], storage.root, h.step, allow_pickle=bool(info.get("allow_pickle")))
             seconds = time.perf_counter() - start
             log.info("persisted step %d rank %d: %.1f MiB in %.2fs (%.0f MiB/s)%s", h.step, info["storage_rank"],
                      h.image_len / 2**20, seconds, h.image_len / 2**20 / max(seconds, 1e-9),

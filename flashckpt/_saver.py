@@ -1,7 +1,10 @@
 """The saver: one process per node and job that persists shared-memory slots.
 
-Trainers connect over a Unix socket next to the job's segments and send small JSON
-messages (``hello``, ``persist``, ``flush``, ``wait``, ``close``). A worker thread
+Trainers connect over a Unix socket in the user's private shared-memory directory
+(peers of another uid are refused) and send small JSON messages (``hello``, ``saved``,
+``info``, ``flush``, ``wait``, ``close``). Where a slot goes on storage, its retention,
+exporter and pickling come from these messages of an authenticated trainer, never from
+the bytes in shared memory. A worker thread
 writes slots to storage one at a time, so persisting never competes with training
 for the trainer's GIL. When a trainer disconnects without ``close`` (it crashed or
 was killed), the saver persists that trainer's newest complete slots itself. It exits
@@ -17,6 +20,7 @@ import argparse
 import fcntl
 import json
 import logging
+import logging.handlers
 import os
 import queue
 import select
@@ -30,14 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _names
-from ._persist import PersistResult, persist_slot, unpersisted_slots
-from ._slot import pid_alive
+from ._persist import PersistResult, persist_slot
+from ._slot import Slot, SlotState, open_private, pid_alive
 from ._storage import LocalStorage
 
 log = logging.getLogger("flashckpt.saver")
 
-PROTOCOL = 1
+PROTOCOL = 2
 _TICK_SECONDS = 0.5
+_LOG_BYTES = 4 << 20
 
 
 @dataclass(eq=False)
@@ -46,6 +51,10 @@ class _Client:
     pid: int
     pidfd: int = -1
     slots: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    """Where this trainer's slots go on storage and how (its ``hello``/``info``)."""
+    saved: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """slot -> the newest ``saved`` message for it (what a crash flush writes)."""
     closed_cleanly: bool = False
     buffer: bytes = b""
     send_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -64,6 +73,7 @@ class _Job:
     slot: str
     generation: int
     client: _Client | None
+    info: dict[str, Any] = field(default_factory=dict)
     reply: dict[str, Any] | None = None
     """Message to send once done (for flush/wait); None sends a ``persisted`` note."""
     unless_committed: tuple[str, int] | None = None
@@ -87,12 +97,12 @@ class _Jobs:
             seq = self._seq
         self._queue.put((2 if job is None else int(later), seq, job))
 
-    def put_slots(self, slots: list[tuple[str, int, str, int]], client: _Client | None) -> None:
-        """Persist ``(slot, generation, directory, step)``, newest step first: the newest
+    def put_slots(self, slots: list[tuple[str, int, dict[str, Any], int]], client: _Client | None) -> None:
+        """Persist ``(slot, generation, info, step)``, newest step first: the newest
         now, the older ones as fallbacks for it."""
-        for i, (path, generation, _, _) in enumerate(slots):
-            fallback = slots[0][2:] if i else None
-            self.put(_Job(path, generation, client, unless_committed=fallback), later=fallback is not None)
+        for i, (path, generation, info, _) in enumerate(slots):
+            fallback = (slots[0][2]["directory"], slots[0][3]) if i else None
+            self.put(_Job(path, generation, client, info, unless_committed=fallback), later=fallback is not None)
 
     def get(self) -> _Job | None:
         return self._queue.get()[2]
@@ -113,20 +123,43 @@ class Saver:
         self.busy = 0
         self.busy_lock = threading.Lock()
         self.idle_since = time.monotonic()
+        self._listener: socket.socket | None = None
+        self._sock_ino = 0
 
     # -- socket handling ----------------------------------------------------------
 
-    def serve(self) -> None:
+    def _listen(self) -> None:
+        """Bind the job's socket (again, if someone removed or replaced it)."""
+        if self._listener is not None:
+            self.sel.unregister(self._listener)
+            self._listener.close()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             os.unlink(self.sock_path)
         except FileNotFoundError:
             pass
-        listener.bind(self.sock_path)
-        os.chmod(self.sock_path, 0o600)
+        old = os.umask(0o177)
+        try:
+            listener.bind(self.sock_path)
+        finally:
+            os.umask(old)
         listener.listen(256)
         listener.setblocking(False)
+        self._sock_ino = os.stat(self.sock_path).st_ino
+        self._listener = listener
         self.sel.register(listener, selectors.EVENT_READ, "accept")
+
+    def _check_socket(self) -> None:
+        try:
+            intact = os.lstat(self.sock_path).st_ino == self._sock_ino
+        except FileNotFoundError:
+            intact = False
+        if not intact:
+            log.warning("the socket %s was removed or replaced: listening again", self.sock_path)
+            self._listen()
+
+    def serve(self) -> None:
+        self._listen()
         worker = threading.Thread(target=self._work, name="flashckpt-persist", daemon=True)
         worker.start()
         log.info("saver for job %s listening on %s (pid %d)", self.job_id, self.sock_path, os.getpid())
@@ -135,18 +168,20 @@ class Saver:
             while not self._should_exit():
                 for key, _ in self.sel.select(_TICK_SECONDS):
                     if key.data == "accept":
-                        self._accept(listener)
+                        self._accept(key.fileobj)
                     elif isinstance(key.data, tuple):  # (pidfd, client): the process exited
                         self._drop(key.data[1], "process exited")
                     else:
                         self._read(key.data)
+                self._check_socket()
                 if watchdog is not None:
                     watchdog(self.job_id)
         finally:
             self.jobs.put(None)
             worker.join()
             try:
-                os.unlink(self.sock_path)
+                if os.lstat(self.sock_path).st_ino == self._sock_ino:
+                    os.unlink(self.sock_path)
             except FileNotFoundError:
                 pass
             log.info("saver for job %s exits", self.job_id)
@@ -164,7 +199,12 @@ class Saver:
             conn, _ = listener.accept()
         except BlockingIOError:
             return
-        pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():
+            log.warning("refused a connection from pid %d of uid %d (this saver serves uid %d only)",
+                        pid, uid, os.getuid())
+            conn.close()
+            return
         conn.setblocking(False)
         client = _Client(conn, pid)
         self.clients[conn.fileno()] = client
@@ -217,11 +257,23 @@ class Saver:
             log.info("trainer pid %d closed", client.pid)
             return
         log.warning("trainer pid %d %s without closing: persisting its newest memory checkpoint", client.pid, why)
-        self.jobs.put_slots(self._unpersisted(client.slots), None)
+        self.jobs.put_slots(self._unpersisted(client), None)
 
-    def _unpersisted(self, slot_paths: list[str]) -> list[tuple[str, int, str, int]]:
-        """(slot, generation, directory, step) of complete slots not on storage yet, newest step first."""
-        return [found for found in unpersisted_slots(slot_paths) if self.persisted.get(found[0]) != found[1]]
+    def _unpersisted(self, client: _Client) -> list[tuple[str, int, dict[str, Any], int]]:
+        """(slot, generation, info, step) of the saves ``client`` reported that its slots
+        still hold complete, meant for storage and not there yet, newest step first."""
+        found = []
+        for path, msg in client.saved.items():
+            info, generation = msg["info"], msg["generation"]
+            if not info.get("persist") or self.persisted.get(path) == generation:
+                continue
+            h = Slot.peek_header(path)
+            if h is None or h.state != SlotState.COMPLETE or h.generation != generation:
+                continue
+            latest = LocalStorage(info["directory"]).latest_step()
+            if latest is None or h.step > latest:
+                found.append((path, generation, info, h.step))
+        return sorted(found, key=lambda found: -found[3])
 
     def _handle(self, client: _Client, msg: dict[str, Any]) -> None:
         op = msg.get("op")
@@ -229,14 +281,28 @@ class Saver:
             if msg.get("v") != PROTOCOL:
                 client.send({"op": "error", "message": f"saver speaks protocol {PROTOCOL}, got {msg.get('v')}"})
                 return
-            client.slots = list(msg.get("slots", []))
+            prefix = _names.job_prefix(self.job_id) + "."
+            slots = [str(path) for path in msg.get("slots", [])]
+            if not all(path.startswith(prefix) and "/" not in path[len(prefix):] for path in slots):
+                client.send({"op": "error", "message": f"slots outside this job's objects ({prefix}*)"})
+                return
+            client.slots = slots
+            client.info = dict(msg.get("info") or {})
             client.send({"op": "welcome", "pid": os.getpid()})
-        elif op == "persist":
-            self.jobs.put(_Job(msg["slot"], msg["generation"], client))
+        elif op == "info":
+            client.info = dict(msg["info"])
+        elif op == "saved":
+            if msg["slot"] not in client.slots:
+                client.send({"op": "persisted", "slot": msg["slot"], "generation": msg["generation"],
+                             "error": f"{msg['slot']} is not one of this trainer's slots"})
+                return
+            client.saved[msg["slot"]] = msg
+            if msg.get("persist"):
+                self.jobs.put(_Job(msg["slot"], msg["generation"], client, dict(msg["info"])))
         elif op == "flush":
             self._reap()
             # an older slot may be the newest step all ranks hold: it is written as a fallback
-            self.jobs.put_slots(self._unpersisted(client.slots), client)
+            self.jobs.put_slots(self._unpersisted(client), client)
             self.jobs.put(_Job("", 0, client, reply={"op": "flushed", "id": msg["id"]}), later=True)
         elif op == "wait":
             self._reap()
@@ -269,23 +335,24 @@ class Saver:
                 log.info("step %d is committed: %s is not needed on storage", newer, job.slot)
                 return
         try:
-            result = persist_slot(job.slot, job.generation,
+            result = persist_slot(job.slot, job.generation, job.info,
                                   already_persisted=self.persisted.get(job.slot) == job.generation)
         except Exception as exc:
             log.exception("persisting %s failed", job.slot)
             if job.client is not None:
                 job.client.send({"op": "persisted", "error": f"{type(exc).__name__}: {exc}",
-                                 "slot": job.slot})
+                                 "slot": job.slot, "generation": job.generation})
             return
         if not result.skipped:
             self.persisted[job.slot] = job.generation
         if job.client is not None:
-            job.client.send(_result_message(result, job.slot))
+            job.client.send(_result_message(result, job.slot, job.generation))
 
 
-def _result_message(result: PersistResult, slot: str) -> dict[str, Any]:
-    return {"op": "persisted", "slot": slot, "step": result.step, "committed": result.committed,
-            "skipped": result.skipped, "seconds": result.seconds, "bytes": result.nbytes}
+def _result_message(result: PersistResult, slot: str, generation: int) -> dict[str, Any]:
+    return {"op": "persisted", "slot": slot, "generation": generation, "step": result.step,
+            "committed": result.committed, "skipped": result.skipped, "seconds": result.seconds,
+            "bytes": result.nbytes}
 
 
 def _load_watchdog():
@@ -310,15 +377,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--linger-seconds", type=float, default=5.0)
     parser.add_argument("--log-file")
     args = parser.parse_args(argv)
-    logging.basicConfig(filename=args.log_file, level=logging.INFO,
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if args.log_file:  # in the private directory (see _names), capped: a long job's log cannot fill /dev/shm
+        handlers = [logging.handlers.RotatingFileHandler(args.log_file, maxBytes=_LOG_BYTES, backupCount=1)]
+    logging.basicConfig(handlers=handlers, level=logging.INFO,
                         format="%(asctime)s flashckpt-saver[%(process)d] %(levelname)s %(message)s")
     # one saver per node and job: the holder of this lock serves, later ones leave
     lock_path = _names.job_prefix(args.job_id) + ".saver.lock"
-    lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    lock_fd = open_private(lock_path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return 0
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)  # who serves, for the trainers' error messages
     try:
         Saver(args.job_id, args.linger_seconds).serve()  # unlinks the socket first ...
     finally:

@@ -17,6 +17,7 @@ import fcntl
 import json
 import mmap
 import os
+import stat
 import struct
 import threading
 import time
@@ -25,10 +26,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Iterator, Protocol
 
-from ._errors import SharedMemoryError
+from ._errors import SharedMemoryError, UnsafeFileError
 
 __all__ = ["HEADER_SIZE", "SlotState", "SlotHeader", "Slot", "PageLocker", "RankLock", "mark_writing",
-           "shm_free_bytes", "pid_alive"]
+           "open_private", "shm_free_bytes", "pid_alive"]
 
 HEADER_SIZE = 4096
 _MAGIC = b"FCKSLOT1"
@@ -122,6 +123,7 @@ def shm_free_bytes(directory: str) -> int:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (exited, not yet reaped by its parent) does not."""
     if pid <= 0:
         return False
     try:
@@ -130,7 +132,39 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill(0)
+    return state not in (b"Z", b"X")
+
+
+def open_private(path: str, flags: int) -> int | None:
+    """Open a shared-memory object of this user (None if missing and not created):
+    never through a symlink, never a FIFO or device, never a file of another user or one
+    open to others (:class:`UnsafeFileError`)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFileError(f"{path} is a symlink; refusing to use it") from exc
+        raise
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    elif st.st_mode & 0o077:
+        problem = f"is open to other users (mode {stat.S_IMODE(st.st_mode):o})"
+    if problem is not None:
+        os.close(fd)
+        raise UnsafeFileError(f"{path} {problem}; refusing to use it")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
 
 
 class RankLock:
@@ -138,7 +172,7 @@ class RankLock:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fd = open_private(path, os.O_RDWR | os.O_CREAT)
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -177,12 +211,8 @@ class Slot:
         that is written again and again; a slot read once is cheaper unpopulated (reads
         fault 16 pages at a time).
         """
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-        try:
-            fd = os.open(path, flags, 0o600)
-        except FileNotFoundError:
-            return None
-        return cls(path, fd, writable, populate)
+        fd = open_private(path, (os.O_RDWR if writable else os.O_RDONLY) | (os.O_CREAT if create else 0))
+        return None if fd is None else cls(path, fd, writable, populate)
 
     def _map(self) -> None:
         size = os.fstat(self._fd).st_size
@@ -260,9 +290,8 @@ class Slot:
     def peek_header(path: str) -> SlotHeader | None:
         """The header of the slot at ``path`` without mapping it (None if there is none):
         mapping a slot populates its page tables, which costs more than reading it."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        fd = open_private(path, os.O_RDONLY)
+        if fd is None:
             return None
         try:
             return _parse_header(os.pread(fd, HEADER_SIZE, 0))
@@ -300,13 +329,22 @@ def _parse_header(buf: Any) -> SlotHeader:
     magic, state, _, gen, step, image_len, writer, reader, saved_at, info_len = struct.unpack_from(_FMT, buf, 0)
     if magic != _MAGIC:
         return SlotHeader()
-    info = json.loads(bytes(buf[_FIXED:_FIXED + info_len])) if info_len else {}
-    return SlotHeader(SlotState(state), gen, step, image_len, writer, reader, saved_at, info)
+    try:  # a header torn by a crash mid-write reads as empty, never as an error
+        info = json.loads(bytes(buf[_FIXED:_FIXED + min(info_len, HEADER_SIZE - _FIXED)])) if info_len else {}
+        return SlotHeader(SlotState(state), gen, step, image_len, writer, reader, saved_at,
+                          info if isinstance(info, dict) else {})
+    except ValueError:
+        return SlotHeader()
 
 
 def mark_writing(slot: Slot, step: int, image_len: int, info: dict[str, Any]) -> SlotHeader:
-    """Claim ``slot`` for a new image (caller holds the rank lock)."""
+    """Claim ``slot`` for a new image (caller holds the rank lock).
+
+    Generations are unique across re-created slots and restarts (the clock in ns, or one
+    more than the last), so a saver that outlives a trainer never mistakes a new save
+    for one it already persisted."""
     h = slot.read_header()
-    h = SlotHeader(SlotState.WRITING, h.generation + 1, step, image_len, os.getpid(), 0, time.time(), info)
+    generation = max(h.generation + 1, time.time_ns())
+    h = SlotHeader(SlotState.WRITING, generation, step, image_len, os.getpid(), 0, time.time(), info)
     slot.write_header(h)
     return h

@@ -43,11 +43,10 @@ import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
-from flashckpt._names import SHM_DIR, job_prefix
+from flashckpt._names import job_prefix, watchdog_log_path
 from flashckpt._slot import pid_alive
 
 __all__ = [
@@ -188,15 +187,17 @@ def read_progress(path: str) -> ProgressFile | None:
 
 
 def _job_files(job_id: str) -> list[tuple[int, str]]:
-    base = os.path.basename(job_prefix(job_id)) + ".progress."
+    prefix = job_prefix(job_id)
+    base = os.path.basename(prefix) + ".progress."
+    directory = os.path.dirname(prefix)
     found = []
     try:
-        names = os.listdir(SHM_DIR)
+        names = os.listdir(directory)
     except FileNotFoundError:
         return []
     for name in names:
         if name.startswith(base) and name[len(base):].isdigit():
-            found.append((int(name[len(base):]), os.path.join(SHM_DIR, name)))
+            found.append((int(name[len(base):]), os.path.join(directory, name)))
     return found
 
 
@@ -386,14 +387,15 @@ def ensure_watcher(job_id: str, *, log_path: str | None = None,
     """Start the node's watcher for ``job_id`` (own session) unless one holds the lock.
 
     For jobs without a saver process; returns the started process, or None. Its log
-    goes to ``log_path`` (default ``<tmpdir>/flashckpt-watchdog.<job_id>.log``), not to
+    goes to ``log_path`` (default: ``flashckpt._names.watchdog_log_path``, in this user's
+    private shared-memory directory), not to
     the caller's stderr, which it would otherwise hold open after the caller exits.
     Two callers racing both start one; the loser of the lock exits at once.
     """
     if _watcher_running(job_id):
         return None
     if log_path is None:
-        log_path = os.path.join(tempfile.gettempdir(), f"flashckpt-watchdog.{job_id}.log")
+        log_path = watchdog_log_path(job_id)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

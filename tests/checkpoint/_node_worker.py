@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from flashckpt.torch import Checkpointer, DdpCheckpointer
+from flashckpt._names import job_prefix
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     for step in (1, 2):
         ck.save(step, {"w": torch.full((100,), value + step)})
     ck.wait()
-    slots = sorted(p.rsplit("/", 1)[1] for p in glob.glob("/dev/shm/flashckpt.*.nodes.*.slot*"))
+    slots = sorted(p.rsplit("/", 1)[1] for p in glob.glob(job_prefix("nodes") + ".*.slot*"))
     target = {"w": torch.zeros(100)}
     step = ck.load(target)
     report = {"slots": slots, "step": step, "source": ck.last_load.source, "w": target["w"][0].item(),

@@ -3,6 +3,7 @@ import os
 import uuid
 
 import pytest
+from flashckpt._names import job_prefix
 
 
 @pytest.fixture
@@ -10,10 +11,10 @@ def job_id():
     """A fresh job id, with every shared-memory object of it removed afterwards."""
     job = "t" + uuid.uuid4().hex[:12]
     yield job
-    for path in glob.glob(f"/dev/shm/flashckpt.*.{job}.*"):
+    for path in glob.glob(job_prefix(job) + ".*"):
         if not path.endswith((".sock", ".saver.lock")):
             os.unlink(path)
 
 
 def shm_objects(job: str) -> list[str]:
-    return sorted(glob.glob(f"/dev/shm/flashckpt.*.{job}.*"))
+    return sorted(glob.glob(job_prefix(job) + ".*"))

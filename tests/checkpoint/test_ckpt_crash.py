@@ -15,6 +15,7 @@ from flashckpt._storage import LocalStorage
 from flashckpt.torch import Checkpointer
 
 from ._trainer import check, make_state
+from flashckpt._names import job_prefix
 
 TRAINER = os.path.join(os.path.dirname(__file__), "_trainer.py")
 
@@ -49,7 +50,7 @@ def wait_committed(directory, step: int, timeout: float = 30.0) -> None:
 
 
 def wipe_shared_memory(job: str) -> None:
-    for path in glob.glob(f"/dev/shm/flashckpt.*.{job}.*"):
+    for path in glob.glob(job_prefix(job) + ".*"):
         os.unlink(path)
 
 

@@ -12,6 +12,7 @@ from flashckpt.torch import Checkpointer, DdpCheckpointer
 
 from ._dist import run_ranks
 from ._torchrun_train import train_reference
+from flashckpt._names import job_prefix
 
 
 def _state(rank: int, step: int) -> dict:
@@ -29,7 +30,7 @@ def _save_then_restart(rank: int, world: int, directory: str, job: str, drop_ran
     ck._engine._client.close()       # "crash": no flush, memory stays
     torch.distributed.barrier()
     if drop_rank1_memory and rank == 1:  # rank 1 comes back on a new machine
-        for path in glob.glob(f"/dev/shm/flashckpt.*.{job}.rank1.*"):
+        for path in glob.glob(job_prefix(job) + ".rank1.*"):
             os.unlink(path)
     torch.distributed.barrier()
     sources = []
@@ -58,7 +59,7 @@ def _ddp(rank: int, world: int, directory: str, job: str):
     torch.nn.init.normal_(model.weight)  # same on every rank: replicated
     ck.save(4, {"model": model.state_dict(), "step": 4})
     ck.wait()
-    slots = sorted(os.path.basename(p) for p in glob.glob(f"/dev/shm/flashckpt.*.{job}.rank*.slot*"))
+    slots = sorted(os.path.basename(p) for p in glob.glob(job_prefix(job) + ".rank*.slot*"))
     fresh = torch.nn.Linear(50, 5)
     state = {"model": fresh.state_dict(), "step": 0}
     step = ck.load(state)

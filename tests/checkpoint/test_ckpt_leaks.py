@@ -7,6 +7,7 @@ import resource
 import torch
 
 from flashckpt.torch import Checkpointer
+from flashckpt._names import job_prefix
 
 
 def open_fds() -> int:
@@ -29,11 +30,11 @@ def test_200_save_load_cycles_leak_nothing(tmp_path, job_id):
             assert ck.load(target) == cycle
             if cycle == 20:
                 ck.wait()
-                baseline = (open_fds(), rss_mib(), len(glob.glob(f"/dev/shm/*{job_id}*")))
+                baseline = (open_fds(), rss_mib(), len(glob.glob(job_prefix(job_id) + "*")))
         ck.wait()
-        fds, rss, segments = open_fds(), rss_mib(), len(glob.glob(f"/dev/shm/*{job_id}*"))
+        fds, rss, segments = open_fds(), rss_mib(), len(glob.glob(job_prefix(job_id) + "*"))
     assert fds <= baseline[0], f"file descriptors grew from {baseline[0]} to {fds}"
     assert segments <= baseline[2], f"shared-memory objects grew from {baseline[2]} to {segments}"
     assert rss - baseline[1] < 16, f"RSS grew by {rss - baseline[1]:.1f} MiB over 180 cycles"
     assert len(list(tmp_path.glob("step-*"))) == 2
-    assert not [p for p in glob.glob(f"/dev/shm/*{job_id}*") if ".slot" in p]
+    assert not [p for p in glob.glob(job_prefix(job_id) + "*") if ".slot" in p]

@@ -12,13 +12,14 @@ from flashckpt._convert import convert
 
 from ..checkpoint._dist import run_ranks
 from ._fsdp_ranks import run_plan
+from flashckpt._names import job_prefix
 
 
 @pytest.fixture(scope="session")
 def fsdp_job():
     job = "f" + uuid.uuid4().hex[:10]
     yield job
-    for path in glob.glob(f"/dev/shm/flashckpt.*.{job}*"):
+    for path in glob.glob(job_prefix(job) + "*"):
         os.unlink(path)
 
 

@@ -13,6 +13,7 @@ import torch
 from tests.checkpoint._dist import run_ranks
 
 from . import _gpt
+from flashckpt._names import job_prefix
 
 STEP = 5
 
@@ -127,7 +128,7 @@ def saved(tmp_path_factory):
     yield {"root": root, "job": job, "tp": tp, "dp": dp,
            "full_tp": _gpt.consolidate(blocks_tp), "full_dp": _gpt.consolidate(blocks_dp),
            "blocks_dp": blocks_dp}
-    for path in glob.glob(f"/dev/shm/flashckpt.*.{job}*"):
+    for path in glob.glob(job_prefix(job) + "*"):
         if not path.endswith((".sock", ".saver.lock")):
             os.unlink(path)
 

@@ -3,6 +3,7 @@ import os
 import uuid
 
 import pytest
+from flashckpt._names import job_prefix
 
 
 @pytest.fixture
@@ -10,6 +11,6 @@ def job_id():
     """A fresh job id, with every shared-memory object of it removed afterwards."""
     job = "tf" + uuid.uuid4().hex[:12]
     yield job
-    for path in glob.glob(f"/dev/shm/flashckpt.*.{job}.*"):
+    for path in glob.glob(job_prefix(job) + ".*"):
         if not path.endswith((".sock", ".saver.lock")):
             os.unlink(path)

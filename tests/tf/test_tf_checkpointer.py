@@ -16,6 +16,7 @@ from flashckpt.tf import Checkpointer
 from flashckpt.tf import _variables
 
 from ._models import dense_model, same, values
+from flashckpt._names import job_prefix
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def test_load_in_place_from_memory_then_from_storage(tmp_path, job_id, loads, me
     with Checkpointer(tmp_path, model, job_id=job_id, memory_slots=memory_slots) as ckpt:
         ckpt.save(7)
         ckpt.save(7)  # a second save fills the other slot, where there is one
-        slots = glob.glob(f"/dev/shm/flashckpt.*.{job_id}.rank0.slot*")
+        slots = glob.glob(job_prefix(job_id) + ".rank0.slot*")
         assert len(slots) == memory_slots, slots
         buffers = [v.value()._numpy().ctypes.data for v in model.variables if v.shape.rank]
         model.fit(np.ones((8, 4)), np.zeros((8, 1)), verbose=0)
