@@ -655,15 +655,20 @@ def machine() -> dict[str, Any]:
     }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["small", "large", "both"], default="both")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", default="/tmp", help="storage directory (a temp folder is made inside)")
+    parser.add_argument("--dir", default="/tmp",
+                        help="storage directory, made if missing (a temp folder is made inside)")
     parser.add_argument("--json", default=str(REPO / "results" / "save_load.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    try:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"--dir {args.dir}: cannot make the directory: {err.strerror or err}")
     return args
 
 
