@@ -402,12 +402,14 @@ class Engine:
         Waits for the saver to finish a crash flush of the previous run first, at most
         ``FLASHCKPT_SAVER_TIMEOUT`` seconds (:class:`~flashckpt.CheckpointTimeoutError`)."""
         start = time.perf_counter()
+        requested = step
         self._prepared()
         self._client.wait()  # a crash flush of the previous run finishes first
         local = {"memory": self.memory_steps(),
-                 "committed": self.storage.latest_step() if self.collective.rank == 0 else None}
+                 "committed": self._committed_newest_first() if self.collective.rank == 0 else None}
         views = self.collective.all_gather(local)
-        committed = views[0]["committed"]
+        fallbacks = views[0]["committed"]
+        committed = fallbacks[0] if fallbacks else None
         common = set.intersection(*(set(v["memory"]) for v in views))
         if step is not None:
             source = "memory" if step in common else "storage"
@@ -431,11 +433,30 @@ class Engine:
                             "committed step %d", step, "; ".join(m for _, m in errors), committed)
                 step, source = committed, "storage"
         if source == "storage":
-            self.on_all_ranks(lambda: self._load_storage(state, step), f"loading step {step} from {self.storage.root}")
+            step = self._load_storage_or_older(state, step, [] if requested is not None else fallbacks)
         self._start_line(step)
         self._loaded(step, source, start)
         self.prepare_for(state)
         return step
+
+    def _committed_newest_first(self) -> list[int]:
+        return self.storage.committed_steps()[::-1]
+
+    def _load_storage_or_older(self, state: Any, step: int, fallbacks: list[int]) -> int:
+        """Load ``step`` from storage on every rank; if it is damaged or unreadable on any
+        rank, warn naming the file and try the next older committed step in ``fallbacks``."""
+        older = [s for s in fallbacks if s != step]
+        while True:
+            _, errors = self._gather(lambda: self._load_storage(state, step))
+            if not errors:
+                return step
+            damaged = all(name in ("CorruptCheckpointError", "CheckpointNotFoundError", "UnsafeFileError")
+                          for name, _ in errors)
+            if not damaged or not older:
+                self._raise(errors, f"loading step {step} from {self.storage.root} failed")
+            log.warning("committed step %d of %s cannot be loaded (%s); loading the next older committed "
+                        "step %d instead", step, self.storage.root, "; ".join(m for _, m in errors), older[0])
+            step = older.pop(0)
 
     def prepare_for(self, state: Any) -> None:
         """Size this rank's slots for ``state`` in the background, so the next saves do not
