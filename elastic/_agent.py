@@ -54,6 +54,7 @@ from elastic._goodput import MetricsLog, read_records, summarize
 from elastic._hang import HangTimeout, format_stacks
 from elastic._heartbeat import Heartbeats
 from elastic._publish import EventPublisher, as_record, coordinator_of
+from elastic._resume import before_start, forget as forget_resume
 from elastic._options import AgentOptions, ExitCode, OnHang
 
 __all__ = ["Agent", "current_agent", "start_agent"]
@@ -320,6 +321,9 @@ class Agent:
     # ---------------------------------------------------------------- start / stop
     def _start(self) -> None:
         opts = self.options
+        resume = before_start(self._ckpt)  # a load (or save) before the agent started
+        if resume is not None and resume.step is not None:
+            self._step = resume.step
         self._stack_file = open(self._stack_path, "a", encoding="utf-8")
         faulthandler.register(opts.dump_signal, file=self._stack_file, all_threads=True)
         policy = _watchdog.Policy.EXIT if opts.on_hang is OnHang.EXIT else _watchdog.Policy.DUMP
@@ -343,6 +347,9 @@ class Agent:
         _events.subscribe(self._on_checkpoint_event)
         self._log.write("start", job_id=self.job_id, worker=self.worker, step=self._step,
                         hang_timeout=opts.hang_timeout, on_hang=opts.on_hang.value)
+        if resume is not None and resume.event == "load":
+            self._log.write("load", step=resume.step, source=resume.source, seconds=resume.seconds,
+                            before_agent=True)
         self._thread = threading.Thread(target=self._loop, name="elastic-agent", daemon=True)
         self._thread.start()
         self._io_thread = threading.Thread(target=self._coordinator_loop, name="elastic-agent-coordinator",
@@ -374,6 +381,7 @@ class Agent:
 
     def _teardown(self) -> None:
         _events.unsubscribe(self._on_checkpoint_event)
+        forget_resume()
         main = threading.current_thread() is threading.main_thread()
         if sys.excepthook == self._excepthook and "excepthook" in self._prev:
             sys.excepthook = self._prev.pop("excepthook")

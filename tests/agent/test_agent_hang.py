@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import time
 
 import pytest
 
 from elastic._hang import HangTimeout
+from flashckpt._names import saver_log_path
 from tests.agent.agent_helpers import explain, job_id, of_type, records, run, stacks
 
 
@@ -55,7 +55,7 @@ def test_gil_held_hang_is_dumped_and_killed_by_the_backstop(tmp_path, backstop):
     dump = stacks(out, 0)
     assert "hang_with_gil" in dump and "Current thread" in dump, dump  # faulthandler, GIL held
     log = (os.path.join(out, "metrics", "watchdog.log") if backstop == "watcher"
-           else os.path.join(tempfile.gettempdir(), f"flashckpt.{job}.saver.log"))
+           else saver_log_path(job))
     with open(log) as f:
         assert "made no progress" in f.read()  # the watcher's (or the saver's) log
     if backstop == "saver":
