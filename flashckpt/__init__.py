@@ -17,6 +17,7 @@ from ._errors import (
     StateMismatchError,
     UnsafeFileError,
 )
+from ._engine import SaveHandle
 
 __all__ = [
     "CheckpointError",
@@ -24,6 +25,7 @@ __all__ = [
     "CheckpointTimeoutError",
     "CorruptCheckpointError",
     "JobConflictError",
+    "SaveHandle",
     "SaverError",
     "SharedMemoryError",
     "StateMismatchError",

@@ -96,14 +96,14 @@ class SaverClient:
         self.info = info
         self._saved: dict[str, dict[str, Any]] = {}
         """slot -> the newest ``saved`` message sent for it (told again to a new saver)."""
-        self._pending: set[tuple[str, int]] = set()
-        """(slot, generation) asked to persist, outcome not yet reported."""
+        self.pending: dict[tuple[str, int], float] = {}
+        """(slot, generation) asked to persist, outcome not yet reported -> when it was saved."""
         self._spawned: list[subprocess.Popen] = []
         self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
 
     @property
     def outstanding(self) -> int:
-        return len(self._pending)
+        return len(self.pending)
 
     # -- connection -----------------------------------------------------------------
 
@@ -161,7 +161,7 @@ class SaverClient:
             pass
         self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
         for slot, msg in self._saved.items():
-            again = dict(msg, persist=(slot, msg["generation"]) in self._pending)
+            again = dict(msg, persist=(slot, msg["generation"]) in self.pending)
             self.sock.sendall(_encode(again))
 
     def _send(self, msg: dict[str, Any]) -> None:
@@ -202,12 +202,21 @@ class SaverClient:
     # -- messages -------------------------------------------------------------------
 
     def _note(self, msg: dict[str, Any]) -> None:
-        if msg.get("op") == "persisted":
-            self._pending.discard((msg.get("slot"), msg.get("generation")))
-            if "error" in msg:
-                self.errors.append(msg["error"])
-            elif msg.get("committed"):
-                self.last_committed = max(self.last_committed or -1, msg["step"])
+        if msg.get("op") != "persisted":
+            return
+        saved_at = self.pending.pop((msg.get("slot"), msg.get("generation")), None)
+        if "error" in msg:
+            self.errors.append(msg["error"])
+            return
+        if msg.get("skipped"):
+            return
+        if msg.get("committed"):
+            self.last_committed = max(self.last_committed or -1, msg["step"])
+        mib = msg.get("bytes", 0) / 2**20
+        seconds = msg.get("seconds", 0.0)
+        since_save = f", durable {msg['finished_at'] - saved_at:.2f}s after the save" if saved_at else ""
+        log.info("persisted step %d (%.1f MiB in %.2fs, %.0f MiB/s%s)%s", msg["step"], mib, seconds,
+                 mib / max(seconds, 1e-9), since_save, ", committed" if msg.get("committed") else "")
 
     def saved(self, slot: str, generation: int, step: int, info: dict[str, Any], *, persist: bool) -> None:
         """Tell the saver that ``slot`` now holds ``step`` (so it can persist it if this
@@ -216,7 +225,7 @@ class SaverClient:
                "persist": persist}
         self._saved[slot] = msg
         if persist:
-            self._pending.add((slot, generation))
+            self.pending[(slot, generation)] = time.time()
         self._send(msg)
 
     def update_info(self, info: dict[str, Any]) -> None:

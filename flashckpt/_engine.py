@@ -32,7 +32,8 @@ from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotStat
 from ._storage import LocalStorage
 from ._tree import Flat, Merge, TensorKind, flatten, kind_named, merge_into
 
-__all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SingleProcess", "gc_paused", "place"]
+__all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHandle", "SingleProcess", "gc_paused",
+           "place"]
 
 log = logging.getLogger("flashckpt")
 
@@ -104,6 +105,39 @@ class LoadInfo:
     source: str | None
     """"memory", "storage", or None when there was nothing to load."""
     seconds: float
+
+
+class SaveHandle:
+    """What :meth:`Engine.save` returns: the step, whether it goes to storage, and calls
+    to learn when it is there (the counterpart of the Future of DCP's ``async_save``)."""
+
+    def __init__(self, engine: "Engine", step: int, persisting: bool, slot: str | None, generation: int) -> None:
+        self.step = step
+        self.persisting = persisting
+        """True when this save was due for storage (``persist_every``, or ``persist=True``)."""
+        self._engine = engine
+        self._key = (slot, generation)
+
+    def done(self) -> bool:
+        """The saver finished with this save (persisted, failed, or nothing to persist);
+        never blocks."""
+        if not self.persisting:
+            return True
+        self._engine._client.drain()
+        return self._key not in self._engine._client.pending
+
+    def durable(self) -> bool:
+        """This step is committed on storage (every rank's shard and the metadata)."""
+        return self.step in self._engine.storage.committed_steps()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until this save (and every persist asked before it) is done, raising what
+        failed; ``timeout`` as :meth:`Engine.wait`."""
+        if not self.done():
+            self._engine.wait(timeout)
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, persisting={self.persisting}, done={self.done()})"
 
 
 def check_memory_slots(memory_slots: Any) -> None:
@@ -261,8 +295,9 @@ class Engine:
     # -- save ---------------------------------------------------------------------
 
     def save(self, step: int, state: Any, *, persist: bool | None = None,
-             export: dict[str, Any] | None = None) -> None:
-        """Copy ``state`` into shared memory and, if due, have it persisted.
+             export: dict[str, Any] | None = None) -> SaveHandle:
+        """Copy ``state`` into shared memory and, if due, have it persisted; returns a
+        :class:`SaveHandle` to learn when it is on storage.
 
         ``export`` (``{"name": ..., "params": {...}}``, see ``flashckpt._exporters``) has
         the saver also write the framework's own layout once this step is committed.
@@ -275,12 +310,12 @@ class Engine:
         self._raise_persist_errors()
         self._saves += 1
         if not self.placement.writes_memory:
-            return
+            return SaveHandle(self, step, False, None, 0)
         with gc_paused():
-            self._save_to_memory(step, state, persist, export, start)
+            return self._save_to_memory(step, state, persist, export, start)
 
     def _save_to_memory(self, step: int, state: Any, persist: bool | None, export: dict[str, Any] | None,
-                        start: float) -> None:
+                        start: float) -> SaveHandle:
         flat = flatten(state, allow_pickle=self.options.allow_pickle)
         image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves],
                            self._meta(step, flat))
@@ -309,6 +344,7 @@ class Engine:
         blocking = time.perf_counter() - start
         log.debug("saved step %d to memory in %.3fs (%.1f MiB)", step, blocking, image.size / 2**20)
         _events.emit("save", step=step, blocking_seconds=blocking)
+        return SaveHandle(self, step, due, slot.path, header.generation)
 
     def _meta(self, step: int, flat: Flat) -> dict[str, Any]:
         return {"format": "flashckpt/1", "step": step, "tree": flat.skeleton, "token": self.placement.token,

@@ -352,7 +352,7 @@ class Saver:
 def _result_message(result: PersistResult, slot: str, generation: int) -> dict[str, Any]:
     return {"op": "persisted", "slot": slot, "generation": generation, "step": result.step,
             "committed": result.committed, "skipped": result.skipped, "seconds": result.seconds,
-            "bytes": result.nbytes}
+            "bytes": result.nbytes, "finished_at": time.time()}
 
 
 def _load_watchdog():

@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .._base import EngineCheckpointer
-from .._engine import Collective, Engine, Options, SingleProcess, place
+from .._engine import Collective, Engine, Options, SaveHandle, SingleProcess, place
 from . import _tensors  # noqa: F401  (registers the torch tensor kind)
 
 __all__ = ["Checkpointer", "DdpCheckpointer", "ProcessGroupCollective", "collective_for"]
@@ -64,9 +64,10 @@ class Checkpointer(EngineCheckpointer):
         self._engine = Engine(os.fspath(directory), options, place(collective, replicated=self._replicated),
                               collective)
 
-    def save(self, step: int, state: Any, *, persist: bool | None = None) -> None:
-        """Copy ``state`` into shared memory; persist it if due (or if ``persist``)."""
-        self._engine.save(step, state, persist=persist)
+    def save(self, step: int, state: Any, *, persist: bool | None = None) -> SaveHandle:
+        """Copy ``state`` into shared memory; persist it if due (or if ``persist``).
+        Returns a :class:`~flashckpt.SaveHandle` (``.wait()``, ``.done()``, ``.durable()``)."""
+        return self._engine.save(step, state, persist=persist)
 
     def load(self, state: Any, *, step: int | None = None) -> int | None:
         """Fill ``state`` in place from the agreed step; returns it, or None if there is none.

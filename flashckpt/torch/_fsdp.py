@@ -36,7 +36,7 @@ import torch
 
 from .. import _events
 from .._base import EngineCheckpointer
-from .._engine import Engine, LoadInfo, Options, gc_paused, place
+from .._engine import Engine, LoadInfo, Options, SaveHandle, gc_paused, place
 from .._errors import CheckpointError, StateMismatchError
 from .._reshard import LAYOUT_KEY, Piece, RangeReader, path_key, read_header, read_layout, read_sources
 from .._tree import merge_into
@@ -228,9 +228,10 @@ class FsdpCheckpointer(EngineCheckpointer):
     # -- save -----------------------------------------------------------------------
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None, *, extra: Any = None,
-             persist: bool | None = None) -> None:
+             persist: bool | None = None) -> SaveHandle:
         """Copy this rank's shards of ``model`` (and ``optimizer``) and ``extra`` into
-        shared memory; persist them if due (or if ``persist``). Every rank calls this
+        shared memory; persist them if due (or if ``persist``); returns a
+        :class:`~flashckpt.SaveHandle`. Every rank calls this
         for the same step: flashckpt adds no communication, but FSDP1's sharded state
         dict is itself collective (FSDP2's is not)."""
         with gc_paused():
@@ -238,7 +239,7 @@ class FsdpCheckpointer(EngineCheckpointer):
             if target is None:
                 target = self._collect(model, optimizer, extra)
                 self._remember(model, optimizer, target)
-            self._engine.save(step, target.tree, persist=persist)
+            return self._engine.save(step, target.tree, persist=persist)
 
     def _reuse(self, model: torch.nn.Module, optimizer: Any, extra: Any) -> _Target | None:
         """The previous save's target with fresh plain values, if its tensors are still the
