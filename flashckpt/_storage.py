@@ -3,35 +3,58 @@
 Layout under the checkpoint directory::
 
     step-<N>/rank-<R>.safetensors   one shard per rank (a byte copy of its memory image)
-    step-<N>/metadata.json          world size, per-shard size and block crc32s; present = committed
-    latest                          the newest committed step, replaced atomically
+    step-<N>/metadata.json          world size, per-shard size and block crc32s, token, branch;
+                                    present = committed
+    latest                          a hint: the newest committed step, replaced atomically
+    .flashckpt-run.lock             held (flock) by the one live run of this directory
 
 Shards of a save in progress go to ``step-<N>.tmp-<token>/`` with a small done
 marker per rank; whoever writes the last marker commits by writing the metadata and
 renaming the directory to ``step-<N>``, then moves ``latest`` forward, all under an
 ``flock`` on ``<dir>/.commit.lock``. A crash at any moment leaves only ``*.tmp-*``
 directories, which the next commit removes. Readers trust only committed steps.
+
+**Lines.** Every run has a token; new tokens are time ordered (16 hex digits of
+``time.time_ns()`` then 8 random ones), older or foreign tokens sort first. The steps
+committed with one token are a *line*; its ``branch`` is the step the run started from
+(-1: from nothing). Committed steps are ordered by (line, step): the newest line wins
+even with smaller step numbers (a rollback, a rerun into a used directory). When the
+newest line has committed, steps of older lines past its branch are abandoned and
+removed; ``keep_last`` then keeps the newest steps in that order. A late commit of an
+older line (a crash flush finishing after a newer run started) never becomes the newest
+and never replaces or deletes a newer line's step.
+
+**The directory is the truth.** ``latest`` is only a hint, repaired when wrong. Readers
+open only regular files inside the directory: no symlinks (step directories included),
+no FIFOs or devices, names from metadata must be plain names, reads are bounded, and
+error messages never describe a file outside the directory.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import io
 import json
 import logging
 import os
 import re
 import shutil
+import socket
+import stat
+import struct
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple
 
 from ._checksum import BLOCK_SIZE, StreamCheck, block_crcs
-from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ._errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, JobConflictError,
+                      UnsafeFileError)
 
-__all__ = ["ShardRecord", "LocalStorage", "shard_name"]
+__all__ = ["ShardRecord", "LocalStorage", "shard_name", "line_key", "RUN_LOCK"]
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +62,30 @@ _CHUNK = 64 << 20
 _DIRECT_ALIGN = 4096
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-(\d+)\.tmp-(.+)$")
+_TOKEN_RE = re.compile(r"^[0-9a-f]{24}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+MAX_METADATA = 64 << 20
+MAX_LATEST = 64
+_MAX_MARKER = 1 << 20
+_MAX_WORLD = 1 << 24
+_MAX_BLOCK = 1 << 30
+_MAX_HEADER = 100 << 20
+RUN_LOCK = ".flashckpt-run.lock"
 
 
 def shard_name(rank: int) -> str:
     return f"rank-{rank}.safetensors"
+
+
+def line_key(token: Any) -> str:
+    """The sort key of a run's line: its token when time ordered, else "" (the oldest line)."""
+    return token if isinstance(token, str) and _TOKEN_RE.match(token) else ""
+
+
+class _UnsafeName(UnsafeFileError, CorruptCheckpointError):
+    """A file name in metadata that would leave the step directory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +98,133 @@ class ShardRecord:
         return {"rank": self.rank, "size": self.size, "block_size": BLOCK_SIZE, "block_crc32": self.block_crc32}
 
 
+class _Line(NamedTuple):
+    """A committed step's place in the order of steps."""
+
+    key: str
+    step: int
+    branch: int | None
+    readable: bool
+
+
+# -- safe, bounded reading ------------------------------------------------------------------
+
+def _open_regular(name: str, where: str, *, dir_fd: int | None = None) -> int:
+    """Open a regular file for reading without following a symlink and without blocking
+    on a FIFO or device; ``where`` names it in errors (a path inside the directory)."""
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{where} does not exist") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFileError(f"{where} is a symbolic link; only regular files inside the checkpoint "
+                                  "directory are read") from None
+        raise CheckpointError(f"cannot open {where}: {exc.strerror}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeFileError(f"{where} is not a regular file (a FIFO, device or directory); refusing to read it")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_bounded(fd: int, limit: int, where: str) -> bytes:
+    """All of a file's bytes, or a :class:`CorruptCheckpointError` past ``limit`` bytes."""
+    if os.fstat(fd).st_size > limit:
+        raise CorruptCheckpointError(f"{where} is larger than {limit} bytes; refusing to read it")
+    parts, total = [], 0
+    while chunk := os.read(fd, min(1 << 20, limit + 1 - total)):
+        parts.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            raise CorruptCheckpointError(f"{where} is larger than {limit} bytes; refusing to read it")
+    return b"".join(parts)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_metadata(meta: Any, step: int, where: str) -> dict:
+    """``meta`` if it is well typed, else a :class:`CorruptCheckpointError` saying what is wrong."""
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {what}")
+    if not isinstance(meta, dict):
+        raise bad(f"not a JSON object but {type(meta).__name__}")
+    if "step" in meta and (not _is_int(meta["step"]) or meta["step"] != step):
+        raise bad(f"step is {meta['step']!r}, the directory says {step}")
+    ws = meta.get("world_size")
+    if not _is_int(ws) or not 1 <= ws <= _MAX_WORLD:
+        raise bad(f"world_size {ws!r} is not an integer from 1 to {_MAX_WORLD}")
+    if not isinstance(meta.get("token", ""), str):
+        raise bad("token is not a string")
+    if meta.get("branch") is not None and not _is_int(meta["branch"]):
+        raise bad(f"branch {meta['branch']!r} is not an integer")
+    if "committed_at" in meta and (not isinstance(meta["committed_at"], (int, float))
+                                   or isinstance(meta["committed_at"], bool)):
+        raise bad(f"committed_at {meta['committed_at']!r} is not a time")
+    shards = meta.get("shards")
+    if not isinstance(shards, dict):
+        raise bad(f"shards is {type(shards).__name__}, not an object of rank -> record")
+    for rank, rec in shards.items():
+        if not (isinstance(rank, str) and rank.isdigit() and int(rank) < ws):
+            raise bad(f"shard key {rank!r} is not a rank below world_size {ws}")
+        if not isinstance(rec, dict) or not isinstance(rec.get("file"), str) or not _is_int(rec.get("size")) \
+                or rec["size"] < 0:
+            raise bad(f"the record of rank {rank} needs a file name and a size")
+        if "block_size" in rec or "block_crc32" in rec:
+            bs, crcs = rec.get("block_size"), rec.get("block_crc32")
+            if not _is_int(bs) or not 1 <= bs <= _MAX_BLOCK or not isinstance(crcs, list) \
+                    or len(crcs) != -(-rec["size"] // bs) or not all(_is_int(c) for c in crcs):
+                raise bad(f"the block checksums of rank {rank} do not fit its size")
+    return meta
+
+
+def _header_token(fd: int, size: int) -> str | None:
+    """The run token in a shard's safetensors header, or None (no token, not parseable)."""
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head)
+    if n > min(_MAX_HEADER, size - 8):
+        return None
+    return _token_of_header(os.pread(fd, n, 8))
+
+
+def _token_of_header(raw: bytes) -> str | None:
+    try:
+        meta = json.loads(raw).get("__metadata__") or {}
+        token = meta.get("token")
+        if token is None and "flashckpt" in meta:
+            token = json.loads(meta["flashckpt"]).get("token")
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return token if isinstance(token, str) else None
+
+
+def _image_token(image: memoryview) -> str | None:
+    if len(image) < 8:
+        return None
+    (n,) = struct.unpack_from("<Q", image, 0)
+    if n > min(_MAX_HEADER, len(image) - 8):
+        return None
+    return _token_of_header(bytes(image[8:8 + n]))
+
+
+# -- writing --------------------------------------------------------------------------------
+
 def _write_file(path: str, data: memoryview) -> None:
     """Write ``data`` to a new file and fsync it; ``O_DIRECT`` for the aligned part when
     the file system and the buffer allow it, buffered for the rest."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
         fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
-    except OSError:  # tmpfs and some network file systems refuse O_DIRECT
+    except OSError as exc:  # tmpfs and some network file systems refuse O_DIRECT
+        if exc.errno == errno.ELOOP:
+            raise
         fd = os.open(path, flags, 0o644)
     try:
         done = 0
@@ -91,7 +254,7 @@ def _buffered(fd: int) -> bool:
 
 
 def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -99,20 +262,115 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace ``path`` with ``data``: a new temp file (never through a symlink), fsync,
+    rename, fsync the directory."""
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     _fsync_dir(os.path.dirname(path))
+
+
+class _Claim:
+    """This process's hold of one directory's run lock."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.pid, self.count = fd, os.getpid(), 1
+
+
+_CLAIMS: dict[str, _Claim] = {}
+_CLAIMS_GUARD = threading.Lock()
 
 
 class LocalStorage:
     """Committed steps of one checkpoint directory on a local or shared file system."""
 
-    def __init__(self, root: str) -> None:
-        self.root = os.path.abspath(root)
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self._claimed = False
+        self._lines: dict[int, tuple[tuple[int, int, int], _Line]] = {}
+
+    # -- one live run ---------------------------------------------------------------
+
+    def claim_run(self, token: str) -> None:
+        """Hold ``<dir>/.flashckpt-run.lock`` for this run until :meth:`release_run` or exit.
+
+        Raises :class:`JobConflictError` naming the other process's pid and host when a
+        live process of another run holds it. Claiming again from the same process (a
+        second checkpointer) succeeds. Called once per run, by rank 0.
+        """
+        with _CLAIMS_GUARD:
+            held = _CLAIMS.get(self.root)
+            if held is not None and held.pid == os.getpid():
+                if not self._claimed:
+                    held.count += 1
+                    self._claimed = True
+                return
+            os.makedirs(self.root, exist_ok=True)
+            where = os.path.join(self.root, RUN_LOCK)
+            try:
+                fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise UnsafeFileError(f"{where} is a symbolic link; refusing to use it") from None
+                raise CheckpointError(f"cannot open {where}: {exc.strerror}") from exc
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise UnsafeFileError(f"{where} is not a regular file; refusing to use it")
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise JobConflictError(self._conflict(fd, where)) from None
+                record = {"pid": os.getpid(), "host": socket.gethostname(), "token": token,
+                          "started_at": time.time()}
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
+            except BaseException:
+                os.close(fd)
+                raise
+            _CLAIMS[self.root] = _Claim(fd)
+            self._claimed = True
+
+    def _conflict(self, fd: int, where: str) -> str:
+        try:
+            other = json.loads(os.pread(fd, 4096, 0))
+            pid, host = int(other["pid"]), str(other["host"])[:255]
+            who = f"pid {pid} on host {host}"
+        except (OSError, ValueError, TypeError, KeyError):
+            who = "a process that has not yet written its pid"
+        return (f"another run is live in {self.root}: {who} holds {RUN_LOCK}; stop it, or give this run "
+                "another checkpoint directory")
+
+    def release_run(self) -> None:
+        """Give up this object's claim; the lock is released when the process's last claim goes."""
+        with _CLAIMS_GUARD:
+            if not self._claimed:
+                return
+            self._claimed = False
+            held = _CLAIMS.get(self.root)
+            if held is None or held.pid != os.getpid():
+                return
+            held.count -= 1
+            if held.count == 0:
+                del _CLAIMS[self.root]
+                try:
+                    os.ftruncate(held.fd, 0)
+                except OSError:
+                    pass
+                os.close(held.fd)
 
     # -- writing ------------------------------------------------------------------
 
@@ -120,9 +378,12 @@ class LocalStorage:
         """Create the directory and prove a file can be written there."""
         try:
             os.makedirs(self.root, exist_ok=True)
-            probe = os.path.join(self.root, f".probe-{os.getpid()}")
-            with open(probe, "wb") as f:
-                f.write(b"ok")
+            probe = os.path.join(self.root, f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, b"ok")
+            finally:
+                os.close(fd)
             os.unlink(probe)
         except OSError as exc:
             raise CheckpointError(f"checkpoint directory {self.root} is not writable: {exc}") from exc
@@ -139,142 +400,372 @@ class LocalStorage:
         The image (page-aligned in shared memory) goes to disk with ``O_DIRECT`` where the
         file system allows it: no page-cache copy, and the data is on the device when the
         last write returns. Its block checksums are computed in a second thread meanwhile.
+        An image whose header names another run's token is refused. On failure (a full
+        disk) the partial file and a pending directory this call created are removed and
+        a :class:`CheckpointError` is raised with the cause chained.
         """
+        theirs = _image_token(image)
+        if theirs is not None and theirs != token:
+            raise CheckpointError(f"rank {rank} of step {step} was written by another run (token {theirs}); "
+                                  f"this save's token is {token}: shards of two runs never commit together")
         pending = self._tmp_dir(step, token)
-        os.makedirs(pending, exist_ok=True)
         path = os.path.join(pending, shard_name(rank))
-        crcs: list[list[int]] = []
-        summer = threading.Thread(target=lambda: crcs.append(block_crcs(image, BLOCK_SIZE)), name="flashckpt-crc32")
-        summer.start()
+        created = False
         try:
-            _write_file(path, image)
-        finally:
-            summer.join()
-        record = ShardRecord(rank, len(image), crcs[0])
-        _write_atomic(os.path.join(pending, f"rank-{rank}.done"), json.dumps(record.to_json()).encode())
-        return record
+            try:
+                os.mkdir(pending, 0o755)
+                created = True
+            except FileExistsError:
+                if not stat.S_ISDIR(os.lstat(pending).st_mode):
+                    raise UnsafeFileError(f"{pending} is not a directory; refusing to write into it") from None
+            crcs: list[list[int]] = []
+            summer = threading.Thread(target=lambda: crcs.append(block_crcs(image, BLOCK_SIZE)),
+                                      name="flashckpt-crc32")
+            summer.start()
+            try:
+                _write_file(path, image)
+            finally:
+                summer.join()
+            record = ShardRecord(rank, len(image), crcs[0])
+            _write_atomic(os.path.join(pending, f"rank-{rank}.done"),
+                          json.dumps({**record.to_json(), "token": token}).encode())
+            return record
+        except OSError as exc:
+            self._undo_write(pending, path, created)
+            raise CheckpointError(f"writing rank {rank} of step {step} to {self.root} failed: {exc.strerror or exc}"
+                                  " (the previous committed step is intact)") from exc
+        except BaseException:
+            self._undo_write(pending, path, created)
+            raise
+
+    @staticmethod
+    def _undo_write(pending: str, path: str, created: bool) -> None:
+        for undo in (lambda: os.unlink(path), lambda: os.rmdir(pending) if created else None):
+            try:
+                undo()
+            except OSError:
+                pass
 
     @contextmanager
-    def _commit_lock(self) -> Iterator[None]:
-        fd = os.open(os.path.join(self.root, ".commit.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    def _commit_lock(self, *, blocking: bool = True) -> Iterator[bool]:
+        fd = os.open(os.path.join(self.root, ".commit.lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
         finally:
             os.close(fd)
 
-    def try_commit(self, step: int, world_size: int, token: str, keep_last: int) -> bool:
-        """Commit ``step`` if all ``world_size`` shards of this save are durable."""
+    def try_commit(self, step: int, world_size: int, token: str, keep_last: int, *,
+                   branch: int | None = None) -> bool:
+        """Commit ``step`` if all ``world_size`` shards of this save (run ``token``) are durable.
+
+        ``branch`` is the step this run's line started from: the step it loaded, -1 when it
+        loaded nothing, the first saved step - 1 when it never called load; None (unknown)
+        abandons nothing. Returns True when the step is committed with this token (by this
+        call or an earlier one); False while shards are missing, and for a late commit of
+        an older line whose step number a newer line already holds (discarded). Applies
+        the retention (see the module docstring).
+        """
         pending = self._tmp_dir(step, token)
         with self._commit_lock():
-            if not os.path.isdir(pending):
-                return os.path.exists(os.path.join(self.step_dir(step), "metadata.json"))
+            if not os.path.isdir(pending) or os.path.islink(pending):
+                return self._committed_by(step, token)
             shards = {}
             for rank in range(world_size):
-                try:
-                    with open(os.path.join(pending, f"rank-{rank}.done"), "rb") as f:
-                        shards[str(rank)] = json.load(f)
-                except FileNotFoundError:
+                marker = self._read_marker(pending, rank, token)
+                if marker is None:
                     return False
+                shards[str(rank)] = marker
+            final = self.step_dir(step)
+            there = self._line(step)
+            if there is not None and there.key > line_key(token):
+                log.warning("discarding a late commit of step %d by an older run (token %s): %s holds that step "
+                            "of a newer line", step, token, self.root)
+                shutil.rmtree(pending, ignore_errors=True)
+                return False
             meta = {"format": "flashckpt/1", "step": step, "world_size": world_size, "token": token,
-                    "committed_at": time.time(),
+                    "branch": branch, "committed_at": time.time(),
                     "shards": {r: {"file": shard_name(int(r)), "size": s["size"], "block_size": s["block_size"],
                                    "block_crc32": s["block_crc32"]} for r, s in shards.items()}}
             _write_atomic(os.path.join(pending, "metadata.json"), json.dumps(meta, indent=1).encode())
-            final = self.step_dir(step)
-            if os.path.exists(final):  # the same step saved again after a rollback
-                os.replace(final, f"{final}.tmp-replaced-{token}")
+            if os.path.lexists(final):  # the same step saved again (a rollback, a newer line)
+                os.replace(final, f"{final}.tmp-replaced-{uuid.uuid4().hex[:8]}")
             os.replace(pending, final)
             _fsync_dir(self.root)
-            latest = self._read_latest()
-            if latest is None or step >= latest:
-                _write_atomic(os.path.join(self.root, "latest"), f"{step}\n".encode())
-            self._retain(keep_last)
+            self._retain(keep_last, step, token)
+            order = self.steps_in_order()
+            if order and self._read_latest() != order[-1]:
+                _write_atomic(os.path.join(self.root, "latest"), f"{order[-1]}\n".encode())
         log.info("committed step %d (%d shards, %.1f MiB) in %s", step, world_size,
                  sum(s["size"] for s in shards.values()) / 2**20, self.root)
         return True
 
-    def _retain(self, keep_last: int) -> None:
-        """Delete committed steps beyond ``keep_last`` and leftovers of crashed saves.
+    def _read_marker(self, pending: str, rank: int, token: str) -> dict | None:
+        where = os.path.join(pending, f"rank-{rank}.done")
+        try:
+            fd = _open_regular(where, where)
+        except CheckpointNotFoundError:
+            return None
+        try:
+            marker = json.loads(_read_bounded(fd, _MAX_MARKER, where))
+        except ValueError:
+            log.warning("%s is unreadable; rank %d of this save is not durable", where, rank)
+            return None
+        finally:
+            os.close(fd)
+        if not isinstance(marker, dict) or marker.get("token", token) != token:
+            log.error("%s belongs to another run; shards of two runs never commit together", where)
+            return None
+        return marker
+
+    def _committed_by(self, step: int, token: str) -> bool:
+        try:
+            return self.metadata(step).get("token") == token
+        except CheckpointError:
+            return False
+
+    def _retain(self, keep_last: int, step: int, token: str) -> None:
+        """Delete abandoned steps of older lines, steps beyond ``keep_last`` in line order
+        (never ``step``, just committed, nor a step whose metadata cannot be read), and
+        leftovers of crashed or failed saves.
 
         A step is first renamed out of the committed namespace (atomic), then deleted, so a
         crash mid-delete never leaves a committed step with missing shards."""
-        committed = self.committed_steps()
-        newest = committed[-1] if committed else -1
-        for step in committed[:-keep_last] if keep_last > 0 else []:
-            os.replace(self.step_dir(step), f"{self.step_dir(step)}.tmp-retired-{os.getpid()}")
+        order = self._order()
+        doomed: set[int] = set()
+        if order:
+            newest = order[-1].key
+            branches = [ln.branch for ln in order if ln.key == newest and ln.branch is not None]
+            if branches:
+                doomed = {ln.step for ln in order if ln.key < newest and ln.step > branches[0]}
+            kept = [ln for ln in order if ln.step not in doomed]
+            if keep_last > 0:
+                doomed.update(ln.step for ln in kept[:-keep_last])
+            readable = {ln.step for ln in order if ln.readable}
+            doomed = (doomed & readable) - {step}
+        for old in sorted(doomed):
+            os.replace(self.step_dir(old), f"{self.step_dir(old)}.tmp-retired-{uuid.uuid4().hex[:8]}")
+            self._lines.pop(old, None)
+        mine = line_key(token)
         for name in os.listdir(self.root):
             m = _TMP_RE.match(name)
-            if m and (int(m.group(1)) < newest or m.group(2).startswith(("replaced-", "retired-"))):
+            if m is None:
+                continue
+            other = m.group(2)
+            if other.startswith(("replaced-", "retired-")) or line_key(other) < mine \
+                    or (line_key(other) == mine and int(m.group(1)) < step):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     # -- reading ------------------------------------------------------------------
 
     def _read_latest(self) -> int | None:
+        where = os.path.join(self.root, "latest")
         try:
-            with open(os.path.join(self.root, "latest")) as f:
-                return int(f.read().strip())
-        except (FileNotFoundError, ValueError):
+            fd = _open_regular(where, where)
+        except CheckpointNotFoundError:
             return None
+        except CheckpointError as exc:
+            log.warning("ignoring the latest hint: %s", exc)
+            return None
+        try:
+            return int(_read_bounded(fd, MAX_LATEST, where).strip())
+        except (CheckpointError, ValueError):
+            return None
+        finally:
+            os.close(fd)
 
     def committed_steps(self) -> list[int]:
+        """Committed step numbers, ascending. A step directory must be a real directory
+        (not a symlink) holding a regular ``metadata.json``."""
         try:
             names = os.listdir(self.root)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        steps = [int(m.group(1)) for n in names if (m := _STEP_RE.match(n))]
-        return sorted(s for s in steps if os.path.exists(os.path.join(self.step_dir(s), "metadata.json")))
+        steps = []
+        for name in names:
+            m = _STEP_RE.match(name)
+            if m is None:
+                continue
+            try:
+                if not stat.S_ISDIR(os.lstat(os.path.join(self.root, name)).st_mode):
+                    continue
+                if not stat.S_ISREG(os.lstat(os.path.join(self.root, name, "metadata.json")).st_mode):
+                    continue
+            except OSError:
+                continue
+            steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def _line(self, step: int) -> _Line | None:
+        """The line of a committed step (cached by the metadata file's identity)."""
+        try:
+            st = os.lstat(os.path.join(self.step_dir(step), "metadata.json"))
+        except OSError:
+            return None
+        ident = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = self._lines.get(step)
+        if cached is not None and cached[0] == ident:
+            return cached[1]
+        try:
+            meta = self.metadata(step)
+            line = _Line(line_key(meta.get("token")), step, meta.get("branch"), True)
+        except CheckpointNotFoundError:
+            return None
+        except CheckpointError as exc:
+            log.warning("step %d is ordered as the oldest line: %s", step, exc)
+            line = _Line("", step, None, False)
+        self._lines[step] = (ident, line)
+        return line
+
+    def _order(self) -> list[_Line]:
+        lines = [ln for s in self.committed_steps() if (ln := self._line(s)) is not None]
+        return sorted(lines, key=lambda ln: (ln.key, ln.step))
+
+    def steps_in_order(self) -> list[int]:
+        """Committed steps from oldest to newest by (line, step): the last is the newest."""
+        return [ln.step for ln in self._order()]
 
     def latest_step(self) -> int | None:
-        """The newest committed step (``latest`` if it names a committed step)."""
-        latest = self._read_latest()
-        if latest is not None and os.path.exists(os.path.join(self.step_dir(latest), "metadata.json")):
-            return latest
-        steps = self.committed_steps()
-        return steps[-1] if steps else None
+        """The newest committed step the directory holds (``latest`` is only a hint; it is
+        repaired, best effort, when it names another step)."""
+        order = self.steps_in_order()
+        newest = order[-1] if order else None
+        if newest is not None and self._read_latest() != newest:
+            self._repair_latest()
+        return newest
+
+    def _repair_latest(self) -> None:
+        try:
+            with self._commit_lock(blocking=False) as locked:
+                if not locked:  # a commit is moving it now
+                    return
+                order = self.steps_in_order()
+                if order and self._read_latest() != order[-1]:
+                    log.info("repairing %s: newest committed step is %d", os.path.join(self.root, "latest"), order[-1])
+                    _write_atomic(os.path.join(self.root, "latest"), f"{order[-1]}\n".encode())
+        except OSError as exc:  # a read-only directory: the hint stays stale
+            log.debug("cannot repair the latest hint in %s: %s", self.root, exc)
+
+    def _open_step(self, step: int) -> int:
+        """A descriptor of the committed step's directory, which must not be a symlink."""
+        where = self.step_dir(step)
+        try:
+            return os.open(where, _DIR_FLAGS)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {where})") from None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise UnsafeFileError(f"{where} is a symbolic link or not a directory; step directories are "
+                                      "never followed out of the checkpoint directory") from None
+            raise CheckpointError(f"cannot open {where}: {exc.strerror}") from exc
+
+    def _metadata_at(self, dir_fd: int, step: int) -> dict:
+        where = os.path.join(self.step_dir(step), "metadata.json")
+        try:
+            fd = _open_regular("metadata.json", where, dir_fd=dir_fd)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {where})") from None
+        try:
+            raw = _read_bounded(fd, MAX_METADATA, where)
+        finally:
+            os.close(fd)
+        try:
+            meta = json.loads(raw)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{where}: unreadable metadata: {exc}") from exc
+        return _validate_metadata(meta, step, where)
 
     def metadata(self, step: int) -> dict:
-        path = os.path.join(self.step_dir(step), "metadata.json")
+        """The committed step's metadata, read safely and checked for types."""
+        dir_fd = self._open_step(step)
         try:
-            with open(path, "rb") as f:
-                return json.load(f)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {path})") from None
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{path}: unreadable metadata: {exc}") from exc
+            return self._metadata_at(dir_fd, step)
+        finally:
+            os.close(dir_fd)
+
+    def open_shard(self, step: int, rank: int) -> tuple[io.FileIO, dict]:
+        """A committed shard opened for reading (raw, unbuffered; ``.name`` is its path)
+        and its record (size, block checksums). The only way readers open shards: a
+        regular file named by a plain name inside a real step directory, its size checked."""
+        dir_fd = self._open_step(step)
+        try:
+            meta = self._metadata_at(dir_fd, step)
+            record = meta["shards"].get(str(rank))
+            if record is None:
+                raise CheckpointNotFoundError(
+                    f"step {step} in {self.root} has no shard for rank {rank} (world size {meta['world_size']})")
+            where = os.path.join(self.step_dir(step), record["file"])
+            fd = _open_regular(_plain_name(record["file"], step, rank), where, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        size = os.fstat(fd).st_size
+        if size != record["size"]:
+            os.close(fd)
+            raise CorruptCheckpointError(f"{where}: {size} bytes, the commit recorded {record['size']} (truncated?)")
+        f = io.FileIO(fd, "rb", closefd=True)
+        f.name = where
+        return f, record
 
     def shard_path(self, step: int, rank: int) -> tuple[str, dict]:
-        """The path of a committed shard and its record (size, block checksums)."""
-        meta = self.metadata(step)
-        record = meta["shards"].get(str(rank))
-        if record is None:
-            raise CheckpointNotFoundError(
-                f"step {step} in {self.root} has no shard for rank {rank} (world size {meta['world_size']})")
-        path = os.path.join(self.step_dir(step), record["file"])
-        if not os.path.exists(path):
-            raise CheckpointNotFoundError(f"missing shard file {path} of committed step {step}")
-        return path, record
+        """The path of a committed shard and its record, after :meth:`open_shard`'s checks.
+        Prefer :meth:`open_shard`: a path can be swapped between the check and its open."""
+        f, record = self.open_shard(step, rank)
+        f.close()
+        return os.path.join(self.step_dir(step), record["file"]), record
 
     def verify(self, step: int) -> list[str]:
-        """Re-read every shard of ``step``; the problems found (empty when intact)."""
-        problems = []
+        """Re-read every shard of ``step``; the problems found (empty when intact).
+
+        Bounded by the shards the metadata lists: a huge ``world_size`` is one problem,
+        not a loop. A shard whose header names another run's token is a problem."""
         meta = self.metadata(step)
-        for rank in range(meta["world_size"]):
+        world, shards = meta["world_size"], meta["shards"]
+        problems = []
+        if len(shards) < world:
+            missing = []
+            rank = 0
+            while len(missing) < 5 and rank < world:
+                if str(rank) not in shards:
+                    missing.append(rank)
+                rank += 1
+            last = [] if str(world - 1) in shards or world - 1 in missing else ["...", world - 1]
+            problems.append(f"step {step} in {self.root}: {world - len(shards)} of {world} ranks have no shard "
+                            f"(missing ranks {', '.join(map(str, missing + last))})")
+        token = meta.get("token")
+        buf = bytearray(min(_CHUNK, 8 << 20))
+        for rank in sorted(shards, key=int):
             try:
-                path, record = self.shard_path(step, rank)
+                f, record = self.open_shard(step, int(rank))
             except CheckpointError as exc:
                 problems.append(str(exc))
                 continue
-            size = os.path.getsize(path)
-            if size != record["size"]:
-                problems.append(f"{path}: {size} bytes, metadata says {record['size']} (truncated?)")
-                continue
-            try:
-                check = StreamCheck(record, path)
-                with open(path, "rb") as f:
-                    while chunk := f.read(_CHUNK):
-                        check.update(chunk)
-                check.finish()
-            except CorruptCheckpointError as exc:
-                problems.append(str(exc))
+            with f:
+                theirs = _header_token(f.fileno(), record["size"])
+                if token and theirs is not None and theirs != token:
+                    problems.append(f"{f.name} was written by another run (token {theirs}); step {step} was "
+                                    f"committed by run {token}")
+                    continue
+                try:
+                    check = StreamCheck(record, f.name)
+                    while n := f.readinto(buf):
+                        check.update(memoryview(buf)[:n])
+                    check.finish()
+                except CorruptCheckpointError as exc:
+                    problems.append(str(exc))
         return problems
+
+
+def _plain_name(name: str, step: int, rank: int) -> str:
+    """``name`` if it is a plain file name; a name that leaves the directory is unsafe."""
+    if "/" in name or "\0" in name or name in (".", "..") or name.startswith(".."):
+        raise _UnsafeName(f"the metadata of step {step} names a file outside its step directory for rank {rank} "
+                          f"({name[:80]!r}); only plain names are read")
+    if not _NAME_RE.match(name):
+        raise CorruptCheckpointError(f"the metadata of step {step} names rank {rank}'s file {name[:80]!r}, "
+                                     "which is not a plain file name")
+    return name
