@@ -1,0 +1,83 @@
+"""One torchrun worker of the multi-node tests: a few DDP steps, a flash checkpoint every step.
+
+    torchrun ... _worker.py --dir SHARED_DIR --steps N [--kill-rank R --kill-step S]
+
+The process group comes from ``flashckpt.torch.init_process_group``. Rank R SIGKILLs itself
+at step S once per job (a marker file in SHARED_DIR makes it once), while the other ranks
+spend ``--kill-pause`` seconds on that step. Each start appends one
+JSON line per event to ``SHARED_DIR/events-<host>-<pid>.jsonl``: ``launch`` (before the
+process group), ``start`` (host, restart count, rank, seconds to form the group), ``restored`` (step, source) and ``done``.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from flashckpt.torch import DdpCheckpointer, init_process_group
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--kill-pause", type=float, default=0.0,
+                   help="the other ranks' step time at the kill step: longer than their agents take to "
+                        "see the restart, so they are stopped by it rather than fail on the dead peer")
+    p.add_argument("--pg-timeout", type=float, default=60.0)
+    args = p.parse_args()
+    log = os.path.join(args.dir, f"events-{socket.gethostname()}-{os.getpid()}.jsonl")
+
+    def emit(**event) -> None:
+        with open(log, "a") as f:
+            f.write(json.dumps({**event, "time": time.time()}) + "\n")
+
+    emit(event="launch", host=socket.gethostname(), restart_count=int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
+    began = time.monotonic()
+    init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    rank = dist.get_rank()
+    emit(event="start", host=socket.gethostname(), rank=rank, world=dist.get_world_size(),
+         restart_count=int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+         master=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+         agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE"), pg_seconds=time.monotonic() - began)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    initial = model.bias.sum().item()
+    ckpt = DdpCheckpointer(os.path.join(args.dir, "ckpt"), persist_every=5)
+    state = {"model": model.state_dict(), "step": 0}
+    step = ckpt.load(state) or 0
+    if step:
+        emit(event="restored", rank=rank, step=step, source=ckpt.last_load.source)
+    while step < args.steps:
+        step += 1
+        grad = torch.full((16,), float(step))
+        dist.all_reduce(grad)
+        with torch.no_grad():
+            model.bias -= 1e-3 * grad
+        ckpt.save(step, {"model": model.state_dict(), "step": step})
+        if step == args.kill_step and rank != args.kill_rank:
+            time.sleep(args.kill_pause)
+        if step == args.kill_step and rank == args.kill_rank:
+            try:
+                os.close(os.open(os.path.join(args.dir, "killed"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.1)
+    ckpt.close()
+    emit(event="done", rank=rank, step=step, bias=model.bias.sum().item(), initial=initial)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
