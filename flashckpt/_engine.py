@@ -188,6 +188,8 @@ class Engine:
         _names.job_prefix(self.job_id)  # validates the name
         if placement.persists:
             self.storage.check_writable()
+        if placement.persists and placement.storage_rank == 0 and self.collective.rank == 0:
+            self.storage.claim_run(placement.token)  # one live run per directory
         self._slot_paths = [_names.slot_path(self.job_id, placement.memory_rank, i)
                             for i in range(options.memory_slots)]
         self._lock = RankLock(_names.lock_path(self._slot_paths[0]))
@@ -476,7 +478,8 @@ class Engine:
         return step
 
     def _committed_newest_first(self) -> list[int]:
-        return self.storage.committed_steps()[::-1]
+        """Committed steps, newest first by line and step (see ``flashckpt._storage``)."""
+        return self.storage.steps_in_order()[::-1]
 
     def _load_storage_or_older(self, state: Any, step: int, fallbacks: list[int]) -> int:
         """Load ``step`` from storage on every rank; if it is damaged or unreadable on any
@@ -590,11 +593,10 @@ class Engine:
         return merge_into(state, image.meta["tree"], entries, allow_pickle=self.options.allow_pickle)
 
     def _load_storage(self, state: Any, step: int) -> None:
-        path, record = self.storage.shard_path(step, self.placement.storage_rank)
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != record["size"]:
-                raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {record['size']} (truncated?)")
+        f, record = self.storage.open_shard(step, self.placement.storage_rank)
+        path = f.name
+        with f:
+            size = record["size"]
             head = _read_exact(f, 8, path)
             (n,) = struct.unpack("<Q", head)
             head += _read_exact(f, min(n, size - 8), path)
@@ -674,6 +676,7 @@ class Engine:
             self._closed = True
             self._prepared()
             self._client.close()
+            self.storage.release_run()
             self._views.clear()
             for slot in self._retired:
                 slot.close()

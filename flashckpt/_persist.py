@@ -64,7 +64,8 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
             info = h.info if info is None else info
             storage = LocalStorage(info["directory"])
             storage.write_shard(h.step, info["storage_rank"], info["token"], slot.image(h.image_len))
-            committed = storage.try_commit(h.step, info["storage_world"], info["token"], info["keep_last"])
+            committed = storage.try_commit(h.step, info["storage_world"], info["token"], info["keep_last"],
+                                           branch=info.get("branch"))
             if committed and info.get("export"):
                 run_exporter(info["export"], storage.root, h.step, allow_pickle=bool(info.get("allow_pickle")))
             seconds = time.perf_counter() - start

@@ -33,7 +33,7 @@ def test_flipped_byte_is_a_checksum_error_naming_the_file_and_older_step_loads(t
     data[-5] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"rank-0\.safetensors.*checksum") as info:
-        load(tmp_path, job_id)
+        load(tmp_path, job_id, step=2)  # asked for: no fallback to step 1
     assert isinstance(info.value.__cause__ or info.value, CheckpointError)
     step, state = load(tmp_path, job_id, step=1)
     assert step == 1 and state["w"][0] == 1
@@ -43,7 +43,7 @@ def test_truncated_shard(tmp_path, job_id):
     shard = committed(tmp_path, job_id)
     shard.write_bytes(shard.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="truncated"):
-        load(tmp_path, job_id)
+        load(tmp_path, job_id, step=2)  # asked for: no fallback to step 1
 
 
 def test_corrupt_header(tmp_path, job_id):
@@ -52,14 +52,14 @@ def test_corrupt_header(tmp_path, job_id):
     data[8:20] = b"not json!!!!"
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="rank-0.safetensors"):
-        load(tmp_path, job_id)
+        load(tmp_path, job_id, step=2)  # asked for: no fallback to step 1
 
 
 def test_missing_rank_file(tmp_path, job_id):
     shard = committed(tmp_path, job_id)
     shard.unlink()
     with pytest.raises(CheckpointError, match="missing shard file"):
-        load(tmp_path, job_id)
+        load(tmp_path, job_id, step=2)  # asked for: no fallback to step 1
 
 
 def test_uncommitted_step_is_not_found(tmp_path, job_id):
