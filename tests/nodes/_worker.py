@@ -1,12 +1,14 @@
 """One torchrun worker of the multi-node tests: a few DDP steps, a flash checkpoint every step.
 
-    torchrun ... _worker.py --dir SHARED_DIR --steps N [--kill-rank R --kill-step S]
+    torchrun ... _worker.py --dir SHARED_DIR --steps N [--kill-rank R --kill-step S --kill-pause P]
 
-The process group comes from ``flashckpt.torch.init_process_group``. Rank R SIGKILLs itself
-at step S once per job (a marker file in SHARED_DIR makes it once), while the other ranks
-spend ``--kill-pause`` seconds on that step. Each start appends one
-JSON line per event to ``SHARED_DIR/events-<host>-<pid>.jsonl``: ``launch`` (before the
-process group), ``start`` (host, restart count, rank, seconds to form the group), ``restored`` (step, source) and ``done``.
+The process group comes from ``flashckpt.torch.init_process_group``. At step S every rank
+writes a ``step`` event; the first time each rank gets there (a marker file per rank in
+SHARED_DIR), rank R SIGKILLs itself and the other ranks spend P seconds on that step (R = -1:
+every rank pauses, for a test that kills a whole node). Each process appends JSON lines to
+``SHARED_DIR/events-<host>-<pid>.jsonl``: ``launch`` (before the process group), ``start``
+(host, restart count, rank, seconds to form the group), ``restored`` (step, source),
+``step`` and ``done`` (the model's bias, to check that every step counted exactly once).
 """
 
 import argparse
@@ -64,19 +66,24 @@ def main() -> None:
         with torch.no_grad():
             model.bias -= 1e-3 * grad
         ckpt.save(step, {"model": model.state_dict(), "step": step})
-        if step == args.kill_step and rank != args.kill_rank:
-            time.sleep(args.kill_pause)
-        if step == args.kill_step and rank == args.kill_rank:
-            try:
-                os.close(os.open(os.path.join(args.dir, "killed"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                pass
-            else:
-                os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.kill_step:
+            emit(event="step", rank=rank, step=step)
+            if _first_time(os.path.join(args.dir, f"reached-{rank}")):  # once per rank and job
+                if rank == args.kill_rank:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(args.kill_pause)
         time.sleep(0.1)
     ckpt.close()
     emit(event="done", rank=rank, step=step, bias=model.bias.sum().item(), initial=initial)
     dist.destroy_process_group()
+
+
+def _first_time(marker: str) -> bool:
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 if __name__ == "__main__":
