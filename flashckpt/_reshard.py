@@ -22,6 +22,7 @@ included.
 
 from __future__ import annotations
 
+import io
 import json
 import mmap
 import os
@@ -33,11 +34,11 @@ import numpy as np
 
 from ._checksum import BlockCheck, pread_exact
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from ._format import DTYPE_SIZES, Entry, Image, parse_header
-from ._storage import LocalStorage
+from ._format import DTYPE_SIZES, MAX_HEADER, Entry, Image, parse_header
+from ._storage import LocalStorage, _open_regular
 
 __all__ = ["LAYOUT_KEY", "Piece", "Source", "RangeReader", "chunk_pieces", "path_key", "tensor_names",
-           "plain_value", "read_sources", "byte_shape"]
+           "plain_value", "read_sources", "source_of", "close_sources", "byte_shape"]
 
 LAYOUT_KEY = "__flashckpt_layout__"
 """Reserved top-level key of a sharded state: the rank's layout as a JSON string."""
@@ -184,6 +185,8 @@ class Source:
     names: dict[str, str]
     check: BlockCheck
     entries: dict[str, Entry] = field(default_factory=dict)
+    file: io.FileIO | None = None
+    """The open shard (from :meth:`LocalStorage.open_shard`); a :class:`RangeReader` closes it."""
 
     def piece(self, key: str) -> Piece | None:
         rec = self.layout["tensors"].get(key)
@@ -207,29 +210,64 @@ def read_layout(image: Image, where: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where}: unreadable layout: {exc}") from exc
 
 
-def read_header(path: str, expected_size: int | None = None) -> tuple[Image, int]:
-    """Parse a shard's header from its first bytes; returns (image, file size)."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if expected_size is not None and size != expected_size:
-            raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {expected_size} (truncated?)")
-        head = f.read(8)
-        if len(head) == 8:
-            (n,) = struct.unpack("<Q", head)
-            head += f.read(min(n, max(size - 8, 0)))
+def read_header(shard: str | io.FileIO, expected_size: int | None = None) -> tuple[Image, int]:
+    """Parse a shard's header from its first bytes (positional reads: the file's offset
+    stays); returns (image, file size). A path is opened as a regular file only."""
+    if isinstance(shard, io.FileIO):
+        return _read_header(shard.fileno(), str(shard.name), expected_size)
+    fd = _open_regular(shard, shard)
+    try:
+        return _read_header(fd, shard, expected_size)
+    finally:
+        os.close(fd)
+
+
+def _read_header(fd: int, path: str, expected_size: int | None) -> tuple[Image, int]:
+    size = os.fstat(fd).st_size
+    if expected_size is not None and size != expected_size:
+        raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {expected_size} (truncated?)")
+    head = os.pread(fd, 8, 0)
+    if len(head) == 8:
+        (n,) = struct.unpack("<Q", head)
+        if n <= MAX_HEADER:
+            head += os.pread(fd, min(n, max(size - 8, 0)), 8)
     return parse_header(head, path, size), size
 
 
 def read_sources(storage: LocalStorage, step: int) -> list[Source]:
-    """Headers and layouts of every rank's shard of a committed step (by rank)."""
+    """Headers and layouts of every rank's shard of a committed step (by rank), each
+    shard opened once with :meth:`LocalStorage.open_shard` (give them to a
+    :class:`RangeReader`, which closes them, or call :func:`close_sources`)."""
     meta = storage.metadata(step)
-    sources = []
-    for rank in range(int(meta["world_size"])):
-        path, record = storage.shard_path(step, rank)
-        image, size = read_header(path, record["size"])
-        sources.append(Source(rank, path, size, image, read_layout(image, path), tensor_names(image.meta["tree"]),
-                              BlockCheck(record, path), {e.name: e for e in image.entries}))
+    sources: list[Source] = []
+    try:
+        for rank in range(meta["world_size"]):
+            f, record = storage.open_shard(step, rank)
+            sources.append(source_of(rank, f, record, layout=True))
+    except BaseException:
+        close_sources(sources)
+        raise
     return sources
+
+
+def source_of(rank: int, f: io.FileIO, record: dict[str, Any], *, layout: bool) -> Source:
+    """A :class:`Source` of an open shard (closed on error); ``layout=False``: an
+    unsharded checkpoint, every tensor read whole."""
+    try:
+        path = str(f.name)
+        image, size = read_header(f, record["size"])
+        return Source(rank, path, size, image, read_layout(image, path) if layout else {"tensors": {}},
+                      tensor_names(image.meta["tree"]), BlockCheck(record, path), {e.name: e for e in image.entries},
+                      file=f)
+    except BaseException:
+        f.close()
+        raise
+
+
+def close_sources(sources: list[Source]) -> None:
+    for src in sources:
+        if src.file is not None:
+            src.file.close()
 
 
 # -- ranged reads ---------------------------------------------------------------------
@@ -238,7 +276,7 @@ class RangeReader:
     """Fills target pieces from the byte ranges of source shards that overlap them.
 
     Keeps one file descriptor (and, when needed, one read-only mmap) per source file;
-    use as a context manager.
+    use as a context manager. Closes the sources' open files when it closes.
     """
 
     def __init__(self, sources: list[Source]) -> None:
@@ -263,16 +301,19 @@ class RangeReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        close_sources(self.sources)
 
-    def _fd(self, path: str) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        return self._fds[path]
+    def _fd(self, src: Source) -> int:
+        if src.file is not None:
+            return src.file.fileno()
+        if src.path not in self._fds:
+            self._fds[src.path] = _open_regular(src.path, src.path)
+        return self._fds[src.path]
 
-    def _map(self, path: str) -> mmap.mmap:
-        if path not in self._maps:
-            self._maps[path] = mmap.mmap(self._fd(path), 0, access=mmap.ACCESS_READ)
-        return self._maps[path]
+    def _map(self, src: Source) -> mmap.mmap:
+        if src.path not in self._maps:
+            self._maps[src.path] = mmap.mmap(self._fd(src), 0, access=mmap.ACCESS_READ)
+        return self._maps[src.path]
 
     def _plan(self, key: str, want: Piece, dtype: str, global_shape: tuple[int, ...], prefer: int):
         """(source, entry, source piece, box) for each distinct source piece overlapping
@@ -314,7 +355,7 @@ class RangeReader:
             spiece, bbox = _byte_piece(piece, itemsize), _byte_piece(box, itemsize)
             s_start = tuple(b - o for b, o in zip(bbox.offsets, spiece.offsets))
             run = _contiguous_range(spiece.lengths, s_start, bbox.lengths) or (0, entry.nbytes)
-            os.posix_fadvise(self._fd(src.path), src.file_offset(entry) + run[0], run[1], os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(self._fd(src), src.file_offset(entry) + run[0], run[1], os.POSIX_FADV_WILLNEED)
 
     def fill(self, key: str, dst: np.ndarray, want: Piece, dtype: str, global_shape: tuple[int, ...],
              prefer: int = 0) -> None:
@@ -335,13 +376,13 @@ class RangeReader:
             raise StateMismatchError(f"{src.path}: entry {entry.name!r} has {entry.nbytes} bytes, "
                                      f"the target {flat.nbytes}")
         self._verify(src, src.file_offset(entry), entry.nbytes)
-        pread_exact(self._fd(src.path), memoryview(flat), src.file_offset(entry), src.path)
+        pread_exact(self._fd(src), memoryview(flat), src.file_offset(entry), src.path)
         self.bytes_read += entry.nbytes
 
     def _verify(self, src: Source, start: int, length: int) -> None:
         """Check the blocks of ``src`` holding ``[start, start + length)``, and its header once."""
-        src.check.verify_range(self._fd(src.path), 0, len(src.image.header))
-        src.check.verify_range(self._fd(src.path), start, start + length)
+        src.check.verify_range(self._fd(src), 0, len(src.image.header))
+        src.check.verify_range(self._fd(src), start, start + length)
 
     def _copy(self, src: Source, entry: Entry, spiece: Piece, dst: np.ndarray, dpiece: Piece, box: Piece) -> None:
         s_start = tuple(b - o for b, o in zip(box.offsets, spiece.offsets))
@@ -355,9 +396,9 @@ class RangeReader:
         if s_run is not None and d_run is not None:
             flat = dst.reshape(-1)
             view = memoryview(flat[d_run[0]:d_run[0] + d_run[1]])
-            pread_exact(self._fd(src.path), view, base + s_run[0], src.path)
+            pread_exact(self._fd(src), view, base + s_run[0], src.path)
         else:
-            mm = self._map(src.path)
+            mm = self._map(src)
             whole = np.frombuffer(mm, dtype=np.uint8, count=entry.nbytes, offset=base).reshape(spiece.lengths)
             s_idx = tuple(slice(a, a + n) for a, n in zip(s_start, box.lengths))
             d_idx = tuple(slice(a, a + n) for a, n in zip(d_start, box.lengths))

@@ -22,7 +22,8 @@ import torch
 
 from .._checksum import BlockCheck, pread_exact
 from .._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from .._format import Entry, Image, parse_header
+from .._storage import _open_regular
+from .._format import MAX_HEADER, Entry, Image, parse_header
 from ..torch._tensors import DTYPE_NAMES
 from ._layout import Box, intersect, read_runs, volume
 
@@ -42,26 +43,37 @@ class Source(Protocol):
 
 
 class FileSource:
-    """A committed ``rank-R.safetensors`` read with positional reads."""
+    """A committed ``rank-R.safetensors`` read with positional reads.
 
-    def __init__(self, path: str, record: dict) -> None:
-        self.where = path
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    ``shard`` is what :meth:`LocalStorage.open_shard` returns (the source owns and closes
+    it), or a path, opened as a regular file only (no symlink, FIFO or device)."""
+
+    def __init__(self, shard: str | io.FileIO, record: dict) -> None:
+        if isinstance(shard, io.FileIO):
+            self.where, self._fd = str(shard.name), os.dup(shard.fileno())
+            shard.close()
+        else:
+            self.where, self._fd = shard, _open_regular(shard, shard)
+        try:
+            self._open(record)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _open(self, record: dict) -> None:
+        path = self.where
         size = os.fstat(self._fd).st_size
         if size != record["size"]:
-            os.close(self._fd)
             raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {record['size']} (truncated?)")
         head = os.pread(self._fd, 8, 0)
         if len(head) < 8:
             raise CorruptCheckpointError(f"{path}: truncated (no header)")
         (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER:
+            raise CorruptCheckpointError(f"{path}: header length {n} is invalid")
         self.image = parse_header(head + os.pread(self._fd, min(n, size - 8), 8), path, size)
         self._check = BlockCheck(record, path)
-        try:
-            self._check.verify_range(self._fd, 0, len(self.image.header))
-        except CorruptCheckpointError:
-            os.close(self._fd)
-            raise
+        self._check.verify_range(self._fd, 0, len(self.image.header))
 
     def readinto(self, view: memoryview, body_offset: int) -> None:
         """Read ``view`` from the tensor data, verifying the checksums of the blocks it touches."""
