@@ -4,12 +4,18 @@ that stock tools load, and DCP checkpoints imported as flashckpt steps.
 Sources:
 
 - ``flashckpt`` -- a committed step of a flashckpt directory saved by a sharded
-  checkpointer (every tensor's pieces are stitched together by global offsets) or by
-  a plain one (taken from rank 0). Every shard's checksum is verified first.
+  checkpointer (every tensor's pieces are stitched together by global offsets: one
+  output), by a replicated one (one output), or by a per-rank one (each rank saved its
+  own state, world size > 1, no sharded layout): then **every rank** is written, rank R
+  to :func:`rank_output` ``(out, R)`` -- ``.rank-R`` before the extension
+  (``model.pt`` -> ``model.rank-0.pt``, ``model.rank-1.pt``; a directory ``out`` ->
+  ``out.rank-0``, ...). Every shard's checksum is verified first.
 - ``dcp`` -- a ``torch.distributed.checkpoint`` directory (consolidated with DCP's own
   ``dcp_to_torch_save``). A top-level ``model`` entry is the model and ``optim`` or
   ``optimizer`` the optimizer (nested ``{"state", "param_groups"}`` form, as
-  ``get_state_dict`` gives it); without ``model`` the whole dict is the model.
+  ``get_state_dict`` gives it); without ``model`` the whole dict is the model. Its step
+  is the top-level ``step`` entry, else the number ending the directory's name
+  (``step-1000``, ``checkpoint-500``); with neither, pass ``step``.
 
 Targets:
 
@@ -34,14 +40,15 @@ import enum
 import json
 import logging
 import os
+import re
 import tempfile
 from typing import Any
 
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ._reshard import LAYOUT_KEY, RangeReader, full_piece, path_key, read_sources
+from ._reshard import LAYOUT_KEY, RangeReader, full_piece, path_key, read_sources, source_of
 from ._storage import LocalStorage
 
-__all__ = ["Format", "convert"]
+__all__ = ["Format", "convert", "convert_all", "rank_output"]
 
 log = logging.getLogger(__name__)
 
@@ -73,38 +80,66 @@ def _format(value: str | Format, allowed: tuple[Format, ...], what: str) -> Form
 def convert(directory: str | os.PathLike, step: int | None, to: str | Format, out: str | os.PathLike, *,
             source: str | Format = "flashckpt") -> str:
     """Convert step ``step`` (None: the newest committed) of the checkpoint in
-    ``directory`` to format ``to`` at ``out``; returns ``out``.
+    ``directory`` to format ``to`` at ``out``; returns the path written (for a per-rank
+    checkpoint, rank 0's: :func:`convert_all` returns every rank's).
 
     ``source`` is ``"flashckpt"`` or ``"dcp"`` (then ``directory`` is a DCP directory and
-    ``step`` only names the step written for ``to="flashckpt"``, default 0). Runs in
-    one process; needs torch. Raises :class:`flashckpt.CheckpointError` subclasses for
-    a missing or corrupt checkpoint and unsupported combinations.
+    ``step``, when given, overrides the step the DCP checkpoint names). Runs in one
+    process; needs torch. Raises :class:`flashckpt.CheckpointError` subclasses for a
+    missing or corrupt checkpoint and unsupported combinations.
     """
+    return convert_all(directory, step, to, out, source=source)[0]
+
+
+def convert_all(directory: str | os.PathLike, step: int | None, to: str | Format, out: str | os.PathLike, *,
+                source: str | Format = "flashckpt") -> list[str]:
+    """:func:`convert`, returning every path written: ``[out]``, or one per rank of a
+    per-rank checkpoint (:func:`rank_output`)."""
     src = _format(source, SOURCES, "source format")
     dst = _format(to, TARGETS[src], f"target format for a {src.value} source")
     directory, out = os.fspath(directory), os.fspath(out)
-    if src is Format.FLASHCKPT:
-        step, state = consolidate(directory, step)
-    else:
-        state = _read_dcp(directory)
-        step = 0 if step is None else step
     writer = {Format.TORCH: _write_torch, Format.SAFETENSORS: _write_safetensors,
               Format.DCP: _write_dcp, Format.FLASHCKPT: _write_flashckpt}[dst]
+    if src is Format.FLASHCKPT:
+        storage = LocalStorage(directory)
+        step = _checked_step(storage, step)
+        world = storage.metadata(step)["world_size"]
+        if world > 1 and not _has_layout(storage, step):  # each rank saved its own state
+            outs = [rank_output(out, rank) for rank in range(world)]
+            for rank, path in enumerate(outs):
+                writer(_consolidate(storage, step, rank), step, path)
+            log.info("converted step %d of %s (%d ranks, each its own state) to %s at %s", step, directory, world,
+                     dst.value, ", ".join(outs))
+            return outs
+        state = _consolidate(storage, step, 0)
+    else:
+        state = _read_dcp(directory)
+        step = _dcp_step(directory, state) if step is None else step
     writer(state, step, out)
     log.info("converted step %d of %s (%s) to %s at %s", step, directory, src.value, dst.value, out)
-    return out
+    return [out]
+
+
+def rank_output(out: str | os.PathLike, rank: int) -> str:
+    """Where rank ``rank`` of a per-rank checkpoint is written: ``.rank-R`` before the
+    extension of ``out`` (``model.pt`` -> ``model.rank-1.pt``; ``dir`` -> ``dir.rank-1``)."""
+    head, ext = os.path.splitext(os.fspath(out).rstrip(os.sep) or os.sep)
+    return f"{head}.rank-{rank}{ext}"
 
 
 # -- reading --------------------------------------------------------------------------
 
-def consolidate(directory: str, step: int | None) -> tuple[int, dict[str, Any]]:
+def consolidate(directory: str, step: int | None, rank: int = 0) -> tuple[int, dict[str, Any]]:
     """The committed ``step`` (None: newest) as one unsharded state: the saved tree
-    with every sharded tensor whole, the layout entry dropped."""
-    import torch  # noqa: F401
-
-    from ._tree import merge_into
-    from .torch import _tensors  # noqa: F401  (registers the torch tensor kind)
+    with every sharded tensor whole, the layout entry dropped. For a checkpoint without
+    a sharded layout, rank ``rank``'s own state."""
     storage = LocalStorage(directory)
+    step = _checked_step(storage, step)
+    return step, _consolidate(storage, step, rank)
+
+
+def _checked_step(storage: LocalStorage, step: int | None) -> int:
+    """``step`` (None: the newest committed) once every shard of it verifies."""
     if step is None:
         step = storage.latest_step()
         if step is None:
@@ -112,14 +147,18 @@ def consolidate(directory: str, step: int | None) -> tuple[int, dict[str, Any]]:
     problems = storage.verify(step)
     if problems:
         raise CorruptCheckpointError(f"step {step} in {storage.root} is damaged: " + "; ".join(problems))
-    sources = read_sources(storage, step) if _has_layout(storage, step) else None
-    if sources is None:  # a plain (unsharded or replicated) checkpoint: rank 0 holds it whole
-        from ._checksum import BlockCheck
-        from ._reshard import Source, read_header, tensor_names
-        path, record = storage.shard_path(step, 0)
-        image, size = read_header(path, record["size"])
-        sources = [Source(0, path, size, image, {"tensors": {}}, tensor_names(image.meta["tree"]),
-                          BlockCheck(record, path), {e.name: e for e in image.entries})]
+    return step
+
+
+def _consolidate(storage: LocalStorage, step: int, rank: int) -> dict[str, Any]:
+    import torch  # noqa: F401
+
+    from ._tree import merge_into
+    from .torch import _tensors  # noqa: F401  (registers the torch tensor kind)
+    if _has_layout(storage, step):
+        sources = read_sources(storage, step)
+    else:  # a plain (unsharded, replicated or per-rank) checkpoint: the rank holds its state whole
+        sources = [source_of(rank, *storage.open_shard(step, rank), layout=False)]
     home = sources[0]
     layout = home.layout["tensors"]
     entries = {e.name: (e.dtype, tuple(e.shape)) for e in home.image.entries}
@@ -142,14 +181,33 @@ def consolidate(directory: str, step: int | None) -> tuple[int, dict[str, Any]]:
                 reader.read_entry(home, home.entries[name], dst)
     merge.apply_plain()
     state.pop(LAYOUT_KEY, None)
-    return step, state
+    return state
 
 
 def _has_layout(storage: LocalStorage, step: int) -> bool:
     from ._reshard import plain_value, read_header
-    path, record = storage.shard_path(step, 0)
-    image, _ = read_header(path, record["size"])
+    f, record = storage.open_shard(step, 0)
+    with f:
+        image, _ = read_header(f, record["size"])
     return plain_value(image.meta.get("tree", {}), LAYOUT_KEY) is not None
+
+
+_STEP_NAME = re.compile(r"(?:^|[-_.])(\d+)$")
+
+
+def _dcp_step(directory: str, state: dict[str, Any]) -> int:
+    """The step a DCP checkpoint names: its top-level ``step`` entry, else the number
+    ending its directory's name (``step-1000``, ``checkpoint-500``)."""
+    value = (state.get("extra") or {}).get("step")
+    if hasattr(value, "numel") and value.numel() == 1 and not value.is_floating_point():
+        value = int(value.item())
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    m = _STEP_NAME.search(os.path.basename(os.path.normpath(directory)))
+    if m:
+        return int(m.group(1))
+    raise CheckpointError(f"{directory} names no step (no top-level 'step' entry, no number ending its name); "
+                          "pass the step to write (--step N)")
 
 
 def _bytes(t: Any):
@@ -294,8 +352,9 @@ def _write_flashckpt(state: dict[str, Any], step: int, out: str) -> None:
     tree[LAYOUT_KEY] = json.dumps({"version": 1, "rank": 0, "world_size": 1, "optimizer": "optim" in tree,
                                    "tensors": records}, separators=(",", ":"))
     flat = flatten(tree)
+    token = new_token()
     meta = {"format": "flashckpt/1", "step": step, "tree": flat.skeleton, "rank": 0, "world_size": 1,
-            "kinds": {leaf.name: leaf.kind.name for leaf in flat.leaves}}
+            "kinds": {leaf.name: leaf.kind.name for leaf in flat.leaves}, "token": token}
     image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves], meta)
     buf = bytearray(image.size)
     buf[:len(image.header)] = image.header
@@ -307,7 +366,6 @@ def _write_flashckpt(state: dict[str, Any], step: int, out: str) -> None:
             buf[at:at + entry.nbytes] = memoryview(data.reshape(-1))
     storage = LocalStorage(out)
     storage.check_writable()
-    token = new_token()
     storage.write_shard(step, 0, token, memoryview(buf))
-    if not storage.try_commit(step, 1, token, keep_last=0):
+    if not storage.try_commit(step, 1, token, keep_last=0, branch=step - 1):
         raise CheckpointError(f"could not commit step {step} in {storage.root}")

@@ -5,8 +5,12 @@
     flashckpt gc [--dry-run] [--force]
                                      remove shared memory of jobs whose processes are gone
     flashckpt persist [--job-id J]   write what a dead job left in shared memory to storage
-    flashckpt convert DIR [--step N] --to torch|safetensors|dcp|flashckpt OUT [--from flashckpt|dcp]
+    flashckpt convert DIR OUT --to torch|safetensors|dcp|flashckpt [--step N] [--from flashckpt|dcp]
                                      one consolidated checkpoint that stock tools load
+                                     (a per-rank checkpoint: one OUT per rank, OUT.rank-R)
+
+Every problem is printed as one line; the exit status is 0 when all is well, 1 when
+a check found damage (or nothing to list), 2 on an error (``--traceback`` shows it whole).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 import time
 
 from . import _names
-from ._errors import CheckpointError
+from ._errors import CheckpointError, CheckpointNotFoundError
 from ._persist import persist_slot, unpersisted_slots
 from ._slot import Slot, pid_alive
 from ._storage import LocalStorage
@@ -40,25 +44,47 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _storage(directory: str) -> LocalStorage:
+    """The storage of an existing checkpoint directory, else a CheckpointNotFoundError."""
+    storage = LocalStorage(directory)
+    if not os.path.isdir(storage.root):
+        what = "no such directory" if not os.path.lexists(storage.root) else "not a directory"
+        raise CheckpointNotFoundError(f"{storage.root}: {what}")
+    return storage
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    storage = LocalStorage(args.directory)
+    storage = _storage(args.directory)
     steps = storage.committed_steps()
     if not steps:
         print(f"no committed steps in {storage.root}")
         return 1
     latest = storage.latest_step()
     print(f"{'step':>10}  {'ranks':>5}  {'size':>10}  committed")
+    bad = []
     for step in steps:
-        meta = storage.metadata(step)
+        try:
+            meta = storage.metadata(step)
+        except CheckpointError as exc:
+            print(f"{step:>10}  unreadable: {_one_line(exc)}")
+            bad.append(step)
+            continue
         size = sum(s["size"] for s in meta["shards"].values())
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["committed_at"]))
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["committed_at"])) \
+            if "committed_at" in meta else "?"
         mark = "  (latest)" if step == latest else ""
         print(f"{step:>10}  {meta['world_size']:>5}  {_size(size):>10}  {when}{mark}")
-    return 0
+    if bad:
+        print(f"error: unreadable metadata of step {', '.join(map(str, bad))} in {storage.root}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    storage = LocalStorage(args.directory)
+    storage = _storage(args.directory)
     steps = [args.step] if args.step is not None else storage.committed_steps()
     if not steps:
         print(f"no committed steps in {storage.root}")
@@ -71,7 +97,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problems = [str(exc)]
         print(f"step {step}: {'ok' if not problems else 'DAMAGED'}")
         for problem in problems:
-            print(f"  {problem}")
+            print(f"  {_one_line(problem)}")
         bad += bool(problems)
     return 1 if bad else 0
 
@@ -148,42 +174,79 @@ def cmd_persist(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ._convert import convert  # needs torch
-    out = convert(args.directory, args.step, args.to, args.out, source=args.source)
-    print(f"wrote {out}")
+    from ._convert import convert_all  # needs torch
+    if args.source == "flashckpt":
+        _storage(args.directory)
+    elif not os.path.isdir(args.directory):
+        raise CheckpointNotFoundError(f"{os.path.abspath(args.directory)}: no such directory")
+    for out in convert_all(args.directory, args.step, args.to, args.out, source=args.source):
+        print(f"wrote {out}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashckpt", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ls", help="list committed steps")
-    p.add_argument("directory")
+_DIRECTORY = "the checkpoint directory (the one passed to the checkpointer; it holds step-N folders)"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashckpt", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--traceback", action="store_true", help="on an error, print the whole traceback")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("ls", help="list committed steps", description=(
+        "List the committed steps of a checkpoint directory: ranks, total size, commit time, and which is the "
+        "newest (latest). Exits 1 when there is none or a step's metadata is unreadable."))
+    p.add_argument("directory", help=_DIRECTORY)
     p.set_defaults(run=cmd_ls)
-    p = sub.add_parser("verify", help="check shard checksums")
-    p.add_argument("directory")
-    p.add_argument("--step", type=int)
+    p = sub.add_parser("verify", help="check shard checksums", description=(
+        "Re-read every shard of committed steps and check sizes, block checksums and that every shard belongs "
+        "to the run that committed the step. Prints 'step N: ok' or 'step N: DAMAGED' and one line per problem; "
+        "exits 1 when a step is damaged."))
+    p.add_argument("directory", help=_DIRECTORY)
+    p.add_argument("--step", type=int, metavar="N", help="verify only step N (default: every committed step)")
     p.set_defaults(run=cmd_verify)
-    p = sub.add_parser("gc", help="remove stale shared memory of dead jobs")
-    p.add_argument("--dry-run", action="store_true")
+    p = sub.add_parser("gc", help="remove stale shared memory of dead jobs", description=(
+        "Remove this user's shared-memory objects of jobs with no live process. Jobs whose memory holds steps "
+        "not yet on storage are kept unless --force (run `flashckpt persist` first)."))
+    p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     p.add_argument("--force", action="store_true", help="also remove steps that exist only in memory")
     p.set_defaults(run=cmd_gc)
-    p = sub.add_parser("persist", help="persist what dead jobs left in shared memory")
-    p.add_argument("--job-id")
+    p = sub.add_parser("persist", help="persist what dead jobs left in shared memory", description=(
+        "Write the complete steps that dead jobs left in shared memory to their checkpoint directories, "
+        "and commit them when every rank's shard is there."))
+    p.add_argument("--job-id", metavar="J", help="only this job (also when it still has live processes); "
+                   "default: every job without a live process")
     p.set_defaults(run=cmd_persist)
-    p = sub.add_parser("convert", help="write one consolidated checkpoint for stock tools")
-    p.add_argument("directory")
-    p.add_argument("out")
-    p.add_argument("--step", type=int, help="default: the newest committed step")
-    p.add_argument("--to", required=True, choices=["torch", "safetensors", "dcp", "flashckpt"])
-    p.add_argument("--from", dest="source", default="flashckpt", choices=["flashckpt", "dcp"])
+    p = sub.add_parser("convert", help="write one consolidated checkpoint for stock tools", description=(
+        "Convert a committed step to a format stock tools load. A sharded (FSDP, ZeRO) or replicated checkpoint "
+        "gives one output; a per-rank checkpoint (each rank saved its own state) gives one output per rank, named "
+        "OUT with .rank-R before its extension (model.pt -> model.rank-0.pt, model.rank-1.pt)."))
+    p.add_argument("directory", help=_DIRECTORY + "; with --from dcp, a torch.distributed.checkpoint directory")
+    p.add_argument("out", help="the output file (torch, safetensors) or directory (dcp, flashckpt)")
+    p.add_argument("--step", type=int, metavar="N", help="the step to convert (default: the newest committed); "
+                   "with --from dcp, the step to record (default: the DCP checkpoint's 'step' entry, else the "
+                   "number ending its directory name)")
+    p.add_argument("--to", required=True, choices=["torch", "safetensors", "dcp", "flashckpt"],
+                   help="the output format: torch (torch.load), safetensors (one file), dcp (a DCP directory), "
+                   "flashckpt (a one-rank step any world size can load)")
+    p.add_argument("--from", dest="source", default="flashckpt", choices=["flashckpt", "dcp"],
+                   help="the input format (default: flashckpt)")
     p.set_defaults(run=cmd_convert)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return args.run(args)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # every error is one line unless --traceback
+        if args.traceback:
+            raise
+        kind = "" if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: "
+        print(f"error: {kind}{_one_line(exc)}", file=sys.stderr)
         return 2
 
 

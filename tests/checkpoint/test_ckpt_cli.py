@@ -1,10 +1,12 @@
-"""The flashckpt command line: ls, verify, gc, persist."""
+"""The flashckpt command line: ls, verify, gc, persist, convert; errors as one line each."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from flashckpt.torch import Checkpointer
@@ -68,3 +70,115 @@ def test_convert_to_a_file_torch_load_reads(tmp_path, job_id):
     assert loaded["step"] == 3 and torch.equal(loaded["model"]["w"], torch.arange(6.0))
     out = flashckpt("convert", str(tmp_path / "nothing"), str(tmp_path / "x.pt"), "--to", "torch")
     assert out.returncode == 2 and out.stderr.startswith("error:")
+
+
+# -- errors, help, convert of every rank, DCP steps (issues 20 and 24) -------------------------
+
+def per_rank_checkpoint(directory, step: int, states: list) -> None:
+    """A committed step whose every rank saved its own state (no sharded layout), as
+    flashckpt.torch.Checkpointer writes one under a 2-rank process group."""
+    from flashckpt._engine import new_token
+    from flashckpt._format import plan_image
+    from flashckpt._storage import LocalStorage
+    from flashckpt._tree import flatten
+    from flashckpt.torch import _tensors  # noqa: F401
+    storage = LocalStorage(directory)
+    storage.check_writable()
+    token = new_token()
+    for rank, state in enumerate(states):
+        flat = flatten(state)
+        meta = {"format": "flashckpt/1", "step": step, "tree": flat.skeleton, "rank": rank,
+                "world_size": len(states), "kinds": {leaf.name: leaf.kind.name for leaf in flat.leaves}}
+        image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves], meta)
+        buf = bytearray(image.size)
+        buf[:len(image.header)] = image.header
+        by_name = {leaf.name: leaf.obj for leaf in flat.leaves}
+        for entry in image.entries:
+            data = by_name[entry.name].contiguous().view(torch.uint8).numpy().reshape(-1)
+            at = len(image.header) + entry.offset
+            buf[at:at + entry.nbytes] = memoryview(data)
+        storage.write_shard(step, rank, token, memoryview(bytes(buf)))
+    assert storage.try_commit(step, len(states), token, 0, branch=step - 1)
+
+
+def test_ls_of_a_missing_directory_says_so(tmp_path):
+    for command in ("ls", "verify"):
+        out = flashckpt(command, str(tmp_path / "nothing"))
+        assert out.returncode != 0 and "no such directory" in out.stderr, out
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    out = flashckpt("ls", str(tmp_path))
+    assert out.returncode == 1 and "no committed steps" in out.stdout
+
+
+def test_every_subcommand_help_describes_its_arguments():
+    wanted = {"ls": ["checkpoint directory"], "verify": ["checkpoint directory", "--step N", "only step N"],
+              "gc": ["--dry-run", "would be removed", "--force"], "persist": ["--job-id", "only this job"],
+              "convert": ["checkpoint directory", "output file", "--to", "output format", "--from",
+                          "input format", "--step", ".rank-R"]}
+    for command, phrases in wanted.items():
+        out = flashckpt(command, "--help")
+        assert out.returncode == 0
+        text = " ".join(out.stdout.split())
+        for phrase in phrases:
+            assert phrase in text, (command, phrase, text)
+
+
+@pytest.mark.timeout(60)
+def test_cli_errors_are_one_line_per_problem_without_tracebacks(tmp_path, job_id):
+    with Checkpointer(tmp_path, job_id=job_id, keep_last=0) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": torch.ones(1000)})
+    meta = tmp_path / "step-2" / "metadata.json"
+    bad = json.loads(meta.read_text())
+    bad["world_size"] = "two"
+    meta.write_text(json.dumps(bad))
+    os.unlink(tmp_path / "step-3" / "rank-0.safetensors")
+    os.mkfifo(tmp_path / "step-3" / "rank-0.safetensors")
+    os.unlink(tmp_path / "latest")
+    os.symlink("/dev/zero", tmp_path / "latest")
+    out = flashckpt("ls", str(tmp_path))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "step-2/metadata.json: world_size 'two'" in out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    out = flashckpt("verify", str(tmp_path))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == ["step 1: ok", "step 2: DAMAGED", lines[2], "step 3: DAMAGED", lines[4]], lines
+    assert "world_size" in lines[2] and "not a regular file" in lines[4]
+    out = flashckpt("convert", str(tmp_path), str(tmp_path / "x.pt"), "--to", "torch", "--step", "3")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    out = flashckpt("convert", str(tmp_path / "nothing"), str(tmp_path / "x.pt"), "--to", "torch", "--from", "dcp")
+    assert out.returncode == 2 and "no such directory" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_convert_writes_every_rank_of_a_per_rank_checkpoint(tmp_path):
+    states = [{"model": {"w": torch.full((4,), float(r))}, "rank": r} for r in range(2)]
+    per_rank_checkpoint(tmp_path / "ck", 6, states)
+    out = flashckpt("convert", str(tmp_path / "ck"), str(tmp_path / "model.pt"), "--to", "torch")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["wrote", str(tmp_path / "model.rank-0.pt"), "wrote", str(tmp_path / "model.rank-1.pt")]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"model.rank-{rank}.pt")
+        assert got["step"] == 6 and got["rank"] == rank and torch.equal(got["model"]["w"], states[rank]["model"]["w"])
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_convert_from_dcp_keeps_its_step(tmp_path, job_id):
+    import torch.distributed.checkpoint as dcp
+    from flashckpt._storage import LocalStorage
+    dcp.save({"model": {"w": torch.arange(4.0)}, "step": 7}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    out = flashckpt("convert", str(tmp_path / "dcp"), str(tmp_path / "flash"), "--from", "dcp", "--to", "flashckpt")
+    assert out.returncode == 0, out.stderr
+    assert LocalStorage(tmp_path / "flash").committed_steps() == [7]
+    dcp.save({"model": {"w": torch.arange(4.0)}}, checkpoint_id=str(tmp_path / "step-12"), no_dist=True)
+    out = flashckpt("convert", str(tmp_path / "step-12"), str(tmp_path / "flash12"), "--from", "dcp", "--to",
+                    "flashckpt")
+    assert out.returncode == 0, out.stderr
+    assert LocalStorage(tmp_path / "flash12").committed_steps() == [12]
+    dcp.save({"model": {"w": torch.arange(4.0)}}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    out = flashckpt("convert", str(tmp_path / "plain"), str(tmp_path / "flash0"), "--from", "dcp", "--to",
+                    "flashckpt")
+    assert out.returncode == 2 and "--step" in out.stderr
+    out = flashckpt("convert", str(tmp_path / "plain"), str(tmp_path / "flash0"), "--from", "dcp", "--to",
+                    "flashckpt", "--step", "3")
+    assert out.returncode == 0 and LocalStorage(tmp_path / "flash0").committed_steps() == [3]
