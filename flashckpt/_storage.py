@@ -570,7 +570,7 @@ class LocalStorage:
         except CheckpointNotFoundError:
             return None
         except CheckpointError as exc:
-            log.warning("ignoring the latest hint: %s", exc)
+            log.info("ignoring the latest hint: %s", exc)
             return None
         try:
             return int(_read_bounded(fd, MAX_LATEST, where).strip())
@@ -617,7 +617,7 @@ class LocalStorage:
         except CheckpointNotFoundError:
             return None
         except CheckpointError as exc:
-            log.warning("step %d is ordered as the oldest line: %s", step, exc)
+            log.info("step %d is ordered as the oldest line: %s", step, exc)
             line = _Line("", step, None, False)
         self._lines[step] = (ident, line)
         return line
@@ -700,7 +700,11 @@ class LocalStorage:
                 raise CheckpointNotFoundError(
                     f"step {step} in {self.root} has no shard for rank {rank} (world size {meta['world_size']})")
             where = os.path.join(self.step_dir(step), record["file"])
-            fd = _open_regular(_plain_name(record["file"], step, rank), where, dir_fd=dir_fd)
+            name = _plain_name(record["file"], step, rank)
+            try:
+                fd = _open_regular(name, where, dir_fd=dir_fd)
+            except CheckpointNotFoundError:
+                raise CheckpointNotFoundError(f"missing shard file {where} of committed step {step}") from None
         finally:
             os.close(dir_fd)
         size = os.fstat(fd).st_size
