@@ -314,3 +314,29 @@ def test_a_full_disk_leaves_no_partial_files_and_commits_resume(small_fs):
     assert storage.try_commit(4, 1, A, 1, branch=-1)
     assert storage.committed_steps() == [4] and storage.verify(4) == []
     assert sorted(os.listdir(small_fs / "ck")) == [".commit.lock", "latest", "step-4"]
+
+
+def test_verify_detects_a_shard_of_another_run_saved_by_the_engine(tmp_path, job_id):
+    import shutil
+
+    import torch
+
+    from flashckpt.torch import Checkpointer
+    for name in ("a", "b"):
+        with Checkpointer(tmp_path / name, job_id=f"{job_id}{name}") as ck:
+            ck.save(3, {"w": torch.ones(1000)})
+    shutil.copy(tmp_path / "b" / "step-3" / "rank-0.safetensors", tmp_path / "a" / "step-3" / "rank-0.safetensors")
+    problems = LocalStorage(tmp_path / "a").verify(3)
+    assert len(problems) == 1 and "another run" in problems[0], problems
+
+
+def test_two_checkpointers_of_one_process_share_the_directory(tmp_path, job_id):
+    import torch
+
+    from flashckpt.torch import Checkpointer
+    with Checkpointer(tmp_path, job_id=job_id) as first, Checkpointer(tmp_path, job_id=job_id) as second:
+        first.save(1, {"w": torch.ones(10)})
+        assert second.latest_step() in (None, 1)
+    out = subprocess.run([sys.executable, "-c", CLAIM.replace("time.sleep(60)", ""), str(tmp_path), B],
+                         capture_output=True, text=True, timeout=25)  # both released at close
+    assert out.returncode == 0 and "claimed" in out.stdout, out.stderr
