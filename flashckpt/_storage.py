@@ -319,9 +319,9 @@ class LocalStorage:
                     held.count += 1
                     self._claimed = True
                 return
-            os.makedirs(self.root, exist_ok=True)
             where = os.path.join(self.root, RUN_LOCK)
             try:
+                os.makedirs(self.root, exist_ok=True)
                 fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
