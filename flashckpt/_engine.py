@@ -26,7 +26,7 @@ from . import _errors, _events, _names, _numpy_kind  # noqa: F401  (numpy arrays
 from ._checksum import StreamCheck
 from ._client import SaverClient, saver_timeout
 from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError, CorruptCheckpointError,
-                      JobConflictError)
+                      JobConflictError, StateMismatchError)
 from ._format import Entry, Image, parse_header, plan_image
 from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
 from ._storage import LocalStorage
@@ -323,7 +323,7 @@ class Engine:
                            self._meta(step, flat))
         self._prepared()
         if self._branch is None:  # a run that never loaded starts its line here
-            self._start_line(step - 1)
+            self.start_line(step - 1)
         index = self._choose_slot()
         slot = self._slot(index, create=True)
         if slot.ensure_capacity(image.size):
@@ -427,7 +427,7 @@ class Engine:
             raise CheckpointNotFoundError(f"step {step} of {self.storage.root} is not in this rank's memory")
         return found
 
-    def _start_line(self, branch: int) -> None:
+    def start_line(self, branch: int) -> None:
         """This run's saves descend from ``branch``: copies of newer steps in memory belong
         to an abandoned line, and so do newer steps on storage once this line commits."""
         self._branch = branch
@@ -456,7 +456,7 @@ class Engine:
         elif committed is not None:
             step, source = committed, "storage"
         else:
-            self._start_line(-1)
+            self.start_line(-1)
             log.info("no checkpoint in memory or in %s: starting fresh", self.storage.root)
             self._loaded(None, None, start)
             self.prepare_for(state)
@@ -471,11 +471,24 @@ class Engine:
                             "committed step %d", step, "; ".join(m for _, m in errors), committed)
                 step, source = committed, "storage"
         if source == "storage":
+            self._check_world(step)
             step = self._load_storage_or_older(state, step, [] if requested is not None else fallbacks)
-        self._start_line(step)
+        self.start_line(step)
         self._loaded(step, source, start)
         self.prepare_for(state)
         return step
+
+    def _check_world(self, step: int) -> None:
+        """Per-rank state saved by another number of ranks cannot be guessed into this one
+        (replicated state has one shard and loads at any world size). All ranks call this."""
+        saved = self.on_all_ranks(lambda: self.storage.metadata(step)["world_size"] if self.collective.rank == 0
+                                  else None, f"reading the metadata of step {step}")[0]
+        if saved != self.placement.storage_world:
+            raise StateMismatchError(
+                f"step {step} in {self.storage.root} holds per-rank state of {saved} ranks, this job has "
+                f"{self.placement.storage_world}; per-rank state cannot be split or merged: run with "
+                f"{saved} ranks, or save replicated state (DdpCheckpointer) or sharded state (FsdpCheckpointer) "
+                "that reshards")
 
     def _committed_newest_first(self) -> list[int]:
         """Committed steps, newest first by line and step (see ``flashckpt._storage``)."""

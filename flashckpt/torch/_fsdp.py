@@ -325,7 +325,7 @@ class FsdpCheckpointer(EngineCheckpointer):
                                       f"{eng.storage.root}; only committed steps can be resharded")
             read = self._engine.on_all_ranks(lambda: self._reshard(target, step),
                                       f"resharding step {step} from {eng.storage.root}")[coll.rank]
-            eng.discard_newer_than(step)
+            eng.start_line(step)
             eng.last_load = LoadInfo(step, "storage", time.perf_counter() - start)
             log.info("restored step %d resharded from storage in %.3fs (%.1f MiB read)", step,
                      eng.last_load.seconds, read / 2**20)
