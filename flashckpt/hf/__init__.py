@@ -5,6 +5,6 @@ copy into shared memory, and the stock ``checkpoint-<N>`` folders are written in
 background, readable by stock transformers without flashckpt.
 """
 
-from ._callback import FlashCheckpointCallback
+from ._callback import FlashCheckpointCallback, last_checkpoint
 
-__all__ = ["FlashCheckpointCallback"]
+__all__ = ["FlashCheckpointCallback", "last_checkpoint"]

@@ -35,11 +35,35 @@ How resuming prefers memory
     building the Trainer (accelerate keeps an existing group), or a restarted group may
     dial the dead attempt's addresses; see ``examples/hf_trainer.py``.
 
+Where its own files live, and what a run leaves
+    While ``train()`` runs, ``<output_dir>/.flashckpt`` holds the step being written in
+    flashckpt's own format (the exporter reads it to write the folder; one more copy of
+    the state on disk) and the files that do not change during ``train()``. It sits in
+    ``output_dir`` on purpose: every rank's saver writes its shard there, so it must be a
+    directory all nodes share whenever the folders are, and the folders are renamed into
+    place from the same file system. It is scratch, not a checkpoint: the folders are the
+    checkpoints. So it is removed once nothing needs it: at a clean end of ``train()``
+    (after every folder is written and memory-only snapshots are dropped), after
+    ``train()`` raised (once the newest step in memory is written out as its folder and
+    the memory freed), and at construction, after a crashed run's memory was written out.
+    ``output_dir`` then holds exactly what the stock Trainer leaves. It stays only where
+    a crash (or a failed write after an error) left memory that a later construction
+    still has to write out, which needs its files.
+
+    When ``train()`` raises, the callback (which wraps ``train`` on the Trainer it was
+    given to) persists the newest step in memory if it is not on storage yet, waits for
+    every folder asked for, and frees the shared memory before the exception goes on, so
+    nothing writes into ``output_dir`` after ``train()`` has raised. If that fails, the
+    memory is kept for the next Trainer built on ``output_dir`` (which writes it out) and
+    the failure is logged; the original exception is raised either way.
+
+    ``resume_from_checkpoint=True`` keeps its stock meaning (a ``ValueError`` when
+    ``output_dir`` holds no ``checkpoint-<N>``); :func:`last_checkpoint` gives the newest
+    folder or None, so one script both starts fresh and resumes::
+
+        trainer.train(resume_from_checkpoint=last_checkpoint(args.output_dir))
+
 Costs and limits
-    Besides the folders, ``<output_dir>/.flashckpt`` keeps the newest committed step in
-    flashckpt's own format (one more copy of the state on disk) and the files that do
-    not change during ``train()``. A clean end of ``train()`` waits for the folders and
-    drops memory-only snapshots, leaving the folders the stock save would have left.
     Under the Trainer's DeepSpeed integration the DeepSpeed engine's own
     ``save_checkpoint`` runs into flashckpt's DeepSpeed checkpoint engine, and the folder
     gets DeepSpeed's tag and ``latest`` as the stock save writes them (see
@@ -50,7 +74,8 @@ Costs and limits
 
 Trainer internals it relies on, and why no public hook does
     ``Trainer._save_checkpoint`` (replaced on the instance: no callback event sits at the
-    stock save point, see above); the calling frames, to find the Trainer (callback
+    stock save point, see above); ``Trainer.train`` wrapped on the instance (no callback
+    event reports an exception out of training); the calling frames, to find the Trainer (callback
     events are not given it); ``model._keys_to_ignore_on_save``,
     ``remove_tied_weights_from_state_dict`` and ``revert_weight_conversion`` (the steps
     ``save_pretrained`` applies, so ``model.safetensors`` is byte-equal without calling
@@ -65,6 +90,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import sys
 import time
 from typing import Any
@@ -80,7 +106,7 @@ from ..torch import Checkpointer
 from . import _deepspeed, _export
 from ._capture import capture_main_state, capture_rank_state, write_static_files
 
-__all__ = ["FlashCheckpointCallback"]
+__all__ = ["FlashCheckpointCallback", "last_checkpoint"]
 
 log = logging.getLogger("flashckpt.hf")
 
@@ -96,6 +122,21 @@ def _newest_folder(run_dir: str) -> int | None:
         return None
     steps = [int(m.group(1)) for n in names if (m := _FOLDER_RE.match(n)) and os.path.isdir(os.path.join(run_dir, n))]
     return max(steps, default=None)
+
+
+def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest ``checkpoint-<N>`` folder in ``output_dir`` (by step, as the stock
+    ``resume_from_checkpoint=True`` picks it), or None when there is none or
+    ``output_dir`` does not exist yet. Call it after building the Trainer (which writes a
+    newer step held in memory out as its folder) and pass it on, so the same script
+    starts fresh on its first run and resumes on the next::
+
+        trainer = Trainer(..., callbacks=[FlashCheckpointCallback()])
+        trainer.train(resume_from_checkpoint=last_checkpoint(args.output_dir))
+    """
+    run_dir = os.fspath(output_dir)
+    step = _newest_folder(run_dir)
+    return None if step is None else os.path.join(run_dir, _export.folder_name(step))
 
 
 def _check_positive(name: str, value: int | None, minimum: int) -> None:
@@ -186,6 +227,7 @@ class FlashCheckpointCallback(TrainerCallback):
                 self._abandon()  # keep the memory: it may be the only copy of the newest step
                 raise
             self._close()  # memory is now on storage or stale; train() opens a fresh engine
+            self._remove_state_dir()  # what a crashed run left there is in the folders now
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self._trainer is None:  # added with trainer.add_callback() after construction
@@ -198,6 +240,9 @@ class FlashCheckpointCallback(TrainerCallback):
             return
         if self._ckpt is None:
             self._open()
+        # the Trainer has loaded its checkpoint by now: this run's saves descend from that step
+        # (-1: from nothing), so older steps of an abandoned line never outrank them
+        self._ckpt.engine.start_line(state.global_step if state.global_step > 0 else -1)
         trainer = self._trainer
         everyone = self._ckpt.engine.on_all_ranks(
             lambda: write_static_files(trainer, self._state_dir()) if trainer.args.should_save else None,
@@ -220,8 +265,9 @@ class FlashCheckpointCallback(TrainerCallback):
             self._persist_at[step] = persist
 
     def on_train_end(self, args, state, control, **kwargs):
-        """Wait until every folder is on storage, then free the shared memory."""
+        """Wait until every folder is on storage, free the shared memory, remove the scratch."""
         self._close()
+        self._remove_state_dir()
 
     # -- attaching ----------------------------------------------------------------
 
@@ -269,6 +315,17 @@ class FlashCheckpointCallback(TrainerCallback):
         _check_writable(args.output_dir)
         self._stock_save = trainer._save_checkpoint
         trainer._save_checkpoint = self._save_checkpoint
+        stock_train = trainer.train
+
+        def train(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return stock_train(*args, **kwargs)
+            except BaseException:
+                self._stop_after_error()
+                raise
+
+        train.__doc__ = stock_train.__doc__
+        trainer.train = train
         return True
 
     def _state_dir(self) -> str:
@@ -283,16 +340,49 @@ class FlashCheckpointCallback(TrainerCallback):
         self._ckpt = Checkpointer(self._state_dir(), keep_last=1, memory_slots=self.memory_slots)
 
     def _close(self) -> None:
+        """All ranks: wait for every folder asked for, drop the memory, disconnect."""
         if self._ckpt is None:
             return
         ckpt, self._ckpt = self._ckpt, None
         try:
-            ckpt.wait()
+            # every rank waits, so that no saver still writes when the scratch goes
+            ckpt.engine.on_all_ranks(ckpt.wait, "writing the checkpoint folders")
         finally:
             # snapshots between saves exist to survive a crash; a clean end leaves the
             # folders the Trainer itself would have left, so close() has nothing to flush
             ckpt.engine.discard_newer_than(-1)
             ckpt.close()
+
+    def _remove_state_dir(self) -> None:
+        """Process 0, after :meth:`_close` on every rank: remove ``<output_dir>/.flashckpt``,
+        which nothing needs once the folders are written and the memory freed (the next
+        engine is built only after a collective, so no rank is still using it)."""
+        trainer = self._trainer
+        if trainer is None or trainer.args.process_index != 0:
+            return
+        path = self._state_dir()
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):
+            log.warning("FlashCheckpointCallback: could not remove %s (flashckpt's scratch; safe to delete)", path)
+
+    def _stop_after_error(self) -> None:
+        """``train()`` raised: write the newest step in memory out if it is not on storage,
+        wait for every folder, free the memory; so that nothing writes into ``output_dir``
+        once the exception has left ``train()``. This rank only (another rank may be
+        stuck in a collective)."""
+        if self._ckpt is None:  # raised before on_train_begin, or after on_train_end
+            return
+        ckpt, self._ckpt = self._ckpt, None
+        self._persist_at.clear()
+        try:
+            ckpt.close()  # flushes, waits (bounded by FLASHCKPT_SAVER_TIMEOUT), frees the memory
+        except Exception as exc:  # the training error goes on; this one is logged
+            log.error("FlashCheckpointCallback: after train() raised, writing the newest step out failed (%s); "
+                      "its memory copy is kept: building a Trainer with this callback on %s writes it out",
+                      exc, self._trainer.args.output_dir)
+            return
+        if ckpt.engine.collective.world_size == 1:  # other ranks may still be writing there
+            self._remove_state_dir()
 
     def _abandon(self) -> None:
         """Disconnect, leaving shared memory in place for a later attempt."""
@@ -389,5 +479,7 @@ class FlashCheckpointCallback(TrainerCallback):
         self._ckpt.engine.save(step, tree, persist=persist, export=export)
         if persist:
             self._persisted.add(step)
-        if args.load_best_model_at_end and (step >= state.max_steps or trainer.control.should_training_stop):
-            self._ckpt.wait()  # the Trainer loads the best folder before on_train_end
+        if step >= state.max_steps or trainer.control.should_training_stop:
+            # before on_train_end the Trainer loads the best folder and, with save_total_limit=1,
+            # deletes every other folder: the folders must all be there by then
+            self._ckpt.wait()
