@@ -172,11 +172,13 @@ class FlashCheckpointCallback(TrainerCallback):
     Pass it to the Trainer's constructor, on every rank::
 
         trainer = Trainer(..., callbacks=[FlashCheckpointCallback()])
-        trainer.train(resume_from_checkpoint=True)
+        trainer.train(resume_from_checkpoint=last_checkpoint(args.output_dir))  # None: start fresh
 
     At every step the Trainer would save (``save_strategy`` / ``save_steps``), the state
     is copied into shared memory and the stock ``checkpoint-<N>`` folder is written in
-    the background; ``train()`` returns once every folder is on storage.
+    the background; ``train()`` returns once every folder is on storage, leaving
+    ``output_dir`` as the stock Trainer would. If ``train()`` raises, the newest step in
+    memory is written out and the memory freed before the exception leaves it.
 
     Args:
         memory_every: also snapshot into memory every this many steps (not persisted;

@@ -16,11 +16,11 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from flashckpt import hf as flash_hf
-from flashckpt.hf import FlashCheckpointCallback
+from flashckpt.hf import FlashCheckpointCallback, last_checkpoint
 
 from ._hf import shm_left
-from ._regression import AlmostAccuracy, listing, regression_trainer, state_of, to_sharded
+from ._regression import (AlmostAccuracy, RegressionDataset, RegressionModelConfig, RegressionPreTrainedModel,
+                          listing, regression_trainer, state_of, to_sharded)
 
 
 def both(tmp_path, scenario, *args, **kwargs):
@@ -474,22 +474,26 @@ def test_readme_usage_runs_on_a_first_run_and_on_a_resume(tmp_path):
                                                                             "checkpoint-9"])):
         args = TrainingArguments(out, max_steps=max_steps, save_steps=3, report_to=[], use_cpu=True,
                                  disable_tqdm=True, learning_rate=0.1)
-        from ._regression import RegressionDataset, RegressionModelConfig, RegressionPreTrainedModel
         model = RegressionPreTrainedModel(RegressionModelConfig())
         trainer = Trainer(model=model, args=args, train_dataset=RegressionDataset(),
                           callbacks=[FlashCheckpointCallback()])
-        trainer.train(resume_from_checkpoint=flash_hf.last_checkpoint(args.output_dir))
+        trainer.train(resume_from_checkpoint=last_checkpoint(args.output_dir))
         assert listing(out) == expected
-    assert trainer.state.log_history[-1]["step"] == 9
+    stock = str(tmp_path / "stock")  # the same two runs, stock, the second resumed from checkpoint-6
+    regression_trainer(stock, flash=False, max_steps=6, save_steps=3, learning_rate=0.1).train()
+    resumed = regression_trainer(stock, flash=False, max_steps=9, save_steps=3, learning_rate=0.1)
+    resumed.train(resume_from_checkpoint=os.path.join(stock, "checkpoint-6"))
+    assert ab(trainer) == ab(resumed)
 
 
 def test_last_checkpoint(tmp_path):
-    assert flash_hf.last_checkpoint(str(tmp_path / "missing")) is None
-    assert flash_hf.last_checkpoint(str(tmp_path)) is None
+    assert last_checkpoint(str(tmp_path / "missing")) is None
+    assert last_checkpoint(str(tmp_path)) is None
     for name in ("checkpoint-5", "checkpoint-40", ".checkpoint-50.tmp-1", "checkpoint-x"):
         os.makedirs(tmp_path / name)
     (tmp_path / "checkpoint-60").write_text("a file, not a folder")
-    assert flash_hf.last_checkpoint(str(tmp_path)) == get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-40")
+    newest = str(tmp_path / "checkpoint-40")
+    assert last_checkpoint(str(tmp_path)) == get_last_checkpoint(str(tmp_path)) == newest
 
 
 def _tree(root):
