@@ -38,6 +38,7 @@ __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHand
 log = logging.getLogger("flashckpt")
 
 _READ_CHUNK = 64 << 20
+_PROBE_SECONDS = 5.0
 
 
 class Collective(Protocol):
@@ -188,6 +189,7 @@ class Engine:
         _names.job_prefix(self.job_id)  # validates the name
         if placement.persists:
             self.storage.check_writable()
+        self._check_shared_directory()
         if placement.persists and placement.storage_rank == 0 and self.collective.rank == 0:
             self.storage.claim_run(placement.token)  # one live run per directory
         self._slot_paths = [_names.slot_path(self.job_id, placement.memory_rank, i)
@@ -209,6 +211,36 @@ class Engine:
             self._check_other_job()
         own_slots = self._slot_paths if placement.writes_memory else []
         self._client = SaverClient(self.job_id, own_slots, self._info(None))
+
+    def _check_shared_directory(self) -> None:
+        """Every rank must see the directory rank 0 writes (a collective call): with
+        node-local directories, per-rank shards would never commit and other nodes could
+        not load, silently. Rank 0 writes a probe with the run's token; each rank looks
+        for it (a few seconds, for network file systems' caches); any node that does not
+        see it fails construction on every rank, named."""
+        c = self.collective
+        if c.world_size == 1:
+            return
+        probe = os.path.join(self.storage.root, f".flashckpt-probe-{self.placement.token}")
+        token = self.placement.token.encode()
+        if c.rank == 0:
+            os.makedirs(self.storage.root, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(token)
+        c.all_gather(None)  # the probe is written
+        deadline = time.monotonic() + _PROBE_SECONDS
+        while not (sees := _holds(probe, token)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        views = c.all_gather((node_id(), sees))
+        if c.rank == 0:
+            os.unlink(probe)
+        blind = sorted({node for node, ok in views if not ok})
+        if blind:
+            raise CheckpointError(
+                f"the checkpoint directory {self.storage.root} is not shared: the ranks on node(s) "
+                f"{', '.join(blind)} do not see what rank 0 (node {views[0][0]}) wrote there, so shards would "
+                "never commit and those nodes could not load; give every node the same directory (a shared or "
+                "network file system mounted at this path)")
 
     def _check_other_job(self) -> None:
         """Refuse slots that a live process of another run writes for another directory
@@ -728,6 +760,14 @@ def _page_locker(kind: TensorKind, objs: list[Any]) -> PageLocker | None:
     """The page locker ``kind`` wants for copies to or from ``objs`` (GPU tensors), if any."""
     page_locker = getattr(kind, "page_locker", None)
     return page_locker(objs) if page_locker is not None else None
+
+
+def _holds(path: str, token: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(token) + 1) == token
+    except OSError:
+        return False
 
 
 def _read_exact(f, n: int, path: str) -> bytes:

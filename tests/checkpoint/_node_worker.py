@@ -5,11 +5,13 @@
 
 import glob
 import json
+import socket
 import sys
 
 import torch
 import torch.distributed as dist
 
+from flashckpt import CheckpointError
 from flashckpt.torch import Checkpointer, DdpCheckpointer
 from flashckpt._names import job_prefix
 
@@ -17,10 +19,16 @@ from flashckpt._names import job_prefix
 def main() -> None:
     rank, world, port, directory, mode, out = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                                sys.argv[5], sys.argv[6])
+    socket.sethostname(f"node{rank}")  # its own mount namespace; the hostname names the node in errors
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cls = Checkpointer if mode == "own" else DdpCheckpointer
     value = float(rank) if mode == "own" else 7.0
-    ck = cls(directory, job_id="nodes")
+    try:
+        ck = cls(directory, job_id="nodes")
+    except CheckpointError as exc:
+        with open(out, "w") as f:
+            json.dump({"error": str(exc)}, f)
+        return
     for step in (1, 2):
         ck.save(step, {"w": torch.full((100,), value + step)})
     ck.wait()

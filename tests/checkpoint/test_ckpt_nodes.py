@@ -13,13 +13,16 @@ WORKER = os.path.join(os.path.dirname(__file__), "_node_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_nodes(tmp_path, mode: str) -> list[dict]:
+def run_nodes(tmp_path, mode: str, *, node_local: bool = False) -> list[dict]:
+    """Two nodes; with ``node_local`` node 1 has its own (empty) directory at the checkpoint path."""
     port = free_port()
     procs = []
+    (tmp_path / "ck").mkdir(exist_ok=True)
     for rank in range(2):
-        cmd = (f"mount -t tmpfs -o size=256m tmpfs /dev/shm && exec {sys.executable} {WORKER} "
+        own_dir = f"mount -t tmpfs -o size=64m tmpfs {tmp_path / 'ck'} && " if node_local and rank == 1 else ""
+        cmd = (f"mount -t tmpfs -o size=256m tmpfs /dev/shm && {own_dir}exec {sys.executable} {WORKER} "
                f"{rank} 2 {port} {tmp_path / 'ck'} {mode} {tmp_path / f'node{rank}.json'}")
-        procs.append(subprocess.Popen(["unshare", "-m", "sh", "-c", cmd], cwd=REPO,
+        procs.append(subprocess.Popen(["unshare", "-m", "-u", "sh", "-c", cmd], cwd=REPO,
                                       env={**os.environ, "PYTHONPATH": REPO},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for p in procs:
@@ -31,7 +34,7 @@ def run_nodes(tmp_path, mode: str) -> list[dict]:
 def test_each_nodes_saver_persists_its_rank_and_one_commit_joins_them(tmp_path):
     reports = run_nodes(tmp_path, "own")
     assert [r["local_rank"] for r in reports] == [0, 0]  # different /dev/shm: different nodes
-    assert reports[0]["slots"] == ["flashckpt.root.nodes.rank0.slot0", "flashckpt.root.nodes.rank0.slot1"]
+    assert reports[0]["slots"] == ["nodes.rank0.slot0", "nodes.rank0.slot1"]
     assert reports[1]["slots"] == reports[0]["slots"]  # each node sees only its own rank's memory
     assert [(r["step"], r["source"], r["w"]) for r in reports] == [(2, "memory", 2.0), (2, "memory", 3.0)]
     meta = json.loads((tmp_path / "ck" / "step-2" / "metadata.json").read_text())
@@ -44,6 +47,14 @@ def test_ddp_keeps_a_copy_on_every_node_and_one_on_storage(tmp_path):
     assert all(len(r["slots"]) == 2 for r in reports)  # local rank 0 of each node holds the node's copy
     assert [(r["step"], r["source"], r["w"]) for r in reports] == [(2, "memory", 9.0), (2, "memory", 9.0)]
     assert sorted(os.listdir(tmp_path / "ck" / "step-2")) == ["metadata.json", "rank-0.done", "rank-0.safetensors"]
+
+
+@pytest.mark.parametrize("mode", ["own", "ddp"])
+def test_a_directory_that_is_not_shared_fails_construction_on_every_node(tmp_path, mode):
+    reports = run_nodes(tmp_path, mode, node_local=True)
+    for report in reports:
+        assert "is not shared" in report["error"] and "node1:" in report["error"], report
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith("step-")]
 
 
 @pytest.fixture(autouse=True)
