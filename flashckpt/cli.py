@@ -16,7 +16,6 @@ a check found damage (or nothing to list), 2 on an error (``--traceback`` shows 
 from __future__ import annotations
 
 import argparse
-import glob
 import logging
 import os
 import re
@@ -26,14 +25,15 @@ import time
 from . import _names
 from ._errors import CheckpointError, CheckpointNotFoundError
 from ._persist import persist_slot, unpersisted_slots
-from ._slot import Slot, pid_alive
+from ._slot import Slot, SlotState, pid_alive
 from ._storage import LocalStorage
 
 __all__ = ["main"]
 
 log = logging.getLogger("flashckpt.cli")
 
-_SEGMENT_RE = re.compile(r"^flashckpt\.(?P<user>[^.]+)\.(?P<job>[^.]+)\.(?P<rest>.+)$")
+_LOG_RE = re.compile(r"^(?P<job>[^.]+)-(saver|watchdog)\.log(\.\d+)?$")
+_OBJECT_RE = re.compile(r"^(?P<job>[^.]+)\.(?P<rest>.+)$")
 
 
 def _size(n: float) -> str:
@@ -57,12 +57,31 @@ def _storage(directory: str) -> LocalStorage:
     return storage
 
 
+def _memory_copies(root: str) -> list[tuple[int, int, str]]:
+    """(step, storage rank, state) of complete copies on this node whose trainers
+    checkpoint into ``root``; state is "in memory" or "being persisted"."""
+    found = []
+    for paths in _segments().values():
+        for path in _slot_paths(paths):
+            try:
+                h = Slot.peek_header(path)
+            except CheckpointError:
+                continue
+            if h is not None and h.state == SlotState.COMPLETE and h.info.get("directory") == root:
+                state = "being persisted" if h.reader_pid and pid_alive(h.reader_pid) else "in memory"
+                found.append((h.step, int(h.info.get("storage_rank", 0)), state))
+    return sorted(found)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     storage = _storage(args.directory)
     steps = storage.committed_steps()
+    memory = _memory_copies(storage.root)
+    for step, rank, state in memory:
+        print(f"step {step} rank {rank}: {state} on this node")
     if not steps:
         print(f"no committed steps in {storage.root}")
-        return 1
+        return 0 if memory else 1
     latest = storage.latest_step()
     print(f"{'step':>10}  {'ranks':>5}  {'size':>10}  committed")
     bad = []
@@ -103,13 +122,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _segments() -> dict[str, list[str]]:
-    """This user's shared-memory objects, by job id."""
-    prefix = os.path.basename(_names.job_prefix("x"))[: -len(".x")]
+    """This user's shared-memory objects (and the saver and watcher logs), by job id."""
+    directory = _names.private_dir()
     jobs: dict[str, list[str]] = {}
-    for path in glob.glob(os.path.join(_names.SHM_DIR, prefix + ".*")):
-        m = _SEGMENT_RE.match(os.path.basename(path))
+    for name in os.listdir(directory):
+        m = _LOG_RE.match(name) or _OBJECT_RE.match(name)
         if m:
-            jobs.setdefault(m.group("job"), []).append(path)
+            jobs.setdefault(m.group("job"), []).append(os.path.join(directory, name))
     return jobs
 
 
@@ -192,9 +211,10 @@ def _parser() -> argparse.ArgumentParser:
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--traceback", action="store_true", help="on an error, print the whole traceback")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("ls", help="list committed steps", description=(
+    p = sub.add_parser("ls", help="list committed steps and copies in memory", description=(
         "List the committed steps of a checkpoint directory: ranks, total size, commit time, and which is the "
-        "newest (latest). Exits 1 when there is none or a step's metadata is unreadable."))
+        "newest (latest); first, the steps that this node's shared memory holds for it (in memory, or being "
+        "persisted). Exits 1 when there is nothing, or a step's metadata is unreadable."))
     p.add_argument("directory", help=_DIRECTORY)
     p.set_defaults(run=cmd_ls)
     p = sub.add_parser("verify", help="check shard checksums", description=(

@@ -182,3 +182,14 @@ def test_convert_from_dcp_keeps_its_step(tmp_path, job_id):
     out = flashckpt("convert", str(tmp_path / "plain"), str(tmp_path / "flash0"), "--from", "dcp", "--to",
                     "flashckpt", "--step", "3")
     assert out.returncode == 0 and LocalStorage(tmp_path / "flash0").committed_steps() == [3]
+
+
+def test_ls_shows_the_steps_held_in_memory_on_this_node(tmp_path, job_id):
+    with Checkpointer(tmp_path, job_id=job_id, persist_every=100) as ck:
+        ck.save(1, {"w": torch.ones(100)}, persist=True)
+        ck.wait()
+        ck.save(3, {"w": torch.ones(100)})
+        out = flashckpt("ls", str(tmp_path))
+        assert out.returncode == 0, out.stderr
+        assert "step 3 rank 0: in memory on this node" in out.stdout
+        assert "(latest)" in out.stdout
