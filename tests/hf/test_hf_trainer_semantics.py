@@ -521,3 +521,20 @@ def test_nothing_is_written_into_output_dir_after_train_raised(tmp_path):
     assert listing(out) == listing(stock)
     assert cb._ckpt is None and not shm_left(out)
     shutil.rmtree(out)
+
+
+def test_a_raised_train_writes_the_newest_memory_snapshot_out_first(tmp_path):
+    """Snapshots between saves (memory_every) exist to survive a failure: when train() raises at step 5,
+    step 4 (memory only) is written as checkpoint-4 before the exception leaves train(), and a resume
+    from it matches the run that did not fail."""
+    out = str(tmp_path / "run")
+    cb = FlashCheckpointCallback(memory_every=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        regression_trainer(out, flash=False, save_steps=3, max_steps=8, callbacks=[cb, RaiseAt(5)]).train()
+    assert listing(out) == ["checkpoint-3", "checkpoint-4"]
+    assert cb._ckpt is None and not shm_left(out)
+    trainer = regression_trainer(out, flash=True, save_steps=3, max_steps=8)
+    trainer.train(resume_from_checkpoint=last_checkpoint(out))
+    reference = regression_trainer(str(tmp_path / "stock"), flash=False, save_steps=3, max_steps=8)
+    reference.train()
+    assert ab(trainer) == ab(reference)
