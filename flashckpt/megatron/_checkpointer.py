@@ -211,7 +211,7 @@ class MegatronCheckpointer:
         sources = []
         try:
             for rank in range(meta["world_size"]):
-                sources.append(FileSource(*storage.shard_path(step, rank)))
+                sources.append(FileSource(*storage.open_shard(step, rank)))
             return StepReader(sources, allow_pickle=allow)
         except BaseException:
             for s in sources:

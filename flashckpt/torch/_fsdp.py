@@ -348,8 +348,9 @@ class FsdpCheckpointer(EngineCheckpointer):
             layout, world = read_layout(self._engine.memory_image(step), f"step {step} in memory"), coll.world_size
         else:
             world = int(self._engine.storage.metadata(step)["world_size"])
-            path, record = self._engine.storage.shard_path(step, coll.rank if coll.rank < world else 0)
-            layout = read_layout(read_header(path, record["size"])[0], path)
+            f, record = self._engine.storage.open_shard(step, coll.rank if coll.rank < world else 0)
+            with f:
+                layout = read_layout(read_header(f, record["size"])[0], f.name)
         theirs, mine = layout["tensors"], target.layout["tensors"]
         same = world == coll.world_size and all(
             (theirs[k]["shape"], theirs[k]["offsets"], theirs[k]["lengths"]) == (r["shape"], r["offsets"], r["lengths"])
