@@ -322,12 +322,7 @@ def test_a_stopped_saver_gives_a_timeout_error_not_a_hang(tmp_path, job_id, whic
         assert res["seconds"] < 10, f"{which}() took {res['seconds']}s to time out (bound 3 s)"
         assert str(saver) in res["outcome"], f"the error does not name the saver pid {saver}: {res['outcome']}"
     finally:
-        if saver:
-            try:
-                os.kill(saver, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        cleanup(job_id, script, loader)
+        cleanup(job_id, script, loader)  # continues and kills the stopped saver
 
 
 # -- (d) the saver's socket deleted ---------------------------------------------------------
@@ -425,12 +420,7 @@ def test_a_crash_during_a_save_while_storage_lags_keeps_the_last_returned_save(t
              f"and the restart restored {res['step']} from {res['source']}")
         assert res["check"] == res["step"]
     finally:
-        if saver:
-            try:
-                os.kill(saver, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        cleanup(job_id, script, loader)
+        cleanup(job_id, script, loader)  # continues and kills the stopped saver
 
 
 # -- (f) `latest` is a hint --------------------------------------------------------------
