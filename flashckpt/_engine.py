@@ -450,8 +450,10 @@ class Engine:
         """Have the saver persist (and export) this rank's in-memory copy of ``step`` now;
         :meth:`wait` for it to be durable."""
         index, generation = self._memory_slot(step)
-        export = self.memory_info(step).get("export")
-        self._client.saved(self._slot_paths[index], generation, step, self._info(export), persist=True)
+        recorded = self.memory_info(step)  # a copy a previous run left belongs to that run's line
+        info = dict(self._info(recorded.get("export")), token=recorded.get("token", self.placement.token),
+                    branch=recorded.get("branch", -1))
+        self._client.saved(self._slot_paths[index], generation, step, info, persist=True)
 
     def _memory_slot(self, step: int) -> tuple[int, int]:
         found = self.memory_steps().get(step)

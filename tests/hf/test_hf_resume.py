@@ -53,14 +53,7 @@ class Crash(TrainerCallback):
             raise KeyboardInterrupt
 
 
-ENGINE_PERSIST_TOKEN = pytest.mark.xfail(
-    strict=True, raises=CheckpointError,
-    reason="Engine.persist(step) of a slot a previous run wrote sends this engine's token, and the saver refuses "
-           "it ('rank 0 of step 4 was written by another run'): flashckpt/_engine.py, not the HF layer")
-
-
-@pytest.mark.parametrize("saver_flushes", [True, pytest.param(False, marks=ENGINE_PERSIST_TOKEN)],
-                         ids=["saver-wrote-it", "constructor-writes-it"])
+@pytest.mark.parametrize("saver_flushes", [True, False], ids=["saver-wrote-it", "constructor-writes-it"])
 def test_memory_newer_than_the_newest_folder_is_resumed(tmp_path, saver_flushes, reference_10):
     out = str(tmp_path / "run")
     first = FlashCheckpointCallback(memory_every=2)
@@ -97,7 +90,7 @@ def test_failing_to_write_memory_out_is_a_clear_error_at_construction(tmp_path):
     shutil.rmtree(first._static)  # the exporter will miss training_args.bin
     first._ckpt.engine._client.close()  # no flush by the saver: only the constructor writes step 4
     first._ckpt = None
-    with pytest.raises(CheckpointError, match=r"writing step 4 from memory to .*checkpoint-4 failed: rank 0: "):
+    with pytest.raises(CheckpointError, match=r"writing step 4 from memory to .*checkpoint-4 failed: rank 0: .*No such file or directory: .*static-"):
         make_trainer(out, [FlashCheckpointCallback()], max_steps=10, save_steps=3)
     assert sorted(n for n in os.listdir(out) if "checkpoint" in n) == ["checkpoint-3"]  # nothing half-written
     kept = shm_left(out)
