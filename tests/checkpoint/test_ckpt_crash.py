@@ -92,7 +92,8 @@ def test_kill9_at_random_moments_never_tears_or_damages(tmp_path, job_id, memory
             assert storage.verify(s) == [], f"committed step {s} damaged"
         for s in storage.committed_steps():  # a killed persist leaves only its pending step-N.tmp-* dir
             assert sorted(os.listdir(tmp_path / f"step-{s}")) == ["metadata.json", "rank-0.done", "rank-0.safetensors"]
-        ck.engine._client.close()  # leave memory as a crashed process would, without flushing
+        ck.engine._client.close()  # leave memory as a crashed process would, without flushing,
+        ck.engine.storage.release_run()  # and give up the directory, as a dead process's lock does
         start = (step or 0) + 1
     assert storage.latest_step() is not None
 
