@@ -35,7 +35,8 @@ import numpy as np
 from ._checksum import BlockCheck, pread_exact
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ._format import DTYPE_SIZES, MAX_HEADER, Entry, Image, parse_header
-from ._storage import LocalStorage, _open_regular
+from ._files import open_regular
+from ._storage import LocalStorage
 
 __all__ = ["LAYOUT_KEY", "Piece", "Source", "RangeReader", "chunk_pieces", "path_key", "tensor_names",
            "plain_value", "read_sources", "source_of", "close_sources", "byte_shape"]
@@ -215,7 +216,7 @@ def read_header(shard: str | io.FileIO, expected_size: int | None = None) -> tup
     stays); returns (image, file size). A path is opened as a regular file only."""
     if isinstance(shard, io.FileIO):
         return _read_header(shard.fileno(), str(shard.name), expected_size)
-    fd = _open_regular(shard, shard)
+    fd = open_regular(shard, shard)
     try:
         return _read_header(fd, shard, expected_size)
     finally:
@@ -307,7 +308,7 @@ class RangeReader:
         if src.file is not None:
             return src.file.fileno()
         if src.path not in self._fds:
-            self._fds[src.path] = _open_regular(src.path, src.path)
+            self._fds[src.path] = open_regular(src.path, src.path)
         return self._fds[src.path]
 
     def _map(self, src: Source) -> mmap.mmap:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple
 
 from ._checksum import BLOCK_SIZE, StreamCheck, block_crcs
+from ._files import fsync_dir, open_regular, read_bounded, write_atomic, write_durable
 from ._errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, JobConflictError,
                       UnsafeFileError)
 
@@ -59,12 +60,10 @@ __all__ = ["ShardRecord", "LocalStorage", "shard_name", "line_key", "RUN_LOCK"]
 log = logging.getLogger(__name__)
 
 _CHUNK = 64 << 20
-_DIRECT_ALIGN = 4096
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-(\d+)\.tmp-(.+)$")
 _TOKEN_RE = re.compile(r"^[0-9a-f]{24}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_METADATA = 64 << 20
 MAX_LATEST = 64
@@ -105,43 +104,6 @@ class _Line(NamedTuple):
     step: int
     branch: int | None
     readable: bool
-
-
-# -- safe, bounded reading ------------------------------------------------------------------
-
-def _open_regular(name: str, where: str, *, dir_fd: int | None = None) -> int:
-    """Open a regular file for reading without following a symlink and without blocking
-    on a FIFO or device; ``where`` names it in errors (a path inside the directory)."""
-    try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{where} does not exist") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeFileError(f"{where} is a symbolic link; only regular files inside the checkpoint "
-                                  "directory are read") from None
-        raise CheckpointError(f"cannot open {where}: {exc.strerror}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsafeFileError(f"{where} is not a regular file (a FIFO, device or directory); refusing to read it")
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _read_bounded(fd: int, limit: int, where: str) -> bytes:
-    """All of a file's bytes, or a :class:`CorruptCheckpointError` past ``limit`` bytes."""
-    if os.fstat(fd).st_size > limit:
-        raise CorruptCheckpointError(f"{where} is larger than {limit} bytes; refusing to read it")
-    parts, total = [], 0
-    while chunk := os.read(fd, min(1 << 20, limit + 1 - total)):
-        parts.append(chunk)
-        total += len(chunk)
-        if total > limit:
-            raise CorruptCheckpointError(f"{where} is larger than {limit} bytes; refusing to read it")
-    return b"".join(parts)
 
 
 def _is_int(value: Any) -> bool:
@@ -212,76 +174,6 @@ def _image_token(image: memoryview) -> str | None:
     if n > min(_MAX_HEADER, len(image) - 8):
         return None
     return _token_of_header(bytes(image[8:8 + n]))
-
-
-# -- writing --------------------------------------------------------------------------------
-
-def _write_file(path: str, data: memoryview) -> None:
-    """Write ``data`` to a new file and fsync it; ``O_DIRECT`` for the aligned part when
-    the file system and the buffer allow it, buffered for the rest."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
-    try:
-        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
-    except OSError as exc:  # tmpfs and some network file systems refuse O_DIRECT
-        if exc.errno == errno.ELOOP:
-            raise
-        fd = os.open(path, flags, 0o644)
-    try:
-        done = 0
-        direct_end = len(data) - len(data) % _DIRECT_ALIGN
-        while done < len(data):
-            if done >= direct_end:
-                _buffered(fd)
-            end = min(done + _CHUNK, direct_end if done < direct_end else len(data))
-            try:
-                done += os.write(fd, data[done:end])
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or not _buffered(fd):
-                    raise
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _buffered(fd: int) -> bool:
-    """Turn off O_DIRECT on ``fd``; False if it was not on."""
-    direct = getattr(os, "O_DIRECT", 0)
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    if not flags & direct:
-        return False
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~direct)
-    return True
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data``: a new temp file (never through a symlink), fsync,
-    rename, fsync the directory."""
-    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(os.path.dirname(path))
 
 
 class _Claim:
@@ -423,11 +315,11 @@ class LocalStorage:
                                       name="flashckpt-crc32")
             summer.start()
             try:
-                _write_file(path, image)
+                write_durable(path, image)
             finally:
                 summer.join()
             record = ShardRecord(rank, len(image), crcs[0])
-            _write_atomic(os.path.join(pending, f"rank-{rank}.done"),
+            write_atomic(os.path.join(pending, f"rank-{rank}.done"),
                           json.dumps({**record.to_json(), "token": token}).encode())
             return record
         except OSError as exc:
@@ -492,15 +384,15 @@ class LocalStorage:
                     "branch": branch, "committed_at": time.time(),
                     "shards": {r: {"file": shard_name(int(r)), "size": s["size"], "block_size": s["block_size"],
                                    "block_crc32": s["block_crc32"]} for r, s in shards.items()}}
-            _write_atomic(os.path.join(pending, "metadata.json"), json.dumps(meta, indent=1).encode())
+            write_atomic(os.path.join(pending, "metadata.json"), json.dumps(meta, indent=1).encode())
             if os.path.lexists(final):  # the same step saved again (a rollback, a newer line)
                 os.replace(final, f"{final}.tmp-replaced-{uuid.uuid4().hex[:8]}")
             os.replace(pending, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._retain(keep_last, step, token)
             order = self.steps_in_order()
             if order and self._read_latest() != order[-1]:
-                _write_atomic(os.path.join(self.root, "latest"), f"{order[-1]}\n".encode())
+                write_atomic(os.path.join(self.root, "latest"), f"{order[-1]}\n".encode())
         log.info("committed step %d (%d shards, %.1f MiB) in %s", step, world_size,
                  sum(s["size"] for s in shards.values()) / 2**20, self.root)
         return True
@@ -508,11 +400,11 @@ class LocalStorage:
     def _read_marker(self, pending: str, rank: int, token: str) -> dict | None:
         where = os.path.join(pending, f"rank-{rank}.done")
         try:
-            fd = _open_regular(where, where)
+            fd = open_regular(where, where)
         except CheckpointNotFoundError:
             return None
         try:
-            marker = json.loads(_read_bounded(fd, _MAX_MARKER, where))
+            marker = json.loads(read_bounded(fd, _MAX_MARKER, where))
         except ValueError:
             log.warning("%s is unreadable; rank %d of this save is not durable", where, rank)
             return None
@@ -566,14 +458,14 @@ class LocalStorage:
     def _read_latest(self) -> int | None:
         where = os.path.join(self.root, "latest")
         try:
-            fd = _open_regular(where, where)
+            fd = open_regular(where, where)
         except CheckpointNotFoundError:
             return None
         except CheckpointError as exc:
             log.info("ignoring the latest hint: %s", exc)
             return None
         try:
-            return int(_read_bounded(fd, MAX_LATEST, where).strip())
+            return int(read_bounded(fd, MAX_LATEST, where).strip())
         except (CheckpointError, ValueError):
             return None
         finally:
@@ -647,7 +539,7 @@ class LocalStorage:
                 order = self.steps_in_order()
                 if order and self._read_latest() != order[-1]:
                     log.info("repairing %s: newest committed step is %d", os.path.join(self.root, "latest"), order[-1])
-                    _write_atomic(os.path.join(self.root, "latest"), f"{order[-1]}\n".encode())
+                    write_atomic(os.path.join(self.root, "latest"), f"{order[-1]}\n".encode())
         except OSError as exc:  # a read-only directory: the hint stays stale
             log.debug("cannot repair the latest hint in %s: %s", self.root, exc)
 
@@ -667,11 +559,11 @@ class LocalStorage:
     def _metadata_at(self, dir_fd: int, step: int) -> dict:
         where = os.path.join(self.step_dir(step), "metadata.json")
         try:
-            fd = _open_regular("metadata.json", where, dir_fd=dir_fd)
+            fd = open_regular("metadata.json", where, dir_fd=dir_fd)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {where})") from None
         try:
-            raw = _read_bounded(fd, MAX_METADATA, where)
+            raw = read_bounded(fd, MAX_METADATA, where)
         finally:
             os.close(fd)
         try:
@@ -702,7 +594,7 @@ class LocalStorage:
             where = os.path.join(self.step_dir(step), record["file"])
             name = _plain_name(record["file"], step, rank)
             try:
-                fd = _open_regular(name, where, dir_fd=dir_fd)
+                fd = open_regular(name, where, dir_fd=dir_fd)
             except CheckpointNotFoundError:
                 raise CheckpointNotFoundError(f"missing shard file {where} of committed step {step}") from None
         finally:

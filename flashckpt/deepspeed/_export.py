@@ -21,7 +21,8 @@ import shutil
 from typing import Any, Iterable, Iterator
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from .._storage import LocalStorage, _fsync_dir, _write_atomic
+from .._files import fsync_dir, write_atomic
+from .._storage import LocalStorage
 from . import _objects
 
 __all__ = ["export", "read_shard_tree", "write_tag"]
@@ -78,7 +79,7 @@ def write_tag(files_by_rank: Iterable[dict[str, Any]], tag: str, tag_dir: str) -
                 torch.save(_objects.decode(state), f)
                 f.flush()
                 os.fsync(f.fileno())
-    _fsync_dir(tag_dir)
+    fsync_dir(tag_dir)
     return len(written)
 
 
@@ -101,9 +102,9 @@ def export(directory: str, step: int, params: dict[str, Any]) -> None:
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(pending, final)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
     if params.get("save_latest", True):
-        _write_atomic(os.path.join(save_dir, "latest"), tag.encode())
+        write_atomic(os.path.join(save_dir, "latest"), tag.encode())
     _retain(save_dir, tag, int(params.get("keep_last", 0)))
     log.info("exported step %d as DeepSpeed tag %s (%d files)", step, final, count)
 
@@ -121,4 +122,4 @@ def _retain(save_dir: str, tag: str, keep_last: int) -> None:
         for old in tags[:-keep_last]:
             shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
         tags = tags[-keep_last:]
-    _write_atomic(manifest, json.dumps(tags).encode())
+    write_atomic(manifest, json.dumps(tags).encode())

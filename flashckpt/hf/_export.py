@@ -30,7 +30,8 @@ import torch
 
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import parse_header
-from .._storage import LocalStorage, _fsync_dir
+from .._files import fsync_dir
+from .._storage import LocalStorage
 from ..torch._tensors import DTYPE_NAMES
 from . import _deepspeed
 
@@ -199,7 +200,7 @@ def export(directory: str, step: int, params: dict[str, Any]) -> None:
         best = _write_pending(storage, step, pending, params.get("static"))
         for name in os.listdir(pending):
             _fsync(os.path.join(pending, name))
-        _fsync_dir(pending)
+        fsync_dir(pending)
     except BaseException as exc:
         shutil.rmtree(pending, ignore_errors=True)
         if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
@@ -210,7 +211,7 @@ def export(directory: str, step: int, params: dict[str, Any]) -> None:
         os.replace(final, aside)
         shutil.rmtree(aside, ignore_errors=True)
     os.replace(pending, final)
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
     log.info("wrote %s", final)
     rotate_checkpoints(output_dir=run_dir, save_total_limit=params.get("limit"), best_model_checkpoint=best,
                        use_mtime=True)

@@ -22,7 +22,7 @@ import torch
 
 from .._checksum import BlockCheck, pread_exact
 from .._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from .._storage import _open_regular
+from .._files import open_regular
 from .._format import MAX_HEADER, Entry, Image, parse_header
 from ..torch._tensors import DTYPE_NAMES
 from ._layout import Box, intersect, read_runs, volume
@@ -53,7 +53,7 @@ class FileSource:
             self.where, self._fd = str(shard.name), os.dup(shard.fileno())
             shard.close()
         else:
-            self.where, self._fd = shard, _open_regular(shard, shard)
+            self.where, self._fd = shard, open_regular(shard, shard)
         try:
             self._open(record)
         except BaseException:
