@@ -105,21 +105,42 @@ def export(directory: str, step: int, params: dict[str, Any]) -> None:
     fsync_dir(save_dir)
     if params.get("save_latest", True):
         write_atomic(os.path.join(save_dir, "latest"), tag.encode())
-    _retain(save_dir, tag, int(params.get("keep_last", 0)))
+    _retain(storage, save_dir, tag, step, meta.get("token"), int(params.get("keep_last", 0)))
     log.info("exported step %d as DeepSpeed tag %s (%d files)", step, final, count)
 
 
-def _retain(save_dir: str, tag: str, keep_last: int) -> None:
-    """Delete tags this exporter wrote beyond the newest ``keep_last`` (0 keeps all)."""
+def _retain(storage: LocalStorage, save_dir: str, tag: str, step: int, token: Any, keep_last: int) -> None:
+    """Delete the tags this exporter wrote whose flashckpt step is no longer committed as
+    they were written (retired by ``keep_last``, or abandoned by a newer line: a run that
+    loaded an older step and saved); the directory's lineage decides, not tag order.
+    Entries of an older manifest (tag names only) keep the newest ``keep_last`` (0 keeps all)."""
     manifest = os.path.join(save_dir, _MANIFEST)
     try:
         with open(manifest) as f:
-            tags = [t for t in json.load(f) if t != tag]
-    except (FileNotFoundError, ValueError):
-        tags = []
-    tags.append(tag)
+            entries = [e if isinstance(e, list) else [e, None, None] for e in json.load(f)]
+    except (FileNotFoundError, ValueError, TypeError):
+        entries = []
+    entries = [e for e in entries if len(e) == 3 and isinstance(e[0], str) and e[0] != tag]
+    committed = set(storage.committed_steps())
+
+    def written_step_still_committed(entry: list) -> bool:
+        _, at, by = entry
+        if at is None:  # an older manifest: kept by count below
+            return True
+        if at not in committed:
+            return False
+        try:
+            return storage.metadata(at).get("token") == by
+        except CheckpointError:
+            return False
+
+    keep = [e for e in entries if written_step_still_committed(e)]
+    drop = [e for e in entries if e not in keep]
+    keep.append([tag, step, token])
     if keep_last > 0:
-        for old in tags[:-keep_last]:
+        drop += keep[:-keep_last]
+        keep = keep[-keep_last:]
+    for old, _, _ in drop:
+        if old != tag and os.path.basename(old) == old and old not in (".", ".."):
             shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
-        tags = tags[-keep_last:]
-    write_atomic(manifest, json.dumps(tags).encode())
+    write_atomic(manifest, json.dumps(keep).encode())
