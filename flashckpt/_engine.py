@@ -532,16 +532,21 @@ class Engine:
         """Load ``step`` from storage on every rank; if it is damaged or unreadable on any
         rank, warn naming the file and try the next older committed step in ``fallbacks``."""
         older = [s for s in fallbacks if s != step]
+        first: tuple[int, list[tuple[str, str]]] | None = None
         while True:
             _, errors = self._gather(lambda: self._load_storage(state, step))
             if not errors:
                 return step
             damaged = all(name in ("CorruptCheckpointError", "CheckpointNotFoundError", "UnsafeFileError")
                           for name, _ in errors)
+            if first is not None and not damaged:  # the older step does not fit: the newest's damage is the news
+                self._raise(first[1], f"loading step {first[0]} from {self.storage.root} failed (and older step "
+                                      f"{step} could not be loaded either: {'; '.join(m for _, m in errors)})")
             if not damaged or not older:
                 self._raise(errors, f"loading step {step} from {self.storage.root} failed")
             log.warning("committed step %d of %s cannot be loaded (%s); loading the next older committed "
                         "step %d instead", step, self.storage.root, "; ".join(m for _, m in errors), older[0])
+            first = first or (step, errors)
             step = older.pop(0)
 
     def prepare_for(self, state: Any) -> None:
