@@ -29,7 +29,7 @@ from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeou
                       JobConflictError, StateMismatchError)
 from ._format import Entry, Image, parse_header, plan_image
 from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
-from ._storage import LocalStorage
+from ._storage import LocalStorage, line_key
 from ._tree import Flat, Merge, TensorKind, flatten, kind_named, merge_into
 
 __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHandle", "SingleProcess", "gc_paused",
@@ -432,6 +432,12 @@ class Engine:
                     found[h.step] = (i, h.generation)
         return found
 
+    def memory_key(self, step: int) -> tuple[str, int]:
+        """(line, step) of this rank's in-memory copy of ``step``, comparable with
+        :meth:`LocalStorage.newest_key`: a copy of a newer line beats higher step numbers
+        of an abandoned one on storage."""
+        return line_key(self.memory_info(step).get("token")), step
+
     def memory_info(self, step: int) -> dict[str, Any]:
         """What was recorded with this rank's in-memory copy of ``step`` (directory, ranks,
         ``export`` of :meth:`save`)."""
@@ -477,15 +483,18 @@ class Engine:
         requested = step
         self._prepared()
         self._client.wait()  # a crash flush of the previous run finishes first
-        local = {"memory": self.memory_steps(),
-                 "committed": self._committed_newest_first() if self.collective.rank == 0 else None}
+        memory = self.memory_steps()
+        rank0 = self.collective.rank == 0
+        local = {"memory": memory, "keys": {s: self.memory_key(s) for s in memory} if rank0 else None,
+                 "committed": self._committed_newest_first() if rank0 else None,
+                 "newest": self.storage.newest_key() if rank0 else None}
         views = self.collective.all_gather(local)
         fallbacks = views[0]["committed"]
         committed = fallbacks[0] if fallbacks else None
         common = set.intersection(*(set(v["memory"]) for v in views))
         if step is not None:
             source = "memory" if step in common else "storage"
-        elif common and (committed is None or max(common) >= committed):
+        elif common and memory_not_older(views[0]["keys"][max(common)], views[0]["newest"]):
             step, source = max(common), "memory"
         elif committed is not None:
             step, source = committed, "storage"
@@ -767,6 +776,11 @@ def _page_locker(kind: TensorKind, objs: list[Any]) -> PageLocker | None:
     """The page locker ``kind`` wants for copies to or from ``objs`` (GPU tensors), if any."""
     page_locker = getattr(kind, "page_locker", None)
     return page_locker(objs) if page_locker is not None else None
+
+
+def memory_not_older(memory: tuple[str, int], newest: tuple[str, int] | None) -> bool:
+    """The load agreement's rule: memory wins unless storage holds a newer (line, step)."""
+    return newest is None or memory >= newest
 
 
 def _holds(path: str, token: bytes) -> bool:

@@ -83,12 +83,12 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
 
 def unpersisted_slots(slot_paths: list[str]) -> list[tuple[str, int, str, int]]:
     """(slot, generation, directory, step) of complete slots meant for storage whose step
-    is newer than their directory's latest commit, newest step first. Reads headers only."""
+    is newer than their directory's newest commit (by line, then step), newest step first.
+    Reads headers only."""
     found = []
     for path in slot_paths:
         h = Slot.peek_header(path)
-        if h is not None and h.state == SlotState.COMPLETE and h.info.get("persist"):
-            latest = LocalStorage(h.info["directory"]).latest_step()
-            if latest is None or h.step > latest:
-                found.append((path, h.generation, h.info["directory"], h.step))
+        if (h is not None and h.state == SlotState.COMPLETE and h.info.get("persist")
+                and LocalStorage(h.info["directory"]).newer_than_committed(h.info.get("token", ""), h.step)):
+            found.append((path, h.generation, h.info["directory"], h.step))
     return sorted(found, key=lambda found: -found[3])

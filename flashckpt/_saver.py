@@ -76,8 +76,9 @@ class _Job:
     info: dict[str, Any] = field(default_factory=dict)
     reply: dict[str, Any] | None = None
     """Message to send once done (for flush/wait); None sends a ``persisted`` note."""
-    unless_committed: tuple[str, int] | None = None
-    """(directory, step): a fallback, skipped if that newer step is committed by then."""
+    unless_committed: tuple[str, str, int] | None = None
+    """(directory, token, step): a fallback, skipped if that newer step of run ``token`` is
+    committed (or superseded) by then."""
 
 
 class _Jobs:
@@ -101,7 +102,7 @@ class _Jobs:
         """Persist ``(slot, generation, info, step)``, newest step first: the newest
         now, the older ones as fallbacks for it."""
         for i, (path, generation, info, _) in enumerate(slots):
-            fallback = (slots[0][2]["directory"], slots[0][3]) if i else None
+            fallback = (slots[0][2]["directory"], slots[0][2]["token"], slots[0][3]) if i else None
             self.put(_Job(path, generation, client, info, unless_committed=fallback), later=fallback is not None)
 
     def get(self) -> _Job | None:
@@ -270,8 +271,7 @@ class Saver:
             h = Slot.peek_header(path)
             if h is None or h.state != SlotState.COMPLETE or h.generation != generation:
                 continue
-            latest = LocalStorage(info["directory"]).latest_step()
-            if latest is None or h.step > latest:
+            if LocalStorage(info["directory"]).newer_than_committed(info["token"], h.step):
                 found.append((path, generation, info, h.step))
         return sorted(found, key=lambda found: -found[3])
 
@@ -329,9 +329,8 @@ class Saver:
             job.client.send(job.reply)
             return
         if job.unless_committed is not None:
-            directory, newer = job.unless_committed
-            latest = LocalStorage(directory).latest_step()
-            if latest is not None and latest >= newer:
+            directory, token, newer = job.unless_committed
+            if not LocalStorage(directory).newer_than_committed(token, newer):
                 log.info("step %d is committed: %s is not needed on storage", newer, job.slot)
                 return
         try:

@@ -522,6 +522,17 @@ class LocalStorage:
         """Committed steps from oldest to newest by (line, step): the last is the newest."""
         return [ln.step for ln in self._order()]
 
+    def newest_key(self) -> tuple[str, int] | None:
+        """(line, step) of the newest committed step, the order :meth:`steps_in_order` uses."""
+        order = self._order()
+        return (order[-1].key, order[-1].step) if order else None
+
+    def newer_than_committed(self, token: str, step: int) -> bool:
+        """Whether ``step`` saved by run ``token`` would be newer than every committed step
+        (by line, then step): a copy in memory that storage does not supersede."""
+        newest = self.newest_key()
+        return newest is None or (line_key(token), step) > newest
+
     def latest_step(self) -> int | None:
         """The newest committed step the directory holds (``latest`` is only a hint; it is
         repaired, best effort, when it names another step)."""

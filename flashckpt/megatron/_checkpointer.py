@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .. import _events, _names
+from .._engine import memory_not_older
 from .._errors import CheckpointError, StateMismatchError
 from .._slot import HEADER_SIZE, Slot, SlotState
 from ..torch import Checkpointer
@@ -138,12 +139,16 @@ class MegatronCheckpointer:
         memory = flash.memory_steps()
         newest = max(memory, default=None) if step is None else (step if step in memory else None)
         local = newest is not None and self._memory_covers(sharded_state_dict, newest)
+        rank0 = collective.rank == 0
         views = collective.all_gather({"memory": sorted(memory), "local": local,
-                                       "committed": flash.storage.latest_step() if collective.rank == 0 else None})
+                                       "committed": flash.storage.latest_step() if rank0 else None,
+                                       "keys": {s: flash.memory_key(s) for s in memory} if rank0 else None,
+                                       "newest": flash.storage.newest_key() if rank0 else None})
         committed = views[0]["committed"]
         common = set.intersection(*(set(v["memory"]) for v in views))
         candidate = (max(common) if common else None) if step is None else (step if step in common else None)
-        if candidate is not None and (step is not None or committed is None or candidate >= committed):
+        if candidate is not None and (step is not None
+                                      or memory_not_older(views[0]["keys"][candidate], views[0]["newest"])):
             if all(v["local"] for v in views) and newest == candidate:
                 return candidate, "memory"
             if candidate != committed:

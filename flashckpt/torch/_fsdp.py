@@ -36,7 +36,7 @@ import torch
 
 from .. import _events
 from .._base import EngineCheckpointer
-from .._engine import Engine, LoadInfo, Options, SaveHandle, gc_paused, place
+from .._engine import Engine, LoadInfo, Options, SaveHandle, gc_paused, memory_not_older, place
 from .._errors import CheckpointError, StateMismatchError
 from .._reshard import LAYOUT_KEY, Piece, RangeReader, path_key, read_header, read_layout, read_sources
 from .._tree import merge_into
@@ -288,12 +288,15 @@ class FsdpCheckpointer(EngineCheckpointer):
         coll = eng.collective
         eng.wait()  # a crash flush of the previous run commits first
         memory = eng.memory_steps()
-        local = {"memory": sorted(memory), "committed": eng.storage.latest_step() if coll.rank == 0 else None}
+        rank0 = coll.rank == 0
+        local = {"memory": sorted(memory), "committed": eng.storage.latest_step() if rank0 else None,
+                 "keys": {s: eng.memory_key(s) for s in memory} if rank0 else None,
+                 "newest": eng.storage.newest_key() if rank0 else None}
         views = coll.all_gather(local)
         committed = views[0]["committed"]
         common = set.intersection(*(set(v["memory"]) for v in views))
         if step is None:
-            if common and (committed is None or max(common) >= committed):
+            if common and memory_not_older(views[0]["keys"][max(common)], views[0]["newest"]):
                 step, source = max(common), "memory"
             elif committed is not None:
                 step, source = committed, "storage"

@@ -118,12 +118,6 @@ def test_a_memory_slot_of_the_abandoned_line_is_never_loaded(tmp_path, job_id):
     _memory_rollback(tmp_path, job_id, abandoned_on_storage=False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "flashckpt/_engine.py Engine.load (also FsdpCheckpointer.load in flashckpt/torch/_fsdp.py): the newest "
-    "memory step is compared with the newest committed step by number (max(common) >= committed), so the "
-    "abandoned line's committed 6 beats the new line's 4 held only in memory; compare by line instead: the "
-    "slot header's info records the saving run's token and branch (4 descends from 3, saved by a newer run "
-    "than the one that committed 6), so memory wins when its line is newer than the committed step's"))
 def test_a_committed_step_of_the_abandoned_line_never_beats_the_new_lines_memory(tmp_path, job_id):
     """As above, but the abandoned 6 was persisted too (and no saver is left to write the
     new 4 out): the new line's 4, in memory only, is still what the restart loads."""
@@ -159,11 +153,6 @@ def killed_run(directory, job, load_step: int, first: int, last: int) -> None:
     assert proc.stdout.startswith("saved"), proc.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "flashckpt/_saver.py Saver._unpersisted: the crash flush skips a killed trainer's newest slot unless its "
-    "step number exceeds storage.latest_step() (h.step > latest), so the new line's 4 (branch 3) is never "
-    "written out while the abandoned line's 6 is committed, and the restart loads 6; compare by line: persist "
-    "when (line_key(info['token']), h.step) > (line_key(storage.metadata(latest)['token']), latest)"))
 def test_killed_runs_in_memory_the_restart_loads_the_new_line(tmp_path, job_id):
     """Real kills: the saver writes each killed trainer's newest slot out (the first run's
     6, then the second's 4 of the line from 3); the restart loads the new 4 from memory."""
