@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import glob
 import json
 import math
 import mmap
@@ -66,6 +67,8 @@ REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO)]
 
 from _state import SPECS, ShmFloor, StateSpec, build_state, copy_into, fingerprint, nbytes, tensors  # noqa: E402
+
+from flashckpt._names import job_prefix  # noqa: E402
 
 PEER_PYTHON = REPO / ".bench-venv" / "bin" / "python"
 PEER_SCRIPT = HERE / "_dlrover_peer.py"
@@ -263,6 +266,7 @@ def bench_flashckpt(ctx: Context) -> None:
             ctx.add("flashckpt.durable_steady", durable)
         memory_step = 2 + STEADY_SAVES
         ctx.add("flashckpt.stall_memory_only", timed(lambda: ck.save(memory_step, ctx.state, persist=False)))
+        ck.engine.storage.release_run()  # as a restart finds it: the saving process no longer holds the directory
         _flashckpt_child_load(ctx, directory, job_id, "flashckpt.load_memory", memory_step)
     finally:
         ck.close()
@@ -274,7 +278,7 @@ def bench_flashckpt(ctx: Context) -> None:
 def _flashckpt_child_load(ctx: Context, directory: Path, job_id: str, key: str, memory_step: int) -> None:
     """A new process loads. Only memory holds ``memory_step`` (saved with persist=False)
     until a close() flushes it; once the job's segments are gone, only storage is left."""
-    segments = sorted(p.name for p in SHM.glob(f"*.{job_id}.rank*.slot*"))
+    segments = sorted(os.path.basename(p) for p in glob.glob(glob.escape(job_prefix(job_id)) + ".rank*.slot*"))
     result = run_child(
         ctx, "flashckpt-load", "--dir", str(directory), "--job-id", job_id, "--expect", repr(ctx.expected)
     )
