@@ -173,7 +173,8 @@ class SaverClient:
             why = f"{type(exc).__name__}: {exc}"
         try:
             self._reconnect(why)
-            self.sock.sendall(data)
+            if msg is not self._saved.get(msg.get("slot")):  # a save is told again by _reconnect itself
+                self.sock.sendall(data)
         except OSError as exc:
             raise SaverError(f"cannot reach the flashckpt saver for job {self.job_id}: {exc}") from exc
 
