@@ -28,7 +28,10 @@ has only storage. A fresh loader (all ranks) then loads and the round checks:
 
 The floor. ``returned`` is the newest step whose ``save()`` returned on every rank (each
 rank prints ``saved N`` after it returns); ``due`` is the newest returned step that was due
-to persist (``N % persist_every == 0``; steps count saves from 1).
+to persist (``N % persist_every == 0``; steps count saves from 1). Ranks step together, as
+data-parallel training does (a collective per step, here a barrier before each save), so no
+rank runs more than one save ahead: ranks that drift further apart than the two slots span
+cannot all still hold the newest step every rank returned, and per-rank state needs all.
 
 - memory survived, ``memory_slots=2``: floor = ``returned``. Two copies mean a save never
   overwrites the newest complete copy that is not on storage yet, whoever dies when.

@@ -77,6 +77,8 @@ def main() -> None:
         os._exit(0)  # no close(): the memory stays as a crashed restart leaves it
     for step in range(1, a.steps + 1):
         fill(state, step)
+        if a.world > 1:  # ranks step together, as data-parallel training does (its gradient all-reduce)
+            dist.barrier()
         _say(f"saving {step}")
         ck.save(step, state)
         _say(f"saved {step}")
