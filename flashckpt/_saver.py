@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import glob
 import json
 import logging
 import logging.handlers
@@ -126,6 +127,7 @@ class Saver:
         self.idle_since = time.monotonic()
         self._listener: socket.socket | None = None
         self._sock_ino = 0
+        self._adopted: set[tuple[str, int]] = set()
 
     # -- socket handling ----------------------------------------------------------
 
@@ -175,6 +177,7 @@ class Saver:
                     else:
                         self._read(key.data)
                 self._check_socket()
+                self._adopt_orphans()
                 if watchdog is not None:
                     watchdog(self.job_id)
         finally:
@@ -259,6 +262,33 @@ class Saver:
             return
         log.warning("trainer pid %d %s without closing: persisting its newest memory checkpoint", client.pid, why)
         self.jobs.put_slots(self._unpersisted(client), None)
+
+    def _adopt_orphans(self) -> None:
+        """Persist complete slots of this job whose writer died without any saver hearing of
+        them (it died while its saver was being replaced): the same rescue as ``flashckpt
+        persist``. Their header is the only record; it lies in this user's private 0700
+        directory, so only this user's processes wrote it, and its exporter may not unpickle."""
+        owned = {path for client in self.clients.values() for path in client.slots}
+        prefix = _names.job_prefix(self.job_id)
+        found = []
+        for path in glob.glob(glob.escape(prefix) + ".rank*.slot*"):
+            if path in owned:
+                continue
+            try:
+                h = Slot.peek_header(path)
+            except Exception:  # noqa: BLE001 -- a slot that cannot be read is not ours to rescue
+                continue
+            if (h is None or h.state != SlotState.COMPLETE or pid_alive(h.writer_pid) or not h.info.get("persist")
+                    or (path, h.generation) in self._adopted or self.persisted.get(path) == h.generation):
+                continue
+            self._adopted.add((path, h.generation))
+            info = dict(h.info, allow_pickle=False)
+            if LocalStorage(info["directory"]).newer_than_committed(info.get("token", ""), h.step):
+                found.append((path, h.generation, info, h.step))
+        if found:
+            log.warning("persisting %d memory checkpoint(s) whose trainers died unheard: %s", len(found),
+                        ", ".join(f"step {step} ({os.path.basename(path)})" for path, _, _, step in found))
+            self.jobs.put_slots(sorted(found, key=lambda f: -f[3]), None)
 
     def _unpersisted(self, client: _Client) -> list[tuple[str, int, dict[str, Any], int]]:
         """(slot, generation, info, step) of the saves ``client`` reported that its slots
