@@ -1,6 +1,8 @@
 import glob
 import os
+import subprocess
 import uuid
+from contextlib import contextmanager
 
 import pytest
 from flashckpt._names import job_prefix
@@ -18,3 +20,16 @@ def job_id():
 
 def shm_objects(job: str) -> list[str]:
     return sorted(glob.glob(job_prefix(job) + ".*"))
+
+
+@contextmanager
+def small_tmpfs(where, size: str):
+    """A tmpfs of ``size`` (e.g. "4m") mounted at the new directory ``where`` (root only), for full-disk tests."""
+    if os.geteuid() != 0:
+        pytest.fail("mounting a small tmpfs needs root (CI runs as root)")
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

@@ -13,18 +13,13 @@ from flashckpt._names import job_prefix
 from flashckpt._storage import LocalStorage
 from flashckpt.torch import Checkpointer
 
+from .conftest import small_tmpfs
+
 
 @pytest.fixture
 def small_disk(tmp_path):
-    if os.geteuid() != 0:
-        pytest.fail("mounting a small tmpfs needs root (CI runs as root)")
-    where = tmp_path / "disk"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "disk", "8m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def _fill(disk) -> str:

@@ -14,6 +14,7 @@ from flashckpt import CheckpointError, CheckpointNotFoundError, CorruptCheckpoin
     UnsafeFileError
 from flashckpt._storage import LocalStorage
 
+from .conftest import small_tmpfs
 from .test_storage_lineage import A, B, commit, image
 
 pytestmark = pytest.mark.timeout(30)
@@ -280,13 +281,8 @@ def test_a_released_run_lets_another_process_claim(tmp_path):
 
 @pytest.fixture
 def small_fs(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small", "4m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_a_full_disk_leaves_no_partial_files_and_commits_resume(small_fs):
