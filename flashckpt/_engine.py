@@ -421,22 +421,23 @@ class Engine:
 
     # -- load ---------------------------------------------------------------------
 
+    def _memory_headers(self) -> list[tuple[int, SlotHeader]]:
+        """(slot, header) of this rank's complete copies of its own state, read once under the lock."""
+        with self._lock.held():
+            return [(i, h) for i, h in enumerate(self._headers())
+                    if (h.state == SlotState.COMPLETE and h.info.get("directory") == self.storage.root
+                        and h.info.get("storage_rank") == self.placement.storage_rank
+                        and h.info.get("storage_world") == self.placement.storage_world)]
+
     def memory_steps(self) -> dict[int, tuple[int, int]]:
         """Steps held complete in this process's memory slots: step -> (slot, generation)."""
-        found: dict[int, tuple[int, int]] = {}
-        with self._lock.held():
-            for i, h in enumerate(self._headers()):
-                if (h.state == SlotState.COMPLETE and h.info.get("directory") == self.storage.root
-                        and h.info.get("storage_rank") == self.placement.storage_rank
-                        and h.info.get("storage_world") == self.placement.storage_world):
-                    found[h.step] = (i, h.generation)
-        return found
+        return {h.step: (i, h.generation) for i, h in self._memory_headers()}
 
-    def memory_key(self, step: int) -> tuple[str, int]:
-        """(line, step) of this rank's in-memory copy of ``step``, comparable with
+    def memory_keys(self) -> dict[int, tuple[str, int]]:
+        """step -> (line, step) of this rank's in-memory copies, comparable with
         :meth:`LocalStorage.newest_key`: a copy of a newer line beats higher step numbers
         of an abandoned one on storage."""
-        return line_key(self.memory_info(step).get("token")), step
+        return {h.step: (line_key(h.info.get("token")), h.step) for _, h in self._memory_headers()}
 
     def memory_info(self, step: int) -> dict[str, Any]:
         """What was recorded with this rank's in-memory copy of ``step`` (directory, ranks,
@@ -485,7 +486,7 @@ class Engine:
         self._client.wait()  # a crash flush of the previous run finishes first
         memory = self.memory_steps()
         rank0 = self.collective.rank == 0
-        local = {"memory": memory, "keys": {s: self.memory_key(s) for s in memory} if rank0 else None,
+        local = {"memory": memory, "keys": self.memory_keys() if rank0 else None,
                  "committed": self._committed_newest_first() if rank0 else None,
                  "newest": self.storage.newest_key() if rank0 else None}
         views = self.collective.all_gather(local)

@@ -142,7 +142,7 @@ class MegatronCheckpointer:
         rank0 = collective.rank == 0
         views = collective.all_gather({"memory": sorted(memory), "local": local,
                                        "committed": flash.storage.latest_step() if rank0 else None,
-                                       "keys": {s: flash.memory_key(s) for s in memory} if rank0 else None,
+                                       "keys": flash.memory_keys() if rank0 else None,
                                        "newest": flash.storage.newest_key() if rank0 else None})
         committed = views[0]["committed"]
         common = set.intersection(*(set(v["memory"]) for v in views))

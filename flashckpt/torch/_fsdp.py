@@ -290,7 +290,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         memory = eng.memory_steps()
         rank0 = coll.rank == 0
         local = {"memory": sorted(memory), "committed": eng.storage.latest_step() if rank0 else None,
-                 "keys": {s: eng.memory_key(s) for s in memory} if rank0 else None,
+                 "keys": eng.memory_keys() if rank0 else None,
                  "newest": eng.storage.newest_key() if rank0 else None}
         views = coll.all_gather(local)
         committed = views[0]["committed"]
