@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 from . import _errors, _events, _names, _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
-from ._checksum import StreamCheck
 from ._client import SaverClient, saver_timeout
-from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError, CorruptCheckpointError,
+from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError,
                       JobConflictError, StateMismatchError)
 from ._format import Entry, Image, parse_header, plan_image
 from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
 from ._storage import LocalStorage, line_key
+from ._shard_read import read_shard_into
 from ._tree import Flat, Merge, TensorKind, flatten, kind_named, merge_into
 
 __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHandle", "SingleProcess", "gc_paused",
@@ -37,7 +37,6 @@ __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHand
 
 log = logging.getLogger("flashckpt")
 
-_READ_CHUNK = 64 << 20
 _PROBE_SECONDS = 5.0
 
 
@@ -655,43 +654,7 @@ class Engine:
         return merge_into(state, image.meta["tree"], entries, allow_pickle=self.options.allow_pickle)
 
     def _load_storage(self, state: Any, step: int) -> None:
-        f, record = self.storage.open_shard(step, self.placement.storage_rank)
-        path = f.name
-        with f:
-            size = record["size"]
-            head = _read_exact(f, 8, path)
-            (n,) = struct.unpack("<Q", head)
-            head += _read_exact(f, min(n, size - 8), path)
-            image = parse_header(head, path, size)
-            merge = self._merge(state, image)
-            targets: dict[str, list[Any]] = {}
-            for name, obj in merge.fills:
-                targets.setdefault(name, []).append(obj)
-            kinds = image.meta["kinds"]
-            check = StreamCheck(record, path)
-            check.update(head)
-            pos = len(head)
-            for entry in image.entries:  # sorted by offset
-                at = len(image.header) + entry.offset
-                if at > pos:
-                    check.update(_read_exact(f, at - pos, path))
-                kind = kind_named(kinds[entry.name])
-                target, *ties = targets.get(entry.name) or [kind.empty(entry.dtype, entry.shape)]
-                view = kind.host_bytes(target)
-                scratch = None
-                if view is None:
-                    scratch = bytearray(entry.nbytes)
-                    view = memoryview(scratch)
-                _readinto_exact(f, view, path)
-                check.update(view)
-                if scratch is not None:
-                    kind.copy([target], kind.views(scratch, 0, [Entry(entry.name, entry.dtype, entry.shape, 0, entry.nbytes)]))
-                kind.copy(ties, [target] * len(ties))
-                pos = at + entry.nbytes
-            while chunk := f.read(_READ_CHUNK):
-                check.update(chunk)
-        check.finish()  # a mismatch names the bytes; an older step may still load
-        merge.apply_plain()
+        read_shard_into(self.storage, step, self.placement.storage_rank, lambda image: self._merge(state, image))
 
     # -- storage ------------------------------------------------------------------
 
@@ -790,20 +753,3 @@ def _holds(path: str, token: bytes) -> bool:
             return f.read(len(token) + 1) == token
     except OSError:
         return False
-
-
-def _read_exact(f, n: int, path: str) -> bytes:
-    data = f.read(n)
-    if len(data) != n:
-        raise CorruptCheckpointError(f"{path}: truncated (wanted {n} more bytes, got {len(data)})")
-    return data
-
-
-def _readinto_exact(f, view: memoryview, path: str) -> None:
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise CorruptCheckpointError(f"{path}: truncated inside the tensor data")
-        done += n
