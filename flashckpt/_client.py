@@ -99,6 +99,8 @@ class SaverClient:
         self.pending: dict[tuple[str, int], float] = {}
         """(slot, generation) asked to persist, outcome not yet reported -> when it was saved."""
         self._spawned: list[subprocess.Popen] = []
+        self._replica_config: list[dict[str, Any]] = []
+        """The ``replicate`` and ``replica_peer`` messages sent, told again to a new saver."""
         self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
 
     @property
@@ -160,6 +162,8 @@ class SaverClient:
         except OSError:
             pass
         self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
+        for msg in self._replica_config:  # first: the saves below are then offered to the peer too
+            self.sock.sendall(_encode(msg))
         for slot, msg in self._saved.items():
             again = dict(msg, persist=(slot, msg["generation"]) in self.pending)
             self.sock.sendall(_encode(again))
@@ -239,10 +243,12 @@ class SaverClient:
         while (msg := self._read_message(self.sock, timeout=0)) is not None:
             self._note(msg)
 
-    def _roundtrip(self, op: str, answer: str, timeout: float | None) -> None:
+    def _roundtrip(self, op: str, answer: str, timeout: float | None,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
         bound = saver_timeout() if timeout is None else timeout
         ident = next(self._ids)
-        self._send({"op": op, "id": ident})
+        request = {**(extra or {}), "op": op, "id": ident}
+        self._send(request)
         deadline = time.monotonic() + bound
         replaced = 0
         while True:
@@ -255,7 +261,7 @@ class SaverClient:
             msg = self._read_message(self.sock, min(remaining, _CHECK_SECONDS))
             if msg is not None:
                 if msg.get("op") == answer and msg.get("id") == ident:
-                    return
+                    return msg
                 self._note(msg)
                 continue
             self._reap()
@@ -266,7 +272,7 @@ class SaverClient:
                                  f"{op}; see {_names.saver_log_path(self.job_id)}")
             replaced += 1
             self._reconnect("it exited")
-            self.sock.sendall(_encode({"op": op, "id": ident}))
+            self.sock.sendall(_encode(request))
 
     def _closed_by_peer(self) -> bool:
         """The saver's end of the socket is closed (it exited, or dropped us)."""
@@ -290,6 +296,26 @@ class SaverClient:
     def flush(self, timeout: float | None = None) -> None:
         """Ask the saver to persist this trainer's newest unpersisted slot, and wait."""
         self._roundtrip("flush", "flushed", timeout)
+
+    def replicate(self, secret: str, bind: str, advertise: str) -> tuple[str, int]:
+        """Have the saver keep and serve peer-memory replicas with the job's ``secret``
+        (see ``flashckpt._replica``); returns its endpoint (host to dial, port). A new
+        saver that replaces a dead one is told again, and tries the same port first."""
+        port = self._replica_config[0]["port"] if self._replica_config else 0
+        msg = {"op": "replicate", "secret": secret, "bind": bind, "advertise": advertise, "port": port}
+        self._replica_config[:1] = [msg]
+        reply = self._roundtrip("replicate", "replicating", None, msg)
+        if "error" in reply:
+            raise SaverError(f"the flashckpt saver could not start peer-memory replicas: {reply['error']}")
+        host, port = reply["endpoint"]
+        msg["port"] = port
+        return str(host), int(port)
+
+    def replica_peer(self, endpoint: tuple[str, int]) -> None:
+        """Where the saver sends this node's replicas (the next node of the ring)."""
+        msg = {"op": "replica_peer", "endpoint": list(endpoint)}
+        self._replica_config[1:] = [msg]
+        self._send(msg)
 
     def take_errors(self) -> list[str]:
         errors, self.errors = self.errors, []

@@ -17,7 +17,7 @@ import stat
 from ._errors import UnsafeFileError
 
 __all__ = ["SHM_DIR", "default_job_id", "job_objects", "job_prefix", "lock_path", "private_dir",
-           "saver_log_path", "slot_path", "socket_path", "watchdog_log_path"]
+           "replica_path", "saver_log_path", "slot_path", "socket_path", "watchdog_log_path"]
 
 SHM_DIR = os.environ.get("FLASHCKPT_SHM_DIR", "/dev/shm")
 
@@ -75,6 +75,12 @@ def job_objects(job_id: str) -> list[str]:
 
 def slot_path(job_id: str, local_rank: int, slot: int) -> str:
     return f"{job_prefix(job_id)}.rank{local_rank}.slot{slot}"
+
+
+def replica_path(job_id: str, storage_rank: int, copy: int) -> str:
+    """One of the two copies this node keeps of storage rank ``storage_rank``'s replica
+    (state of a rank on another node); its lock is ``lock_path`` of it, as for a slot."""
+    return f"{job_prefix(job_id)}.replica{storage_rank}.slot{copy}"
 
 
 def lock_path(slot: str) -> str:

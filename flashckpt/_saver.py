@@ -36,6 +36,7 @@ from typing import Any
 
 from . import _names
 from ._persist import PersistResult, persist_slot
+from ._replica_service import ReplicaService
 from ._slot import Slot, SlotState, open_private, pid_alive
 from ._storage import LocalStorage
 
@@ -128,6 +129,9 @@ class Saver:
         self._listener: socket.socket | None = None
         self._sock_ino = 0
         self._adopted: set[tuple[str, int]] = set()
+        self.replicas: ReplicaService | None = None
+        """Peer-memory replicas (multi-node jobs; see ``flashckpt._replica``), once a trainer asks."""
+        self._ended_cleanly = False
 
     # -- socket handling ----------------------------------------------------------
 
@@ -183,6 +187,10 @@ class Saver:
         finally:
             self.jobs.put(None)
             worker.join()
+            if self.replicas is not None:
+                self.replicas.close()
+                if self._ended_cleanly:  # the job is over: nobody will fetch them
+                    self.replicas.store.remove_all()
             try:
                 if os.lstat(self.sock_path).st_ino == self._sock_ino:
                     os.unlink(self.sock_path)
@@ -193,6 +201,7 @@ class Saver:
     def _should_exit(self) -> bool:
         with self.busy_lock:
             idle = not self.clients and self.busy == 0 and self.jobs.empty()
+        idle = idle and not (self.replicas is not None and self.replicas.busy())
         if not idle:
             self.idle_since = time.monotonic()
             return False
@@ -257,6 +266,7 @@ class Saver:
                 if isinstance(key.data, tuple):
                     os.close(key.data[0])
         client.conn.close()
+        self._ended_cleanly = client.closed_cleanly
         if client.closed_cleanly:
             log.info("trainer pid %d closed", client.pid)
             return
@@ -329,6 +339,13 @@ class Saver:
             client.saved[msg["slot"]] = msg
             if msg.get("persist"):
                 self.jobs.put(_Job(msg["slot"], msg["generation"], client, dict(msg["info"])))
+            if self.replicas is not None:
+                self.replicas.offer(msg)
+        elif op == "replicate":
+            self._replicate(client, msg)
+        elif op == "replica_peer":
+            if self.replicas is not None:
+                self.replicas.set_peer((str(msg["endpoint"][0]), int(msg["endpoint"][1])))
         elif op == "flush":
             self._reap()
             # an older slot may be the newest step all ranks hold: it is written as a fallback
@@ -341,6 +358,22 @@ class Saver:
             client.closed_cleanly = True
         else:
             client.send({"op": "error", "message": f"unknown op {op!r}"})
+
+    def _replicate(self, client: _Client, msg: dict[str, Any]) -> None:
+        """Start (or join) peer-memory replicas with the job's secret; answer the endpoint."""
+        reply: dict[str, Any] = {"op": "replicating", "id": msg.get("id")}
+        try:
+            if self.replicas is None:
+                self.replicas = ReplicaService(self.job_id)
+            reply["endpoint"] = list(self.replicas.configure(str(msg["secret"]), str(msg["bind"]),
+                                                             str(msg["advertise"]), int(msg.get("port") or 0)))
+            for known in self.clients.values():  # saves reported before replicas were asked for
+                for saved in known.saved.values():
+                    self.replicas.offer(saved)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.exception("cannot start peer-memory replicas")
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+        client.send(reply)
 
     # -- persisting ---------------------------------------------------------------
 
