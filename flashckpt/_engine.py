@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
 from . import _errors, _events, _names, _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
@@ -27,6 +27,8 @@ from ._client import SaverClient, saver_timeout
 from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError,
                       JobConflictError, StateMismatchError)
 from ._format import Entry, Image, parse_header, plan_image
+from ._replica import ReplicaError, advertised_host, fetch, new_secret
+from ._replica_store import replica_index
 from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
 from ._storage import LocalStorage, line_key
 from ._shard_read import read_shard_into
@@ -38,6 +40,8 @@ __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHand
 log = logging.getLogger("flashckpt")
 
 _PROBE_SECONDS = 5.0
+_REPLICA_ADDR_ENV = "FLASHCKPT_REPLICA_ADDR"
+"""The address this node's saver takes replicas on (default: the one that reaches MASTER_ADDR)."""
 
 
 class Collective(Protocol):
@@ -73,6 +77,11 @@ class Options:
     """Shared-memory copies per rank. 2: a save never waits for, nor overwrites, the copy
     being written to storage. 1: half the memory; a save waits while storage reads the
     copy, and a crash during a save leaves only what storage holds."""
+    replicas: int | None = None
+    """Peer-memory replicas (see ``flashckpt._replica``): 1 has each node's saver copy the
+    node's newest complete step into the next node's memory, so a node lost whole restores
+    from a survivor's memory; 0 turns them off. None (default): 1 when the job spans two or
+    more nodes, else 0."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.persist_every, int) or self.persist_every < 1:
@@ -80,6 +89,9 @@ class Options:
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(f"keep_last must be an int >= 0, got {self.keep_last!r}")
         check_memory_slots(self.memory_slots)
+        if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas not in (0, 1)):
+            raise ValueError(f"replicas must be 0 (off), 1 (a copy of each node's newest step on the next node) "
+                             f"or None (1 on two or more nodes), got {self.replicas!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +107,10 @@ class Placement:
     persists: bool
     token: str
     """Shared by all ranks of one run; keeps shards of different runs from mixing."""
+    nodes: tuple[str, ...] = ()
+    """Each rank's node (``node_id``), in rank order."""
+    secret: str = field(default="", repr=False)
+    """The run's replica secret (rank 0 draws it); only the job's processes learn it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,16 +179,18 @@ def place(collective: Collective, *, replicated: bool) -> Placement:
     Own state: every rank keeps its slots and writes ``rank-<R>``. Replicated state: local
     rank 0 of each node keeps the node's copy and rank 0 alone writes ``rank-0``.
     """
-    me = (node_id(), new_token() if collective.rank == 0 else None)
+    me = (node_id(), (new_token(), new_secret()) if collective.rank == 0 else None)
     everyone = collective.all_gather(me)
     local_rank = sum(1 for node, _ in everyone[:collective.rank] if node == me[0])
-    token = everyone[0][1]
+    token, secret = everyone[0][1]
+    nodes = tuple(node for node, _ in everyone)
     if replicated:
         return Placement(local_rank=local_rank, memory_rank=0, writes_memory=local_rank == 0,
-                         storage_rank=0, storage_world=1, persists=collective.rank == 0, token=token)
+                         storage_rank=0, storage_world=1, persists=collective.rank == 0, token=token,
+                         nodes=nodes, secret=secret)
     return Placement(local_rank=local_rank, memory_rank=local_rank, writes_memory=True,
                      storage_rank=collective.rank, storage_world=collective.world_size,
-                     persists=True, token=token)
+                     persists=True, token=token, nodes=nodes, secret=secret)
 
 
 class Engine:
@@ -210,6 +228,33 @@ class Engine:
             self._check_other_job()
         own_slots = self._slot_paths if placement.writes_memory else []
         self._client = SaverClient(self.job_id, own_slots, self._info(None))
+        self._endpoints = self._start_replicas()
+        """node -> its saver's replica endpoint; empty when replicas are off."""
+
+    def _start_replicas(self) -> dict[str, tuple[str, int]]:
+        """Peer-memory replicas on a ring (a collective call, when the job spans two or more
+        nodes and ``replicas`` is not 0): every rank hands its saver the run's secret and
+        learns its endpoint, the ranks gather each node's endpoint, and each saver is told to
+        push to the next node (nodes in the order of their first rank). See ``flashckpt._replica``."""
+        p = self.placement
+        nodes = list(dict.fromkeys(p.nodes))
+        if self.options.replicas == 0 or len(nodes) < 2 or not p.secret:
+            return {}
+        chosen = os.environ.get(_REPLICA_ADDR_ENV)
+        bind, advertise = (chosen, chosen) if chosen else advertised_host(os.environ.get("MASTER_ADDR"))
+        try:
+            mine: tuple[str, int] | None = self._client.replicate(p.secret, bind, advertise)
+        except CheckpointError as exc:
+            log.warning("peer-memory replicas are off on this node: %s", exc)
+            mine = None
+        endpoints: dict[str, tuple[str, int]] = {}
+        for node, endpoint in self.collective.all_gather((p.nodes[self.collective.rank], mine)):
+            if endpoint is not None:
+                endpoints.setdefault(node, (str(endpoint[0]), int(endpoint[1])))
+        peer = endpoints.get(nodes[(nodes.index(p.nodes[self.collective.rank]) + 1) % len(nodes)])
+        if mine is not None and peer is not None:
+            self._client.replica_peer(peer)
+        return endpoints
 
     def _check_shared_directory(self) -> None:
         """Every rank must see the directory rank 0 writes (a collective call): with
@@ -487,14 +532,18 @@ class Engine:
         rank0 = self.collective.rank == 0
         local = {"memory": memory, "keys": self.memory_keys() if rank0 else None,
                  "committed": self._committed_newest_first() if rank0 else None,
-                 "newest": self.storage.newest_key() if rank0 else None}
+                 "newest": self.storage.newest_key() if rank0 else None,
+                 "storage_rank": self.placement.storage_rank,
+                 "replicas": self._replicas_here() if self._endpoints and self.placement.local_rank == 0 else []}
         views = self.collective.all_gather(local)
         fallbacks = views[0]["committed"]
         committed = fallbacks[0] if fallbacks else None
-        common = set.intersection(*(set(v["memory"]) for v in views))
+        holders, keys = self._replica_holders(views)
+        common = set.intersection(*(set(v["memory"]) | {s for r, s in holders if r == v["storage_rank"]}
+                                    for v in views))
         if step is not None:
             source = "memory" if step in common else "storage"
-        elif common and memory_not_older(views[0]["keys"][max(common)], views[0]["newest"]):
+        elif common and memory_not_older(keys[max(common)], views[0]["newest"]):
             step, source = max(common), "memory"
         elif committed is not None:
             step, source = committed, "storage"
@@ -504,8 +553,10 @@ class Engine:
             self._loaded(None, None, start)
             self.prepare_for(state)
             return None
+        if source == "memory" and any(step not in v["memory"] for v in views):
+            step, source = self._fetch_replicas(step, holders, committed)
         if source == "memory":
-            _, errors = self._gather(lambda: self._load_memory(state, *local["memory"][step]))
+            _, errors = self._gather(lambda: self._load_memory(state, *self.memory_steps()[step]))
             if errors:
                 if committed is None:
                     self._raise(errors, f"loading step {step} from memory failed and nothing is committed "
@@ -520,6 +571,89 @@ class Engine:
         self._loaded(step, source, start)
         self.prepare_for(state)
         return step
+
+    def _replicas_here(self) -> list[tuple[int, int, tuple[str, int]]]:
+        """(storage rank, step, (line, step)) of the complete replicas of this run's directory
+        that this node keeps for other nodes' ranks."""
+        p = self.placement
+        return [(h.info.get("storage_rank"), h.step, (line_key(h.info.get("token")), h.step))
+                for _, h in replica_index(self.job_id)
+                if h.info.get("directory") == self.storage.root and h.info.get("storage_world") == p.storage_world]
+
+    def _replica_holders(self, views: list[dict[str, Any]]
+                         ) -> tuple[dict[tuple[int, int], list[tuple[str, int]]], dict[int, tuple[str, int]]]:
+        """From every rank's load view: (storage rank, step) -> endpoints of the nodes that
+        hold its replica, and step -> (line, step) of every copy known (rank 0's memory wins)."""
+        holders: dict[tuple[int, int], list[tuple[str, int]]] = {}
+        keys: dict[int, tuple[str, int]] = {}
+        for rank, view in enumerate(views):
+            endpoint = self._endpoints.get(self.placement.nodes[rank]) if self.placement.nodes else None
+            for storage_rank, step, key in view["replicas"]:
+                if endpoint is not None:
+                    holders.setdefault((storage_rank, step), []).append(endpoint)
+                    keys[step] = tuple(key)
+        keys.update(views[0]["keys"] or {})
+        return holders, keys
+
+    def _fetch_replicas(self, step: int, holders: dict[tuple[int, int], list[tuple[str, int]]],
+                        committed: int | None) -> tuple[int | None, str]:
+        """Ranks whose node lacks ``step`` in memory write it into their slot from a peer's
+        replica (a collective call). If that fails on any rank, (committed, "storage") with a
+        warning; else (step, "memory")."""
+        p = self.placement
+        need = p.writes_memory and step not in self.memory_steps()
+        _, errors = self._gather(lambda: self._fetch_replica(step, holders.get((p.storage_rank, step), []))
+                                 if need else None)
+        if not errors:
+            return step, "memory"
+        if committed is None:
+            self._raise(errors, f"restoring step {step} from peer replicas failed and nothing is committed "
+                                f"in {self.storage.root}")
+        log.warning("restoring step %d from peer replicas failed on some ranks (%s); falling back to committed "
+                    "step %d", step, "; ".join(m for _, m in errors), committed)
+        return committed, "storage"
+
+    def _fetch_replica(self, step: int, endpoints: list[tuple[str, int]]) -> None:
+        """Write this rank's replica of ``step`` into one of its slots from the first peer
+        that sends one whose checksum verifies."""
+        failures = []
+        for endpoint in endpoints:
+            try:
+                self._fetch_from(endpoint, step)
+                log.info("fetched step %d of rank %d from the replica on %s:%d", step, self.placement.storage_rank,
+                         *endpoint)
+                return
+            except (CheckpointError, OSError) as exc:
+                failures.append(f"{endpoint[0]}:{endpoint[1]}: {exc}")
+        raise ReplicaError(f"no peer sent a verified replica of step {step} rank {self.placement.storage_rank}"
+                           f"{': ' + '; '.join(failures) if failures else ' (none holds one)'}")
+
+    def _fetch_from(self, endpoint: tuple[str, int], step: int) -> None:
+        p = self.placement
+        index = self._choose_slot()
+        slot = self._slot(index, create=True)
+        written: list[SlotHeader] = []
+
+        def into(header: dict[str, Any]) -> memoryview:
+            size, info = header.get("image_len"), header.get("info")
+            if header.get("step") != step or not isinstance(size, int) or not isinstance(info, dict):
+                raise ReplicaError(f"{endpoint[0]}:{endpoint[1]} answered with step {header.get('step')!r}, "
+                                   f"not {step}")
+            if slot.ensure_capacity(size):
+                self._views = {k: v for k, v in self._views.items() if k[0] != index}
+            mine = dict(self._info(None), token=str(info.get("token")), branch=info.get("branch", -1))
+            with self._lock.held():
+                written.append(mark_writing(slot, step, size, mine))
+            return slot.image(size)
+
+        fetch(endpoint, p.secret, {"directory": self.storage.root, "storage_rank": p.storage_rank,
+                                   "storage_world": p.storage_world, "step": step}, into)
+        header = written[0]
+        with self._lock.held():
+            header.state = SlotState.COMPLETE
+            header.saved_at = time.time()
+            slot.write_header(header)
+        self._client.saved(slot.path, header.generation, step, header.info, persist=False)
 
     def _check_world(self, step: int) -> None:
         """Per-rank state saved by another number of ranks cannot be guessed into this one

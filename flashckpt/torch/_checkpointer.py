@@ -48,7 +48,10 @@ class Checkpointer(EngineCheckpointer):
     every rank holds in memory, or else from the newest committed step on storage.
 
     With ``torch.distributed`` initialised, every rank must construct the checkpointer
-    and call ``load`` (they agree on one step); ``save`` needs no communication. A
+    and call ``load`` (they agree on one step); ``save`` needs no communication.
+    ``replicas`` (default: 1 when the job spans two or more nodes): each node's saver also
+    copies the node's newest step into the next node's memory, so that a node lost whole
+    restores from a survivor's memory (``load`` counts those copies); 0 turns it off. A
     state is any nesting of dict / list / tuple with tensors and int, float, str, bool
     or None leaves. Also a context manager: leaving it calls :meth:`close`.
     """
@@ -57,9 +60,9 @@ class Checkpointer(EngineCheckpointer):
 
     def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
                  job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
-                 process_group: Any = None) -> None:
+                 replicas: int | None = None, process_group: Any = None) -> None:
         options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
-                          memory_slots=memory_slots)
+                          memory_slots=memory_slots, replicas=replicas)
         collective = collective_for(process_group)
         self._engine = Engine(os.fspath(directory), options, place(collective, replicated=self._replicated),
                               collective)

@@ -171,8 +171,9 @@ class FsdpCheckpointer(EngineCheckpointer):
     def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
                  job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
                  process_group: Any = None) -> None:
+        # replicas=0: this load's agreement (below) does not count peer replicas yet, so pushing them would be waste
         options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
-                          memory_slots=memory_slots)
+                          memory_slots=memory_slots, replicas=0)
         collective = collective_for(process_group)
         self._engine = Engine(os.fspath(directory), options, place(collective, replicated=False), collective)
         self.extra: Any = None

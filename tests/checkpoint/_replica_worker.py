@@ -1,0 +1,51 @@
+"""One rank of the replica tests' two "nodes" (its own FLASHCKPT_SHM_DIR tmpfs, one rank each).
+
+    python _replica_worker.py RANK PORT DIR REPLICAS OUT_JSON save|load
+
+``save``: steps 1..3 (step 2 committed, 3 only in memory), wait until this node holds the
+other node's replica of step 3 (when replicas are on), report, then wait to be killed.
+``load``: a fresh process loads and reports the step, its source and the values.
+"""
+
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from flashckpt._replica_store import replica_index
+from flashckpt.torch import Checkpointer
+
+
+def main() -> None:
+    rank, port, directory, replicas, out, mode = sys.argv[1:7]
+    rank, replicas = int(rank), None if replicas == "auto" else int(replicas)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ck = Checkpointer(directory, job_id="replica", persist_every=2, replicas=replicas)
+    report = {"saver_pid": ck.engine._client.saver_pid, "endpoints": sorted(map(list, ck.engine._endpoints.values()))}
+    if mode == "save":
+        for step in (1, 2, 3):
+            ck.save(step, {"w": torch.full((1 << 18,), 10.0 * rank + step)})
+        ck.wait()
+        deadline = time.monotonic() + 60
+        while replicas != 0 and not any(h.step == 3 for _, h in replica_index("replica")):
+            assert time.monotonic() < deadline, "the other node's step 3 never arrived"
+            time.sleep(0.05)
+        report["replicas_here"] = sorted((h.info["storage_rank"], h.step) for _, h in replica_index("replica"))
+        dist.barrier()
+    else:
+        target = {"w": torch.zeros(1 << 18)}
+        step = ck.load(target)
+        report.update(step=step, source=ck.last_load.source, w=target["w"][0].item(),
+                      uniform=bool((target["w"] == target["w"][0]).all()))
+        dist.barrier()
+        ck.close()
+    with open(out, "w") as f:
+        json.dump(report, f)
+    if mode == "save":
+        time.sleep(600)  # killed by the test, as a lost node's processes are
+
+
+if __name__ == "__main__":
+    main()

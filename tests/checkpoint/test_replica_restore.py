@@ -1,0 +1,89 @@
+"""A node lost whole restores from the survivor's memory (issue 22), without namespaces.
+
+Two "nodes" in one network namespace: each rank has a tmpfs of its own as
+``FLASHCKPT_SHM_DIR`` (another device: another node) and takes replicas on 127.0.0.1
+(``FLASHCKPT_REPLICA_ADDR``). Node 1 is lost whole: its saver and trainer SIGKILLed, its
+tmpfs emptied. Node 0's trainer dies too (as torchrun restarts it), its memory stays.
+The next round's ranks restore step 3 (only in memory) from memory, node 1's from node 0's
+replica; with ``replicas=0``, step 2 from storage.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ._dist import free_port
+
+WORKER = os.path.join(os.path.dirname(__file__), "_replica_worker.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs per node needs root")
+
+
+@pytest.fixture
+def shms(tmp_path):
+    dirs = [tmp_path / f"shm{i}" for i in range(2)]
+    for d in dirs:
+        d.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128m", "tmpfs", str(d)], check=True)
+    yield dirs
+    for d in dirs:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def run_round(tmp_path, shms, replicas: str, mode: str) -> tuple[list[dict], list[subprocess.Popen]]:
+    port = free_port()
+    procs, outs = [], []
+    for rank in range(2):
+        out = tmp_path / f"{mode}-{rank}.json"
+        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": str(shms[rank]),
+               "FLASHCKPT_REPLICA_ADDR": "127.0.0.1"}
+        procs.append(subprocess.Popen([sys.executable, WORKER, str(rank), str(port), str(tmp_path / "ck"), replicas,
+                                       str(out), mode], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True))
+        outs.append(out)
+    deadline = time.monotonic() + 120
+    while not all(o.exists() for o in outs):
+        for p in procs:
+            if p.poll() is not None and p.returncode != 0:
+                pytest.fail(f"a {mode} worker failed: {p.stderr.read()[-3000:]}")
+        assert time.monotonic() < deadline, f"the {mode} round did not finish"
+        time.sleep(0.1)
+    time.sleep(0.2)  # the json is written whole before the file is closed
+    return [json.loads(o.read_text()) for o in outs], procs
+
+
+def lose_node1_and_restart(tmp_path, shms, replicas: str) -> list[dict]:
+    saved, procs = run_round(tmp_path, shms, replicas, "save")
+    os.kill(saved[1]["saver_pid"], signal.SIGKILL)  # node 1: everything, and its memory
+    procs[1].kill()
+    procs[0].kill()  # node 0's trainer: restarted by the launcher; its saver and memory stay
+    for p in procs:
+        p.wait()
+    for name in os.listdir(shms[1]):
+        subprocess.run(["rm", "-rf", str(shms[1] / name)], check=True)
+    loaded, procs = run_round(tmp_path, shms, replicas, "load")
+    for p in procs:
+        p.wait(timeout=60)
+    return [saved, loaded]
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_restores_the_newest_step_from_the_survivors_replica(tmp_path, shms):
+    saved, loaded = lose_node1_and_restart(tmp_path, shms, "auto")
+    assert len(saved[0]["endpoints"]) == 2, saved  # two nodes: replicas on by default
+    assert [1, 3] in saved[0]["replicas_here"] and [0, 3] in saved[1]["replicas_here"], saved
+    assert [(r["step"], r["source"]) for r in loaded] == [(3, "memory"), (3, "memory")], loaded
+    assert [r["w"] for r in loaded] == [3.0, 13.0] and all(r["uniform"] for r in loaded), loaded
+
+
+@pytest.mark.timeout(300)
+def test_without_replicas_a_lost_node_restores_from_storage(tmp_path, shms):
+    saved, loaded = lose_node1_and_restart(tmp_path, shms, "0")
+    assert saved[0]["endpoints"] == [] and saved[0]["replicas_here"] == [], saved
+    assert [(r["step"], r["source"]) for r in loaded] == [(2, "storage"), (2, "storage")], loaded
+    assert [r["w"] for r in loaded] == [2.0, 12.0], loaded
