@@ -1,11 +1,13 @@
 """One torchrun worker of the multi-node tests: a few DDP steps, a flash checkpoint every step.
 
     torchrun ... _worker.py --dir SHARED_DIR --steps N [--kill-rank R --kill-step S --kill-pause P]
+                            [--replicas auto|0|1] [--per-rank]
 
 The process group comes from ``flashckpt.torch.init_process_group``. At step S every rank
 writes a ``step`` event; the first time each rank gets there (a marker file per rank in
 SHARED_DIR), rank R SIGKILLs itself and the other ranks spend P seconds on that step (R = -1:
-every rank pauses, for a test that kills a whole node). Each process appends JSON lines to
+every rank pauses, for a test that kills a whole node; with replicas on, a node's local rank 0
+first waits until its node holds the other node's replica of step S). Each process appends JSON lines to
 ``SHARED_DIR/events-<host>-<pid>.jsonl``: ``launch`` (before the process group), ``start``
 (host, restart count, rank, seconds to form the group), ``restored`` (step, source),
 ``step`` and ``done`` (the model's bias, to check that every step counted exactly once).
@@ -22,7 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from flashckpt.torch import DdpCheckpointer, init_process_group
+from flashckpt._replica_store import replica_index
+from flashckpt.torch import Checkpointer, DdpCheckpointer, init_process_group
 
 
 def main() -> None:
@@ -35,6 +38,9 @@ def main() -> None:
                    help="the other ranks' step time at the kill step: longer than their agents take to "
                         "see the restart, so they are stopped by it rather than fail on the dead peer")
     p.add_argument("--pg-timeout", type=float, default=60.0)
+    p.add_argument("--replicas", default="auto", help="the checkpointer's replicas: auto (None), 0 or 1")
+    p.add_argument("--per-rank", action="store_true",
+                   help="Checkpointer (every rank saves its own copy) instead of DdpCheckpointer")
     args = p.parse_args()
     log = os.path.join(args.dir, f"events-{socket.gethostname()}-{os.getpid()}.jsonl")
 
@@ -54,7 +60,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
     initial = model.bias.sum().item()
-    ckpt = DdpCheckpointer(os.path.join(args.dir, "ckpt"), persist_every=5)
+    ckpt = (Checkpointer if args.per_rank else DdpCheckpointer)(
+        os.path.join(args.dir, "ckpt"), persist_every=5, replicas=None if args.replicas == "auto" else int(args.replicas))
     state = {"model": model.state_dict(), "step": 0}
     step = ckpt.load(state) or 0
     if step:
@@ -67,6 +74,8 @@ def main() -> None:
             model.bias -= 1e-3 * grad
         ckpt.save(step, {"model": model.state_dict(), "step": step})
         if step == args.kill_step:
+            if ckpt.engine._endpoints and ckpt.engine.placement.local_rank == 0:
+                _wait_replicated(ckpt.job_id, step)
             emit(event="step", rank=rank, step=step)
             if _first_time(os.path.join(args.dir, f"reached-{rank}")):  # once per rank and job
                 if rank == args.kill_rank:
@@ -76,6 +85,13 @@ def main() -> None:
     ckpt.close()
     emit(event="done", rank=rank, step=step, bias=model.bias.sum().item(), initial=initial)
     dist.destroy_process_group()
+
+
+def _wait_replicated(job_id: str, step: int, timeout: float = 20.0) -> None:
+    """Until this node holds the other node's replica of ``step`` (the test kills after it)."""
+    deadline = time.monotonic() + timeout
+    while not any(h.step == step for _, h in replica_index(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _first_time(marker: str) -> bool:

@@ -32,8 +32,10 @@ pytestmark = pytest.mark.skipif(missing_requirements() is not None, reason=str(m
 class Job:
     """The 2x2 torchrun job on ``nodes``; one torchrun per node, logs and events under tmp_path."""
 
-    def __init__(self, nodes: Nodes, tmp_path, *, kill_rank: int, share_store: bool, rdzv_conf: str = "") -> None:
+    def __init__(self, nodes: Nodes, tmp_path, *, kill_rank: int, share_store: bool, rdzv_conf: str = "",
+                 steps: int = STEPS, kill_step: int = KILL_STEP, worker_args: tuple[str, ...] = ()) -> None:
         self.nodes, self.tmp_path, self.kill_rank, self.rdzv_conf = nodes, tmp_path, kill_rank, rdzv_conf
+        self.steps, self.kill_step, self.worker_args = steps, kill_step, worker_args
         self.shared = tmp_path / "shared"
         self.shared.mkdir()
         self.env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
@@ -50,8 +52,8 @@ class Job:
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={self.nodes.hostnames[0]}:{RDZV_PORT}",
                 f"--rdzv-id={self.nodes.namespaces[0]}", f"--rdzv-conf={self.rdzv_conf}", "--max-restarts=3",
-                WORKER, "--dir", str(self.shared), "--steps", str(STEPS), "--kill-rank", str(self.kill_rank),
-                "--kill-step", str(KILL_STEP), "--kill-pause", str(KILL_PAUSE)]
+                WORKER, "--dir", str(self.shared), "--steps", str(self.steps), "--kill-rank", str(self.kill_rank),
+                "--kill-step", str(self.kill_step), "--kill-pause", str(KILL_PAUSE), *self.worker_args]
         self.agents[i] = self.nodes.spawn(i, argv, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
     def events(self, kind: str | None = None) -> list[dict]:
