@@ -11,12 +11,10 @@ lost. With ``replicas=0`` the new node holds nothing in memory and every rank re
 step 5 from storage.
 """
 
-import time
-
 import pytest
 
-from ._netns import Nodes, missing_requirements
-from .test_nodes_restart import DEADLINE, Job
+from ._netns import missing_requirements
+from .test_nodes_restart import Job, replace_node1
 
 STEPS = 10
 KILL_STEP = 7
@@ -26,21 +24,7 @@ pytestmark = pytest.mark.skipif(missing_requirements() is not None, reason=str(m
 
 
 def lose_node1(tmp_path, replicas: str) -> Job:
-    with Nodes(2) as nodes:
-        job = Job(nodes, tmp_path, kill_rank=-1, share_store=False, steps=STEPS, kill_step=KILL_STEP,
-                  rdzv_conf="keep_alive_interval=1,keep_alive_max_attempt=2", worker_args=("--replicas", replicas, "--per-rank"))
-        try:
-            job.start(0)
-            job.start(1)
-            end = time.monotonic() + DEADLINE
-            job.wait_for(f"4 ranks at step {KILL_STEP}", lambda: len(job.events("step")) == 4, end)
-            nodes.kill_node(1)  # torchrun, workers, saver; its /dev/shm goes with them
-            job.agents[1].wait()
-            job.start(1)
-            job.finish(end)
-        finally:
-            job.close()
-    return job
+    return replace_node1(tmp_path, steps=STEPS, kill_step=KILL_STEP, worker_args=("--replicas", replicas, "--per-rank"))
 
 
 def check_every_step_once(job: Job) -> None:

@@ -121,26 +121,33 @@ def test_a_killed_worker_costs_one_restart_and_restores_from_memory(tmp_path, ki
     assert len(restored) == 4 and {(e["step"], e["source"]) for e in restored} == {(KILL_STEP, "memory")}, restored
 
 
-def test_a_replaced_node_joins_the_next_round_at_once(tmp_path):
-    """Own rendezvous store only: with the shared store (torch 2.13), the replacement node's
-    agent waits for MASTER_ADDR under the new round's prefix, which the rank-0 agent never
-    writes again (``DynamicRendezvousHandler.next_rendezvous`` caches ``_bootstrap_store_info``),
-    and both agents fail before any worker starts; nothing in the workers can change that."""
+def replace_node1(tmp_path, **job_args) -> Job:
+    """Run the job with the own store until every rank pauses at its kill step, lose node 1
+    whole, start a fresh node 1, and wait for both torchruns to finish."""
     with Nodes(2) as nodes:
         # a lost node leaves the rendezvous when 2 heartbeats of 1 s are missed (default: 3 of 5 s)
         job = Job(nodes, tmp_path, kill_rank=-1, share_store=False,
-                  rdzv_conf="keep_alive_interval=1,keep_alive_max_attempt=2")
+                  rdzv_conf="keep_alive_interval=1,keep_alive_max_attempt=2", **job_args)
         try:
             job.start(0)
             job.start(1)
             end = time.monotonic() + DEADLINE
-            job.wait_for(f"4 ranks at step {KILL_STEP}", lambda: len(job.events("step")) == 4, end)
+            job.wait_for(f"4 ranks at step {job.kill_step}", lambda: len(job.events("step")) == 4, end)
             nodes.kill_node(1)  # torchrun, workers, saver; its /dev/shm goes with them
             job.agents[1].wait()
             job.start(1)  # a fresh node 1: its agent counts from 0 again
             job.finish(end)
         finally:
             job.close()
+    return job
+
+
+def test_a_replaced_node_joins_the_next_round_at_once(tmp_path):
+    """Own rendezvous store only: with the shared store (torch 2.13), the replacement node's
+    agent waits for MASTER_ADDR under the new round's prefix, which the rank-0 agent never
+    writes again (``DynamicRendezvousHandler.next_rendezvous`` caches ``_bootstrap_store_info``),
+    and both agents fail before any worker starts; nothing in the workers can change that."""
+    job = replace_node1(tmp_path)
     # node 0's agent counts the failure or not (its workers fail on the lost peer or are stopped
     # first); the new node 1 starts at 0 either way
     check_one_clean_restart(job, {"node0": [[0, 0, 0, 0], [0, 0, 1, 1]], "node1": [[0, 0, 0, 0]]})
