@@ -1,7 +1,8 @@
 """tf.estimator glue: an elastic ``input_fn`` and the hook that counts consumed records.
 
 ``make_input_fn`` builds ``ShardDataset -> flat_map(reader) -> batch -> prefetch`` and
-registers the worker's :class:`ShardPositions` with the graph the estimator builds, so
+registers the worker's :class:`ShardPositions` with the graph the estimator builds
+(``flashckpt.tf._data``, the registry of the data positions protocol), so
 :class:`ShardReportHook` (and ``flashckpt.tf.FlashCheckpointHook``) find them without
 being told. One training step consumes one batch: ``batch_size`` records, or what is
 left at the end of the stream.
@@ -15,6 +16,8 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from flashckpt.tf._data import graph_positions, register_graph_positions
+
 from ._dataset import ShardDataset, open_positions
 from ._positions import ShardPositions
 
@@ -22,12 +25,10 @@ __all__ = ["ShardReportHook", "make_input_fn", "positions_of_graph"]
 
 log = logging.getLogger(__name__)
 
-_GRAPHS: "weakref.WeakKeyDictionary[Any, ShardPositions]" = weakref.WeakKeyDictionary()
-
 
 def positions_of_graph(graph: Any = None) -> ShardPositions | None:
     """The positions an elastic ``input_fn`` registered with ``graph`` (default: current)."""
-    return _GRAPHS.get(graph if graph is not None else tf.compat.v1.get_default_graph())
+    return graph_positions(graph)
 
 
 def make_input_fn(reader: Callable[[Any], tf.data.Dataset], *, coordinator: Any, name: str,
@@ -63,7 +64,7 @@ def make_input_fn(reader: Callable[[Any], tf.data.Dataset], *, coordinator: Any,
         if prefetch is not None:
             dataset = dataset.prefetch(prefetch)
         if not tf.executing_eagerly():
-            _GRAPHS[tf.compat.v1.get_default_graph()] = positions
+            register_graph_positions(positions)
         return dataset
 
     input_fn.positions = positions  # type: ignore[attr-defined]

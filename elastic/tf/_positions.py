@@ -402,14 +402,22 @@ class ShardPositions:
         log.error(message)
         return ShardReadError(message)
 
+    def report_hook(self) -> Any:
+        """A :class:`elastic.tf.ShardReportHook` of these positions (imports TensorFlow)."""
+        from ._estimator import ShardReportHook
+
+        return ShardReportHook(self)
+
     def finished(self) -> bool:
         """Every shard of every epoch completed at the coordinator (by any worker): train
         or fit again until this is true."""
         return bool(self.dataset.progress()["finished"])
 
     # -- checkpoint ---------------------------------------------------------------
-    def state(self, rollback: Rollback = Rollback.WORKER) -> dict[str, Any]:
-        """The positions as a small JSON-able dict (taken right before a checkpoint)."""
+    def state(self, rollback: Rollback | None = None) -> dict[str, Any]:
+        """The positions as a small JSON-able dict (taken right before a checkpoint);
+        ``rollback`` default: ``Rollback.WORKER``."""
+        rollback = Rollback.WORKER if rollback is None else rollback
         with self._lock:
             if rollback is Rollback.DATASET:
                 self.commit()  # the snapshot restores the coordinator itself

@@ -3,7 +3,8 @@
 ``Checkpointer`` saves a ``tf.train.Checkpoint`` (or a Keras model and optimizer) into
 shared memory with one copy and persists it in the background; ``FlashCheckpointHook``
 does it for ``tf.estimator``, ``FlashCheckpointCallback`` for Keras ``fit``. With an
-``elastic.tf`` data set the data positions go into the same checkpoints. Importing
+``elastic.tf`` data set (any :class:`DataPositions`) the data positions go into the same
+checkpoints; flashckpt never imports ``elastic``. Importing
 ``flashckpt`` never imports TensorFlow; importing ``flashckpt.tf`` does. Keras and the
 estimator load on first use of the classes that need them (the saver process imports
 only the exporter).
@@ -13,6 +14,7 @@ import tensorflow  # noqa: F401  (the package's contract: flashckpt.tf imports T
 
 _EXPORTS = {
     "Checkpointer": "._checkpointer",
+    "DataPositions": "._data",
     "FlashCheckpointCallback": "._callback",
     "FlashCheckpointHook": "._hook",
 }

@@ -55,11 +55,7 @@ class Checkpointer(EngineCheckpointer):
         self._pending_error: BaseException | None = None
         self._root = _variables.as_checkpoint(checkpoint)
         self._positions = positions_of(data)
-        if rollback is None and self._positions is not None:
-            from elastic.tf import Rollback
-
-            rollback = Rollback.WORKER
-        self._rollback = rollback
+        self._rollback = rollback  # None: the positions' default (``Rollback.WORKER``)
         self._engine = new_engine(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id,
                                   memory_slots=memory_slots)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from .._engine import Engine, Options, Placement, SingleProcess, new_token
 from .._errors import CheckpointError
+from ._data import DataPositions
 
 __all__ = ["FORMAT", "data_state", "new_engine", "positions_of", "restore_data"]
 
@@ -27,25 +28,25 @@ def new_engine(directory: str | os.PathLike, *, persist_every: int, keep_last: i
     return Engine(os.fspath(directory), options, placement, SingleProcess())
 
 
-def positions_of(data: Any) -> Any:
-    """The ``elastic.tf.ShardPositions`` of a ``ShardDataset``, positions, or None."""
+def positions_of(data: Any) -> DataPositions | None:
+    """The positions of a data set (its ``.positions``, e.g. an ``elastic.tf.ShardDataset``),
+    the positions themselves (:class:`DataPositions`), or None."""
     if data is None:
         return None
-    from elastic.tf import ShardPositions
-
     positions = getattr(data, "positions", data)
-    if not isinstance(positions, ShardPositions):
-        raise TypeError(f"data must be an elastic.tf.ShardDataset or ShardPositions, got {type(data).__name__}")
+    if not isinstance(positions, DataPositions):
+        raise TypeError(f"data must be an elastic.tf.ShardDataset or ShardPositions (flashckpt.tf.DataPositions), "
+                        f"got {type(data).__name__}")
     positions.deferred = True  # the coordinator learns positions at our saves
     return positions
 
 
-def data_state(positions: Any, rollback: Any) -> str | None:
+def data_state(positions: DataPositions | None, rollback: Any) -> str | None:
     """The positions as a JSON string leaf (None without data)."""
     return None if positions is None else json.dumps(positions.state(rollback), separators=(",", ":"))
 
 
-def restore_data(positions: Any, saved: Any, step: int) -> None:
+def restore_data(positions: DataPositions | None, saved: Any, step: int) -> None:
     """Put the data positions back where checkpoint ``step`` left them."""
     if positions is None:
         return

@@ -25,6 +25,7 @@ import tensorflow as tf
 from .._errors import CheckpointError
 from . import _variables
 from ._common import FORMAT, data_state, new_engine, positions_of, restore_data
+from ._data import graph_positions
 
 __all__ = ["FlashCheckpointHook"]
 
@@ -63,8 +64,6 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
         self.last_saved: int | None = None
 
     def begin(self) -> None:
-        from elastic.tf import Rollback, ShardReportHook, positions_of_graph
-
         self._global_step = tf.compat.v1.train.get_global_step()
         if self._global_step is None:
             raise CheckpointError("FlashCheckpointHook needs a global step in the graph")
@@ -82,12 +81,11 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
         self._error: BaseException | None = None
         self._probed: list[np.ndarray] = []
         self._loaded: tuple[int | None, dict[str, Any], dict[str, np.ndarray]] | None = None  # of the load op
-        self._positions = positions_of(self._data if self._data is not None else positions_of_graph())
+        self._positions = positions_of(self._data if self._data is not None else graph_positions())
         self._reporter = None
         if self._positions is not None:
-            self._reporter = ShardReportHook(self._positions)
+            self._reporter = self._positions.report_hook()
             self._reporter.begin()
-            self._rollback = self._rollback or Rollback.WORKER
         if self._engine is None:
             self._engine = new_engine(self._directory, **self._options)
 
