@@ -1,4 +1,5 @@
-"""Hang detection: an adaptive timeout over observed step times, and stack dumps.
+"""Hang detection's arithmetic and evidence: an adaptive timeout over observed step
+times, and stack dumps (the rule that finds a hang is ``flashckpt._watchdog.find_hang``).
 
 The timeout is pure arithmetic over what the agent observed (tested without
 processes): during the first ``warmup_steps`` steps after a start or a restore, and until one
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import faulthandler
 import io
+import logging
 import os
 import sys
 import threading
@@ -25,7 +28,9 @@ import time
 import traceback
 from types import FrameType
 
-__all__ = ["HangTimeout", "format_stacks"]
+__all__ = ["HangTimeout", "StackFile", "format_stacks"]
+
+log = logging.getLogger("elastic.agent")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -109,6 +114,42 @@ def format_stacks(header: str) -> str:
         out.write(f"\nThread {names.get(ident, '?')} ({ident:#x}), most recent call last:\n")
         out.write("".join(traceback.format_stack(frame)))
     return out.getvalue()
+
+
+class StackFile:
+    """The rank's stack file: ``faulthandler`` writes every thread's stack into it on the
+    dump signal (sent by the out-of-process backstop: it works with the GIL held), and
+    the agent appends the dumps it takes itself (:meth:`dump`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: io.TextIOWrapper | None = None
+        self._signal: int | None = None
+
+    def open(self, dump_signal: int) -> None:
+        self._file = open(self.path, "a", encoding="utf-8")
+        faulthandler.register(dump_signal, file=self._file, all_threads=True)
+        self._signal = dump_signal
+
+    def dump(self, what: str) -> str:
+        """Log every thread's stack and append it to the file; returns the text."""
+        text = format_stacks(f"elastic agent: {what}")
+        log.error("%s", text)
+        if self._file is not None:
+            self._file.write(text + "\n")
+            self._file.flush()
+        return text
+
+    def close(self) -> None:
+        if self._signal is not None:
+            try:
+                faulthandler.unregister(self._signal)
+            except (ValueError, RuntimeError):
+                pass
+            self._signal = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def _outside_elastic(frame: FrameType | None) -> FrameType | None:

@@ -1,5 +1,4 @@
-"""Tick the fault-tolerant agent's progress from the samplers, when an agent runs, and
-find that agent (a ShardSampler hands its lease heartbeats to it).
+"""Tick the fault-tolerant agent's progress from the samplers, when an agent runs.
 
 The samplers must work without the agent (and before it exists in a process), so the
 lookup is guarded and costs one attribute read per call when no agent runs. Ticks are
@@ -13,7 +12,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-__all__ = ["running_agent", "tick_agent"]
+__all__ = ["tick_agent"]
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +38,6 @@ def _current_agent() -> Any:
         log.exception("elastic.current_agent() failed; sampler stops ticking the agent")
         _broken = True
         return None
-
-
-def running_agent() -> Any:
-    """This process's running agent, or None (also when the agent is not installed)."""
-    return _current_agent()
 
 
 def tick_agent() -> None:

@@ -24,11 +24,12 @@ import threading
 import time
 from typing import Any
 
+from elastic._ratelog import RateLimitedLog
+
 __all__ = ["EventPublisher", "as_record", "coordinator_of"]
 
 log = logging.getLogger("elastic.agent")
 
-_ERROR_LOG_SECONDS = 60.0
 
 
 def coordinator_of(target: Any) -> Any:
@@ -68,7 +69,7 @@ class EventPublisher:
         self._queue: collections.deque[dict[str, Any]] = collections.deque()
         self._queue_lock = threading.Lock()  # held for a deque operation only
         self._publish_lock = threading.Lock()  # one publisher at a time keeps the order
-        self._error_logged = -_ERROR_LOG_SECONDS
+        self._errors = RateLimitedLog(log)
 
     def put(self, record: dict[str, Any]) -> None:
         """Queue ``record`` (any thread; no I/O)."""
@@ -107,7 +108,7 @@ class EventPublisher:
                                 record.get("type"), err)
                     self.dropped += 1
                 except Exception as err:  # unreachable, locked: keep it, try again later
-                    self._log_error("cannot publish events to the coordinator (%d waiting): %s",
+                    self._errors.warning("cannot publish events to the coordinator (%d waiting): %s",
                                     len(self._queue), err)
                     return False
                 else:
@@ -136,7 +137,7 @@ class EventPublisher:
 
                     target = sharding.connect(target)
                 except Exception as err:
-                    self._log_error("cannot connect to the coordinator to publish events: %s", err)
+                    self._errors.warning("cannot connect to the coordinator to publish events: %s", err)
                     return
             if self.publish(target, budget_seconds=timeout):
                 done.set()
@@ -149,8 +150,3 @@ class EventPublisher:
                         len(self._queue))
         return done.is_set()
 
-    def _log_error(self, fmt: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._error_logged > _ERROR_LOG_SECONDS:
-            self._error_logged = now
-            log.warning(fmt, *args)

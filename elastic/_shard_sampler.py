@@ -13,12 +13,12 @@ that still holds undelivered (prefetched) samples does not wait for other ranks'
 leases at the end of an epoch — it would wait for itself — it ends its iteration, and
 a shard that comes back later (from a dead rank) is taken up in a later iteration.
 
-Heartbeats: the held leases are heartbeated every ``lease_timeout / 3`` seconds. When
-the fault-tolerant agent runs in the process (``elastic.start_agent``), the sampler
-hands that to the agent (``agent.add_heartbeat``), which withholds heartbeats while
-training makes no progress past its hang timeout -- so a dead, stopped *or hung*
-rank's leases go back to the queue. Without an agent a thread of the sampler's own
-heartbeats, and a rank that hangs keeps its leases.
+Heartbeats: the held leases are heartbeated every ``lease_timeout / 3`` seconds through
+the process's one heartbeat schedule (``elastic._heartbeat``). When the fault-tolerant
+agent runs in the process (``elastic.start_agent``), its thread sends them and withholds
+them while training makes no progress past its hang timeout -- so a dead, stopped *or
+hung* rank's leases go back to the queue. Without an agent the schedule's own thread
+sends them, and a rank that hangs keeps its leases.
 
 Trade-offs: ranks get different numbers of samples (that is the point), so a DDP loop
 must cope with uneven inputs (``Join``, or an all-reduce of "has data").
@@ -29,8 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
@@ -40,7 +38,8 @@ from torch.utils.data import Sampler
 
 import sharding
 
-from ._progress import running_agent, tick_agent
+from ._heartbeat import process_heartbeats
+from ._progress import tick_agent
 
 __all__ = ["ShardSampler"]
 
@@ -67,19 +66,6 @@ def default_worker() -> str:
     if os.environ.get("RANK", "").isdigit():
         return f"{host}-rank{os.environ['RANK']}"
     return f"{host}-pid{os.getpid()}"
-
-
-def _heartbeat(ref: "weakref.ref[ShardSampler]", stop: threading.Event, interval: float) -> None:
-    """The sampler's own heartbeat thread, used only when no agent runs."""
-    while not stop.wait(interval):
-        sampler = ref()
-        if sampler is None:
-            return
-        try:
-            sampler._ds.heartbeat(sampler.worker)
-        except Exception as e:  # keep trying: the lease may still be saved by the next one
-            log.warning("heartbeat of %s to %s failed: %s", sampler.worker, sampler._ds, e)
-        del sampler
 
 
 class ShardSampler(Sampler[int]):
@@ -140,9 +126,6 @@ class ShardSampler(Sampler[int]):
         self._pending: Optional[sharding.Shard] = None  # next epoch's first shard
         self._track_delivery = False
         self._iter_received = 0
-        self._stop = threading.Event()  # stops the own heartbeat thread
-        self._thread: Optional[threading.Thread] = None
-        self._agent: Any = None  # the agent that heartbeats our leases
         try:
             if self._ds.release(self.worker):
                 log.info("%s: took back the leases of an earlier %s", name, self.worker)
@@ -162,10 +145,7 @@ class ShardSampler(Sampler[int]):
 
     def close(self) -> None:
         """Stop heartbeating and give back held leases at their received positions."""
-        self._stop.set()
-        if self._agent is not None:
-            self._agent.remove_heartbeat(self._ds, self.worker)
-            self._agent = None
+        process_heartbeats().remove(self._ds, self.worker)
         self._report_positions()
         try:
             self._ds.release(self.worker)
@@ -243,31 +223,10 @@ class ShardSampler(Sampler[int]):
             return None
 
     def _start_heartbeat(self) -> None:
-        """Make sure someone heartbeats our leases: the running agent, else our thread.
-
-        Called whenever a lease is taken; cheap when nothing changed. An agent started
-        after the sampler takes over from the thread; if the agent stops, the thread
-        takes over again.
-        """
-        if self._agent is not None and self._agent.running:
-            return
-        self._agent = None
-        interval = self._ds.definition.lease_timeout / 3
-        agent = running_agent()
-        if agent is not None and hasattr(agent, "add_heartbeat"):
-            agent.add_heartbeat(self._ds, self.worker, interval_seconds=interval)
-            self._agent = agent
-            if self._thread is not None:  # hand over: the agent knows when we hang
-                self._stop.set()
-                self._thread = None
-            return
-        if self._thread is None or not self._thread.is_alive():
-            self._stop = threading.Event()
-            self._thread = threading.Thread(
-                target=_heartbeat, args=(weakref.ref(self), self._stop, interval),
-                name=f"shard-heartbeat-{self.worker}", daemon=True,
-            )
-            self._thread.start()
+        """Have our leases in the process's heartbeat schedule (called whenever a lease is
+        taken; cheap when they are)."""
+        process_heartbeats().add(self._ds, self.worker, owner=self,
+                                 interval_seconds=self._ds.definition.lease_timeout / 3)
 
     # -- what the loop received -----------------------------------------------------------
     def _receive(self, n: int) -> None:

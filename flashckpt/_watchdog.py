@@ -8,14 +8,17 @@ the node's saver process calls :func:`poll` about twice a second, and a job with
 checkpointer runs ``python -m flashckpt._watchdog --job-id JOB`` (one per node, held by
 a lock file, started by :func:`ensure_watcher`).
 
-When a process made no progress for longer than its published timeout plus a grace,
-and its agent thread has not run for the grace either (so the process cannot help
-itself), :func:`poll` sends it the dump signal -- the agent registered ``faulthandler``
+One rule finds a hang, :func:`find_hang`, for both sides: the agent's watch thread inside
+the process (no progress past the published timeout) and :func:`poll` outside it. When
+a process made no progress for longer than its published timeout plus a grace, and its
+agent thread has not run for the grace either (so the process cannot help itself),
+:func:`poll` sends it the dump signal -- the agent registered ``faulthandler``
 on it, which writes every thread's stack even with the GIL held -- waits for the dump
 to land (without blocking: across later polls), logs it, appends a ``hang`` event to
 the process's event file, and with the ``exit`` policy SIGKILLs it so the launcher
-restarts the group. Each hang is handled once (the file records the step counter it
-was handled at). Files of processes that are gone are removed.
+restarts the group. Each hang is handled once, by whichever side claims it first: the
+file records the step counter it was handled at, and :func:`claim_hang` (under the
+file's lock) is its only writer. Files of processes that are gone are removed.
 
 This module imports no framework and nothing from ``elastic`` (the core never does).
 
@@ -53,7 +56,10 @@ __all__ = [
     "Policy",
     "ProgressFile",
     "ProgressPublisher",
+    "claim_hang",
     "ensure_watcher",
+    "find_hang",
+    "overdue",
     "poll",
     "progress_path",
     "read_progress",
@@ -103,25 +109,36 @@ class ProgressPublisher:
     """The training-process side: one progress file for this process (the agent owns it).
 
     Writes are single ``struct.pack_into`` calls on an mmap (well under a microsecond),
-    safe to call from the training thread on every step.
+    safe to call from the training thread on every step. ``shared=False`` keeps the same
+    record in this process's memory only (no file could be created: the agent's own
+    watch still works, no backstop sees it); :attr:`path` is then None.
     """
 
     def __init__(self, job_id: str, *, rank: int, policy: Policy, dump_signal: int,
                  timeout_seconds: float, grace_seconds: float,
-                 stack_path: str | None = None, events_path: str | None = None) -> None:
-        self.path = progress_path(job_id, os.getpid())
+                 stack_path: str | None = None, events_path: str | None = None,
+                 shared: bool = True) -> None:
         now = time.monotonic()
         head = _HEAD.pack(MAGIC, VERSION, os.getpid(), rank, int(policy), int(dump_signal),
                           0, now, float(timeout_seconds), now, -1, float(grace_seconds))
         body = head + _pack_path(stack_path) + _pack_path(events_path)
+        self._fd: int | None = None
+        self.path: str | None = None
+        if not shared:
+            self._mm = mmap.mmap(-1, SIZE)
+            self._mm[:SIZE] = body
+            return
+        self.path = progress_path(job_id, os.getpid())
         tmp = f"{self.path}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, body)
             os.replace(tmp, self.path)  # the watcher never sees a half-written header
             self._mm = mmap.mmap(fd, SIZE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd  # kept for claim_hang's lock
 
     def progress(self, counter: int, now: float) -> None:
         _PROGRESS.pack_into(self._mm, _OFF_PROGRESS, counter, now)
@@ -132,8 +149,18 @@ class ProgressPublisher:
     def set_timeout(self, seconds: float) -> None:
         _F64.pack_into(self._mm, _OFF_TIMEOUT, seconds)
 
-    def mark_handled(self, counter: int) -> None:
-        _I64.pack_into(self._mm, _OFF_HANDLED, counter)
+    def read(self) -> ProgressFile:
+        """What this process published, as the watcher reads it."""
+        return _parse(self.path or "", self._mm[:SIZE])
+
+    def claim(self, counter: int) -> bool:
+        """Claim the hang at ``counter`` for this process's agent (see :func:`claim_hang`)."""
+        if self._fd is None:  # nobody outside sees this record: the agent is its only reader
+            if _I64.unpack_from(self._mm, _OFF_HANDLED)[0] == counter:
+                return False
+            _I64.pack_into(self._mm, _OFF_HANDLED, counter)
+            return True
+        return claim_hang(self._fd, counter)
 
     def close(self) -> None:
         """Remove the file (a clean stop: nothing to watch any more)."""
@@ -141,10 +168,14 @@ class ProgressPublisher:
             self._mm.close()
         except (BufferError, ValueError):
             pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,17 +204,62 @@ def read_progress(path: str) -> ProgressFile | None:
             raw = f.read(SIZE)
     except FileNotFoundError:
         return None
-    if len(raw) < SIZE:
+    if len(raw) < SIZE or raw[:4] != MAGIC or _HEAD.unpack_from(raw)[1] != VERSION:
         return None
-    (magic, version, pid, rank, policy, sig, counter, last, timeout, beat, handled,
+    return _parse(path, raw)
+
+
+def _parse(path: str, raw: bytes) -> ProgressFile:
+    (_, _, pid, rank, policy, sig, counter, last, timeout, beat, handled,
      grace) = _HEAD.unpack_from(raw)
-    if magic != MAGIC or version != VERSION:
-        return None
     off = _HEAD.size
     stack = raw[off:off + _PATH].rstrip(b"\0").decode(errors="replace")
     events = raw[off + _PATH:off + 2 * _PATH].rstrip(b"\0").decode(errors="replace")
     return ProgressFile(path, pid, rank, Policy(policy), sig, counter, last, timeout, beat,
                         handled, grace, stack, events)
+
+
+def overdue(info: ProgressFile, now: float, *, grace_seconds: float = 0.0) -> float | None:
+    """Seconds without progress, when that is past the hang timeout plus ``grace_seconds``;
+    None otherwise or when hang detection is off. ``now``: a ``time.monotonic()`` reading."""
+    if info.policy is Policy.OFF or info.timeout_seconds <= 0:
+        return None
+    stalled = now - info.last_progress
+    return stalled if stalled > info.timeout_seconds + grace_seconds else None
+
+
+def find_hang(info: ProgressFile, now: float, *, outside: bool) -> float | None:
+    """The hang rule: seconds without progress of a hang not handled yet, else None.
+
+    Inside the process (``outside=False``, the agent's watch thread): no progress past
+    the timeout. Outside (:func:`poll`): past the timeout plus the grace, and the agent's
+    thread has not run for the grace either, so the process cannot handle it itself.
+    Whoever finds one handles it only after winning :func:`claim_hang`.
+    """
+    if info.handled_counter == info.counter:
+        return None
+    if not outside:
+        return overdue(info, now)
+    if now - info.agent_beat <= info.grace_seconds:
+        return None
+    return overdue(info, now, grace_seconds=info.grace_seconds)
+
+
+def claim_hang(fd: int, counter: int) -> bool:
+    """Record that the hang at progress ``counter`` is handled, unless it already is.
+
+    ``fd``: the progress file, open for writing. The only writer of the handled field,
+    under the file's lock, so the agent's watch and :func:`poll` handle a hang once
+    between them. True when this caller claimed it.
+    """
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        if _I64.unpack(os.pread(fd, _I64.size, _OFF_HANDLED))[0] == counter:
+            return False
+        os.pwrite(fd, _I64.pack(counter), _OFF_HANDLED)
+        return True
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _job_files(job_id: str) -> list[tuple[int, str]]:
@@ -224,13 +300,13 @@ class _Pending:
 _pending: dict[tuple[str, int], _Pending] = {}
 
 
-def _set_handled(path: str, counter: int) -> None:
+def _claim(path: str, counter: int) -> bool:
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
-        return
+        return False
     try:
-        os.pwrite(fd, _I64.pack(counter), _OFF_HANDLED)
+        return claim_hang(fd, counter)
     finally:
         os.close(fd)
 
@@ -320,14 +396,9 @@ def poll(job_id: str, now: float | None = None) -> None:
                 del _pending[key]
                 _finish(info, pending)
             continue
-        if info.policy is Policy.OFF or info.timeout_seconds <= 0:
+        stalled = find_hang(info, now, outside=True)
+        if stalled is None or not _claim(path, info.counter):
             continue
-        stalled = now - info.last_progress
-        if (stalled <= info.timeout_seconds + info.grace_seconds
-                or now - info.agent_beat <= info.grace_seconds
-                or info.handled_counter == info.counter):
-            continue
-        _set_handled(path, info.counter)
         size = _size(info.stack_path)
         _pending[key] = _Pending(info, info.counter, now, size, size, stalled)
         try:

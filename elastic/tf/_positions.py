@@ -33,7 +33,6 @@ import re
 import socket
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -41,6 +40,7 @@ from typing import Any, Iterator
 import sharding
 
 from .._errors import ElasticError
+from .._heartbeat import process_heartbeats
 from .._progress import tick_agent
 
 __all__ = ["Rollback", "ShardPositions", "ShardReadError", "default_worker"]
@@ -90,19 +90,6 @@ class _Lease:
     committed: int  # absolute position the coordinator knows
 
 
-def _heartbeat(ref: "weakref.ref[ShardPositions]", stop: threading.Event, interval: float) -> None:
-    while not stop.wait(interval):
-        positions = ref()
-        if positions is None:
-            return
-        try:
-            if positions._held:
-                positions.dataset.heartbeat(positions.worker)
-        except Exception as exc:  # keep trying: the next beat may still save the leases
-            log.warning("heartbeat of %s failed: %s", positions.worker, exc)
-        del positions
-
-
 def _brief(error: BaseException) -> str:
     """The cause line of a long TF error ("OSError: ..."), else its first line."""
     lines = [line for line in str(error).splitlines() if line.strip()]
@@ -141,8 +128,6 @@ class ShardPositions:
         self._finished = False  # a shard was finished since the last completion
         self._producing = False  # a pass is running: its next lease completes finished shards
         self._last_report = time.monotonic()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def __repr__(self) -> str:
         return f"ShardPositions({self.dataset.name!r}, worker={self.worker!r})"
@@ -286,11 +271,13 @@ class ShardPositions:
             pass
 
     def _start_heartbeat(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=_heartbeat, args=(weakref.ref(self), self._stop, self.dataset.definition.lease_timeout / 3),
-                name=f"shard-heartbeat-{self.worker}", daemon=True)
-            self._thread.start()
+        """Have our leases in the process's heartbeat schedule (``elastic._heartbeat``: the
+        agent's thread while one runs, which withholds them while training hangs)."""
+        process_heartbeats().add(self.dataset, self.worker, owner=self,
+                                 interval_seconds=self.dataset.definition.lease_timeout / 3)
+
+    def _stop_heartbeat(self) -> None:
+        process_heartbeats().remove(self.dataset, self.worker)
 
     # -- consumer -----------------------------------------------------------------
     def consumed(self, records: int) -> None:
@@ -391,6 +378,7 @@ class ShardPositions:
             self._fifo.clear()
             self._held.clear()
             self._ready.clear()
+            self._stop_heartbeat()
             try:
                 self.dataset.release(self.worker)
             except sharding.CoordinatorError as exc:
@@ -465,7 +453,7 @@ class ShardPositions:
 
     def close(self) -> None:
         """Stop heartbeating and give the leases back at their committed positions."""
-        self._stop.set()
+        self._stop_heartbeat()
         if self._leases is not self.dataset:
             self._leases.close()
             self._leases = self.dataset  # a later pass (after a close) leases in this process
