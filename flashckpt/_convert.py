@@ -45,7 +45,8 @@ import tempfile
 from typing import Any
 
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ._reshard import LAYOUT_KEY, RangeReader, full_piece, path_key, read_sources, source_of
+from ._reshard import LAYOUT_KEY, RangeReader, full_piece, path_key, plain_value, read_sources, source_of
+from ._shard_read import open_shard
 from ._storage import LocalStorage
 
 __all__ = ["Format", "convert", "convert_all", "rank_output"]
@@ -158,7 +159,7 @@ def _consolidate(storage: LocalStorage, step: int, rank: int) -> dict[str, Any]:
     if _has_layout(storage, step):
         sources = read_sources(storage, step)
     else:  # a plain (unsharded, replicated or per-rank) checkpoint: the rank holds its state whole
-        sources = [source_of(rank, *storage.open_shard(step, rank), layout=False)]
+        sources = [source_of(rank, open_shard(storage, step, rank), layout=False)]
     home = sources[0]
     layout = home.layout["tensors"]
     entries = {e.name: (e.dtype, tuple(e.shape)) for e in home.image.entries}
@@ -185,11 +186,8 @@ def _consolidate(storage: LocalStorage, step: int, rank: int) -> dict[str, Any]:
 
 
 def _has_layout(storage: LocalStorage, step: int) -> bool:
-    from ._reshard import plain_value, read_header
-    f, record = storage.open_shard(step, 0)
-    with f:
-        image, _ = read_header(f, record["size"])
-    return plain_value(image.meta.get("tree", {}), LAYOUT_KEY) is not None
+    with open_shard(storage, step, 0) as reader:
+        return plain_value(reader.image.meta.get("tree", {}), LAYOUT_KEY) is not None
 
 
 _STEP_NAME = re.compile(r"(?:^|[-_.])(\d+)$")

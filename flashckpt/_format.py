@@ -17,7 +17,7 @@ from typing import Any
 
 from ._errors import CorruptCheckpointError
 
-__all__ = ["ALIGN", "DTYPE_SIZES", "Entry", "Image", "plan_image", "parse_header"]
+__all__ = ["ALIGN", "DTYPE_SIZES", "Entry", "Image", "header_length", "plan_image", "parse_header"]
 
 ALIGN = 64
 FORMAT = "flashckpt/1"
@@ -91,16 +91,24 @@ def _plan_entries(tensors: tuple[tuple[str, str, tuple[int, ...]], ...]) -> tupl
     return entries, encoded, offset
 
 
+def header_length(buf: Any, where: str) -> int:
+    """The JSON length that the first 8 bytes of ``buf`` announce, bounded like safetensors."""
+    if len(buf) < 8:
+        raise CorruptCheckpointError(f"{where}: truncated ({len(buf)} bytes, no header)")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    if n > MAX_HEADER:
+        raise CorruptCheckpointError(f"{where}: header length {n} is invalid")
+    return n
+
+
 def parse_header(buf: bytes | memoryview, where: str, total_size: int | None = None) -> Image:
     """Parse a safetensors header from the start of ``buf`` (at least 8 bytes + header).
 
     ``where`` names the file or segment in error messages; ``total_size`` (the file's
     length) lets truncation be reported as such.
     """
-    if len(buf) < 8:
-        raise CorruptCheckpointError(f"{where}: truncated ({len(buf)} bytes, no header)")
-    (n,) = struct.unpack_from("<Q", buf, 0)
-    if n > MAX_HEADER or 8 + n > len(buf):
+    n = header_length(buf, where)
+    if 8 + n > len(buf):
         raise CorruptCheckpointError(f"{where}: header length {n} is invalid or the file is truncated")
     try:
         header = json.loads(bytes(buf[8:8 + n]))

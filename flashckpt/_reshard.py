@@ -6,14 +6,15 @@ the piece this rank holds (``offsets`` and ``lengths`` per dimension). To load w
 another world size or mesh, every rank parses the headers of all committed shards
 (only the first bytes of each file), intersects the pieces there with the piece it
 needs now, and reads just those byte ranges: ``preadv`` straight into the target when
-both sides of a range are contiguous (the usual dim-0 sharding), else an ``mmap`` of
-the source file from which only the touched pages are read. No other rank's file is
-ever read whole into memory.
+both sides of a range are contiguous (the usual dim-0 sharding), else the span from
+the box's first byte to its last, from which the box is copied. No other rank's file
+is ever read whole into memory.
 
 Pieces of one tensor are either identical (replicated) or disjoint; identical pieces
-are read once, preferring the caller's own rank. Every range read is verified against
-the checksums of the file blocks it touches (``flashckpt._checksum``): a resharded load
-reads a little around its ranges, never every byte of every shard.
+are read once, preferring the caller's own rank. Every range is read through the
+shard's :class:`~flashckpt._shard_read.ShardReader`, which verifies the checksums of the
+file blocks it touches: a resharded load reads a little around its ranges, never every
+byte of every shard.
 
 Framework neutral: targets are numpy ``uint8`` arrays whose last dimension is in
 bytes (an adapter views its host tensors that way), so any dtype works, bfloat16
@@ -24,18 +25,16 @@ from __future__ import annotations
 
 import io
 import json
-import mmap
 import os
-import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
 
-from ._checksum import BlockCheck, pread_exact
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from ._format import DTYPE_SIZES, MAX_HEADER, Entry, Image, parse_header
-from ._files import open_regular
+from ._format import DTYPE_SIZES, Entry, Image
+from ._shard_read import ShardReader, open_shard
+from ._shard_read import read_header as read_file_header
 from ._storage import LocalStorage
 
 __all__ = ["LAYOUT_KEY", "Piece", "Source", "RangeReader", "chunk_pieces", "path_key", "tensor_names",
@@ -176,18 +175,21 @@ def plain_value(skeleton: Any, key: str) -> Any:
 
 @dataclass(slots=True)
 class Source:
-    """One committed shard: its parsed header and layout, no tensor bytes."""
+    """One committed shard: its reader (parsed header, header blocks verified) and layout."""
 
     rank: int
-    path: str
-    size: int
-    image: Image
+    reader: ShardReader
     layout: dict[str, Any]
     names: dict[str, str]
-    check: BlockCheck
     entries: dict[str, Entry] = field(default_factory=dict)
-    file: io.FileIO | None = None
-    """The open shard (from :meth:`LocalStorage.open_shard`); a :class:`RangeReader` closes it."""
+
+    @property
+    def path(self) -> str:
+        return self.reader.path
+
+    @property
+    def image(self) -> Image:
+        return self.reader.image
 
     def piece(self, key: str) -> Piece | None:
         rec = self.layout["tensors"].get(key)
@@ -197,7 +199,7 @@ class Source:
         return self.entries[self.names[key]]
 
     def file_offset(self, entry: Entry) -> int:
-        return len(self.image.header) + entry.offset
+        return self.reader.body_start + entry.offset
 
 
 def read_layout(image: Image, where: str) -> dict[str, Any]:
@@ -211,79 +213,57 @@ def read_layout(image: Image, where: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where}: unreadable layout: {exc}") from exc
 
 
-def read_header(shard: str | io.FileIO, expected_size: int | None = None) -> tuple[Image, int]:
-    """Parse a shard's header from its first bytes (positional reads: the file's offset
-    stays); returns (image, file size). A path is opened as a regular file only."""
-    if isinstance(shard, io.FileIO):
-        return _read_header(shard.fileno(), str(shard.name), expected_size)
-    fd = open_regular(shard, shard)
-    try:
-        return _read_header(fd, shard, expected_size)
-    finally:
-        os.close(fd)
-
-
-def _read_header(fd: int, path: str, expected_size: int | None) -> tuple[Image, int]:
-    size = os.fstat(fd).st_size
-    if expected_size is not None and size != expected_size:
-        raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {expected_size} (truncated?)")
-    head = os.pread(fd, 8, 0)
-    if len(head) == 8:
-        (n,) = struct.unpack("<Q", head)
-        if n <= MAX_HEADER:
-            head += os.pread(fd, min(n, max(size - 8, 0)), 8)
-    return parse_header(head, path, size), size
+def read_header(f: io.FileIO, expected_size: int) -> tuple[Image, int]:
+    """(parsed header, size) of a shard opened by :meth:`LocalStorage.open_shard`, read
+    with positional reads (the file's offset stays). Prefer :func:`open_shard`'s reader."""
+    size = os.fstat(f.fileno()).st_size
+    if size != expected_size:
+        raise CorruptCheckpointError(f"{f.name}: {size} bytes, the commit recorded {expected_size} (truncated?)")
+    return read_file_header(f.fileno(), str(f.name), size), size
 
 
 def read_sources(storage: LocalStorage, step: int) -> list[Source]:
-    """Headers and layouts of every rank's shard of a committed step (by rank), each
-    shard opened once with :meth:`LocalStorage.open_shard` (give them to a
-    :class:`RangeReader`, which closes them, or call :func:`close_sources`)."""
+    """Readers and layouts of every rank's shard of a committed step (by rank), each
+    shard opened once with :func:`open_shard` (give them to a :class:`RangeReader`,
+    which closes them, or call :func:`close_sources`)."""
     meta = storage.metadata(step)
     sources: list[Source] = []
     try:
         for rank in range(meta["world_size"]):
-            f, record = storage.open_shard(step, rank)
-            sources.append(source_of(rank, f, record, layout=True))
+            sources.append(source_of(rank, open_shard(storage, step, rank), layout=True))
     except BaseException:
         close_sources(sources)
         raise
     return sources
 
 
-def source_of(rank: int, f: io.FileIO, record: dict[str, Any], *, layout: bool) -> Source:
-    """A :class:`Source` of an open shard (closed on error); ``layout=False``: an
-    unsharded checkpoint, every tensor read whole."""
+def source_of(rank: int, reader: ShardReader, *, layout: bool) -> Source:
+    """A :class:`Source` of an open shard, its header blocks verified (closed on error);
+    ``layout=False``: an unsharded checkpoint, every tensor read whole."""
     try:
-        path = str(f.name)
-        image, size = read_header(f, record["size"])
-        return Source(rank, path, size, image, read_layout(image, path) if layout else {"tensors": {}},
-                      tensor_names(image.meta["tree"]), BlockCheck(record, path), {e.name: e for e in image.entries},
-                      file=f)
+        reader.verify_header()
+        image = reader.image
+        return Source(rank, reader, read_layout(image, reader.path) if layout else {"tensors": {}},
+                      tensor_names(image.meta["tree"]), {e.name: e for e in image.entries})
     except BaseException:
-        f.close()
+        reader.close()
         raise
 
 
 def close_sources(sources: list[Source]) -> None:
     for src in sources:
-        if src.file is not None:
-            src.file.close()
+        src.reader.close()
 
 
 # -- ranged reads ---------------------------------------------------------------------
 
 class RangeReader:
-    """Fills target pieces from the byte ranges of source shards that overlap them.
-
-    Keeps one file descriptor (and, when needed, one read-only mmap) per source file;
-    use as a context manager. Closes the sources' open files when it closes.
-    """
+    """Fills target pieces from the byte ranges of source shards that overlap them,
+    through each source's :class:`ShardReader` (exact reads, touched blocks verified).
+    Use as a context manager; closes the sources when it closes."""
 
     def __init__(self, sources: list[Source]) -> None:
         self.sources = sources
-        self._fds: dict[str, int] = {}
-        self._maps: dict[str, mmap.mmap] = {}
         self.bytes_read = 0
 
     def __enter__(self) -> "RangeReader":
@@ -293,28 +273,7 @@ class RangeReader:
         self.close()
 
     def close(self) -> None:
-        for mm in self._maps.values():
-            try:
-                mm.close()
-            except BufferError:  # a view is still alive; the GC unmaps it
-                pass
-        self._maps.clear()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
         close_sources(self.sources)
-
-    def _fd(self, src: Source) -> int:
-        if src.file is not None:
-            return src.file.fileno()
-        if src.path not in self._fds:
-            self._fds[src.path] = open_regular(src.path, src.path)
-        return self._fds[src.path]
-
-    def _map(self, src: Source) -> mmap.mmap:
-        if src.path not in self._maps:
-            self._maps[src.path] = mmap.mmap(self._fd(src), 0, access=mmap.ACCESS_READ)
-        return self._maps[src.path]
 
     def _plan(self, key: str, want: Piece, dtype: str, global_shape: tuple[int, ...], prefer: int):
         """(source, entry, source piece, box) for each distinct source piece overlapping
@@ -356,7 +315,7 @@ class RangeReader:
             spiece, bbox = _byte_piece(piece, itemsize), _byte_piece(box, itemsize)
             s_start = tuple(b - o for b, o in zip(bbox.offsets, spiece.offsets))
             run = _contiguous_range(spiece.lengths, s_start, bbox.lengths) or (0, entry.nbytes)
-            os.posix_fadvise(self._fd(src), src.file_offset(entry) + run[0], run[1], os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(src.reader.fileno(), src.file_offset(entry) + run[0], run[1], os.POSIX_FADV_WILLNEED)
 
     def fill(self, key: str, dst: np.ndarray, want: Piece, dtype: str, global_shape: tuple[int, ...],
              prefer: int = 0) -> None:
@@ -376,14 +335,8 @@ class RangeReader:
         if flat.nbytes != entry.nbytes:
             raise StateMismatchError(f"{src.path}: entry {entry.name!r} has {entry.nbytes} bytes, "
                                      f"the target {flat.nbytes}")
-        self._verify(src, src.file_offset(entry), entry.nbytes)
-        pread_exact(self._fd(src), memoryview(flat), src.file_offset(entry), src.path)
+        src.reader.readinto(flat, src.file_offset(entry))
         self.bytes_read += entry.nbytes
-
-    def _verify(self, src: Source, start: int, length: int) -> None:
-        """Check the blocks of ``src`` holding ``[start, start + length)``, and its header once."""
-        src.check.verify_range(self._fd(src), 0, len(src.image.header))
-        src.check.verify_range(self._fd(src), start, start + length)
 
     def _copy(self, src: Source, entry: Entry, spiece: Piece, dst: np.ndarray, dpiece: Piece, box: Piece) -> None:
         s_start = tuple(b - o for b, o in zip(box.offsets, spiece.offsets))
@@ -391,18 +344,16 @@ class RangeReader:
         s_run = _contiguous_range(spiece.lengths, s_start, box.lengths)
         d_run = _contiguous_range(dpiece.lengths, d_start, box.lengths)
         base = src.file_offset(entry)
-        first = _flat_offset(spiece.lengths, s_start)
-        last = _flat_offset(spiece.lengths, tuple(a + n - 1 for a, n in zip(s_start, box.lengths)))
-        self._verify(src, base + first, last + 1 - first)
         if s_run is not None and d_run is not None:
             flat = dst.reshape(-1)
-            view = memoryview(flat[d_run[0]:d_run[0] + d_run[1]])
-            pread_exact(self._fd(src), view, base + s_run[0], src.path)
-        else:
-            mm = self._map(src)
-            whole = np.frombuffer(mm, dtype=np.uint8, count=entry.nbytes, offset=base).reshape(spiece.lengths)
-            s_idx = tuple(slice(a, a + n) for a, n in zip(s_start, box.lengths))
+            src.reader.readinto(flat[d_run[0]:d_run[0] + d_run[1]], base + s_run[0])
+        else:  # strided: read the span from the box's first byte to its last, take the box out of it
+            first = _flat_offset(spiece.lengths, s_start)
+            last = _flat_offset(spiece.lengths, tuple(a + n - 1 for a, n in zip(s_start, box.lengths)))
+            span = np.empty(last + 1 - first, dtype=np.uint8)
+            src.reader.readinto(span, base + first)
+            strides = tuple(_flat_offset(spiece.lengths, tuple(int(d == k) for d in range(len(spiece.lengths))))
+                            for k in range(len(spiece.lengths)))
             d_idx = tuple(slice(a, a + n) for a, n in zip(d_start, box.lengths))
-            dst[d_idx] = whole[s_idx]
-            del whole
+            dst[d_idx] = np.lib.stride_tricks.as_strided(span, box.lengths, strides, writeable=False)
         self.bytes_read += box.numel

@@ -42,7 +42,6 @@ import re
 import shutil
 import socket
 import stat
-import struct
 import threading
 import time
 import uuid
@@ -50,8 +49,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple
 
-from ._checksum import BLOCK_SIZE, StreamCheck, block_crcs
+from ._checksum import BLOCK_SIZE, block_crcs
 from ._files import fsync_dir, open_regular, read_bounded, write_atomic, write_durable
+from ._format import parse_header
+from ._shard_read import ShardReader
 from ._errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, JobConflictError,
                       UnsafeFileError)
 
@@ -59,7 +60,6 @@ __all__ = ["ShardRecord", "LocalStorage", "shard_name", "line_key", "RUN_LOCK"]
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 64 << 20
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-(\d+)\.tmp-(.+)$")
 _TOKEN_RE = re.compile(r"^[0-9a-f]{24}$")
@@ -70,7 +70,6 @@ MAX_LATEST = 64
 _MAX_MARKER = 1 << 20
 _MAX_WORLD = 1 << 24
 _MAX_BLOCK = 1 << 30
-_MAX_HEADER = 100 << 20
 RUN_LOCK = ".flashckpt-run.lock"
 
 
@@ -145,35 +144,13 @@ def _validate_metadata(meta: Any, step: int, where: str) -> dict:
     return meta
 
 
-def _header_token(fd: int, size: int) -> str | None:
-    """The run token in a shard's safetensors header, or None (no token, not parseable)."""
-    head = os.pread(fd, 8, 0)
-    if len(head) < 8:
-        return None
-    (n,) = struct.unpack("<Q", head)
-    if n > min(_MAX_HEADER, size - 8):
-        return None
-    return _token_of_header(os.pread(fd, n, 8))
-
-
-def _token_of_header(raw: bytes) -> str | None:
+def _image_token(image: memoryview) -> str | None:
+    """The run token in an image's header, or None (no token, not a flashckpt header)."""
     try:
-        meta = json.loads(raw).get("__metadata__") or {}
-        token = meta.get("token")
-        if token is None and "flashckpt" in meta:
-            token = json.loads(meta["flashckpt"]).get("token")
-    except (ValueError, TypeError, AttributeError):
+        token = parse_header(image, "the image").meta.get("token")
+    except CorruptCheckpointError:
         return None
     return token if isinstance(token, str) else None
-
-
-def _image_token(image: memoryview) -> str | None:
-    if len(image) < 8:
-        return None
-    (n,) = struct.unpack_from("<Q", image, 0)
-    if n > min(_MAX_HEADER, len(image) - 8):
-        return None
-    return _token_of_header(bytes(image[8:8 + n]))
 
 
 class _Claim:
@@ -644,24 +621,20 @@ class LocalStorage:
             problems.append(f"step {step} in {self.root}: {world - len(shards)} of {world} ranks have no shard "
                             f"(missing ranks {', '.join(map(str, missing + last))})")
         token = meta.get("token")
-        buf = bytearray(min(_CHUNK, 8 << 20))
         for rank in sorted(shards, key=int):
             try:
-                f, record = self.open_shard(step, int(rank))
+                reader = ShardReader(*self.open_shard(step, int(rank)))
             except CheckpointError as exc:
                 problems.append(str(exc))
                 continue
-            with f:
-                theirs = _header_token(f.fileno(), record["size"])
-                if token and theirs is not None and theirs != token:
-                    problems.append(f"{f.name} was written by another run (token {theirs}); step {step} was "
+            with reader:
+                theirs = reader.image.meta.get("token")
+                if token and isinstance(theirs, str) and theirs != token:
+                    problems.append(f"{reader.path} was written by another run (token {theirs}); step {step} was "
                                     f"committed by run {token}")
                     continue
                 try:
-                    check = StreamCheck(record, f.name)
-                    while n := f.readinto(buf):
-                        check.update(memoryview(buf)[:n])
-                    check.finish()
+                    reader.verify()
                 except CorruptCheckpointError as exc:
                     problems.append(str(exc))
         return problems

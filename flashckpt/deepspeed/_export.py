@@ -20,8 +20,9 @@ import pickle
 import shutil
 from typing import Any, Iterable, Iterator
 
-from .._errors import CheckpointError, CorruptCheckpointError
+from .._errors import CheckpointError
 from .._files import fsync_dir, write_atomic
+from .._shard_read import ShardReader, open_shard, read_tensors, unflatten
 from .._storage import LocalStorage
 from . import _objects
 
@@ -32,32 +33,18 @@ log = logging.getLogger(__name__)
 _MANIFEST = ".flashckpt-tags.json"
 
 
-def read_shard_tree(path: str, *, allow_pickle: bool = False) -> Any:
-    """The state a committed shard holds, with new tensors (any safetensors reader works)."""
-    from safetensors import safe_open
+def read_shard_tree(reader: ShardReader, *, allow_pickle: bool = False) -> Any:
+    """The state a committed shard holds, with new tensors, every block verified."""
+    from ..torch import _tensors  # noqa: F401  (registers the torch tensor kind)
 
-    try:
-        with safe_open(path, framework="pt") as f:
-            meta = json.loads(f.metadata()["flashckpt"])
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (OSError, KeyError, ValueError, RuntimeError) as exc:
-        raise CorruptCheckpointError(f"{path}: cannot read shard: {exc}") from exc
+    tensors = read_tensors(reader)
 
-    def build(node: Any) -> Any:
-        if "v" in node:
-            return node["v"]
-        if "t" in node:
-            return tensors[node["t"]]
-        if "p" in node:
-            if not allow_pickle:
-                raise CheckpointError(f"{path} holds pickled entries; the checkpointer had allow_pickle=False")
-            return pickle.loads(base64.b64decode(node["p"]))
-        if "d" in node:
-            return {k: build(v) for k, v in node["d"]}
-        items = [build(v) for v in node.get("l", node.get("u"))]
-        return tuple(items) if "u" in node else items
+    def pickled(blob: str) -> Any:
+        if not allow_pickle:
+            raise CheckpointError(f"{reader.path} holds pickled entries; the checkpointer had allow_pickle=False")
+        return pickle.loads(base64.b64decode(blob))
 
-    return build(meta["tree"])
+    return unflatten(reader.image.meta["tree"], tensors.__getitem__, pickled)
 
 
 def write_tag(files_by_rank: Iterable[dict[str, Any]], tag: str, tag_dir: str) -> int:
@@ -95,8 +82,9 @@ def export(directory: str, step: int, params: dict[str, Any]) -> None:
 
     def files() -> Iterator[dict[str, Any]]:
         for rank in range(meta["world_size"]):
-            path, _ = storage.shard_path(step, rank)
-            yield read_shard_tree(path, allow_pickle=params.get("allow_pickle", False))["deepspeed"]["files"]
+            with open_shard(storage, step, rank) as reader:
+                tree = read_shard_tree(reader, allow_pickle=params.get("allow_pickle", False))
+            yield tree["deepspeed"]["files"]
 
     count = write_tag(files(), tag, pending)
     if os.path.exists(final):

@@ -2,7 +2,7 @@
 
 Runs in the saver process (``flashckpt._exporters`` calls :func:`export` after the
 step commits), never in the trainer. It reads the committed safetensors shards
-without copying them (every tensor is a view of the mapped file with a storage of its
+(opened and verified by the one shard reader) without copying them (every tensor is a view of the mapped file with a storage of its
 own, so ``torch.save`` and ``safetensors`` write exactly the original bytes), writes
 the stock Trainer files into ``<run_dir>/.checkpoint-<N>.tmp-<pid>``, fsyncs them and
 renames the folder to ``checkpoint-<N>``, then rotates folders the way the Trainer
@@ -20,8 +20,6 @@ import logging
 import mmap
 import os
 import shutil
-import struct
-import sys
 import warnings
 from typing import Any
 
@@ -29,8 +27,8 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from .._format import parse_header
 from .._files import fsync_dir
+from .._shard_read import ShardReader, open_shard, unflatten
 from .._storage import LocalStorage
 from ..torch._tensors import DTYPE_NAMES
 from . import _deepspeed
@@ -49,29 +47,14 @@ def folder_name(step: int) -> str:
     return f"checkpoint-{step}"
 
 
-def _unflatten(node: Any, leaves: dict[str, Any]) -> Any:
-    if "v" in node:
-        return node["v"]
-    if "t" in node:
-        return leaves[node["t"]]
-    if "d" in node:  # keys interned as the literals they were, so pickle memoizes them alike
-        return {sys.intern(k) if type(k) is str else k: _unflatten(v, leaves) for k, v in node["d"]}
-    if "p" in node:
-        raise CheckpointError("the Hugging Face exporter does not unpickle state entries")
-    items = [_unflatten(v, leaves) for v in node.get("l", node.get("u"))]
-    return tuple(items) if "u" in node else items
-
-
-def read_shard(path: str) -> tuple[Any, mmap.mmap]:
-    """The state tree of one shard, its tensors viewing the mapped file (keep the map open)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else None
-    if mm is None or size < 8:
-        raise CorruptCheckpointError(f"{path}: empty or truncated shard")
-    (n,) = struct.unpack("<Q", mm[:8])
-    image = parse_header(mm[:8 + n], path, size)
-    base = len(image.header)
+def read_shard(reader: ShardReader) -> tuple[Any, mmap.mmap]:
+    """The state tree of one shard, once every block verified, its tensors viewing the
+    mapped file (keep the map open)."""
+    reader.verify()
+    if reader.size < 8:
+        raise CorruptCheckpointError(f"{reader.path}: empty or truncated shard")
+    mm = mmap.mmap(reader.fileno(), 0, prot=mmap.PROT_READ)
+    image, base = reader.image, reader.body_start
     kinds = image.meta["kinds"]
     leaves: dict[str, Any] = {}
     with warnings.catch_warnings():
@@ -88,7 +71,11 @@ def read_shard(path: str) -> tuple[Any, mmap.mmap]:
             else:  # its own storage over exactly these bytes, as the saved tensor had
                 leaves[e.name] = torch.frombuffer(mm, dtype=_TORCH_DTYPES[e.dtype], count=count,
                                                   offset=base + e.offset).view(e.shape)
-    return _unflatten(image.meta["tree"], leaves), mm
+    return unflatten(image.meta["tree"], leaves.__getitem__, _no_pickle), mm
+
+
+def _no_pickle(blob: str) -> Any:
+    raise CheckpointError("the Hugging Face exporter does not unpickle state entries")
 
 
 def _fsync(path: str) -> None:
@@ -169,8 +156,8 @@ def _write_pending(storage: LocalStorage, step: int, pending: str, static: str |
     try:
         ranks = []
         for rank in range(meta["world_size"]):
-            path, _ = storage.shard_path(step, rank)
-            tree, mm = read_shard(path)
+            with open_shard(storage, step, rank) as reader:
+                tree, mm = read_shard(reader)
             ranks.append(tree)
             maps.append(mm)
         if not isinstance(ranks[0], dict) or "hf" not in ranks[0]:

@@ -5,7 +5,7 @@ Each saved rank's tree is ``{"megatron": {"layout": "[...]", "data": [...], "obj
 ``ShardedTensor``, their keys and global offsets as one JSON string. A
 :class:`StepReader` indexes every rank's shard header (without reading bodies) and fills a requested block by reading, from each
 saved block it intersects, only the contiguous byte runs that hold the intersection.
-Sources are the committed safetensors files (``os.preadv``) or, for a restart with
+Sources are the committed safetensors files (through the one shard reader) or, for a restart with
 the same layout, this rank's own shared-memory image.
 """
 
@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import struct
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from .._checksum import BlockCheck, pread_exact
 from .._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from .._files import open_regular
-from .._format import MAX_HEADER, Entry, Image, parse_header
+from .._format import Entry, Image, header_length, parse_header
+from .._shard_read import ShardReader, unflatten
 from ..torch._tensors import DTYPE_NAMES
 from ._layout import Box, intersect, read_runs, volume
 
@@ -43,46 +41,30 @@ class Source(Protocol):
 
 
 class FileSource:
-    """A committed ``rank-R.safetensors`` read with positional reads.
+    """A committed ``rank-R.safetensors`` read through its :class:`ShardReader` (exact
+    reads, the blocks touched verified, the header's blocks on opening).
 
     ``shard`` is what :meth:`LocalStorage.open_shard` returns (the source owns and closes
     it), or a path, opened as a regular file only (no symlink, FIFO or device)."""
 
     def __init__(self, shard: str | io.FileIO, record: dict) -> None:
-        if isinstance(shard, io.FileIO):
-            self.where, self._fd = str(shard.name), os.dup(shard.fileno())
-            shard.close()
-        else:
-            self.where, self._fd = shard, open_regular(shard, shard)
+        if not isinstance(shard, io.FileIO):
+            path, shard = shard, io.FileIO(open_regular(shard, shard), "rb", closefd=True)
+            shard.name = path
+        self._reader = ShardReader(shard, record)
+        self.where, self.image = self._reader.path, self._reader.image
         try:
-            self._open(record)
+            self._reader.verify_header()
         except BaseException:
-            os.close(self._fd)
+            self._reader.close()
             raise
-
-    def _open(self, record: dict) -> None:
-        path = self.where
-        size = os.fstat(self._fd).st_size
-        if size != record["size"]:
-            raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {record['size']} (truncated?)")
-        head = os.pread(self._fd, 8, 0)
-        if len(head) < 8:
-            raise CorruptCheckpointError(f"{path}: truncated (no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER:
-            raise CorruptCheckpointError(f"{path}: header length {n} is invalid")
-        self.image = parse_header(head + os.pread(self._fd, min(n, size - 8), 8), path, size)
-        self._check = BlockCheck(record, path)
-        self._check.verify_range(self._fd, 0, len(self.image.header))
 
     def readinto(self, view: memoryview, body_offset: int) -> None:
         """Read ``view`` from the tensor data, verifying the checksums of the blocks it touches."""
-        at = len(self.image.header) + body_offset
-        self._check.verify_range(self._fd, at, at + len(view))
-        pread_exact(self._fd, view, at, self.where)
+        self._reader.readinto(view, self._reader.body_start + body_offset)
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._reader.close()
 
 
 class MemorySource:
@@ -91,7 +73,7 @@ class MemorySource:
     def __init__(self, slot: Any, base: int, where: str) -> None:
         self.where = where
         self._slot, self._base = slot, base
-        (n,) = struct.unpack_from("<Q", slot.mm, base)
+        n = header_length(memoryview(slot.mm)[base:base + 8], where)
         self.image = parse_header(memoryview(slot.mm)[base:base + 8 + n], where)
 
     def readinto(self, view: memoryview, body_offset: int) -> None:
@@ -108,20 +90,6 @@ class _Saved:
     box: Box
     entry: Entry
     global_shape: tuple[int, ...]
-
-
-def _plain_tree(node: Any, tensor: Any) -> Any:
-    """A skeleton node as Python values; tensors become ``tensor(name)``."""
-    if "v" in node:
-        return node["v"]
-    if "t" in node:
-        return tensor(node["t"])
-    if "p" in node:
-        return ("__pickled__", node["p"])
-    if "d" in node:
-        return {k: _plain_tree(v, tensor) for k, v in node["d"]}
-    items = [_plain_tree(v, tensor) for v in node.get("l", node.get("u"))]
-    return tuple(items) if "u" in node else items
 
 
 def _blocks(mg: dict) -> list[tuple]:
@@ -143,7 +111,8 @@ class StepReader:
         self.common: tuple[Source, Any] | None = None
         for source in sources:
             entries = {e.name: e for e in source.image.entries}
-            tree = _plain_tree(source.image.meta["tree"], lambda name: ("__tensor__", name))
+            tree = unflatten(source.image.meta["tree"], lambda name: ("__tensor__", name),
+                             lambda blob: ("__pickled__", blob))
             try:
                 mg = tree["megatron"]
             except (KeyError, TypeError):
