@@ -125,3 +125,31 @@ def test_a_hang_the_backstop_handled_is_not_reported_again_by_the_agent(tmp_path
         assert [(h["source"], h["step"]) for h in hangs] == [("agent", 2)], hangs
     finally:
         agent.stop()
+
+
+def test_one_hang_rule_inside_and_outside_and_one_claim():
+    """The agent's watch (inside) sees a hang past the timeout; the backstop (outside) only
+    past timeout + grace and once the agent's thread stopped beating; a hang is claimed once."""
+    now = time.monotonic()
+    progress = _watchdog.ProgressPublisher(job_id(), rank=0, policy=_watchdog.Policy.DUMP, dump_signal=10,
+                                           timeout_seconds=1.0, grace_seconds=2.0)
+    try:
+        progress.progress(7, now - 2.5)
+        progress.beat(now)
+        info = progress.read()
+        assert _watchdog.find_hang(info, now, outside=False) == pytest.approx(2.5)
+        assert _watchdog.find_hang(info, now, outside=True) is None  # within the grace
+        progress.progress(7, now - 5.0)
+        progress.beat(now - 3.0)  # the agent's thread cannot run
+        info = _watchdog.read_progress(progress.path)
+        assert _watchdog.find_hang(info, now, outside=True) == pytest.approx(5.0)
+        assert progress.claim(7) is True
+        fd = os.open(progress.path, os.O_RDWR)
+        try:
+            assert _watchdog.claim_hang(fd, 7) is False  # the backstop loses: handled once
+        finally:
+            os.close(fd)
+        for outside in (False, True):
+            assert _watchdog.find_hang(_watchdog.read_progress(progress.path), now, outside=outside) is None
+    finally:
+        progress.close()
