@@ -1,0 +1,712 @@
+"""Committed checkpoints in an object store (S3 and any fsspec URL), committed without rename.
+
+Layout under the URL ``<scheme>://<bucket>/<prefix>``::
+
+    step-<N>/rank-<R>.<token>.safetensors  one shard per rank, the writing run's token in its name
+    step-<N>/rank-<R>.<token>.done         its done marker (size, block crc32s, token), after the shard
+    step-<N>/metadata.json                 world size, every shard's file, size, block crc32s, token,
+                                           branch; written last: present = committed
+    latest                                 a hint: the newest committed step
+    .flashckpt-run.json                    the run lease (see :meth:`ObjectStorage.claim_run`)
+
+**Commit without rename.** Object stores have no atomic rename of a prefix, but one PUT
+of one object is atomic: a reader sees the old object or the new one, never a part.
+So the step's ``metadata.json`` is the commit. Whoever finds every rank's marker of its
+token writes it (two savers finding them at once write the same record), then checks
+that every shard it names is still there and retracts it otherwise (a concurrent cleanup
+of a superseded upload). A crash at any moment leaves shards and markers without
+metadata, which readers ignore (they read only steps with metadata and only the shards it
+names). The next commit removes stale uploads: those of older lines (a dead or older
+run) and of older steps of its own line, and an S3 multipart upload such a writer left
+open. Re-saving a step (a rollback, a newer line) overwrites its metadata in one PUT;
+the old line's shards are then stale uploads. Retention deletes a step's metadata
+first, then its shards. Lines, ``keep_last`` and the rule that a late commit of an older
+line never replaces a newer line's step are :mod:`flashckpt._storage`'s.
+
+**Uploads.** A shard below two parts is one PUT; a larger one (S3) is a multipart upload
+of :data:`PART_BYTES` parts (grown to stay within S3's 10,000 parts), :data:`CONCURRENCY`
+parts in flight on a sliding window: enough parallel streams to fill a fast NIC (one S3
+stream gives about 100 MB/s), and at most ``CONCURRENCY * PART_BYTES`` (256 MiB) of part
+copies in memory (the HTTP client needs ``bytes``, not the shared-memory view). Uploads
+run in the saver process, never on the training thread.
+
+**Reads** are ranged GETs: :class:`ObjectShard` reads exactly the ranges asked for,
+large ranges as parallel :data:`PART_BYTES` GETs, so a resharding load fetches only the
+bytes it needs. Small objects (metadata, markers, ``latest``, the lease) are read with a
+bounded range. Errors name the object's URL; a missing bucket or object is a
+:class:`CheckpointNotFoundError`, denied access or an unreachable endpoint a
+:class:`CheckpointError`, altered bytes a :class:`CorruptCheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, NamedTuple, TypeVar
+
+from ._checksum import BLOCK_SIZE, StreamCheck, block_crcs
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, JobConflictError
+from ._format import parse_header
+from ._slot import pid_alive
+from ._storage import (MAX_LATEST, MAX_METADATA, LocalStorage, ShardRecord, _Line, _image_token, _MAX_MARKER,
+                       _plain_name, _validate_metadata, line_key)
+from ._storage_url import parse_location
+
+__all__ = ["CONCURRENCY", "LEASE_SECONDS", "PART_BYTES", "ObjectShard", "ObjectStorage"]
+
+log = logging.getLogger(__name__)
+
+PART_BYTES = 16 << 20
+"""Bytes per multipart part and per ranged GET of a large read (S3's minimum part is 5 MiB)."""
+CONCURRENCY = 16
+"""Parts uploaded, or ranges fetched, at once for one object."""
+LEASE_SECONDS = 60.0
+"""A run lease not renewed for this long belongs to a dead run (renewed every quarter of it)."""
+LEASE = ".flashckpt-run.json"
+_MAX_PARTS = 10_000
+_STEP_KEY_RE = re.compile(r"^step-(\d+)/([^/]+)$")
+_UPLOAD_RE = re.compile(r"^rank-(\d+)\.([A-Za-z0-9_+-]+)\.(safetensors|done)$")
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_+-]{1,64}$")
+_T = TypeVar("_T")
+
+
+def _shard_object(rank: int, token: str) -> str:
+    return f"rank-{rank}.{token}.safetensors"
+
+
+def _marker_object(rank: int, token: str) -> str:
+    return f"rank-{rank}.{token}.done"
+
+
+def _translate(exc: Exception, what: str) -> CheckpointError:
+    """A flashckpt error for a storage client's exception; ``what`` names the action and object."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointNotFoundError(f"{what}: not found ({exc})")
+    if isinstance(exc, PermissionError):
+        return CheckpointError(f"{what}: access denied ({exc}); check the credentials the store's client reads "
+                               "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, fsspec configuration)")
+    return CheckpointError(f"{what} failed: {type(exc).__name__}: {exc}")
+
+
+def _call(what: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        raise _translate(exc, what) from exc
+
+
+def _flat(view: Any) -> memoryview:
+    view = memoryview(view)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class ObjectShard:
+    """One committed shard object opened for reading: ``name`` (its URL), ``size``,
+    sequential :meth:`readinto` and positional :meth:`pread_into` / :meth:`preadv`, each
+    one ranged GET per :data:`PART_BYTES` (in parallel); exact, or an error naming the
+    object. Thread safe for positional reads; a context manager."""
+
+    def __init__(self, fs: Any, key: str, name: str, size: int, *, concurrency: int = CONCURRENCY) -> None:
+        self._fs, self._key, self.name, self.size = fs, key, name, size
+        self._concurrency = concurrency
+        self._pos = 0
+
+    def readinto(self, view: Any) -> int:
+        """Fill ``view`` from the current position (less at the end of the object); the bytes read."""
+        view = _flat(view)
+        n = max(0, min(len(view), self.size - self._pos))
+        self.preadv([view[:n]], self._pos)
+        self._pos += n
+        return n
+
+    def pread_into(self, view: Any, offset: int) -> None:
+        """Fill ``view`` with the object's bytes from ``offset``, exactly."""
+        self.preadv([view], offset)
+
+    def preadv(self, pieces: list[Any], offset: int) -> None:
+        """Fill ``pieces`` (flat byte views) with consecutive bytes from ``offset``, exactly:
+        one ranged GET per :data:`PART_BYTES` of the range, several at once."""
+        views = [_flat(p) for p in pieces]
+        end = offset + sum(len(v) for v in views)
+        if offset < 0 or end > self.size:
+            raise CorruptCheckpointError(f"{self.name}: bytes {offset}-{end} lie outside its {self.size} bytes")
+        ranges = [(at, min(at + PART_BYTES, end)) for at in range(offset, end, PART_BYTES)]
+        targets = []  # per range: the slices of ``views`` it fills
+        pos, i, skip = offset, 0, 0
+        for start, stop in ranges:
+            parts = []
+            while pos < stop:
+                take = min(len(views[i]) - skip, stop - pos)
+                parts.append(views[i][skip:skip + take])
+                pos, skip = pos + take, skip + take
+                if skip == len(views[i]):
+                    i, skip = i + 1, 0
+            targets.append(parts)
+
+        def fetch(k: int) -> None:
+            start, stop = ranges[k]
+            data = _call(f"reading bytes {start}-{stop} of {self.name}", self._fs.cat_file, self._key,
+                         start=start, end=stop)
+            if len(data) != stop - start:
+                raise CorruptCheckpointError(f"{self.name}: truncated at byte {start + len(data)} (the commit "
+                                             f"recorded {self.size} bytes)")
+            at = 0
+            for part in targets[k]:
+                part[:] = data[at:at + len(part)]
+                at += len(part)
+
+        try:
+            _run_all(fetch, len(ranges), self._concurrency)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{self.name}: the shard object is gone from the store "
+                                          f"(deleted after the commit?): {exc}") from exc
+
+    def close(self) -> None:
+        """Nothing is held open between reads."""
+
+    def __enter__(self) -> "ObjectShard":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _run_all(job: Callable[[int], None], count: int, threads: int) -> None:
+    """``job(0..count-1)`` on up to ``threads`` threads (inline for one); the first error raised."""
+    if count <= 1:
+        for k in range(count):
+            job(k)
+        return
+    with ThreadPoolExecutor(min(threads, count), thread_name_prefix="flashckpt-object") as pool:
+        for future in [pool.submit(job, k) for k in range(count)]:
+            future.result()
+
+
+class _Commit(NamedTuple):
+    """A committed step's place in the order of steps and the run that committed it."""
+
+    line: _Line
+    token: str | None
+
+
+class _Lease:
+    """This process's hold of one URL's run lease, renewed by a daemon thread."""
+
+    def __init__(self, storage: "ObjectStorage", record: dict) -> None:
+        self.pid, self.record = os.getpid(), record
+        self.holders = {storage._holder}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=storage._renew, args=(self,), name="flashckpt-lease", daemon=True)
+        self.thread.start()
+
+
+_LEASES: dict[str, _Lease] = {}
+_LEASES_GUARD = threading.Lock()
+
+
+class ObjectStorage:
+    """Committed steps under one object-store URL; the methods and semantics of
+    :class:`~flashckpt._storage.LocalStorage`. Construction does no I/O."""
+
+    def __init__(self, url: str, *, part_bytes: int = PART_BYTES, concurrency: int = CONCURRENCY,
+                 lease_seconds: float = LEASE_SECONDS) -> None:
+        location = parse_location(url)
+        if location.url is None:
+            raise CheckpointError(f"{url!r} is a local path, not an object-store URL; use LocalStorage")
+        if part_bytes < 5 << 20 or concurrency < 1 or lease_seconds <= 0:
+            raise ValueError("part_bytes must be at least 5 MiB, concurrency at least 1, lease_seconds positive")
+        self.root = location.url
+        self._part_bytes, self._concurrency, self._lease_seconds = part_bytes, concurrency, lease_seconds
+        self._fs, self._base = _filesystem(location.url, location.scheme)
+        self._commits: dict[int, tuple[tuple, _Commit]] = {}
+        self._holder = object()  # this object's place among the process's holders of a lease
+
+    # -- names --------------------------------------------------------------------
+
+    def _key(self, name: str) -> str:
+        return f"{self._base}/{name}"
+
+    def _url(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _read_small(self, name: str, limit: int) -> bytes:
+        """A small object's bytes, at most ``limit`` (one bounded ranged GET)."""
+        data = _call(f"reading {self._url(name)}", self._fs.cat_file, self._key(name), start=0, end=limit + 1)
+        if len(data) > limit:
+            raise CorruptCheckpointError(f"{self._url(name)} is larger than {limit} bytes; refusing to read it")
+        return data
+
+    def _put_small(self, name: str, data: bytes) -> None:
+        _call(f"writing {self._url(name)}", self._fs.pipe_file, self._key(name), data)
+
+    def _list(self, under: str = "") -> dict[str, dict]:
+        """Every object below the root (or below ``under/``) by name relative to the root, listed afresh."""
+        top = self._key(under) if under else self._base
+        self._fs.invalidate_cache(top)
+        try:
+            found = self._fs.find(top, detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:
+            raise _translate(exc, f"listing {self.root}") from exc
+        cut = len(self._base) + 1
+        return {key[cut:]: info for key, info in found.items()
+                if key.startswith(f"{top}/") and info.get("type", "file") == "file"}
+
+    def _tree(self, under: str = "") -> dict[int, dict[str, dict]]:
+        """The listing by step: step -> {object name -> info}."""
+        steps: dict[int, dict[str, dict]] = {}
+        for name, info in self._list(under).items():
+            m = _STEP_KEY_RE.match(name)
+            if m is not None:
+                steps.setdefault(int(m.group(1)), {})[m.group(2)] = info
+        return steps
+
+    def _delete(self, names: list[str]) -> None:
+        if names:
+            _call(f"deleting {len(names)} objects in {self.root}", self._fs.rm, [self._key(n) for n in names])
+
+    # -- one live run -------------------------------------------------------------
+
+    def claim_run(self, token: str) -> None:
+        """Hold the run lease ``<url>/.flashckpt-run.json`` (token, host, pid, heartbeat
+        time) for this run, renewed every quarter of ``lease_seconds`` by a daemon thread
+        until :meth:`release_run` or exit.
+
+        Object stores have no ``flock``: a lease of another run counts as live while it
+        was renewed within ``lease_seconds`` (clocks assumed within a few seconds), unless
+        its pid is dead on this host or it carries this job's ``TORCHELASTIC_RUN_ID`` (a
+        restart of the same job); a live one is a :class:`JobConflictError` naming its pid
+        and host. Two runs claiming in the same instant may both succeed (no conditional
+        writes are assumed); the later one's lease then wins. Called once per run, by rank 0.
+        """
+        with _LEASES_GUARD:
+            held = _LEASES.get(self.root)
+            if held is not None and held.pid == os.getpid():
+                held.holders.add(self._holder)
+                return
+            other = self._read_lease()
+            if other is not None and other.get("token") != token and self._lease_live(other):
+                raise JobConflictError(self._conflict(other))
+            record = {"token": token, "host": socket.gethostname(), "pid": os.getpid(),
+                      "run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "started_at": time.time()}
+            self._put_small(LEASE, json.dumps({**record, "heartbeat_at": time.time()}).encode())
+            _LEASES[self.root] = _Lease(self, record)
+
+    def _read_lease(self) -> dict | None:
+        try:
+            lease = json.loads(self._read_small(LEASE, _MAX_MARKER))
+        except CheckpointNotFoundError:
+            return None
+        except (ValueError, CorruptCheckpointError) as exc:
+            log.warning("ignoring the unreadable run lease %s: %s", self._url(LEASE), exc)
+            return None
+        return lease if isinstance(lease, dict) else None
+
+    def _lease_live(self, lease: dict) -> bool:
+        try:
+            age = time.time() - float(lease["heartbeat_at"])
+            pid, host, run_id = int(lease["pid"]), str(lease["host"]), str(lease.get("run_id", ""))
+        except (KeyError, TypeError, ValueError):
+            return False
+        if age > self._lease_seconds or (run_id and run_id == os.environ.get("TORCHELASTIC_RUN_ID")):
+            return False
+        return not (host == socket.gethostname() and not pid_alive(pid))
+
+    def _conflict(self, lease: dict) -> str:
+        return (f"another run is live in {self.root}: pid {str(lease.get('pid'))[:20]} on host "
+                f"{str(lease.get('host'))[:255]} renewed {LEASE} within the last {self._lease_seconds:.0f}s; "
+                "stop it, or give this run another checkpoint URL")
+
+    def _renew(self, lease: _Lease) -> None:
+        """Renew ``lease`` until stopped, or until another run took the lease over."""
+        while not lease.stop.wait(self._lease_seconds / 4):
+            try:
+                there = self._read_lease()
+                if there is not None and there.get("token") != lease.record["token"]:
+                    log.error("the run lease %s was taken over by %s; no longer renewing it", self._url(LEASE),
+                              self._conflict(there))
+                    return
+                self._put_small(LEASE, json.dumps({**lease.record, "heartbeat_at": time.time()}).encode())
+            except CheckpointError as exc:
+                log.warning("renewing the run lease failed (retrying): %s", exc)
+
+    def release_run(self) -> None:
+        """Give up this object's claim; the lease is deleted when the process's last claim goes."""
+        with _LEASES_GUARD:
+            held = _LEASES.get(self.root)
+            if held is None or held.pid != os.getpid() or self._holder not in held.holders:
+                return
+            held.holders.discard(self._holder)
+            if held.holders:
+                return
+            del _LEASES[self.root]
+        held.stop.set()
+        held.thread.join()
+        try:
+            there = self._read_lease()
+            if there is not None and there.get("token") == held.record["token"]:
+                self._delete([LEASE])
+        except CheckpointError as exc:
+            log.warning("could not remove the run lease (it expires by itself): %s", exc)
+
+    # -- writing ------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Prove an object can be written and deleted under the URL: a missing bucket,
+        denied credentials or an unreachable endpoint is a clear error here."""
+        probe = f".probe-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            self._put_small(probe, b"ok")
+            self._delete([probe])
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(f"checkpoint URL {self.root}: its bucket does not exist ({exc})") from exc
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint URL {self.root} is not writable: {exc}") from exc
+
+    def write_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord:
+        """Upload one rank's image as ``step-N/rank-R.<token>.safetensors`` (multipart when
+        large), its block checksums computed meanwhile, then its done marker. An image
+        whose header names another run's token is refused. On failure the partial upload
+        is removed and a :class:`CheckpointError` is raised with the cause chained."""
+        if not _TOKEN_RE.match(token):
+            raise CheckpointError(f"run token {token[:80]!r} cannot name an object (letters, digits, _+- only)")
+        theirs = _image_token(image)
+        if theirs is not None and theirs != token:
+            raise CheckpointError(f"rank {rank} of step {step} was written by another run (token {theirs}); "
+                                  f"this save's token is {token}: shards of two runs never commit together")
+        name = f"step-{step}/{_shard_object(rank, token)}"
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="flashckpt-crc32") as summer:
+                sums = summer.submit(block_crcs, image, BLOCK_SIZE)
+                self._upload(name, image)
+                record = ShardRecord(rank, len(image), sums.result())
+            self._put_small(f"step-{step}/{_marker_object(rank, token)}",
+                            json.dumps({**record.to_json(), "token": token}).encode())
+            return record
+        except BaseException as exc:
+            try:
+                self._delete([name])
+            except CheckpointError:
+                pass
+            if isinstance(exc, Exception):
+                raise CheckpointError(f"writing rank {rank} of step {step} to {self.root} failed: {exc} "
+                                      "(the previous committed step is intact)") from exc
+            raise
+
+    def _upload(self, name: str, image: memoryview) -> None:
+        size = len(image)
+        part = max(self._part_bytes, -(-size // _MAX_PARTS))
+        if not hasattr(self._fs, "call_s3") or size < 2 * part:
+            _call(f"uploading {self._url(name)}", self._fs.pipe_file, self._key(name), bytes(image))
+            return
+        bucket, key, _ = self._fs.split_path(self._key(name))
+        what = f"uploading {self._url(name)}"
+        upload = _call(what, self._fs.call_s3, "create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        count = -(-size // part)
+        etags: list[str] = [""] * count
+
+        def send(k: int) -> None:
+            out = _call(f"{what} (part {k + 1} of {count})", self._fs.call_s3, "upload_part", Bucket=bucket, Key=key,
+                        UploadId=upload, PartNumber=k + 1, Body=bytes(image[k * part:(k + 1) * part]))
+            etags[k] = out["ETag"]
+
+        try:
+            _run_all(send, count, self._concurrency)
+            _call(what, self._fs.call_s3, "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+                  MultipartUpload={"Parts": [{"PartNumber": k + 1, "ETag": e} for k, e in enumerate(etags)]})
+        except BaseException:
+            try:
+                self._fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+            except Exception as exc:  # the next commit's cleanup aborts it
+                log.warning("could not abort the multipart upload of %s: %s", self._url(name), exc)
+            raise
+        finally:
+            self._fs.invalidate_cache(self._key(name))
+
+    def try_commit(self, step: int, world_size: int, token: str, keep_last: int, *,
+                   branch: int | None = None) -> bool:
+        """Commit ``step`` if every rank's marker of run ``token`` is there: write its
+        metadata (the commit), check that its shards are still there, apply the retention,
+        remove stale uploads, move ``latest``. True if this call or an earlier one of the
+        same run committed it; False if ranks are missing, or for a late commit of an older
+        line whose step number a newer line already holds (its upload is removed).
+        Safe to call from several savers at once (see the module docstring)."""
+        names = self._tree(f"step-{step}").get(step, {})
+        if any(_marker_object(r, token) not in names for r in range(world_size)):
+            return "metadata.json" in names and self._committed_by(step, token)
+        there = self._commit(step, names.get("metadata.json"))
+        if there is not None and there.line.key > line_key(token):
+            log.warning("discarding a late commit of step %d by an older run (token %s): %s holds that step "
+                        "of a newer line", step, token, self.root)
+            self._delete([f"step-{step}/{n}" for n in names if _upload_token(n) == token])
+            return False
+        if there is not None and there.token == token:
+            return True
+        meta = self._commit_record(step, world_size, token, branch, names)
+        if meta is None:
+            return False
+        where = f"step-{step}/metadata.json"
+        self._put_small(where, json.dumps(meta, indent=1).encode())
+        present = self._tree(f"step-{step}").get(step, {})
+        gone = [s["file"] for s in meta["shards"].values() if present.get(s["file"], {}).get("size") != s["size"]]
+        if gone:
+            log.warning("retracting the commit of step %d in %s: %s vanished meanwhile (a newer commit removed "
+                        "this superseded upload)", step, self.root, ", ".join(gone))
+            if self._committed_by(step, token):
+                self._delete([where])
+            return False
+        self._retain(keep_last, step, token)
+        order = self.steps_in_order()
+        if order and self._read_latest() != order[-1]:
+            self._put_small("latest", f"{order[-1]}\n".encode())
+        log.info("committed step %d (%d shards, %.1f MiB) in %s", step, world_size,
+                 sum(s["size"] for s in meta["shards"].values()) / 2**20, self.root)
+        return True
+
+    def _commit_record(self, step: int, world_size: int, token: str, branch: int | None,
+                       names: dict[str, dict]) -> dict | None:
+        """The metadata committing ``step`` from the markers of run ``token`` (read at
+        once), or None with an error logged when a marker or shard does not fit."""
+        markers = [f"step-{step}/{_marker_object(r, token)}" for r in range(world_size)]
+        oversize = [m for m in markers if names.get(m.split("/")[1], {}).get("size", 0) > _MAX_MARKER]
+        if oversize:
+            log.error("not committing step %d: %s is larger than %d bytes", step, self._url(oversize[0]), _MAX_MARKER)
+            return None
+        raw = _call(f"reading the done markers of step {step} in {self.root}", self._fs.cat,
+                    [self._key(m) for m in markers], on_error="return")
+        shards = {}
+        for rank, marker in enumerate(markers):
+            body = raw.get(self._key(marker))
+            try:
+                if not isinstance(body, bytes):
+                    raise ValueError(f"unreadable: {body}")
+                rec = json.loads(body)
+                if not isinstance(rec, dict) or rec.get("token") != token:
+                    raise ValueError("it names another run")
+                file = _shard_object(rank, token)
+                if names.get(file, {}).get("size") != rec.get("size"):
+                    raise ValueError(f"{file} is missing or not {rec.get('size')!r} bytes")
+            except ValueError as exc:
+                log.error("not committing step %d: %s: %s", step, self._url(marker), exc)
+                return None
+            shards[str(rank)] = {"file": file, **{k: rec.get(k) for k in ("size", "block_size", "block_crc32")}}
+        meta = {"format": "flashckpt/1", "step": step, "world_size": world_size, "token": token, "branch": branch,
+                "committed_at": time.time(), "shards": shards}
+        try:
+            return _validate_metadata(meta, step, self._url(f"step-{step}/metadata.json"))
+        except CorruptCheckpointError as exc:
+            log.error("not committing step %d: its markers do not make valid metadata: %s", step, exc)
+            return None
+
+    def _retain(self, keep_last: int, step: int, token: str) -> None:
+        """Delete abandoned steps of older lines and steps beyond ``keep_last`` in line
+        order (never ``step``, nor a step whose metadata cannot be read): all their
+        metadata first, then their shards and markers. Then remove stale uploads."""
+        tree = self._tree()
+        commits = self._commits_in(tree)
+        retired = {s: commits.pop(s).token for s in _doomed(_in_order(commits.values()), keep_last, step)}
+        self._delete([f"step-{s}/metadata.json" for s in sorted(retired)])
+        mine = line_key(token)
+
+        def stale(s: int, other: str) -> bool:
+            if s in commits and (not commits[s].line.readable or commits[s].token == other):
+                return False  # committed (or unreadable: which uploads it commits is unknown)
+            return other == retired.get(s) or line_key(other) < mine or (line_key(other) == mine and s < step)
+
+        self._delete([f"step-{s}/{n}" for s, names in tree.items() for n in names
+                      if (other := _upload_token(n)) is not None and stale(s, other)])
+        self._abort_stale_uploads(stale)
+
+    def _abort_stale_uploads(self, stale: Callable[[int, str], bool]) -> None:
+        """Abort S3 multipart uploads of shards that a killed writer left open, where ``stale(step, token)``."""
+        if not hasattr(self._fs, "list_multipart_uploads"):
+            return
+        bucket, prefix, _ = self._fs.split_path(self._base)
+        try:
+            uploads = self._fs.list_multipart_uploads(bucket)
+        except Exception as exc:
+            log.info("cannot list open multipart uploads in %s: %s", self.root, exc)
+            return
+        for upload in uploads:
+            key = str(upload.get("Key", ""))
+            m = _STEP_KEY_RE.match(key[len(prefix) + 1:] if prefix else key)
+            other = _upload_token(m.group(2)) if m and (not prefix or key.startswith(f"{prefix}/")) else None
+            if other is not None and stale(int(m.group(1)), other):
+                try:
+                    self._fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
+                                     UploadId=upload["UploadId"])
+                except Exception as exc:
+                    log.info("cannot abort the stale multipart upload of %s: %s", upload["Key"], exc)
+
+    # -- reading ------------------------------------------------------------------
+
+    def _read_latest(self) -> int | None:
+        try:
+            return int(self._read_small("latest", MAX_LATEST).strip())
+        except (CheckpointError, ValueError):
+            return None
+
+    def committed_steps(self) -> list[int]:
+        """Committed step numbers (those with ``metadata.json``), ascending."""
+        return sorted(s for s, names in self._tree().items() if "metadata.json" in names)
+
+    def _commit(self, step: int, info: dict | None) -> _Commit | None:
+        """The line and token of a committed step whose metadata object is ``info`` from a
+        listing (cached by its size and ETag or time); None if not committed."""
+        if info is None:
+            return None
+        ident = (info.get("size"), info.get("ETag") or info.get("LastModified") or info.get("created"))
+        cached = self._commits.get(step)
+        if cached is not None and cached[0] == ident:
+            return cached[1]
+        try:
+            meta = self.metadata(step)
+            there = _Commit(_Line(line_key(meta.get("token")), step, meta.get("branch"), True), meta.get("token"))
+        except CheckpointNotFoundError:
+            return None
+        except CheckpointError as exc:
+            log.info("step %d is ordered as the oldest line: %s", step, exc)
+            there = _Commit(_Line("", step, None, False), None)
+        self._commits[step] = (ident, there)
+        return there
+
+    def _commits_in(self, tree: dict[int, dict[str, dict]]) -> dict[int, _Commit]:
+        return {s: there for s, names in tree.items() if (there := self._commit(s, names.get("metadata.json")))}
+
+    def _order(self) -> list[_Line]:
+        """Committed steps' lines by (line, step), what LocalStorage's ordering methods read."""
+        return _in_order(self._commits_in(self._tree()).values())
+
+    # The order of steps is LocalStorage's, written once: these read only ``self._order()``
+    # and ``self.metadata()``.
+    _committed_by = LocalStorage._committed_by
+    steps_in_order = LocalStorage.steps_in_order
+    newest_key = LocalStorage.newest_key
+    newer_than_committed = LocalStorage.newer_than_committed
+
+    def latest_step(self) -> int | None:
+        """The newest committed step the store holds (``latest`` is only a hint, repaired
+        best effort when it names another step)."""
+        order = self.steps_in_order()
+        newest = order[-1] if order else None
+        if newest is not None and self._read_latest() != newest:
+            try:
+                self._put_small("latest", f"{newest}\n".encode())
+            except CheckpointError as exc:  # a read-only bucket: the hint stays stale
+                log.debug("cannot repair the latest hint in %s: %s", self.root, exc)
+        return newest
+
+    def metadata(self, step: int) -> dict:
+        """The committed step's metadata, read bounded and checked for types."""
+        where = f"step-{step}/metadata.json"
+        try:
+            raw = self._read_small(where, MAX_METADATA)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {self._url(where)})"
+                                          ) from None
+        try:
+            meta = json.loads(raw)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{self._url(where)}: unreadable metadata: {exc}") from exc
+        return _validate_metadata(meta, step, self._url(where))
+
+    def open_shard(self, step: int, rank: int) -> tuple[ObjectShard, dict]:
+        """A committed shard opened for ranged reads (``.name`` is its URL) and its record
+        (size, block checksums); the object must exist with the recorded size."""
+        meta = self.metadata(step)
+        record = meta["shards"].get(str(rank))
+        if record is None:
+            raise CheckpointNotFoundError(
+                f"step {step} in {self.root} has no shard for rank {rank} (world size {meta['world_size']})")
+        name = f"step-{step}/{_plain_name(record['file'], step, rank)}"
+        self._fs.invalidate_cache(self._key(name))
+        try:
+            size = _call(f"reading {self._url(name)}", self._fs.size, self._key(name))
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"missing shard object {self._url(name)} of committed step {step}") from None
+        if size != record["size"]:
+            raise CorruptCheckpointError(f"{self._url(name)}: {size} bytes, the commit recorded {record['size']} "
+                                         "(truncated or replaced?)")
+        return ObjectShard(self._fs, self._key(name), self._url(name), size, concurrency=self._concurrency), record
+
+    def verify(self, step: int) -> list[str]:
+        """Re-read every shard of ``step``; the problems found (empty when intact). A
+        shard whose header names another run's token is a problem."""
+        meta = self.metadata(step)
+        world, shards = meta["world_size"], meta["shards"]
+        problems = []
+        absent = [r for r in range(min(world, len(shards) + 6)) if str(r) not in shards][:5]
+        if len(shards) < world:
+            problems.append(f"step {step} in {self.root}: {world - len(shards)} of {world} ranks have no shard "
+                            f"(missing ranks {', '.join(map(str, absent))}{', ...' if world - len(shards) > 5 else ''})")
+        for rank in sorted(shards, key=int):
+            try:
+                self._verify_shard(step, int(rank), meta.get("token"))
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        return problems
+
+    def _verify_shard(self, step: int, rank: int, token: str | None) -> None:
+        shard, record = self.open_shard(step, rank)
+        check = StreamCheck(record, shard.name)
+        window = bytearray(min(shard.size, self._concurrency * PART_BYTES))
+        first = True
+        while n := shard.readinto(window):
+            view = memoryview(window)[:n]
+            if first:
+                first = False
+                theirs = _image_token(view)
+                if token and theirs is not None and theirs != token:
+                    raise CorruptCheckpointError(f"{shard.name} was written by another run (token {theirs}); "
+                                                 f"step {step} was committed by run {token}")
+            check.update(view)
+        check.finish()
+
+
+def _upload_token(name: str) -> str | None:
+    """The run token in an upload's object name (``rank-R.<token>.safetensors|done``), else None."""
+    m = _UPLOAD_RE.match(name)
+    return m.group(2) if m else None
+
+
+def _in_order(commits: Any) -> list[_Line]:
+    """The lines of ``commits`` by (line, step): the last is the newest."""
+    return sorted((c.line for c in commits), key=lambda ln: (ln.key, ln.step))
+
+
+def _doomed(order: list[_Line], keep_last: int, step: int) -> set[int]:
+    """The steps retention deletes, given committed steps in (line, step) order: those of
+    older lines past the newest line's branch, then all but the newest ``keep_last``;
+    never ``step`` nor a step whose metadata is unreadable."""
+    if not order:
+        return set()
+    newest = order[-1].key
+    branch = next((ln.branch for ln in order if ln.key == newest and ln.branch is not None), None)
+    abandoned = {ln.step for ln in order if branch is not None and ln.key < newest and ln.step > branch}
+    survivors = [ln.step for ln in order if ln.step not in abandoned]
+    beyond = set(survivors[:-keep_last]) if keep_last > 0 else set()
+    return {ln.step for ln in order if ln.readable and ln.step != step} & (abandoned | beyond)
+
+
+def _filesystem(url: str, scheme: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the root's path in it (imports fsspec and
+    the scheme's backend only now)."""
+    try:
+        from fsspec.core import url_to_fs
+        fs, path = url_to_fs(url)
+    except ImportError as exc:
+        from ._storage_url import OBJECT_SCHEMES
+        raise CheckpointError(f"{url}: {scheme}:// needs the {OBJECT_SCHEMES[scheme]} package "
+                              f"(pip install 'flashckpt[s3]' for S3): {exc}") from exc
+    except Exception as exc:
+        raise _translate(exc, f"opening {url}") from exc
+    return fs, path.rstrip("/")

@@ -1,0 +1,202 @@
+"""A real S3-compatible server for the object-store tests: moto's standalone server.
+
+moto (``moto[server]`` from PyPI) is what s3fs's own test suite starts: a real HTTP S3
+endpoint in a process of its own, on a free loopback port, stopped at the end of the
+session (also when a test fails). Its state lives in memory, so "the server killed and
+restarted" is played by :class:`Proxy`, a TCP relay in front of it that is killed (every
+connection cut) and restarted on the same port, which also counts the bytes the server
+sends (the ranged-read test). Clients find the server as a user's would: fsspec's
+configuration (``FSSPEC_S3`` in the environment of subprocesses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from flashckpt._engine import new_token
+from flashckpt._format import plan_image
+
+CREDENTIALS = {"key": "testing", "secret": "testing"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoServer:
+    """``python -m moto.server`` on a free loopback port."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto server did not start on {self.endpoint}")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def s3_config(endpoint: str, **extra: object) -> dict:
+    """fsspec's configuration of s3fs for ``endpoint`` (test credentials, quick failure)."""
+    return {"endpoint_url": endpoint, **CREDENTIALS,
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
+            **extra}
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    server = MotoServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """fsspec configured for the session's server (in this process and in subprocesses)."""
+    return use_endpoint(moto_server.endpoint, monkeypatch)
+
+
+def use_endpoint(endpoint: str, monkeypatch: pytest.MonkeyPatch, **extra: object) -> dict:
+    import fsspec.config
+
+    conf = s3_config(endpoint, **extra)
+    monkeypatch.setitem(fsspec.config.conf, "s3", conf)
+    monkeypatch.setenv("FSSPEC_S3", json.dumps(conf))
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for var in ("AWS_ENDPOINT_URL", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    return conf
+
+
+@pytest.fixture
+def bucket(s3: dict) -> str:
+    """A new, empty bucket (its name)."""
+    import s3fs
+
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(**s3).mkdir(name)
+    return name
+
+
+@pytest.fixture
+def url(bucket: str) -> str:
+    return f"s3://{bucket}/runs/a"
+
+
+def raw_fs():
+    """The s3fs filesystem of the current configuration (to look at or damage the bucket)."""
+    import fsspec
+
+    return fsspec.filesystem("s3")
+
+
+def image(token: str, body: int, seed: int = 0) -> bytes:
+    """A flashckpt safetensors image of one U8 tensor of ``body`` bytes, saved by run ``token``."""
+    head = plan_image([("w", "U8", (body,))], {"token": token, "kinds": {"w": "numpy"}}).header
+    return head + (bytes([(seed * 7 + 1) % 256]) * 64 + os.urandom(64)) * (body // 128) + b"\x05" * (body % 128)
+
+
+def token() -> str:
+    return new_token()
+
+
+class Proxy:
+    """A TCP relay from a loopback port to ``target``: :meth:`kill` cuts every connection
+    and stops listening, :meth:`start` listens again on the same port; ``sent_down``
+    counts the bytes relayed from the server to clients."""
+
+    def __init__(self, target: int) -> None:
+        self.target, self.port = target, free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.sent_down = 0
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        self.start()
+
+    def start(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            with self._lock:
+                self._socks += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, down: bool) -> None:
+        try:
+            while data := src.recv(1 << 20):
+                if down:
+                    with self._lock:
+                        self.sent_down += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def kill(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+@contextmanager
+def proxy_to(server: MotoServer) -> Iterator[Proxy]:
+    proxy = Proxy(server.port)
+    try:
+        yield proxy
+    finally:
+        proxy.kill()
