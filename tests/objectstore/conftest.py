@@ -132,12 +132,12 @@ def token() -> str:
 class Proxy:
     """A TCP relay from a loopback port to ``target``: :meth:`kill` cuts every connection
     and stops listening, :meth:`start` listens again on the same port; ``sent_down``
-    counts the bytes relayed from the server to clients."""
+    counts the bytes relayed from the server to clients, ``sent_up`` the other way."""
 
     def __init__(self, target: int) -> None:
         self.target, self.port = target, free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.sent_down = 0
+        self.sent_down = self.sent_up = 0
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self._listener: socket.socket | None = None
@@ -166,9 +166,11 @@ class Proxy:
     def _pump(self, src: socket.socket, dst: socket.socket, down: bool) -> None:
         try:
             while data := src.recv(1 << 20):
-                if down:
-                    with self._lock:
+                with self._lock:
+                    if down:
                         self.sent_down += len(data)
+                    else:
+                        self.sent_up += len(data)
                 dst.sendall(data)
         except OSError:
             pass

@@ -125,6 +125,10 @@ def test_uncommitted_steps_are_invisible_and_cleaned(url):
     with pytest.raises(CheckpointNotFoundError, match="step 2 is not committed"):
         storage.open_shard(2, 0)
     storage.write_shard(3, 0, run, memoryview(image(run, 1000)))  # this run's own older upload
+    fs, bucket, key = raw_fs(), url.removeprefix("s3://").split("/")[0], f"{url.split('/', 3)[3]}/step-2/rank-1.{dead}.safetensors"
+    upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]  # killed mid multipart upload
+    fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * (5 * MiB))
+    assert [u["Key"] for u in fs.list_multipart_uploads(bucket)] == [key]
     save(storage, 4, run, [1000], branch=1)
     assert storage.committed_steps() == [1, 4]
     later_upload = f"step-5/rank-0.{later}.safetensors"
@@ -133,6 +137,7 @@ def test_uncommitted_steps_are_invisible_and_cleaned(url):
     left = objects(url)
     assert not any(k.startswith(("step-2/", "step-3/")) for k in left), left  # stale uploads cleaned
     assert later_upload in left  # a newer line's upload is not this run's to clean
+    assert fs.list_multipart_uploads(bucket) == []
     assert storage.verify(1) == [] and storage.verify(6) == []
 
 
@@ -276,3 +281,21 @@ def test_import_flashckpt_imports_no_fsspec():
             "print(sorted(m for m in ('fsspec', 's3fs', 'botocore', 'aiobotocore') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_commit_whose_shards_vanish_is_retracted(url, monkeypatch):
+    """A newer commit's cleanup removing this (superseded) upload while it commits: the
+    metadata just written is withdrawn, never left naming missing shards."""
+    storage = store(url)
+    run = token()
+    storage.write_shard(1, 0, run, memoryview(image(run, 1000)))
+    real = storage._put_small
+
+    def put_then_lose_the_shard(name: str, data: bytes) -> None:
+        real(name, data)
+        if name == "step-1/metadata.json":
+            raw_fs().rm(f"{url}/step-1/rank-0.{run}.safetensors")
+
+    monkeypatch.setattr(storage, "_put_small", put_then_lose_the_shard)
+    assert not storage.try_commit(1, 1, run, 0)
+    assert storage.committed_steps() == []
