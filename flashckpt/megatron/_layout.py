@@ -5,13 +5,16 @@ A saved shard is a C-contiguous block of a global tensor, placed at ``offset`` w
 requested block, its intersection with each saved block; :func:`read_runs` turns an
 intersection into as few contiguous runs of the saved bytes as the layouts allow
 (one run when the block spans whole trailing dimensions, e.g. tensor-parallel splits
-along the first axis). Pure functions, no torch.
+along the first axis). Boxes intersect as the FSDP resharder's pieces do
+(:class:`flashckpt._reshard.Piece`). Pure functions, no torch.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+
+from .._reshard import Piece
 
 __all__ = ["Box", "intersect", "read_runs", "volume"]
 
@@ -23,21 +26,15 @@ class Box:
 
 
 def volume(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return Piece((), tuple(shape)).numel
 
 
 def intersect(a: Box, b: Box) -> Box | None:
-    """The common part of two boxes of the same rank, or None."""
+    """The common part of two boxes of the same rank, or None (the FSDP resharder's rule)."""
     if len(a.offset) != len(b.offset):
         raise ValueError(f"boxes of different rank: {a} and {b}")
-    lo = tuple(max(x, y) for x, y in zip(a.offset, b.offset))
-    hi = tuple(min(x + m, y + n) for x, m, y, n in zip(a.offset, a.shape, b.offset, b.shape))
-    if any(h <= l for l, h in zip(lo, hi)):
-        return None
-    return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+    common = Piece(a.offset, a.shape).intersect(Piece(b.offset, b.shape))
+    return None if common is None else Box(common.offsets, common.lengths)
 
 
 def read_runs(saved: Box, part: Box) -> tuple[int, list[int]]:
