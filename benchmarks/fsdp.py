@@ -2,16 +2,16 @@
 torch.distributed.checkpoint (DCP) on the same model, 2 gloo ranks on CPU.
 
     python benchmarks/fsdp.py [--params-m 48] [--repeats 3] [--dir DIR] [--json results/fsdp.json]
-                              [--device cuda]
+                              [--device cuda] [--source-world 4]
 
 ``--device cuda``: the model lives on the one GPU of a 1-rank job (NCCL for FSDP's
 collectives); the floor copies into page-locked host memory, and the resharded loads
 are left out (they need 2 ranks, and they read storage on any device).
 
 The model is a stack of square Linear layers (hidden 2048, one ``fully_shard`` each)
-with AdamW state after one step: parameters + two moments, fp32. A 1-rank job first
-saves the same state with both libraries; those checkpoints are the sources of the
-resharded loads (1 -> 2 ranks). Then, on 2 ranks, each repeat runs every method once
+with AdamW state after one step: parameters + two moments, fp32. A job of
+``--source-world`` ranks (4) first saves the same state with both libraries; those
+checkpoints are the sources of the resharded loads (4 -> 2 ranks). Then, on 2 ranks, each repeat runs every method once
 (in a rotated order) and the table shows medians over repeats of the slowest rank:
 
 - floor: one ``copy_`` of every local tensor into an already-touched /dev/shm file
@@ -20,11 +20,11 @@ resharded loads (1 -> 2 ranks). Then, on 2 ranks, each repeat runs every method 
   loop), so the medians are over 5 x repeats samples.
 - flashckpt save (blocking, persist=False, steady state), save + wait (durable), load
   from memory (in place), load from storage (a new job: nothing in memory; checksums
-  verified), resharded load (1 -> 2 ranks, ranged reads).
+  verified), resharded load (4 -> 2 ranks, ranged reads, the blocks read verified).
 - DCP save, async_save (time until it returns, i.e. the training stall, and until
   its future resolves), load (``dcp.load`` in place into the live DTensors; the
   ``set_state_dict`` a user would call after it is not timed, which favours DCP),
-  resharded load (1 -> 2 ranks).
+  resharded load (4 -> 2 ranks).
 
 Storage loads start from a page cache emptied of the checkpoint's files
 (posix_fadvise DONTNEED), for both libraries.
@@ -109,13 +109,13 @@ def drop_cache(*roots: str) -> None:
 
 
 def save_sources(rank: int, world: int, root: str, layers: int) -> None:
-    """World 1: the checkpoints the 2-rank job reshards from."""
+    """The checkpoints the 2-rank job reshards from (saved by ``world`` ranks)."""
     import torch.distributed.checkpoint as dcp
     from flashckpt.torch import FsdpCheckpointer
     model, opt = build(layers)
-    with FsdpCheckpointer(os.path.join(root, "flash-w1"), job_id=f"bw{hashlib.sha1(root.encode()).hexdigest()[:8]}") as ck:
+    with FsdpCheckpointer(os.path.join(root, "flash-src"), job_id=f"bw{hashlib.sha1(root.encode()).hexdigest()[:8]}") as ck:
         ck.save(1, model, opt, persist=True)
-    dcp.save(sharded_state(model, opt), checkpoint_id=os.path.join(root, "dcp-w1"))
+    dcp.save(sharded_state(model, opt), checkpoint_id=os.path.join(root, "dcp-src"))
 
 
 def measure(rank: int, world: int, root: str, layers: int, repeats: int, device: str) -> dict:
@@ -178,7 +178,7 @@ def measure(rank: int, world: int, root: str, layers: int, repeats: int, device:
 
     def flash_reshard() -> None:
         other = others.pop()
-        assert other.load(model, opt) == 1
+        assert other.load(model, opt) == 1 and other.last_load.source == "storage"
         closing.append(other)
 
     closing: list[Any] = []
@@ -201,7 +201,7 @@ def measure(rank: int, world: int, root: str, layers: int, repeats: int, device:
         dcp.load(sharded_state(model, opt), checkpoint_id=dcp_dir)
 
     def dcp_reshard() -> None:
-        dcp.load(sharded_state(model, opt), checkpoint_id=os.path.join(root, "dcp-w1"))
+        dcp.load(sharded_state(model, opt), checkpoint_id=os.path.join(root, "dcp-src"))
 
     methods = [
         ("steady saves", None, None),  # STEADY_SAVES pairs of the two below, back to back
@@ -209,12 +209,12 @@ def measure(rank: int, world: int, root: str, layers: int, repeats: int, device:
         ("flashckpt save + wait (durable)", flash_durable, None),
         ("flashckpt load from memory", lambda: ck.load(model, opt), None),
         ("flashckpt load from storage", flash_storage, lambda: open_other(os.path.join(root, "flash-w2"), "s")),
-        ("flashckpt resharded load 1->2", flash_reshard, lambda: open_other(os.path.join(root, "flash-w1"), "r")),
+        ("flashckpt resharded load", flash_reshard, lambda: open_other(os.path.join(root, "flash-src"), "r")),
         ("dcp save", dcp_save, None),
         ("dcp async_save (blocking)", dcp_async, None),
         ("dcp async_save (until done)", dcp_async_done, None),
         ("dcp load", dcp_load, lambda: drop_cache(dcp_dir)),
-        ("dcp resharded load 1->2", dcp_reshard, lambda: drop_cache(os.path.join(root, "dcp-w1"))),
+        ("dcp resharded load", dcp_reshard, lambda: drop_cache(os.path.join(root, "dcp-src"))),
     ]
     if world == 1:
         methods = [m for m in methods if "resharded" not in m[0]]
@@ -255,13 +255,14 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir under /tmp)")
     parser.add_argument("--json", default=str(REPO / "results" / "fsdp.json"))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--source-world", type=int, default=4, help="ranks that save the resharded loads' source")
     args = parser.parse_args()
     layers = max(1, round(args.params_m * 1e6 / (HIDDEN * HIDDEN + HIDDEN)))
     root = tempfile.mkdtemp(prefix="flashckpt-fsdp-bench-", dir=args.dir)
     world, backend = (1, "cpu:gloo,cuda:nccl") if args.device == "cuda" else (2, "gloo")
     try:
         if world > 1:
-            run_ranks(save_sources, 1, root, layers, timeout=3600)
+            run_ranks(save_sources, args.source_world, root, layers, timeout=3600)
         result = run_ranks(measure, world, root, layers, args.repeats, args.device, timeout=3600,
                            backend=backend)[0]
     finally:
@@ -276,8 +277,8 @@ def main() -> None:
         "dcp load / flashckpt load from storage": med["dcp load"] / med["flashckpt load from storage"],
     }
     if world > 1:
-        ratios["dcp resharded load / flashckpt resharded load"] = (med["dcp resharded load 1->2"]
-                                                                   / med["flashckpt resharded load 1->2"])
+        ratios[f"dcp resharded load / flashckpt resharded load ({args.source_world}->2)"] = (
+            med["dcp resharded load"] / med["flashckpt resharded load"])
     total_bytes = sum(result["state_bytes_per_rank"])
     where = f"1 rank on {args.device}" if world == 1 else "2 gloo ranks on CPU"
     print(f"FSDP2, {where}, {layers} x Linear({HIDDEN}, {HIDDEN}) + AdamW: "

@@ -2,6 +2,7 @@
 
     python benchmarks/save_load.py [--size small|large|both] [--repeats 5]
                                    [--dir DIR] [--json results/save_load.json]
+                                   [--methods floor,flashckpt,torch,dcp,dlrover,dd]
 
 The state is GPT-2-shaped (see _state.py): "large" is GPT-2 small's AdamW training state
 (124M fp32 parameters + two moments, 1.49 GB), "small" a 357 MB variant. Each repeat runs
@@ -26,6 +27,10 @@ What is timed, and the floor each ratio is taken against:
   (*) Its "persisted" is its tracker file naming the step: the shard itself is written
   by torch.save with no fsync, so that time (and dlrover_persist) is not durability.
 - dd to the same directory, buffered + conv=fsync and oflag=direct: the persist floor.
+- the read floor: flashckpt's committed files read cold with ``dd iflag=direct bs=16M``
+  and with READ_THREADS threads of 16 MiB ``preadv`` (no checksums, into one reused
+  buffer a thread); the faster of the two is the floor of every load from storage
+  (flashckpt's, torch.load's, DCP's: each reads about the same bytes).
 
 n in the table counts samples: a repeat takes several of some (floor copies, steady
 saves), and the torchrun restarts of DLRover run in the first repeat only.
@@ -42,7 +47,6 @@ import gc
 import glob
 import json
 import math
-import mmap
 import os
 import platform
 import re
@@ -51,10 +55,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +83,7 @@ SHM = Path("/dev/shm")
 STEADY_SAVES = 3
 FLOOR_COPIES = 3  # floor samples a repeat: every ratio divides by the floor's median
 DD_BLOCK = 16 * 1024 * 1024
+READ_THREADS = 8
 CHILD_TIMEOUT_SECONDS = 900
 RESULT_PREFIX = "RESULT "
 
@@ -99,11 +106,14 @@ METRICS: list[Metric] = [
     Metric("flashckpt.durable_steady", "flashckpt save+wait (durable), steady", None),
     Metric("flashckpt.open_new_process", "flashckpt Checkpointer(), new process", None),
     Metric("flashckpt.load_memory", "flashckpt load from memory, new process", "floor.load"),
-    Metric("flashckpt.load_storage", "flashckpt load from storage, new process", "floor.load"),
+    Metric("floor.read_dd", "read floor: dd iflag=direct bs=16M, cold", "floor.read"),
+    Metric("floor.read_preads", f"read floor: {READ_THREADS} threads of 16M preadv, cold", "floor.read"),
+    Metric("floor.read", "read floor: the faster of the two, per repeat", "floor.read"),
+    Metric("flashckpt.load_storage", "flashckpt load from storage, new process", "floor.read"),
     Metric("torch.save_fsync", "torch.save + fsync", "floor.save"),
-    Metric("torch.load", "torch.load + copy into state", "floor.load"),
+    Metric("torch.load", "torch.load + copy into state", "floor.read"),
     Metric("dcp.save", "DCP save", "floor.save"),
-    Metric("dcp.load", "DCP load (in place)", "floor.load"),
+    Metric("dcp.load", "DCP load (in place)", "floor.read"),
     Metric("dcp.async_stall", "DCP async_save stall until staged", "floor.save"),
     Metric("dcp.async_total", "DCP async_save total", None),
     Metric("dcp.reused_stall_first", "DCP async_save stall, reused stager, first", "floor.save"),
@@ -272,6 +282,7 @@ def bench_flashckpt(ctx: Context) -> None:
         ck.close()
     evict(directory)
     _flashckpt_child_load(ctx, directory, job_id, "flashckpt.load_storage", memory_step)
+    bench_read_floor(ctx, directory / f"step-{memory_step}")  # the step that load read
     shutil.rmtree(directory)
 
 
@@ -292,6 +303,42 @@ def _flashckpt_child_load(ctx: Context, directory: Path, job_id: str, key: str, 
         ctx.source(key, f"memory or storage, step {result['step']}")
     else:
         ctx.source(key, f"storage, step {result['step']}")
+
+
+def bench_read_floor(ctx: Context, directory: Path) -> None:
+    """The read floor on the shards of one committed step, cold: dd O_DIRECT, and parallel preads."""
+    files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+    evict(directory)
+    dd = timed(lambda: [subprocess.run(["dd", f"if={f}", "of=/dev/null", f"bs={DD_BLOCK}", "iflag=direct"],
+                                       check=True, capture_output=True) for f in files])
+    evict(directory)
+    preads = timed(lambda: parallel_read(files, READ_THREADS))
+    ctx.add("floor.read_dd", dd)
+    ctx.add("floor.read_preads", preads)
+    ctx.add("floor.read", min(dd, preads))
+
+
+def parallel_read(files: list[Path], threads: int) -> int:
+    """Read ``files`` whole with ``threads`` threads of DD_BLOCK preads; returns the bytes read."""
+    jobs = []
+    for path in files:
+        size = path.stat().st_size
+        jobs += [(path, at, min(DD_BLOCK, size - at)) for at in range(0, size, DD_BLOCK)]
+    fds = {path: os.open(path, os.O_RDONLY) for path in files}
+    local = threading.local()
+
+    def read(job: tuple[Path, int, int]) -> int:
+        path, at, n = job
+        if getattr(local, "buf", None) is None:
+            local.buf = bytearray(DD_BLOCK)
+        return os.preadv(fds[path], [memoryview(local.buf)[:n]], at)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return sum(pool.map(read, jobs))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 # ---- torch.save / torch.load and torch.distributed.checkpoint ----------------------------
@@ -475,18 +522,19 @@ METHODS: list[tuple[str, Callable[[Context], None]]] = [
 # ---- one size: run, summarise, print -----------------------------------------------------
 
 
-def run_size(spec: StateSpec, repeats: int, root: Path) -> dict[str, Any]:
+def run_size(spec: StateSpec, repeats: int, root: Path, methods: list[str]) -> dict[str, Any]:
     print(f"== {spec.describe()}: building the state", flush=True)
     state = build_state(spec)
     ctx = Context(
         spec=spec, state=state, expected=fingerprint(state), nbytes=nbytes(state), workdir=root / spec.name
     )
+    chosen = [(name, bench) for name, bench in METHODS if name in methods]
     for repeat in range(repeats):
         ctx.repeat = repeat
-        shift = repeat % len(METHODS)
+        shift = repeat % len(chosen)
         ctx.load_average.append(os.getloadavg()[0])
         print(f"  repeat {repeat + 1}/{repeats} (load average {ctx.load_average[-1]:.2f}):", end="", flush=True)
-        for name, bench in METHODS[shift:] + METHODS[:shift]:
+        for name, bench in chosen[shift:] + chosen[:shift]:
             print(f" {name}", end="", flush=True)
             try:
                 bench(ctx)
@@ -562,7 +610,17 @@ def _goals(metrics: dict[str, Any], rates: dict[str, float | None]) -> list[dict
     dd = max((r for r in (dd_fsync, dd_direct) if r), default=None)
     versus_dd = persist / dd if persist and dd else None
     versus_fsync = persist / dd_fsync if persist and dd_fsync else None
+    def speedup(slower: str, faster: str) -> float | None:
+        a, b = metrics.get(slower, {}).get("median_s"), metrics.get(faster, {}).get("median_s")
+        return a / b if a and b else None
+
     goals: list[tuple[str, float | None, Callable[[float], bool] | None]] = [
+        ("load from storage, new process: speed >= 0.8x the read floor", speedup("floor.read", "flashckpt.load_storage"),
+         lambda v: v >= 0.8),
+        ("load from storage faster than DCP load (x faster)", speedup("dcp.load", "flashckpt.load_storage"),
+         lambda v: v > 1.0),
+        ("load from storage faster than torch.load + copy (x faster)",
+         speedup("torch.load", "flashckpt.load_storage"), lambda v: v > 1.0),
         ("save stall (steady) <= 1.2x floor", ratio("flashckpt.stall_steady"), lambda v: v <= 1.2),
         ("load from memory, new process <= 2x floor", ratio("flashckpt.load_memory"), lambda v: v <= 2.0),
         ("persist throughput >= 0.8x dd (the faster dd)", versus_dd, lambda v: v >= 0.8),
@@ -666,7 +724,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", default="/tmp",
                         help="storage directory, made if missing (a temp folder is made inside)")
     parser.add_argument("--json", default=str(REPO / "results" / "save_load.json"))
+    parser.add_argument("--methods", default=",".join(name for name, _ in METHODS),
+                        help="comma-separated methods to run (default: all)")
     args = parser.parse_args(argv)
+    args.methods = args.methods.split(",")
+    unknown = sorted(set(args.methods) - {name for name, _ in METHODS})
+    if unknown:
+        parser.error(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(name for name, _ in METHODS)}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     try:
@@ -689,7 +753,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     try:
         for name in names:  # each size's table and JSON as soon as it is done
-            results[name] = run_size(SPECS[name], args.repeats, root)
+            results[name] = run_size(SPECS[name], args.repeats, root, args.methods)
             print_table(results[name])
             out.write_text(json.dumps({"machine": machine(), "sizes": results}, indent=2) + "\n")
     finally:
