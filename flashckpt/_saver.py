@@ -400,6 +400,11 @@ class Saver:
             result = persist_slot(job.slot, job.generation, job.info,
                                   already_persisted=self.persisted.get(job.slot) == job.generation)
         except Exception as exc:
+            if job.unless_committed is not None and not LocalStorage(directory).newer_than_committed(token, newer):
+                # another node's saver committed the newer step (and cleared this one's tmp) meanwhile
+                log.info("step %d was committed while its fallback %s was written (%s): not needed", newer,
+                         job.slot, exc)
+                return
             log.exception("persisting %s failed", job.slot)
             if job.client is not None:
                 job.client.send({"op": "persisted", "error": f"{type(exc).__name__}: {exc}",

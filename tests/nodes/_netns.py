@@ -26,9 +26,9 @@ __all__ = ["Nodes", "missing_requirements"]
 
 PREFIX = "fcn-"
 
-# sh -c SCRIPT sh HOSTS HOSTNAME ARGV...: private /dev/shm, the nodes' /etc/hosts, the hostname
-_NODE_SHELL = ('mount -t tmpfs -o size=256m tmpfs /dev/shm && mount --bind "$1" /etc/hosts && '
-               'hostname "$2" && shift 2 && exec "$@"')
+# sh -c SCRIPT sh HOSTS HOSTNAME SHM_SIZE ARGV...: private /dev/shm, the nodes' /etc/hosts, the hostname
+_NODE_SHELL = ('mount -t tmpfs -o "size=$3" tmpfs /dev/shm && mount --bind "$1" /etc/hosts && '
+               'hostname "$2" && shift 3 && exec "$@"')
 
 
 def missing_requirements() -> str | None:
@@ -48,7 +48,7 @@ def _ip(*args: str) -> None:
 class Nodes:
     """``count`` nodes; ``spawn(i, argv)`` runs a command on node ``i``."""
 
-    def __init__(self, count: int = 2) -> None:
+    def __init__(self, count: int = 2, *, shm_size: str = "256m") -> None:
         if count != 2:
             raise ValueError("one veth pair joins exactly two nodes")
         token = secrets.token_hex(3)
@@ -56,6 +56,8 @@ class Nodes:
         self.hostnames = [f"node{i}" for i in range(count)]
         subnet = secrets.randbelow(256)
         self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(count)]
+        self.shm_size = shm_size
+        """Each node's private /dev/shm (a tmpfs ``size=``)."""
         self._procs: list[subprocess.Popen] = []
         self._dir = tempfile.mkdtemp(prefix="fcn-hosts-")
         self._hosts = os.path.join(self._dir, "hosts")
@@ -88,7 +90,7 @@ class Nodes:
     def spawn(self, i: int, argv: list[str], **popen) -> subprocess.Popen:
         """Start ``argv`` on node ``i`` (its own network, /dev/shm, hostname)."""
         cmd = ["ip", "netns", "exec", self.namespaces[i], "unshare", "-m", "-u", "sh", "-c", _NODE_SHELL,
-               "sh", self._hosts, self.hostnames[i], *argv]
+               "sh", self._hosts, self.hostnames[i], self.shm_size, *argv]
         proc = subprocess.Popen(cmd, **popen)
         self._procs.append(proc)
         return proc
