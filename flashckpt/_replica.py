@@ -33,9 +33,11 @@ import ipaddress
 import json
 import logging
 import os
+import queue
 import secrets
 import socket
 import struct
+import threading
 import zlib
 from typing import Any, Callable
 
@@ -154,35 +156,66 @@ def recv_message(sock: socket.socket) -> dict[str, Any]:
     return msg
 
 
+class _Crc:
+    """The crc32 of a stream of chunks, computed on a helper thread while the caller moves
+    the bytes (zlib releases the GIL), so the checksum costs no time where a core is free."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._chunks: "queue.SimpleQueue[memoryview | None]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="flashckpt-replica-crc", daemon=True)
+        self._thread.start()
+
+    def add(self, chunk: memoryview) -> None:
+        self._chunks.put(chunk)
+
+    def result(self) -> int:
+        self._chunks.put(None)
+        self._thread.join()
+        return self.value
+
+    def _run(self) -> None:
+        while (chunk := self._chunks.get()) is not None:
+            self.value = zlib.crc32(chunk, self.value)
+
+
 def send_image(sock: socket.socket, view: memoryview, still_valid: Callable[[], bool],
                crc: int | None = None) -> bool:
     """Send ``view`` then a trailer with its crc32 (``crc``: the recorded one, so that bytes
     damaged at rest fail the receiver's check too). ``still_valid()`` is asked after the
     bytes went out (the seqlock's second read); if it says no, the trailer tells the
     receiver to drop the image. Returns whether the image was valid."""
-    computed = 0
-    for at in range(0, len(view), CHUNK):
-        part = view[at:at + CHUNK]
-        if crc is None:
-            computed = zlib.crc32(part, computed)
-        sock.sendall(part)
+    computed = _Crc() if crc is None else None
+    try:
+        for at in range(0, len(view), CHUNK):
+            part = view[at:at + CHUNK]
+            if computed is not None:
+                computed.add(part)
+            sock.sendall(part)
+    finally:
+        total = computed.result() if computed is not None else crc
     valid = still_valid()
-    send_message(sock, {"crc32": computed if crc is None else crc, "valid": valid})
+    send_message(sock, {"crc32": total, "valid": valid})
     return valid
 
 
 def recv_image(sock: socket.socket, into: memoryview) -> int:
     """Receive an image into ``into`` and its trailer; the verified crc32, or a ReplicaError
     when the sender withdrew it or the bytes fail their checksum."""
-    crc = 0
-    got = 0
-    while got < len(into):
-        k = sock.recv_into(into[got:got + CHUNK])
-        if k == 0:
-            raise ReplicaError(f"the peer closed the connection in the middle of an image ({got} of "
-                               f"{len(into)} bytes)")
-        crc = zlib.crc32(into[got:got + k], crc)
-        got += k
+    computed = _Crc()
+    got = summed = 0
+    try:
+        while got < len(into):
+            k = sock.recv_into(into[got:got + CHUNK])
+            if k == 0:
+                raise ReplicaError(f"the peer closed the connection in the middle of an image ({got} of "
+                                   f"{len(into)} bytes)")
+            got += k
+            if got - summed >= CHUNK or got == len(into):
+                computed.add(into[summed:got])
+                summed = got
+    finally:
+        crc = computed.result()
     trailer = recv_message(sock)
     if not trailer.get("valid"):
         raise ReplicaError("the sender withdrew the image (a newer save replaced it while it was sent)")

@@ -2,7 +2,8 @@
 
 Trainers connect over a Unix socket in the user's private shared-memory directory
 (peers of another uid are refused) and send small JSON messages (``hello``, ``saved``,
-``info``, ``flush``, ``wait``, ``close``). Where a slot goes on storage, its retention,
+``info``, ``flush``, ``wait``, ``close``; on several nodes ``replicate`` and
+``replica_peer``, which start peer-memory replicas, see ``flashckpt._replica``). Where a slot goes on storage, its retention,
 exporter and pickling come from these messages of an authenticated trainer, never from
 the bytes in shared memory. A worker thread
 writes slots to storage one at a time, so persisting never competes with training

@@ -282,3 +282,15 @@ def test_a_stalled_receiver_never_makes_save_wait_then_a_live_one_gets_the_newes
         ck.close()
         stalled.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("bad", [2, -1, True, "1", 0.5])
+def test_bad_replicas_values_are_a_clear_error(tmp_path, bad):
+    with pytest.raises(ValueError, match="replicas must be 0"):
+        Checkpointer(tmp_path / "ckpt", replicas=bad)
+
+
+def test_one_node_needs_no_replicas(tmp_path, jobs):
+    with Checkpointer(tmp_path / "ckpt", job_id=jobs[0], replicas=1) as ck:
+        assert ck.engine._endpoints == {}  # a single node has no peer: nothing listens
+        ck.save(1, {"w": torch.ones(4)})
