@@ -92,7 +92,8 @@ class ReplicaService:
                 self._cond.notify_all()
 
     def busy(self) -> bool:
-        """A transfer is in progress (the saver lingers for it)."""
+        """A peer is pushing or fetching a replica here (the saver lingers for it; its own
+        pushes do not keep it: a peer that is gone must not keep the saver forever)."""
         with self._cond:
             return self._busy > 0
 
@@ -192,7 +193,6 @@ class ReplicaService:
                 if self._stopped:
                     return
                 peer, secret, due = self.peer, self._secrets[0], self._due()
-                self._busy += 1
             try:
                 self._push_round(peer, secret, due)
             except (ReplicaError, OSError) as exc:
@@ -201,8 +201,6 @@ class ReplicaService:
             except Exception:
                 log.exception("pushing replicas to %s:%d failed", *peer)
                 time.sleep(_RETRY_SECONDS)
-            finally:
-                self._leave()
 
     def _push_round(self, peer: tuple[str, int], secret: str, due: list[tuple[str, dict[str, Any]]]) -> None:
         sock = connect_peer(peer, secret)
