@@ -10,7 +10,7 @@ coordinator's) is saved with it every ``EVERY`` steps. The ranks of a round agre
 round id (rank 0's, broadcast). Each process appends JSON lines to
 ``SHARED_DIR/events-<host>-<pid>.jsonl``: ``launch``, ``start`` (rank, world, round,
 restored step), ``trained`` (round, step, the sample ids this rank trained in it), ``pause``
-and ``done`` (rank 0: the model). ``--pause W:S:P``: the first time a round of world size W
+and ``done`` (rank 0: the model, the coordinator's progress). ``--pause W:S:P``: the first time a round of world size W
 reaches step S (a marker file per rank in SHARED_DIR), each rank of this torchrun sleeps P
 seconds there, so the test can kill or add a node at a known step between checkpoints.
 """
@@ -93,7 +93,7 @@ def main() -> None:
             time.sleep(pause)
     ckpt.close()
     if rank == 0:
-        emit(event="done", round=round_id, step=step, model=model.tolist())
+        emit(event="done", round=round_id, step=step, model=model.tolist(), progress=sampler.progress())
     dist.barrier()
     dist.destroy_process_group()
 

@@ -9,7 +9,8 @@ every 3 steps (``_data_worker.py``):
    process of node 1. Node 0's workers fail on the lost peer, its agent restarts them alone.
 2. 1 node x 2 ranks restore step 3 from memory (steps 4-5 are rolled back), train to step 8
    and stop; a new node 1 with 3 ranks joins, node 0's agent restarts its workers for it.
-3. 2 + 3 ranks restore step 6 from storage (node 1's memory is new) and finish the epoch.
+3. 2 + 3 ranks restore step 6 (node 1's memory is new: from storage or node 0's replica)
+   and finish the epoch.
 
 Workers log the samples they train per round and step; a round that restored step S
 keeps the timeline's steps up to S and replaces the rest. The surviving timeline must
@@ -42,13 +43,13 @@ class DataJob(Job):
     """An elastic job of one or two nodes, each with its own number of ranks."""
 
     def __init__(self, nodes: Nodes, tmp_path, worker_args: list[str]) -> None:
-        # a node is gone after 5 missed heartbeats of 1 s (default 3 of 5 s); fewer lets an agent
-        # starved of CPU for 2 s on a loaded machine be taken for dead, and a joining node then
-        # forms a round of its own
-        super().__init__(nodes, tmp_path, kill_rank=-1, share_store=False,
+        # a node is gone 5 s after its last heartbeat (default 15 s). Not 2 s: torch 2.13's agent
+        # may beat only every other keep_alive_interval (its timer ticks each interval, but beats
+        # only if the last beat is at least an interval old), so with keep_alive_max_attempt=2 a
+        # live node 0 is taken for dead and a joining node 1 forms a round of its own (3 runs in 3)
+        super().__init__(nodes, tmp_path, kill_rank=-1, share_store=False, worker_args=tuple(worker_args),
                          rdzv_conf="keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout=1")
         self.env["LOGLEVEL"] = "INFO"  # the agents' rendezvous decisions, in the logs a failure shows
-        self.worker_args = worker_args
 
     def start(self, i: int, nproc: int, pauses: tuple[str, ...]) -> None:
         log = open(self.tmp_path / f"torchrun-node{i}-{len(self.logs)}.log", "w")
@@ -190,3 +191,5 @@ def test_every_sample_once_through_4_to_2_to_5_ranks_across_nodes(tmp_path, back
         f"{backend}: samples never trained {missing}, trained more than once {twice}"
     [done] = job.events("done")
     assert done["model"] == [1] * SAMPLES, f"the final model counts {Counter(done['model'])}"
+    progress = done["progress"]  # the coordinator agrees: every shard done, none held
+    assert progress["finished"] and (progress["todo"], progress["leased"]) == (0, 0), progress
