@@ -10,9 +10,10 @@ coordinator's) is saved with it every ``EVERY`` steps. The ranks of a round agre
 round id (rank 0's, broadcast). Each process appends JSON lines to
 ``SHARED_DIR/events-<host>-<pid>.jsonl``: ``launch``, ``start`` (rank, world, round,
 restored step), ``trained`` (round, step, the sample ids this rank trained in it), ``pause``
-and ``done`` (rank 0: the model, the coordinator's progress). ``--pause W:S:P``: the first time a round of world size W
-reaches step S (a marker file per rank in SHARED_DIR), each rank of this torchrun sleeps P
-seconds there, so the test can kill or add a node at a known step between checkpoints.
+and ``done`` (rank 0: the model, the coordinator's progress). ``--pause W:S:P``: the first
+time a round of world size W reaches step S (a marker file per rank in SHARED_DIR), each rank
+of this torchrun sleeps P seconds there, so the test can kill or add a node at a known step
+between checkpoints.
 """
 
 import argparse
