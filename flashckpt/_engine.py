@@ -27,8 +27,8 @@ from ._client import SaverClient, saver_timeout
 from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError,
                       JobConflictError, StateMismatchError)
 from ._format import Entry, Image, parse_header, plan_image
-from ._replica import ReplicaError, advertised_host, fetch, new_secret
-from ._replica_store import replica_index
+from ._replica import new_secret
+from ._replica_engine import PeerReplicas
 from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
 from ._storage import LocalStorage, line_key
 from ._shard_read import read_shard_into
@@ -40,8 +40,6 @@ __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHand
 log = logging.getLogger("flashckpt")
 
 _PROBE_SECONDS = 5.0
-_REPLICA_ADDR_ENV = "FLASHCKPT_REPLICA_ADDR"
-"""The address this node's saver takes replicas on (default: the one that reaches MASTER_ADDR)."""
 
 
 class Collective(Protocol):
@@ -228,33 +226,8 @@ class Engine:
             self._check_other_job()
         own_slots = self._slot_paths if placement.writes_memory else []
         self._client = SaverClient(self.job_id, own_slots, self._info(None))
-        self._endpoints = self._start_replicas()
-        """node -> its saver's replica endpoint; empty when replicas are off."""
-
-    def _start_replicas(self) -> dict[str, tuple[str, int]]:
-        """Peer-memory replicas on a ring (a collective call, when the job spans two or more
-        nodes and ``replicas`` is not 0): every rank hands its saver the run's secret and
-        learns its endpoint, the ranks gather each node's endpoint, and each saver is told to
-        push to the next node (nodes in the order of their first rank). See ``flashckpt._replica``."""
-        p = self.placement
-        nodes = list(dict.fromkeys(p.nodes))
-        if self.options.replicas == 0 or len(nodes) < 2 or not p.secret:
-            return {}
-        chosen = os.environ.get(_REPLICA_ADDR_ENV)
-        bind, advertise = (chosen, chosen) if chosen else advertised_host(os.environ.get("MASTER_ADDR"))
-        try:
-            mine: tuple[str, int] | None = self._client.replicate(p.secret, bind, advertise)
-        except CheckpointError as exc:
-            log.warning("peer-memory replicas are off on this node: %s", exc)
-            mine = None
-        endpoints: dict[str, tuple[str, int]] = {}
-        for node, endpoint in self.collective.all_gather((p.nodes[self.collective.rank], mine)):
-            if endpoint is not None:
-                endpoints.setdefault(node, (str(endpoint[0]), int(endpoint[1])))
-        peer = endpoints.get(nodes[(nodes.index(p.nodes[self.collective.rank]) + 1) % len(nodes)])
-        if mine is not None and peer is not None:
-            self._client.replica_peer(peer)
-        return endpoints
+        self.replicas = PeerReplicas(self)
+        """Peer-memory replicas of this job (a collective at construction; see ``flashckpt._replica``)."""
 
     def _check_shared_directory(self) -> None:
         """Every rank must see the directory rank 0 writes (a collective call): with
@@ -534,11 +507,11 @@ class Engine:
                  "committed": self._committed_newest_first() if rank0 else None,
                  "newest": self.storage.newest_key() if rank0 else None,
                  "storage_rank": self.placement.storage_rank,
-                 "replicas": self._replicas_here() if self._endpoints and self.placement.local_rank == 0 else []}
+                 "replicas": self.replicas.here()}
         views = self.collective.all_gather(local)
         fallbacks = views[0]["committed"]
         committed = fallbacks[0] if fallbacks else None
-        holders, keys = self._replica_holders(views)
+        holders, keys = self.replicas.holders(views)
         common = set.intersection(*(set(v["memory"]) | {s for r, s in holders if r == v["storage_rank"]}
                                     for v in views))
         if step is not None:
@@ -554,7 +527,7 @@ class Engine:
             self.prepare_for(state)
             return None
         if source == "memory" and any(step not in v["memory"] for v in views):
-            step, source = self._fetch_replicas(step, holders, committed)
+            step, source = self.replicas.fetch_missing(step, holders, committed)
         if source == "memory":
             _, errors = self._gather(lambda: self._load_memory(state, *self.memory_steps()[step]))
             if errors:
@@ -571,89 +544,6 @@ class Engine:
         self._loaded(step, source, start)
         self.prepare_for(state)
         return step
-
-    def _replicas_here(self) -> list[tuple[int, int, tuple[str, int]]]:
-        """(storage rank, step, (line, step)) of the complete replicas of this run's directory
-        that this node keeps for other nodes' ranks."""
-        p = self.placement
-        return [(h.info.get("storage_rank"), h.step, (line_key(h.info.get("token")), h.step))
-                for _, h in replica_index(self.job_id)
-                if h.info.get("directory") == self.storage.root and h.info.get("storage_world") == p.storage_world]
-
-    def _replica_holders(self, views: list[dict[str, Any]]
-                         ) -> tuple[dict[tuple[int, int], list[tuple[str, int]]], dict[int, tuple[str, int]]]:
-        """From every rank's load view: (storage rank, step) -> endpoints of the nodes that
-        hold its replica, and step -> (line, step) of every copy known (rank 0's memory wins)."""
-        holders: dict[tuple[int, int], list[tuple[str, int]]] = {}
-        keys: dict[int, tuple[str, int]] = {}
-        for rank, view in enumerate(views):
-            endpoint = self._endpoints.get(self.placement.nodes[rank]) if self.placement.nodes else None
-            for storage_rank, step, key in view["replicas"]:
-                if endpoint is not None:
-                    holders.setdefault((storage_rank, step), []).append(endpoint)
-                    keys[step] = tuple(key)
-        keys.update(views[0]["keys"] or {})
-        return holders, keys
-
-    def _fetch_replicas(self, step: int, holders: dict[tuple[int, int], list[tuple[str, int]]],
-                        committed: int | None) -> tuple[int | None, str]:
-        """Ranks whose node lacks ``step`` in memory write it into their slot from a peer's
-        replica (a collective call). If that fails on any rank, (committed, "storage") with a
-        warning; else (step, "memory")."""
-        p = self.placement
-        need = p.writes_memory and step not in self.memory_steps()
-        _, errors = self._gather(lambda: self._fetch_replica(step, holders.get((p.storage_rank, step), []))
-                                 if need else None)
-        if not errors:
-            return step, "memory"
-        if committed is None:
-            self._raise(errors, f"restoring step {step} from peer replicas failed and nothing is committed "
-                                f"in {self.storage.root}")
-        log.warning("restoring step %d from peer replicas failed on some ranks (%s); falling back to committed "
-                    "step %d", step, "; ".join(m for _, m in errors), committed)
-        return committed, "storage"
-
-    def _fetch_replica(self, step: int, endpoints: list[tuple[str, int]]) -> None:
-        """Write this rank's replica of ``step`` into one of its slots from the first peer
-        that sends one whose checksum verifies."""
-        failures = []
-        for endpoint in endpoints:
-            try:
-                self._fetch_from(endpoint, step)
-                log.info("fetched step %d of rank %d from the replica on %s:%d", step, self.placement.storage_rank,
-                         *endpoint)
-                return
-            except (CheckpointError, OSError) as exc:
-                failures.append(f"{endpoint[0]}:{endpoint[1]}: {exc}")
-        raise ReplicaError(f"no peer sent a verified replica of step {step} rank {self.placement.storage_rank}"
-                           f"{': ' + '; '.join(failures) if failures else ' (none holds one)'}")
-
-    def _fetch_from(self, endpoint: tuple[str, int], step: int) -> None:
-        p = self.placement
-        index = self._choose_slot()
-        slot = self._slot(index, create=True)
-        written: list[SlotHeader] = []
-
-        def into(header: dict[str, Any]) -> memoryview:
-            size, info = header.get("image_len"), header.get("info")
-            if header.get("step") != step or not isinstance(size, int) or not isinstance(info, dict):
-                raise ReplicaError(f"{endpoint[0]}:{endpoint[1]} answered with step {header.get('step')!r}, "
-                                   f"not {step}")
-            if slot.ensure_capacity(size):
-                self._views = {k: v for k, v in self._views.items() if k[0] != index}
-            mine = dict(self._info(None), token=str(info.get("token")), branch=info.get("branch", -1))
-            with self._lock.held():
-                written.append(mark_writing(slot, step, size, mine))
-            return slot.image(size)
-
-        fetch(endpoint, p.secret, {"directory": self.storage.root, "storage_rank": p.storage_rank,
-                                   "storage_world": p.storage_world, "step": step}, into)
-        header = written[0]
-        with self._lock.held():
-            header.state = SlotState.COMPLETE
-            header.saved_at = time.time()
-            slot.write_header(header)
-        self._client.saved(slot.path, header.generation, step, header.info, persist=False)
 
     def _check_world(self, step: int) -> None:
         """Per-rank state saved by another number of ranks cannot be guessed into this one

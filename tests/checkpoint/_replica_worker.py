@@ -23,7 +23,8 @@ def main() -> None:
     rank, replicas = int(rank), None if replicas == "auto" else int(replicas)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ck = Checkpointer(directory, job_id="replica", persist_every=2, replicas=replicas)
-    report = {"saver_pid": ck.engine._client.saver_pid, "endpoints": sorted(map(list, ck.engine._endpoints.values()))}
+    report = {"saver_pid": ck.engine._client.saver_pid,
+              "endpoints": sorted(map(list, ck.engine.replicas.endpoints.values()))}
     if mode == "save":
         for step in (1, 2, 3):
             ck.save(step, {"w": torch.full((1 << 18,), 10.0 * rank + step)})

@@ -292,5 +292,5 @@ def test_bad_replicas_values_are_a_clear_error(tmp_path, bad):
 
 def test_one_node_needs_no_replicas(tmp_path, jobs):
     with Checkpointer(tmp_path / "ckpt", job_id=jobs[0], replicas=1) as ck:
-        assert ck.engine._endpoints == {}  # a single node has no peer: nothing listens
+        assert ck.engine.replicas.endpoints == {}  # a single node has no peer: nothing listens
         ck.save(1, {"w": torch.ones(4)})

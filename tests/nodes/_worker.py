@@ -60,8 +60,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
     initial = model.bias.sum().item()
-    ckpt = (Checkpointer if args.per_rank else DdpCheckpointer)(
-        os.path.join(args.dir, "ckpt"), persist_every=5, replicas=None if args.replicas == "auto" else int(args.replicas))
+    replicas = None if args.replicas == "auto" else int(args.replicas)
+    ckpt = (Checkpointer if args.per_rank else DdpCheckpointer)(os.path.join(args.dir, "ckpt"), persist_every=5,
+                                                                replicas=replicas)
     state = {"model": model.state_dict(), "step": 0}
     step = ckpt.load(state) or 0
     if step:
@@ -74,7 +75,7 @@ def main() -> None:
             model.bias -= 1e-3 * grad
         ckpt.save(step, {"model": model.state_dict(), "step": step})
         if step == args.kill_step:
-            if ckpt.engine._endpoints and ckpt.engine.placement.local_rank == 0:
+            if ckpt.engine.replicas.endpoints and ckpt.engine.placement.local_rank == 0:
                 _wait_replicated(ckpt.job_id, step)
             emit(event="step", rank=rank, step=step)
             if _first_time(os.path.join(args.dir, f"reached-{rank}")):  # once per rank and job

@@ -3,12 +3,12 @@
 Two nodes, two workers each, every rank saving its own state (``Checkpointer``,
 ``persist_every=5``): step 5 is on storage, step 7 only in memory (node 0's saver writes its
 ranks' shards of 7 when their trainers die, but node 1's are lost, so 7 never commits; with
-``DdpCheckpointer`` rank 0's saver alone would commit it). At step 7 every rank pauses (node 0's local rank 0 first waits until
-node 0 holds node 1's replica of step 7); then every process of node 1 is SIGKILLed and its
-``/dev/shm`` goes with them, and a fresh node 1 joins. With replicas (the default on two
-nodes) all four ranks restore step 7 from memory, node 1's from node 0's replica: 0 steps
-lost. With ``replicas=0`` the new node holds nothing in memory and every rank restores
-step 5 from storage.
+``DdpCheckpointer`` rank 0's saver alone would commit it). At step 7 every rank pauses
+(node 0's local rank 0 first waits until node 0 holds node 1's replica of step 7); then
+every process of node 1 is SIGKILLed and its ``/dev/shm`` goes with them, and a fresh node 1
+joins. With replicas (the default on two nodes) all four ranks restore step 7 from memory,
+node 1's from node 0's replica: 0 steps lost. With ``replicas=0`` the new node holds nothing
+in memory and every rank restores step 5 from storage.
 """
 
 import pytest
