@@ -50,6 +50,7 @@ class ReplicaService:
         self._listener: socket.socket | None = None
         self._connections = threading.BoundedSemaphore(_MAX_CONNECTIONS)
         self._refused_logged = 0.0
+        self._failing = False
         self.pushed_log: list[dict[str, Any]] = []
         """The last few pushes sent whole (step, rank, bytes, seconds), for tests and benchmarks."""
 
@@ -195,8 +196,12 @@ class ReplicaService:
                 peer, secret, due = self.peer, self._secrets[0], self._due()
             try:
                 self._push_round(peer, secret, due)
+                self._failing = False
             except (ReplicaError, OSError) as exc:
-                log.warning("pushing replicas to %s:%d failed (retrying in %.0fs): %s", *peer, _RETRY_SECONDS, exc)
+                # the first failure in a row is a warning; the retries every second are not news
+                log.log(logging.DEBUG if self._failing else logging.WARNING,
+                        "pushing replicas to %s:%d failed (retrying every %.0fs): %s", *peer, _RETRY_SECONDS, exc)
+                self._failing = True
                 time.sleep(_RETRY_SECONDS)
             except Exception:
                 log.exception("pushing replicas to %s:%d failed", *peer)
