@@ -23,7 +23,6 @@ included.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -33,8 +32,7 @@ import numpy as np
 
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ._format import DTYPE_SIZES, Entry, Image
-from ._shard_read import ShardReader, open_shard
-from ._shard_read import read_header as read_file_header
+from ._shard_read import ShardReader, file_header, open_shard
 from ._storage import LocalStorage
 
 __all__ = ["LAYOUT_KEY", "Piece", "Source", "RangeReader", "chunk_pieces", "path_key", "tensor_names",
@@ -213,13 +211,13 @@ def read_layout(image: Image, where: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where}: unreadable layout: {exc}") from exc
 
 
-def read_header(f: io.FileIO, expected_size: int) -> tuple[Image, int]:
-    """(parsed header, size) of a shard opened by :meth:`LocalStorage.open_shard`, read
-    with positional reads (the file's offset stays). Prefer :func:`open_shard`'s reader."""
-    size = os.fstat(f.fileno()).st_size
+def read_header(f: Any, expected_size: int) -> tuple[Image, int]:
+    """(parsed header, size) of a shard opened by the storage's ``open_shard``, read with
+    positional reads. Prefer :func:`open_shard`'s reader, which also verifies."""
+    size = f.size if hasattr(f, "size") else os.fstat(f.fileno()).st_size
     if size != expected_size:
         raise CorruptCheckpointError(f"{f.name}: {size} bytes, the commit recorded {expected_size} (truncated?)")
-    return read_file_header(f.fileno(), str(f.name), size), size
+    return file_header(f, size), size
 
 
 def read_sources(storage: LocalStorage, step: int) -> list[Source]:
@@ -315,7 +313,7 @@ class RangeReader:
             spiece, bbox = _byte_piece(piece, itemsize), _byte_piece(box, itemsize)
             s_start = tuple(b - o for b, o in zip(bbox.offsets, spiece.offsets))
             run = _contiguous_range(spiece.lengths, s_start, bbox.lengths) or (0, entry.nbytes)
-            os.posix_fadvise(src.reader.fileno(), src.file_offset(entry) + run[0], run[1], os.POSIX_FADV_WILLNEED)
+            src.reader.advise(src.file_offset(entry) + run[0], run[1])
 
     def fill(self, key: str, dst: np.ndarray, want: Piece, dtype: str, global_shape: tuple[int, ...],
              prefer: int = 0) -> None:

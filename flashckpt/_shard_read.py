@@ -34,7 +34,7 @@ from ._tree import Merge, kind_named
 if TYPE_CHECKING:
     from ._storage import LocalStorage
 
-__all__ = ["CHUNK_BYTES", "ShardReader", "open_shard", "read_header", "read_shard_into", "read_tensors", "unflatten"]
+__all__ = ["CHUNK_BYTES", "ShardReader", "file_header", "open_shard", "read_header", "read_shard_into", "read_tensors", "unflatten"]
 
 CHUNK_BYTES = 32 << 20
 """Bytes per read of a full read (rounded down to whole checksum blocks, at least one)."""
@@ -46,24 +46,32 @@ _IOV_MAX = 1024
 
 def read_header(fd: int, where: str, size: int, at: int = 0) -> Image:
     """The parsed safetensors header of the image starting at byte ``at`` of ``fd`` (a
-    file of ``size`` bytes from there on); the one way a header is read from a file."""
-    head = os.pread(fd, min(_FIRST_READ, size), at)
+    file of ``size`` bytes from there on)."""
+    return _header(lambda offset, n: os.pread(fd, n, at + offset), where, size)
+
+
+def _header(read: Callable[[int, int], bytes], where: str, size: int) -> Image:
+    """The one way a header is read: its first bytes, the rest if longer, then parsed."""
+    head = read(0, min(_FIRST_READ, size))
     n = header_length(head, where)
     if 8 + n > len(head) and 8 + n <= size:
-        head += os.pread(fd, 8 + n - len(head), at + len(head))
+        head += read(len(head), 8 + n - len(head))
     return parse_header(head, where, size)
 
 
 class ShardReader:
     """One committed shard opened for reading: ``size``, ``image`` (the parsed header),
     ranged :meth:`readinto` and full :meth:`read_all`, each verifying what it reads.
-    Owns the file it is given; a context manager. Thread safe for disjoint ranges."""
+    Owns the file it is given: a local file (``io.FileIO``), or any object with ``name``,
+    ``close()`` and positional ``preadv(pieces, offset)`` (an object store's shard).
+    A context manager; thread safe for disjoint ranges."""
 
-    def __init__(self, file: io.FileIO, record: dict[str, Any]) -> None:
+    def __init__(self, file: Any, record: dict[str, Any]) -> None:
         self.path = str(file.name)
         self._file = file
         try:
             self.size = int(record["size"])
+            self._read_pieces = _pieces_reader(file, self.path, self.size)
             self._sums = BlockSums(record, self.path)
             self.image = self._header()
         except BaseException:
@@ -72,7 +80,7 @@ class ShardReader:
 
     def _header(self) -> Image:
         try:
-            return read_header(self._file.fileno(), self.path, self.size)
+            return _header(_bytes_reader(self._read_pieces, self.size), self.path, self.size)
         except CorruptCheckpointError:  # a damaged header block is reported as such
             first = min(self.size, self._sums.block_size)
             self.readinto(memoryview(bytearray(first)), 0)
@@ -84,7 +92,16 @@ class ShardReader:
         return len(self.image.header)
 
     def fileno(self) -> int:
+        """The local file's descriptor (an object store's shard has none: ``OSError``)."""
+        if not isinstance(self._file, io.FileIO):
+            raise io.UnsupportedOperation(f"{self.path} is not a local file")
         return self._file.fileno()
+
+    def advise(self, offset: int, length: int) -> None:
+        """Let a local file's reads of ``[offset, offset + length)`` start now (``WILLNEED``)."""
+        if isinstance(self._file, io.FileIO):
+            os.posix_fadvise(self._file.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
+
 
     def close(self) -> None:
         self._file.close()
@@ -119,12 +136,12 @@ class ShardReader:
         """Verify the blocks holding the header (a reader that trusts its layout first)."""
         self.readinto(memoryview(bytearray(self.body_start)), 0)
 
-    def read_all(self, parts: list[tuple[int, memoryview]], *, threads: int | None = None,
+    def read_all(self, parts: list[Part], *, threads: int | None = None,
                  done: Callable[[int], None] | None = None) -> None:
         """Read the whole file on ``threads`` threads, part ``i`` (``(file offset, flat
-        byte view)``, sorted, disjoint) into its view and the rest into scratch, verifying
-        every block. ``done(i)`` runs (on a reading thread) once part ``i`` is read and its
-        blocks verified."""
+        byte view or Scratch)``, sorted, disjoint) into its view and the rest into scratch,
+        verifying every block. ``done(i)`` runs (on a reading thread) once part ``i`` is
+        read and its blocks verified."""
         bs = self._sums.block_size
         chunk = max(1, CHUNK_BYTES // bs) * bs
         plans = _plan_chunks(parts, self.size, chunk)
@@ -134,11 +151,12 @@ class ShardReader:
                 left[i] += 1
         guard, failed = threading.Lock(), threading.Event()
 
-        def run(plan: tuple[int, list[memoryview | int], list[int]]) -> None:
+        def run(plan: tuple[int, list[Any], list[int]]) -> None:
             if failed.is_set():
                 return
             start, layout, touched = plan
-            pieces = [memoryview(bytearray(p)) if isinstance(p, int) else p for p in layout]
+            pieces = [memoryview(bytearray(p)) if isinstance(p, int) else p[0].view()[p[1]:p[2]]
+                      if isinstance(p, tuple) else p for p in layout]
             try:
                 self._preadv(pieces, start)
                 self._sums.check_pieces(start, pieces)
@@ -169,17 +187,43 @@ class ShardReader:
         self.read_all([], threads=threads)
 
     def _preadv(self, pieces: list[memoryview], offset: int) -> None:
-        fd, pending = self._file.fileno(), [p for p in pieces if len(p)]
+        self._read_pieces([p for p in pieces if len(p)], offset)
+
+
+def _pieces_reader(file: Any, path: str, size: int) -> Callable[[list[memoryview], int], None]:
+    """``read(pieces, offset)``: fill ``pieces`` with consecutive bytes of ``file`` from
+    ``offset``, exactly (an object store's shard brings its own ``preadv``)."""
+    if not isinstance(file, io.FileIO):
+        return file.preadv
+    fd = file.fileno()
+
+    def read(pieces: list[memoryview], offset: int) -> None:
+        pending = [p for p in pieces if len(p)]
         while pending:
             n = os.preadv(fd, pending[:_IOV_MAX], offset)
             if n <= 0:
-                raise CorruptCheckpointError(f"{self.path}: truncated at byte {offset} (the commit recorded "
-                                             f"{self.size} bytes)")
+                raise CorruptCheckpointError(f"{path}: truncated at byte {offset} (the commit recorded {size} bytes)")
             offset += n
             while n and n >= len(pending[0]):
                 n -= len(pending.pop(0))
             if n:
                 pending[0] = pending[0][n:]
+
+    return read
+
+
+def file_header(file: Any, size: int) -> Image:
+    """The parsed header of an open shard (a local file or an object store's shard)."""
+    return _header(_bytes_reader(_pieces_reader(file, str(file.name), size), size), str(file.name), size)
+
+
+def _bytes_reader(read: Callable[[list[memoryview], int], None], size: int) -> Callable[[int, int], bytes]:
+    def read_bytes(offset: int, n: int) -> bytes:
+        buf = bytearray(max(0, min(n, size - offset)))
+        read([memoryview(buf)], offset)
+        return bytes(buf)
+
+    return read_bytes
 
 
 def _flat(view: Any) -> memoryview:
@@ -187,15 +231,44 @@ def _flat(view: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _plan_chunks(parts: list[tuple[int, memoryview]], size: int,
-                 chunk: int) -> list[tuple[int, list[memoryview | int], list[int]]]:
+class Scratch:
+    """A part's buffer that is made when the first chunk reading into it starts and dropped
+    (:meth:`take`) once the part is done: at most the parts being read exist at once."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._buf: memoryview | None = None
+        self._guard = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def view(self) -> memoryview:
+        with self._guard:
+            if self._buf is None:
+                self._buf = memoryview(bytearray(self.nbytes))
+            return self._buf
+
+    def take(self) -> memoryview:
+        """The filled buffer, dropped from here."""
+        with self._guard:
+            buf, self._buf = self._buf, None
+        return buf if buf is not None else memoryview(bytearray(self.nbytes))
+
+
+Part = tuple[int, "memoryview | Scratch"]
+"""(file offset, flat byte view or :class:`Scratch`) of a full read."""
+
+
+def _plan_chunks(parts: list[Part], size: int, chunk: int) -> list[tuple[int, list[Any], list[int]]]:
     """Per chunk of the file: its start, what its bytes go into in order (a slice of a
-    part's view, or the length of a gap to read into scratch), the parts it touches."""
+    part's view, ``(scratch, lo, hi)``, or the length of a gap to read into scratch),
+    the parts it touches."""
     plans = []
     i = 0
     for start in range(0, size, chunk):
         end = min(start + chunk, size)
-        layout: list[memoryview | int] = []
+        layout: list[Any] = []
         touched: list[int] = []
         pos = start
         while i < len(parts) and parts[i][0] < end:
@@ -207,7 +280,7 @@ def _plan_chunks(parts: list[tuple[int, memoryview]], size: int,
                 layout.append(at - pos)
                 pos = at
             stop = min(at + len(view), end)
-            layout.append(view[pos - at:stop - at])
+            layout.append((view, pos - at, stop - at) if isinstance(view, Scratch) else view[pos - at:stop - at])
             touched.append(i)
             pos = stop
             if stop < at + len(view):
@@ -237,7 +310,7 @@ def read_shard_into(storage: LocalStorage, step: int, rank: int, merge: Callable
         for name, obj in fills.fills:
             targets.setdefault(name, []).append(obj)
         kinds = image.meta["kinds"]
-        parts: list[tuple[int, memoryview]] = []
+        parts: list[Part] = []
         finish: list[Callable[[], None] | None] = []
         for entry in image.entries:  # sorted by offset
             objs = targets.get(entry.name)
@@ -245,15 +318,14 @@ def read_shard_into(storage: LocalStorage, step: int, rank: int, merge: Callable
                 continue
             kind = kind_named(kinds[entry.name])
             view = kind.host_bytes(objs[0])
-            parts.append((reader.body_start + entry.offset, _flat(view) if view is not None
-                          else memoryview(bytearray(entry.nbytes))))
-            finish.append(None if view is not None and len(objs) == 1
-                          else _finisher(kind, objs, entry, None if view is not None else parts[-1][1]))
+            scratch = Scratch(entry.nbytes) if view is None else None
+            parts.append((reader.body_start + entry.offset, scratch or _flat(view)))
+            finish.append(None if view is not None and len(objs) == 1 else _finisher(kind, objs, entry, scratch))
         reader.read_all(parts, threads=threads, done=lambda i: finish[i]() if finish[i] is not None else None)
     fills.apply_plain()
 
 
-def _finisher(kind: Any, objs: list[Any], entry: Entry, scratch: memoryview | None) -> Callable[[], None]:
+def _finisher(kind: Any, objs: list[Any], entry: Entry, scratch: Scratch | None) -> Callable[[], None]:
     """What completes a tensor once its bytes verified: the copy out of its scratch
     buffer (a target without host bytes: an accelerator, a strided view), then to its ties."""
     target, *ties = objs
@@ -261,7 +333,7 @@ def _finisher(kind: Any, objs: list[Any], entry: Entry, scratch: memoryview | No
     def run() -> None:
         if scratch is not None:
             whole = Entry(entry.name, entry.dtype, entry.shape, 0, entry.nbytes)
-            kind.copy([target], kind.views(scratch.obj, 0, [whole]))
+            kind.copy([target], kind.views(scratch.take().obj, 0, [whole]))
         kind.copy(ties, [target] * len(ties))
 
     return run

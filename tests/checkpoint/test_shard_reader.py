@@ -202,3 +202,42 @@ def test_a_damaged_block_names_the_file_and_bytes_and_applies_no_plain_value(com
         assert len(problems) == 1 and path in problems[0] and f"bytes {block * BLOCK}-" in problems[0]
         flip(path, at)
     assert committed.verify(1) == []
+
+
+class BytesShard:
+    """A shard that is not a local file: ``name``, ``size``, positional ``preadv``, as an
+    object store's shard (``flashckpt._object_storage.ObjectShard``) reads."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, "rb") as f:
+            self.data = f.read()
+        self.name, self.size, self.closed = f"mem://{path}", len(self.data), False
+
+    def preadv(self, pieces, offset):
+        for piece in pieces:
+            piece = memoryview(piece).cast("B")
+            if offset + len(piece) > self.size:
+                raise CorruptCheckpointError(f"{self.name}: truncated")
+            piece[:] = self.data[offset:offset + len(piece)]
+            offset += len(piece)
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_shard_that_is_not_a_local_file_reads_and_verifies_the_same(committed):
+    f, record = committed.open_shard(1, 0)
+    f.close()
+    shard = BytesShard(shard_file(committed))
+    with shard_read.ShardReader(shard, record) as reader:
+        parts = [(reader.body_start + e.offset, memoryview(bytearray(e.nbytes))) for e in reader.image.entries]
+        reader.read_all([p for p in parts if len(p[1])], threads=4)
+        with pytest.raises(OSError):
+            reader.fileno()
+        reader.advise(0, 10)  # nothing to advise: no error
+    assert shard.closed
+    assert b"".join(bytes(v) for _, v in parts) == shard.data[reader.body_start:]
+    damaged = BytesShard(shard_file(committed))
+    damaged.data = damaged.data[:-1] + bytes([damaged.data[-1] ^ 1])
+    with pytest.raises(CorruptCheckpointError, match="mem://.*checksum"):
+        shard_read.ShardReader(damaged, record).verify()
