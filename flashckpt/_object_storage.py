@@ -7,7 +7,7 @@ Layout under the URL ``<scheme>://<bucket>/<prefix>``::
     step-<N>/metadata.json                 world size, every shard's file, size, block crc32s, token,
                                            branch; written last: present = committed
     latest                                 a hint: the newest committed step
-    .flashckpt-run.json                    the run lease (see :meth:`ObjectStorage.claim_run`)
+    .flashckpt-run.json                    the run lease (see :mod:`flashckpt._object_lease`)
 
 **Commit without rename.** Object stores have no atomic rename of a prefix, but one PUT
 of one object is atomic: a reader sees the old object or the new one, never a part.
@@ -44,21 +44,19 @@ import json
 import logging
 import os
 import re
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, TypeVar
 
+from . import _object_lease
 from ._checksum import BLOCK_SIZE, StreamCheck, block_crcs
-from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, JobConflictError
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._format import parse_header
-from ._slot import pid_alive
 from ._storage import (MAX_LATEST, MAX_METADATA, LocalStorage, ShardRecord, _Line, _image_token, _MAX_MARKER,
                        _plain_name, _validate_metadata, line_key)
-from ._storage_url import parse_location
+from ._storage_url import OBJECT_SCHEMES, parse_location
 
-__all__ = ["CONCURRENCY", "LEASE_SECONDS", "PART_BYTES", "ObjectShard", "ObjectStorage"]
+__all__ = ["CONCURRENCY", "PART_BYTES", "ObjectShard", "ObjectStorage"]
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +64,9 @@ PART_BYTES = 16 << 20
 """Bytes per multipart part and per ranged GET of a large read (S3's minimum part is 5 MiB)."""
 CONCURRENCY = 16
 """Parts uploaded, or ranges fetched, at once for one object."""
-LEASE_SECONDS = 60.0
-"""A run lease not renewed for this long belongs to a dead run (renewed every quarter of it)."""
-LEASE = ".flashckpt-run.json"
+MAX_CONNECTIONS = 64
+"""Connections of an S3 client (botocore keeps 10 unless configured): several shards'
+parts at once; a ``max_pool_connections`` in fsspec's configuration wins."""
 _MAX_PARTS = 10_000
 _STEP_KEY_RE = re.compile(r"^step-(\d+)/([^/]+)$")
 _UPLOAD_RE = re.compile(r"^rank-(\d+)\.([A-Za-z0-9_+-]+)\.(safetensors|done)$")
@@ -185,9 +183,12 @@ def _run_all(job: Callable[[int], None], count: int, threads: int) -> None:
         for k in range(count):
             job(k)
         return
-    with ThreadPoolExecutor(min(threads, count), thread_name_prefix="flashckpt-object") as pool:
+    pool = ThreadPoolExecutor(min(threads, count), thread_name_prefix="flashckpt-object")
+    try:
         for future in [pool.submit(job, k) for k in range(count)]:
             future.result()
+    finally:
+        pool.shutdown(cancel_futures=True)  # after an error, the jobs not yet started never start
 
 
 class _Commit(NamedTuple):
@@ -197,19 +198,8 @@ class _Commit(NamedTuple):
     token: str | None
 
 
-class _Lease:
-    """This process's hold of one URL's run lease, renewed by a daemon thread."""
-
-    def __init__(self, storage: "ObjectStorage", record: dict) -> None:
-        self.pid, self.record = os.getpid(), record
-        self.holders = {storage._holder}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=storage._renew, args=(self,), name="flashckpt-lease", daemon=True)
-        self.thread.start()
-
-
-_LEASES: dict[str, _Lease] = {}
-_LEASES_GUARD = threading.Lock()
+_COMMITS: dict[str, dict[int, tuple[tuple, _Commit]]] = {}
+"""Per URL: each committed step's (metadata object identity, line and token)."""
 
 
 class ObjectStorage:
@@ -217,7 +207,7 @@ class ObjectStorage:
     :class:`~flashckpt._storage.LocalStorage`. Construction does no I/O."""
 
     def __init__(self, url: str, *, part_bytes: int = PART_BYTES, concurrency: int = CONCURRENCY,
-                 lease_seconds: float = LEASE_SECONDS) -> None:
+                 lease_seconds: float = _object_lease.LEASE_SECONDS) -> None:
         location = parse_location(url)
         if location.url is None:
             raise CheckpointError(f"{url!r} is a local path, not an object-store URL; use LocalStorage")
@@ -226,8 +216,7 @@ class ObjectStorage:
         self.root = location.url
         self._part_bytes, self._concurrency, self._lease_seconds = part_bytes, concurrency, lease_seconds
         self._fs, self._base = _filesystem(location.url, location.scheme)
-        self._commits: dict[int, tuple[tuple, _Commit]] = {}
-        self._holder = object()  # this object's place among the process's holders of a lease
+        self._commits = _COMMITS.setdefault(self.root, {})  # shared: the saver opens a storage per request
 
     # -- names --------------------------------------------------------------------
 
@@ -277,86 +266,15 @@ class ObjectStorage:
     # -- one live run -------------------------------------------------------------
 
     def claim_run(self, token: str) -> None:
-        """Hold the run lease ``<url>/.flashckpt-run.json`` (token, host, pid, heartbeat
-        time) for this run, renewed every quarter of ``lease_seconds`` by a daemon thread
-        until :meth:`release_run` or exit.
-
-        Object stores have no ``flock``: a lease of another run counts as live while it
-        was renewed within ``lease_seconds`` (clocks assumed within a few seconds), unless
-        its pid is dead on this host or it carries this job's ``TORCHELASTIC_RUN_ID`` (a
-        restart of the same job); a live one is a :class:`JobConflictError` naming its pid
-        and host. Two runs claiming in the same instant may both succeed (no conditional
-        writes are assumed); the later one's lease then wins. Called once per run, by rank 0.
-        """
-        with _LEASES_GUARD:
-            held = _LEASES.get(self.root)
-            if held is not None and held.pid == os.getpid():
-                held.holders.add(self._holder)
-                return
-            other = self._read_lease()
-            if other is not None and other.get("token") != token and self._lease_live(other):
-                raise JobConflictError(self._conflict(other))
-            record = {"token": token, "host": socket.gethostname(), "pid": os.getpid(),
-                      "run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "started_at": time.time()}
-            self._put_small(LEASE, json.dumps({**record, "heartbeat_at": time.time()}).encode())
-            _LEASES[self.root] = _Lease(self, record)
-
-    def _read_lease(self) -> dict | None:
-        try:
-            lease = json.loads(self._read_small(LEASE, _MAX_MARKER))
-        except CheckpointNotFoundError:
-            return None
-        except (ValueError, CorruptCheckpointError) as exc:
-            log.warning("ignoring the unreadable run lease %s: %s", self._url(LEASE), exc)
-            return None
-        return lease if isinstance(lease, dict) else None
-
-    def _lease_live(self, lease: dict) -> bool:
-        try:
-            age = time.time() - float(lease["heartbeat_at"])
-            pid, host, run_id = int(lease["pid"]), str(lease["host"]), str(lease.get("run_id", ""))
-        except (KeyError, TypeError, ValueError):
-            return False
-        if age > self._lease_seconds or (run_id and run_id == os.environ.get("TORCHELASTIC_RUN_ID")):
-            return False
-        return not (host == socket.gethostname() and not pid_alive(pid))
-
-    def _conflict(self, lease: dict) -> str:
-        return (f"another run is live in {self.root}: pid {str(lease.get('pid'))[:20]} on host "
-                f"{str(lease.get('host'))[:255]} renewed {LEASE} within the last {self._lease_seconds:.0f}s; "
-                "stop it, or give this run another checkpoint URL")
-
-    def _renew(self, lease: _Lease) -> None:
-        """Renew ``lease`` until stopped, or until another run took the lease over."""
-        while not lease.stop.wait(self._lease_seconds / 4):
-            try:
-                there = self._read_lease()
-                if there is not None and there.get("token") != lease.record["token"]:
-                    log.error("the run lease %s was taken over by %s; no longer renewing it", self._url(LEASE),
-                              self._conflict(there))
-                    return
-                self._put_small(LEASE, json.dumps({**lease.record, "heartbeat_at": time.time()}).encode())
-            except CheckpointError as exc:
-                log.warning("renewing the run lease failed (retrying): %s", exc)
+        """Hold the run lease ``<url>/.flashckpt-run.json`` for this run (see
+        :mod:`flashckpt._object_lease`): a :class:`JobConflictError` naming the pid and host
+        of another live run. Claiming again from the same process succeeds. Called once
+        per run, by rank 0."""
+        _object_lease.claim(self, token, self._lease_seconds)
 
     def release_run(self) -> None:
         """Give up this object's claim; the lease is deleted when the process's last claim goes."""
-        with _LEASES_GUARD:
-            held = _LEASES.get(self.root)
-            if held is None or held.pid != os.getpid() or self._holder not in held.holders:
-                return
-            held.holders.discard(self._holder)
-            if held.holders:
-                return
-            del _LEASES[self.root]
-        held.stop.set()
-        held.thread.join()
-        try:
-            there = self._read_lease()
-            if there is not None and there.get("token") == held.record["token"]:
-                self._delete([LEASE])
-        except CheckpointError as exc:
-            log.warning("could not remove the run lease (it expires by itself): %s", exc)
+        _object_lease.release(self)
 
     # -- writing ------------------------------------------------------------------
 
@@ -464,8 +382,7 @@ class ObjectStorage:
             if self._committed_by(step, token):
                 self._delete([where])
             return False
-        self._retain(keep_last, step, token)
-        order = self.steps_in_order()
+        order = self._retain(keep_last, step, token)
         if order and self._read_latest() != order[-1]:
             self._put_small("latest", f"{order[-1]}\n".encode())
         log.info("committed step %d (%d shards, %.1f MiB) in %s", step, world_size,
@@ -507,13 +424,16 @@ class ObjectStorage:
             log.error("not committing step %d: its markers do not make valid metadata: %s", step, exc)
             return None
 
-    def _retain(self, keep_last: int, step: int, token: str) -> None:
+    def _retain(self, keep_last: int, step: int, token: str) -> list[int]:
         """Delete abandoned steps of older lines and steps beyond ``keep_last`` in line
         order (never ``step``, nor a step whose metadata cannot be read): all their
-        metadata first, then their shards and markers. Then remove stale uploads."""
+        metadata first, then their shards and markers. Then remove stale uploads.
+        Returns the committed steps left, in order."""
         tree = self._tree()
         commits = self._commits_in(tree)
         retired = {s: commits.pop(s).token for s in _doomed(_in_order(commits.values()), keep_last, step)}
+        for s in retired:
+            self._commits.pop(s, None)
         self._delete([f"step-{s}/metadata.json" for s in sorted(retired)])
         mine = line_key(token)
 
@@ -525,6 +445,7 @@ class ObjectStorage:
         self._delete([f"step-{s}/{n}" for s, names in tree.items() for n in names
                       if (other := _upload_token(n)) is not None and stale(s, other)])
         self._abort_stale_uploads(stale)
+        return [ln.step for ln in _in_order(commits.values())]
 
     def _abort_stale_uploads(self, stale: Callable[[int, str], bool]) -> None:
         """Abort S3 multipart uploads of shards that a killed writer left open, where ``stale(step, token)``."""
@@ -701,10 +622,16 @@ def _filesystem(url: str, scheme: str) -> tuple[Any, str]:
     """The fsspec filesystem of ``url`` and the root's path in it (imports fsspec and
     the scheme's backend only now)."""
     try:
+        import fsspec.config
         from fsspec.core import url_to_fs
-        fs, path = url_to_fs(url)
+
+        options = {}
+        if OBJECT_SCHEMES[scheme] == "s3fs":  # botocore's pool of 10 connections would cap the parts in flight
+            config = dict(fsspec.config.conf.get("s3", {}).get("config_kwargs") or {})
+            config.setdefault("max_pool_connections", MAX_CONNECTIONS)
+            options["config_kwargs"] = config
+        fs, path = url_to_fs(url, **options)
     except ImportError as exc:
-        from ._storage_url import OBJECT_SCHEMES
         raise CheckpointError(f"{url}: {scheme}:// needs the {OBJECT_SCHEMES[scheme]} package "
                               f"(pip install 'flashckpt[s3]' for S3): {exc}") from exc
     except Exception as exc:

@@ -299,3 +299,18 @@ def test_a_commit_whose_shards_vanish_is_retracted(url, monkeypatch):
     monkeypatch.setattr(storage, "_put_small", put_then_lose_the_shard)
     assert not storage.try_commit(1, 1, run, 0)
     assert storage.committed_steps() == []
+
+
+def test_the_shard_reader_reads_object_shards(url):
+    """The one reader (ShardReader) over an ObjectShard: header, ranged and full reads, verified."""
+    from flashckpt._shard_read import ShardReader, read_tensors
+
+    storage = store(url)
+    images = save(storage, 1, token(), [9 * MiB])
+    with ShardReader(*storage.open_shard(1, 0)) as reader:
+        reader.verify()
+        at = reader.body_start + 5 * MiB
+        out = bytearray(1000)
+        reader.readinto(out, at)
+        assert out == images[0][at:at + 1000]
+        assert bytes(read_tensors(reader)["w"]) == images[0][reader.body_start:]

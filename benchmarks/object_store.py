@@ -1,0 +1,210 @@
+"""Object-store persist and load: ObjectStorage next to the floor of the same server and client.
+
+    python benchmarks/object_store.py [--large-mib 256] [--many 8] [--many-mib 32] [--repeats 3]
+                                      [--endpoint URL --bucket NAME] [--json results/object_store.json]
+
+Without ``--endpoint`` it starts moto's S3 server (``moto[server]``, the tests' server)
+on a loopback port; with it, any S3-compatible endpoint (credentials from the
+environment). The floor is s3fs itself on the same bytes: ``pipe_file`` (its multipart
+upload, with ObjectStorage's part size and concurrency) and ``cat_file`` (its parallel
+ranged GETs) of one large object; ``pipe`` and ``cat`` of many objects at once.
+ObjectStorage: ``write_shard`` (upload, block checksums, done marker) then ``try_commit``
+of one rank, and of ``--many`` ranks written by as many threads (as savers of that many
+nodes would); load: ``open_shard`` and ``pread_into`` of each whole shard (by as many
+threads), and ``verify`` of the large one (the same read plus every block checksum). Floor and flashckpt run in turn
+``--repeats`` times: best MiB/s of each, the median of the paired ratios (flashckpt /
+floor throughput, 1.0 = the floor), and CPU seconds per GiB of client plus server (the
+server's from /proc when it is our moto), which other load on a shared machine does not
+skew. flashckpt's write includes the commit (keep_last=2), whose median time is printed
+apart. Against moto the server (Python, one
+process) bounds both sides, so the ratios matter more than the MiB/s.
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flashckpt._engine import new_token  # noqa: E402
+from flashckpt._format import plan_image  # noqa: E402
+from flashckpt._object_storage import CONCURRENCY, PART_BYTES, ObjectStorage  # noqa: E402
+
+log = logging.getLogger("object_store")
+MiB = 1 << 20
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """moto's S3 server on a free loopback port, and its endpoint."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+            return proc, endpoint
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("moto server did not start")
+            time.sleep(0.05)
+
+
+def make_image(token: str, size: int) -> bytes:
+    """A flashckpt image of ``size`` bytes (header + one random U8 tensor) saved by ``token``."""
+    head = plan_image([("w", "U8", (size,))], {"token": token, "kinds": {"w": "numpy"}}).header
+    return head + os.urandom(size - len(head))
+
+
+def cpu_seconds(server_pid: int | None) -> float:
+    """CPU time of this process (every thread) plus the server's, when it is a local process."""
+    used = time.process_time()
+    if server_pid is not None:
+        fields = Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1].split()
+        used += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
+
+
+def pair(repeats: int, floor: Callable[[int], None], ours: Callable[[int], None], nbytes: int,
+         server_pid: int | None) -> dict[str, float]:
+    """Floor and flashckpt run in turn ``repeats`` times (so both see the same load on a
+    shared machine): best MiB/s of each, the median of the paired throughput ratios, and
+    the CPU seconds per GiB (client + server) of each, robust to other load."""
+    rates: dict[str, list[float]] = {"floor": [], "flashckpt": []}
+    cpu: dict[str, list[float]] = {"floor": [], "flashckpt": []}
+    for attempt in range(repeats):
+        for name, run in (("floor", floor), ("flashckpt", ours)):
+            used, start = cpu_seconds(server_pid), time.perf_counter()
+            run(attempt)
+            rates[name].append(nbytes / MiB / (time.perf_counter() - start))
+            cpu[name].append((cpu_seconds(server_pid) - used) / (nbytes / 2**30))
+    ratios = sorted(b / a for a, b in zip(rates["floor"], rates["flashckpt"]))
+    return {"floor": max(rates["floor"]), "flashckpt": max(rates["flashckpt"]), "ratio": ratios[len(ratios) // 2],
+            "floor_cpu_s_per_gib": min(cpu["floor"]), "flashckpt_cpu_s_per_gib": min(cpu["flashckpt"])}
+
+
+def measure(args: argparse.Namespace, bucket: str, server_pid: int | None) -> tuple[dict[str, Any], float]:
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    large = make_image(new_token(), args.large_mib * MiB)
+    many = [make_image(new_token(), args.many_mib * MiB) for _ in range(args.many)]
+    many_bytes = sum(len(m) for m in many)
+    floor_dir = f"{bucket}/floor-{uuid.uuid4().hex[:8]}"
+    url = f"s3://{bucket}/ckpt-{uuid.uuid4().hex[:8]}"
+    storage = ObjectStorage(url)
+    rows: dict[str, dict[str, float]] = {}
+
+    def floor_put_one(_: int) -> None:
+        fs.pipe_file(f"{floor_dir}/large", large, chunksize=PART_BYTES, max_concurrency=CONCURRENCY)
+
+    def floor_get_one(_: int) -> None:
+        assert len(fs.cat_file(f"{floor_dir}/large", chunksize=PART_BYTES, max_concurrency=CONCURRENCY)) == len(large)
+
+    def floor_put_many(_: int) -> None:
+        fs.pipe({f"{floor_dir}/many-{i}": m for i, m in enumerate(many)})
+
+    def floor_get_many(_: int) -> None:
+        assert sum(map(len, fs.cat([f"{floor_dir}/many-{i}" for i in range(len(many))]).values())) == many_bytes
+
+    token = new_token()
+    images = {"large": [make_image(token, len(large))],
+              "many": [make_image(token, len(m)) for m in many]}
+
+    commit_seconds: list[float] = []
+
+    def ckpt_put(kind: str, step_base: int) -> Callable[[int], None]:
+        def run(attempt: int) -> None:
+            step, shards = step_base + attempt, images[kind]
+            with ThreadPoolExecutor(len(shards)) as pool:
+                list(pool.map(lambda r: storage.write_shard(step, r, token, memoryview(shards[r])),
+                              range(len(shards))))
+            start = time.perf_counter()
+            assert storage.try_commit(step, len(shards), token, 2)
+            commit_seconds.append(time.perf_counter() - start)
+        return run
+
+    def ckpt_get(kind: str, step: int) -> Callable[[int], None]:
+        def one(rank: int) -> None:
+            shard, record = storage.open_shard(step, rank)
+            shard.pread_into(bytearray(record["size"]), 0)
+
+        def run(_: int) -> None:
+            with ThreadPoolExecutor(len(images[kind])) as pool:
+                list(pool.map(one, range(len(images[kind]))))
+        return run
+
+    def ckpt_verify(_: int) -> None:
+        assert storage.verify(100 + args.repeats - 1) == []
+
+    r, pid = args.repeats, server_pid
+    rows["one large: write"] = pair(r, floor_put_one, ckpt_put("large", 100), len(large), pid)
+    rows["one large: read"] = pair(r, floor_get_one, ckpt_get("large", 100 + r - 1), len(large), pid)
+    rows["one large: verify"] = pair(r, floor_get_one, ckpt_verify, len(large), pid)
+    rows[f"{args.many} in parallel: write"] = pair(r, floor_put_many, ckpt_put("many", 200), many_bytes, pid)
+    rows[f"{args.many} in parallel: read"] = pair(r, floor_get_many, ckpt_get("many", 200 + r - 1), many_bytes, pid)
+    return rows, sorted(commit_seconds)[len(commit_seconds) // 2]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--large-mib", type=int, default=256)
+    parser.add_argument("--many", type=int, default=8)
+    parser.add_argument("--many-mib", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a moto server of its own")
+    parser.add_argument("--bucket", help="with --endpoint: an existing bucket")
+    parser.add_argument("--json", default=str(ROOT / "results" / "object_store.json"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    proc = None
+    if args.endpoint is None:
+        proc, args.endpoint = start_moto()
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    os.environ["AWS_ENDPOINT_URL"] = args.endpoint
+    try:
+        import fsspec
+
+        bucket = args.bucket or f"bench-{uuid.uuid4().hex[:8]}"
+        if args.bucket is None:
+            fsspec.filesystem("s3").mkdir(bucket)
+        rows, commit = measure(args, bucket, proc.pid if proc is not None else None)
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+    print(f"{'':28} {'floor MiB/s':>11} {'flashckpt MiB/s':>15} {'ratio':>6} {'CPU s/GiB floor':>15} "
+          f"{'flashckpt':>9}")
+    for name, row in rows.items():
+        print(f"{name:28} {row['floor']:11.0f} {row['flashckpt']:15.0f} {row['ratio']:6.2f} "
+              f"{row['floor_cpu_s_per_gib']:15.2f} {row['flashckpt_cpu_s_per_gib']:9.2f}")
+    result = {"endpoint": "moto (own)" if proc is not None else args.endpoint, "part_bytes": PART_BYTES,
+              "concurrency": CONCURRENCY, "large_mib": args.large_mib, "many": args.many,
+              "many_mib": args.many_mib, "repeats": args.repeats, "cpus": os.cpu_count(), "rows": rows,
+              "commit_seconds_median": commit}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    print(f"try_commit (the last rank's: listing, markers, metadata, retention, latest): median {commit * 1000:.0f} ms")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
