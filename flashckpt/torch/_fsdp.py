@@ -170,10 +170,9 @@ class FsdpCheckpointer(EngineCheckpointer):
 
     def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
                  job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
-                 process_group: Any = None) -> None:
-        # replicas=0: this load's agreement (below) does not count peer replicas yet, so pushing them would be waste
+                 replicas: int | None = None, process_group: Any = None) -> None:
         options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
-                          memory_slots=memory_slots, replicas=0)
+                          memory_slots=memory_slots, replicas=replicas)
         collective = collective_for(process_group)
         self._engine = Engine(os.fspath(directory), options, place(collective, replicated=False), collective)
         self.extra: Any = None
@@ -292,12 +291,15 @@ class FsdpCheckpointer(EngineCheckpointer):
         rank0 = coll.rank == 0
         local = {"memory": sorted(memory), "committed": eng.storage.latest_step() if rank0 else None,
                  "keys": eng.memory_keys() if rank0 else None,
-                 "newest": eng.storage.newest_key() if rank0 else None}
+                 "newest": eng.storage.newest_key() if rank0 else None,
+                 "storage_rank": eng.placement.storage_rank, "replicas": eng.replicas.here()}
         views = coll.all_gather(local)
         committed = views[0]["committed"]
-        common = set.intersection(*(set(v["memory"]) for v in views))
+        holders, keys = eng.replicas.holders(views)  # a peer's replica counts as a copy in memory
+        common = set.intersection(*(set(v["memory"]) | {s for r, s in holders if r == v["storage_rank"]}
+                                    for v in views))
         if step is None:
-            if common and memory_not_older(views[0]["keys"][max(common)], views[0]["newest"]):
+            if common and memory_not_older(keys[max(common)], views[0]["newest"]):
                 step, source = max(common), "memory"
             elif committed is not None:
                 step, source = committed, "storage"
@@ -307,6 +309,8 @@ class FsdpCheckpointer(EngineCheckpointer):
                 return eng.load({})
         else:
             source = "memory" if step in common else "storage"
+        if source == "memory" and any(step not in v["memory"] for v in views):
+            step, source = eng.replicas.fetch_missing(step, holders, committed)
         target = self._collect(model, None, {})
         peeks = self._engine.on_all_ranks(lambda: self._peek(target, step, source),
                                    f"reading the layout of step {step} from {source}")

@@ -36,7 +36,8 @@ def shms(tmp_path):
         subprocess.run(["umount", "-l", str(d)], check=False)
 
 
-def run_round(tmp_path, shms, replicas: str, mode: str) -> tuple[list[dict], list[subprocess.Popen]]:
+def run_round(tmp_path, shms, replicas: str, mode: str, kind: str = "own"
+              ) -> tuple[list[dict], list[subprocess.Popen]]:
     port = free_port()
     procs, outs = [], []
     for rank in range(2):
@@ -44,7 +45,7 @@ def run_round(tmp_path, shms, replicas: str, mode: str) -> tuple[list[dict], lis
         env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": str(shms[rank]),
                "FLASHCKPT_REPLICA_ADDR": "127.0.0.1"}
         procs.append(subprocess.Popen([sys.executable, WORKER, str(rank), str(port), str(tmp_path / "ck"), replicas,
-                                       str(out), mode], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True))
+                                       str(out), mode, kind], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True))
         outs.append(out)
     deadline = time.monotonic() + 120
     while not all(o.exists() for o in outs):
@@ -57,8 +58,8 @@ def run_round(tmp_path, shms, replicas: str, mode: str) -> tuple[list[dict], lis
     return [json.loads(o.read_text()) for o in outs], procs
 
 
-def lose_node1_and_restart(tmp_path, shms, replicas: str) -> list[dict]:
-    saved, procs = run_round(tmp_path, shms, replicas, "save")
+def lose_node1_and_restart(tmp_path, shms, replicas: str, kind: str = "own") -> list[dict]:
+    saved, procs = run_round(tmp_path, shms, replicas, "save", kind)
     os.kill(saved[1]["saver_pid"], signal.SIGKILL)  # node 1: everything, and its memory
     procs[1].kill()
     procs[0].kill()  # node 0's trainer: restarted by the launcher; its saver and memory stay
@@ -66,7 +67,7 @@ def lose_node1_and_restart(tmp_path, shms, replicas: str) -> list[dict]:
         p.wait()
     for name in os.listdir(shms[1]):
         subprocess.run(["rm", "-rf", str(shms[1] / name)], check=True)
-    loaded, procs = run_round(tmp_path, shms, replicas, "load")
+    loaded, procs = run_round(tmp_path, shms, replicas, "load", kind)
     for p in procs:
         p.wait(timeout=60)
     return [saved, loaded]
@@ -87,3 +88,10 @@ def test_without_replicas_a_lost_node_restores_from_storage(tmp_path, shms):
     assert saved[0]["endpoints"] == [] and saved[0]["replicas_here"] == [], saved
     assert [(r["step"], r["source"]) for r in loaded] == [(2, "storage"), (2, "storage")], loaded
     assert [r["w"] for r in loaded] == [2.0, 12.0], loaded
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_counts_the_survivors_replica_too(tmp_path, shms):
+    saved, loaded = lose_node1_and_restart(tmp_path, shms, "auto", "fsdp")
+    assert [(r["step"], r["source"]) for r in loaded] == [(3, "memory"), (3, "memory")], loaded
+    assert [r["digest"] for r in loaded] == pytest.approx([r["digest3"] for r in saved]), (saved, loaded)
