@@ -6,8 +6,8 @@
 Without ``--endpoint`` it starts moto's S3 server (``moto[server]``, the tests' server)
 on a loopback port; with it, any S3-compatible endpoint (credentials from the
 environment). The floor is s3fs itself on the same bytes: ``pipe_file`` (its multipart
-upload, with ObjectStorage's part size and concurrency) and ``cat_file`` (its parallel
-ranged GETs) of one large object; ``pipe`` and ``cat`` of many objects at once.
+upload) and ``cat_file`` (its parallel ranged GETs) of one large object; ``pipe`` and
+``cat`` of many objects at once; all with ObjectStorage's part size and concurrency.
 ObjectStorage: ``write_shard`` (upload, block checksums, done marker) then ``try_commit``
 of one rank, and of ``--many`` ranks written by as many threads (as savers of that many
 nodes would); load: ``open_shard`` and ``pread_into`` of each whole shard (by as many
@@ -120,7 +120,8 @@ def measure(args: argparse.Namespace, bucket: str, server_pid: int | None) -> tu
         assert len(fs.cat_file(f"{floor_dir}/large", chunksize=PART_BYTES, max_concurrency=CONCURRENCY)) == len(large)
 
     def floor_put_many(_: int) -> None:
-        fs.pipe({f"{floor_dir}/many-{i}": m for i, m in enumerate(many)})
+        fs.pipe({f"{floor_dir}/many-{i}": m for i, m in enumerate(many)}, chunksize=PART_BYTES,
+                max_concurrency=CONCURRENCY)
 
     def floor_get_many(_: int) -> None:
         assert sum(map(len, fs.cat([f"{floor_dir}/many-{i}" for i in range(len(many))]).values())) == many_bytes
