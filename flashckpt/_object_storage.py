@@ -49,9 +49,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, TypeVar
 
 from . import _object_lease
-from ._checksum import BLOCK_SIZE, StreamCheck, block_crcs
+from ._checksum import BLOCK_SIZE, block_crcs
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ._format import parse_header
 from ._storage import (MAX_LATEST, MAX_METADATA, LocalStorage, ShardRecord, _Line, _image_token, _MAX_MARKER,
                        _plain_name, _validate_metadata, line_key)
 from ._storage_url import OBJECT_SCHEMES, parse_location
@@ -507,9 +506,10 @@ class ObjectStorage:
         """Committed steps' lines by (line, step), what LocalStorage's ordering methods read."""
         return _in_order(self._commits_in(self._tree()).values())
 
-    # The order of steps is LocalStorage's, written once: these read only ``self._order()``
-    # and ``self.metadata()``.
+    # LocalStorage's logic, written once: these read only ``self._order()``, ``self.metadata()``,
+    # ``self.open_shard()`` and ``self.root``.
     _committed_by = LocalStorage._committed_by
+    verify = LocalStorage.verify  # every shard through the one reader (ShardReader over an ObjectShard)
     steps_in_order = LocalStorage.steps_in_order
     newest_key = LocalStorage.newest_key
     newer_than_committed = LocalStorage.newer_than_committed
@@ -558,39 +558,6 @@ class ObjectStorage:
             raise CorruptCheckpointError(f"{self._url(name)}: {size} bytes, the commit recorded {record['size']} "
                                          "(truncated or replaced?)")
         return ObjectShard(self._fs, self._key(name), self._url(name), size, concurrency=self._concurrency), record
-
-    def verify(self, step: int) -> list[str]:
-        """Re-read every shard of ``step``; the problems found (empty when intact). A
-        shard whose header names another run's token is a problem."""
-        meta = self.metadata(step)
-        world, shards = meta["world_size"], meta["shards"]
-        problems = []
-        absent = [r for r in range(min(world, len(shards) + 6)) if str(r) not in shards][:5]
-        if len(shards) < world:
-            problems.append(f"step {step} in {self.root}: {world - len(shards)} of {world} ranks have no shard "
-                            f"(missing ranks {', '.join(map(str, absent))}{', ...' if world - len(shards) > 5 else ''})")
-        for rank in sorted(shards, key=int):
-            try:
-                self._verify_shard(step, int(rank), meta.get("token"))
-            except CheckpointError as exc:
-                problems.append(str(exc))
-        return problems
-
-    def _verify_shard(self, step: int, rank: int, token: str | None) -> None:
-        shard, record = self.open_shard(step, rank)
-        check = StreamCheck(record, shard.name)
-        window = bytearray(min(shard.size, self._concurrency * PART_BYTES))
-        first = True
-        while n := shard.readinto(window):
-            view = memoryview(window)[:n]
-            if first:
-                first = False
-                theirs = _image_token(view)
-                if token and theirs is not None and theirs != token:
-                    raise CorruptCheckpointError(f"{shard.name} was written by another run (token {theirs}); "
-                                                 f"step {step} was committed by run {token}")
-            check.update(view)
-        check.finish()
 
 
 def _upload_token(name: str) -> str | None:

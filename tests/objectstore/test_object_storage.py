@@ -125,7 +125,8 @@ def test_uncommitted_steps_are_invisible_and_cleaned(url):
     with pytest.raises(CheckpointNotFoundError, match="step 2 is not committed"):
         storage.open_shard(2, 0)
     storage.write_shard(3, 0, run, memoryview(image(run, 1000)))  # this run's own older upload
-    fs, bucket, key = raw_fs(), url.removeprefix("s3://").split("/")[0], f"{url.split('/', 3)[3]}/step-2/rank-1.{dead}.safetensors"
+    fs, (bucket, prefix) = raw_fs(), url.removeprefix("s3://").split("/", 1)
+    key = f"{prefix}/step-2/rank-1.{dead}.safetensors"
     upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]  # killed mid multipart upload
     fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * (5 * MiB))
     assert [u["Key"] for u in fs.list_multipart_uploads(bucket)] == [key]
