@@ -90,6 +90,9 @@ class ReplicaStore:
         self.job_id = job_id
         self._receiving: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
+        self._mapped: dict[str, Slot] = {}
+        """Replica files kept mapped between pushes: mapping (and populating) a copy again
+        for every push cost a seventh of a push."""
 
     def _paths(self, storage_rank: int) -> list[str]:
         return [_names.replica_path(self.job_id, storage_rank, k) for k in range(2)]
@@ -114,25 +117,24 @@ class ReplicaStore:
                     complete = [i for i, h in enumerate(headers) if h.state == SlotState.COMPLETE]
                     newest = max(complete, key=lambda i: headers[i].generation, default=None)
                     index = next(i for i in range(2) if i != newest)
-                slot = Slot.open(paths[index], writable=True, create=True)
+                slot = self._mapped.get(paths[index])
+                if slot is None:
+                    slot = self._mapped[paths[index]] = Slot.open(paths[index], writable=True, create=True)
+                slot.ensure_capacity(image_len)  # a full /dev/shm is a SharedMemoryError here
+                record = dict(info, storage_rank=storage_rank, source=source, persist=False)
+                with lock.held():
+                    header = mark_writing(slot, step, image_len, record)
                 try:
-                    slot.ensure_capacity(image_len)  # a full /dev/shm is a SharedMemoryError here
-                    record = dict(info, storage_rank=storage_rank, source=source, persist=False)
+                    crc = recv_image(sock, slot.image(image_len))
+                except BaseException:
                     with lock.held():
-                        header = mark_writing(slot, step, image_len, record)
-                    try:
-                        crc = recv_image(sock, slot.image(image_len))
-                    except BaseException:
-                        with lock.held():
-                            header.state = SlotState.EMPTY
-                            slot.write_header(header)
-                        raise
-                    with lock.held():
-                        header.state = SlotState.COMPLETE
-                        header.info = dict(record, crc32=crc)
+                        header.state = SlotState.EMPTY
                         slot.write_header(header)
-                finally:
-                    slot.close()
+                    raise
+                with lock.held():
+                    header.state = SlotState.COMPLETE
+                    header.info = dict(record, crc32=crc)
+                    slot.write_header(header)
             finally:
                 lock.close()
         return step
@@ -153,6 +155,9 @@ class ReplicaStore:
 
     def remove_all(self) -> None:
         """Free every replica of this job on this node (the job ended cleanly)."""
+        for slot in self._mapped.values():
+            slot.close()
+        self._mapped.clear()
         prefix = glob.escape(_names.job_prefix(self.job_id))
         for path in glob.glob(prefix + ".replica*.slot*") + glob.glob(prefix + ".replica*.lock"):
             try:
