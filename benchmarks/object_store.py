@@ -69,9 +69,9 @@ def start_moto() -> tuple[subprocess.Popen, str]:
 
 
 def make_image(token: str, size: int) -> bytes:
-    """A flashckpt image of ``size`` bytes (header + one random U8 tensor) saved by ``token``."""
+    """A flashckpt image saved by ``token``: its header and one random U8 tensor of ``size`` bytes."""
     head = plan_image([("w", "U8", (size,))], {"token": token, "kinds": {"w": "numpy"}}).header
-    return head + os.urandom(size - len(head))
+    return head + os.urandom(size)
 
 
 def cpu_seconds(server_pid: int | None) -> float:

@@ -130,12 +130,16 @@ class ObjectShard:
 
     def preadv(self, pieces: list[Any], offset: int) -> None:
         """Fill ``pieces`` (flat byte views) with consecutive bytes from ``offset``, exactly:
-        one ranged GET per :data:`PART_BYTES` of the range, several at once."""
+        one ranged GET per about :data:`PART_BYTES` of the range, several at once."""
         views = [_flat(p) for p in pieces]
         end = offset + sum(len(v) for v in views)
         if offset < 0 or end > self.size:
             raise CorruptCheckpointError(f"{self.name}: bytes {offset}-{end} lie outside its {self.size} bytes")
-        ranges = [(at, min(at + PART_BYTES, end)) for at in range(offset, end, PART_BYTES)]
+        if end == offset:
+            return
+        count = max(1, round((end - offset) / PART_BYTES))  # even ranges: no tiny GET for a last few bytes
+        cuts = [offset + (end - offset) * k // count for k in range(count + 1)]
+        ranges = list(zip(cuts[:-1], cuts[1:]))
         targets = []  # per range: the slices of ``views`` it fills
         pos, i, skip = offset, 0, 0
         for start, stop in ranges:
@@ -191,10 +195,12 @@ def _run_all(job: Callable[[int], None], count: int, threads: int) -> None:
 
 
 class _Commit(NamedTuple):
-    """A committed step's place in the order of steps and the run that committed it."""
+    """A committed step's place in the order of steps, the run that committed it, and
+    its metadata (None when unreadable)."""
 
     line: _Line
     token: str | None
+    meta: dict | None
 
 
 _COMMITS: dict[str, dict[int, tuple[tuple, _Commit]]] = {}
@@ -490,16 +496,20 @@ class ObjectStorage:
             return cached[1]
         try:
             meta = self.metadata(step)
-            there = _Commit(_Line(line_key(meta.get("token")), step, meta.get("branch"), True), meta.get("token"))
+            there = _Commit(_Line(line_key(meta.get("token")), step, meta.get("branch"), True), meta.get("token"),
+                            meta)
         except CheckpointNotFoundError:
             return None
         except CheckpointError as exc:
             log.info("step %d is ordered as the oldest line: %s", step, exc)
-            there = _Commit(_Line("", step, None, False), None)
+            there = _Commit(_Line("", step, None, False), None, None)
         self._commits[step] = (ident, there)
         return there
 
     def _commits_in(self, tree: dict[int, dict[str, dict]]) -> dict[int, _Commit]:
+        """The commits of a full listing (the cache forgets steps that are gone)."""
+        for gone in set(self._commits) - set(tree):
+            self._commits.pop(gone, None)
         return {s: there for s, names in tree.items() if (there := self._commit(s, names.get("metadata.json")))}
 
     def _order(self) -> list[_Line]:
@@ -542,8 +552,15 @@ class ObjectStorage:
 
     def open_shard(self, step: int, rank: int) -> tuple[ObjectShard, dict]:
         """A committed shard opened for ranged reads (``.name`` is its URL) and its record
-        (size, block checksums); the object must exist with the recorded size."""
-        meta = self.metadata(step)
+        (size, block checksums); the object must exist with the recorded size.
+
+        The step's metadata is the one the process's last listing found (a load lists
+        first, to pick its step), read again only when unknown: opening every rank's shard
+        of a large world costs one metadata GET, not one per shard. A step committed
+        again since that listing is read as it was listed, or fails naming a shard the
+        newer commit removed."""
+        cached = self._commits.get(step)
+        meta = cached[1].meta if cached is not None and cached[1].meta is not None else self.metadata(step)
         record = meta["shards"].get(str(rank))
         if record is None:
             raise CheckpointNotFoundError(

@@ -315,3 +315,29 @@ def test_the_shard_reader_reads_object_shards(url):
         reader.readinto(out, at)
         assert out == images[0][at:at + 1000]
         assert bytes(read_tensors(reader)["w"]) == images[0][reader.body_start:]
+
+
+def test_a_run_whose_lease_was_taken_over_stops_renewing_it(url):
+    stalled = store(url, lease_seconds=0.4)
+    stalled.claim_run(token())
+    other = {"token": "newer", "pid": 1, "host": "elsewhere", "heartbeat_at": time.time()}
+    raw_fs().pipe_file(f"{url}/.flashckpt-run.json", json.dumps(other).encode())
+    time.sleep(0.5)  # past a renewal: it sees the other token and leaves the lease alone
+    assert json.loads(raw_fs().cat_file(f"{url}/.flashckpt-run.json")) == other
+    stalled.release_run()
+    assert json.loads(raw_fs().cat_file(f"{url}/.flashckpt-run.json")) == other  # not its lease to delete
+
+
+def test_opening_every_rank_reads_the_metadata_once(url, monkeypatch):
+    """A load lists the steps (reading each new metadata once), then opens every rank's
+    shard: no metadata GET per shard (a resharding load of a large world opens them all)."""
+    run = token()
+    save(store(url), 1, run, [1000] * 4)
+    storage = store(url)
+    reads: list[str] = []
+    real = storage._read_small
+    monkeypatch.setattr(storage, "_read_small", lambda name, limit: (reads.append(name), real(name, limit))[1])
+    assert storage.steps_in_order() == [1]
+    for rank in range(4):
+        storage.open_shard(1, rank)
+    assert reads.count("step-1/metadata.json") <= 1
