@@ -6,8 +6,11 @@
 Without ``--endpoint`` it starts moto's S3 server (``moto[server]``, the tests' server)
 on a loopback port; with it, any S3-compatible endpoint (credentials from the
 environment). The floor is s3fs itself on the same bytes: ``pipe_file`` (its multipart
-upload) and ``cat_file`` (its parallel ranged GETs) of one large object; ``pipe`` and
-``cat`` of many objects at once; all with ObjectStorage's part size and concurrency.
+upload) and ``cat_file`` (its parallel ranged GETs) of one large object, with
+ObjectStorage's part size and concurrency; ``pipe`` (same part size) and ``cat`` of many
+objects at once, ``cat`` in s3fs's default (one GET per object: its fastest here, as
+moto reads a whole object for every ranged GET, so ObjectStorage's two 16 MiB GETs per
+32 MiB shard cost the server twice the work; S3 serves ranges natively).
 ObjectStorage: ``write_shard`` (upload, block checksums, done marker) then ``try_commit``
 of one rank, and of ``--many`` ranks written by as many threads (as savers of that many
 nodes would); load: ``open_shard`` and ``pread_into`` of each whole shard (by as many

@@ -108,7 +108,7 @@ def _flat(view: Any) -> memoryview:
 class ObjectShard:
     """One committed shard object opened for reading: ``name`` (its URL), ``size``,
     sequential :meth:`readinto` and positional :meth:`pread_into` / :meth:`preadv`, each
-    one ranged GET per :data:`PART_BYTES` (in parallel); exact, or an error naming the
+    one ranged GET per :data:`PART_BYTES` or so (in parallel); exact, or an error naming the
     object. Thread safe for positional reads; a context manager."""
 
     def __init__(self, fs: Any, key: str, name: str, size: int, *, concurrency: int = CONCURRENCY) -> None:
@@ -137,7 +137,7 @@ class ObjectShard:
             raise CorruptCheckpointError(f"{self.name}: bytes {offset}-{end} lie outside its {self.size} bytes")
         if end == offset:
             return
-        count = max(1, round((end - offset) / PART_BYTES))  # even ranges: no tiny GET for a last few bytes
+        count = max(1, (end - offset) // PART_BYTES)  # even ranges of PART_BYTES or more: no tiny last GET
         cuts = [offset + (end - offset) * k // count for k in range(count + 1)]
         ranges = list(zip(cuts[:-1], cuts[1:]))
         targets = []  # per range: the slices of ``views`` it fills
