@@ -25,7 +25,7 @@ from typing import Any
 
 from . import _names
 from ._replica import ReplicaError, recv_image, send_image, send_message
-from ._slot import HEADER_SIZE, RankLock, Slot, SlotHeader, SlotState, mark_writing
+from ._slot import HEADER_SIZE, RankLock, Slot, SlotHeader, SlotState, mark_writing, shm_free_bytes
 
 __all__ = ["ReplicaStore", "replica_index", "send_slot"]
 
@@ -76,6 +76,21 @@ def replica_index(job_id: str) -> list[tuple[str, SlotHeader]]:
     return found
 
 
+def _check_room(slot: Slot, image_len: int, storage_rank: int) -> None:
+    """Replicas take shared memory only where it allows: a copy that would leave less free
+    than its own size is refused, so that this node's trainers can still grow or prepare
+    their own slots (a replica is worth less than a save)."""
+    grow = HEADER_SIZE + image_len - slot.capacity
+    if grow <= 0:
+        return
+    free = shm_free_bytes(os.path.dirname(slot.path))
+    if free - grow < image_len:
+        raise ReplicaError(f"not keeping the replica of rank {storage_rank}: it needs {grow / 2**20:.1f} MiB of "
+                           f"shared memory and would leave {max(0, free - grow) / 2**20:.1f} MiB free, less than "
+                           f"its size (this node's own saves come first); enlarge {os.path.dirname(slot.path)} "
+                           "or run with replicas=0")
+
+
 def _int(msg: dict[str, Any], name: str) -> int:
     value = msg.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -120,6 +135,7 @@ class ReplicaStore:
                 slot = self._mapped.get(paths[index])
                 if slot is None:
                     slot = self._mapped[paths[index]] = Slot.open(paths[index], writable=True, create=True)
+                _check_room(slot, image_len, storage_rank)
                 slot.ensure_capacity(image_len)  # a full /dev/shm is a SharedMemoryError here
                 record = dict(info, storage_rank=storage_rank, source=source, persist=False)
                 with lock.held():

@@ -294,3 +294,28 @@ def test_one_node_needs_no_replicas(tmp_path, jobs):
     with Checkpointer(tmp_path / "ckpt", job_id=jobs[0], replicas=1) as ck:
         assert ck.engine.replicas.endpoints == {}  # a single node has no peer: nothing listens
         ck.save(1, {"w": torch.ones(4)})
+
+
+def test_a_replica_that_would_crowd_out_this_nodes_saves_is_refused(tmp_path, monkeypatch):
+    """Replicas only where memory allows: in an 8 MiB shared memory holding a 3 MiB slot, a
+    3 MiB replica would leave 2 MiB free, less than a save of that size needs: refused."""
+    from .conftest import small_tmpfs
+    with small_tmpfs(tmp_path / "shm", "8m") as shm:
+        monkeypatch.setattr(_names, "SHM_DIR", str(shm))
+        secret = new_secret()
+        receiver = ReplicaService("crowd1")
+        try:
+            receiver.configure(secret, "127.0.0.1", "127.0.0.1")
+            payload = os.urandom(3 << 20)
+            msg = make_slot("crowd0", 1, payload)
+            sock = connect_peer(receiver.endpoint, secret)
+            try:
+                send_message(sock, {"op": "push", "storage_rank": 0, "step": 1, "generation": msg["generation"],
+                                    "image_len": len(payload), "info": msg["info"]})
+                reply = recv_message(sock)
+            finally:
+                sock.close()
+            assert not reply["ok"] and "shared memory" in reply["error"], reply
+            assert replica_index("crowd1") == []
+        finally:
+            receiver.close()
