@@ -42,12 +42,15 @@ import logging
 import os
 import re
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._reshard import LAYOUT_KEY, RangeReader, full_piece, path_key, plain_value, read_sources, source_of
 from ._shard_read import open_shard
-from ._storage import LocalStorage
+from ._storage_url import open_storage
+
+if TYPE_CHECKING:
+    from ._storage_url import Storage
 
 __all__ = ["Format", "convert", "convert_all", "rank_output"]
 
@@ -102,7 +105,7 @@ def convert_all(directory: str | os.PathLike, step: int | None, to: str | Format
     writer = {Format.TORCH: _write_torch, Format.SAFETENSORS: _write_safetensors,
               Format.DCP: _write_dcp, Format.FLASHCKPT: _write_flashckpt}[dst]
     if src is Format.FLASHCKPT:
-        storage = LocalStorage(directory)
+        storage = open_storage(directory)
         step = _checked_step(storage, step)
         world = storage.metadata(step)["world_size"]
         if world > 1 and not _has_layout(storage, step):  # each rank saved its own state
@@ -134,12 +137,12 @@ def consolidate(directory: str, step: int | None, rank: int = 0) -> tuple[int, d
     """The committed ``step`` (None: newest) as one unsharded state: the saved tree
     with every sharded tensor whole, the layout entry dropped. For a checkpoint without
     a sharded layout, rank ``rank``'s own state."""
-    storage = LocalStorage(directory)
+    storage = open_storage(directory)
     step = _checked_step(storage, step)
     return step, _consolidate(storage, step, rank)
 
 
-def _checked_step(storage: LocalStorage, step: int | None) -> int:
+def _checked_step(storage: Storage, step: int | None) -> int:
     """``step`` (None: the newest committed) once every shard of it verifies."""
     if step is None:
         step = storage.latest_step()
@@ -151,7 +154,7 @@ def _checked_step(storage: LocalStorage, step: int | None) -> int:
     return step
 
 
-def _consolidate(storage: LocalStorage, step: int, rank: int) -> dict[str, Any]:
+def _consolidate(storage: Storage, step: int, rank: int) -> dict[str, Any]:
     import torch  # noqa: F401
 
     from ._tree import merge_into
@@ -185,7 +188,7 @@ def _consolidate(storage: LocalStorage, step: int, rank: int) -> dict[str, Any]:
     return state
 
 
-def _has_layout(storage: LocalStorage, step: int) -> bool:
+def _has_layout(storage: Storage, step: int) -> bool:
     with open_shard(storage, step, 0) as reader:
         return plain_value(reader.image.meta.get("tree", {}), LAYOUT_KEY) is not None
 
@@ -362,7 +365,7 @@ def _write_flashckpt(state: dict[str, Any], step: int, out: str) -> None:
         if data is not None:
             at = len(image.header) + entry.offset
             buf[at:at + entry.nbytes] = memoryview(data.reshape(-1))
-    storage = LocalStorage(out)
+    storage = open_storage(out)
     storage.check_writable()
     storage.write_shard(step, 0, token, memoryview(buf))
     if not storage.try_commit(step, 1, token, keep_last=0, branch=step - 1):

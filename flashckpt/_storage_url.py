@@ -37,6 +37,9 @@ from ._storage import LocalStorage
 if TYPE_CHECKING:
     from ._object_storage import ObjectStorage
 
+    Storage = LocalStorage | ObjectStorage
+    """What :func:`open_storage` returns: both have the same methods (write, commit, list, open)."""
+
 __all__ = ["OBJECT_SCHEMES", "Location", "is_url", "open_storage", "parse_location"]
 
 OBJECT_SCHEMES: dict[str, str] = {

@@ -21,12 +21,17 @@ import os
 import re
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from . import _names
 from ._errors import CheckpointError, CheckpointNotFoundError
 from ._persist import persist_slot, unpersisted_slots
 from ._slot import Slot, SlotState, pid_alive
 from ._storage import LocalStorage
+from ._storage_url import open_storage
+
+if TYPE_CHECKING:
+    from ._storage_url import Storage
 
 __all__ = ["main"]
 
@@ -48,10 +53,11 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _storage(directory: str) -> LocalStorage:
-    """The storage of an existing checkpoint directory, else a CheckpointNotFoundError."""
-    storage = LocalStorage(directory)
-    if not os.path.isdir(storage.root):
+def _storage(directory: str) -> Storage:
+    """The storage of an existing checkpoint directory (or object-store URL), else a
+    CheckpointNotFoundError."""
+    storage = open_storage(directory)
+    if isinstance(storage, LocalStorage) and not os.path.isdir(storage.root):
         what = "no such directory" if not os.path.lexists(storage.root) else "not a directory"
         raise CheckpointNotFoundError(f"{storage.root}: {what}")
     return storage

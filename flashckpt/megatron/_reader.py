@@ -44,11 +44,11 @@ class FileSource:
     """A committed ``rank-R.safetensors`` read through its :class:`ShardReader` (exact
     reads, the blocks touched verified, the header's blocks on opening).
 
-    ``shard`` is what :meth:`LocalStorage.open_shard` returns (the source owns and closes
+    ``shard`` is what a storage's ``open_shard`` returns (a file, an object-store shard) (the source owns and closes
     it), or a path, opened as a regular file only (no symlink, FIFO or device)."""
 
-    def __init__(self, shard: str | io.FileIO, record: dict) -> None:
-        if not isinstance(shard, io.FileIO):
+    def __init__(self, shard: Any, record: dict) -> None:
+        if isinstance(shard, str):
             path, shard = shard, io.FileIO(open_regular(shard, shard), "rb", closefd=True)
             shard.name = path
         self._reader = ShardReader(shard, record)

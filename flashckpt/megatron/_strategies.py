@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
 
 from .._errors import CheckpointError
+from .._storage_url import open_storage
 from ..torch._tensors import DTYPE_NAMES
 from ._checkpointer import MegatronCheckpointer
 
@@ -99,7 +100,7 @@ class FlashLoadStrategy(LoadShardedStrategy):
                 pointer = json.load(f)
         except FileNotFoundError:
             raise CheckpointError(f"{checkpoint_dir} has no {POINTER}; it was not saved by FlashSaveStrategy") from None
-        if os.path.abspath(pointer["directory"]) != self.checkpointer.directory:
+        if open_storage(pointer["directory"]).root != self.checkpointer.directory:
             raise CheckpointError(f"{checkpoint_dir} points at {pointer['directory']}, this checkpointer "
                                   f"reads {self.checkpointer.directory}")
         return int(pointer["step"])
