@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -31,6 +32,7 @@ from ._replica import new_secret
 from ._replica_engine import PeerReplicas
 from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
 from ._storage import LocalStorage, line_key
+from ._storage_url import open_storage
 from ._shard_read import read_shard_into
 from ._tree import Flat, Merge, TensorKind, flatten, kind_named, merge_into
 
@@ -199,7 +201,7 @@ class Engine:
         self.options = options
         self.placement = placement
         self.collective = collective or SingleProcess()
-        self.storage = LocalStorage(directory)
+        self.storage = open_storage(directory)
         self.job_id = options.job_id or _names.default_job_id(self.storage.root)
         _names.job_prefix(self.job_id)  # validates the name
         if placement.persists:
@@ -236,7 +238,7 @@ class Engine:
         for it (a few seconds, for network file systems' caches); any node that does not
         see it fails construction on every rank, named."""
         c = self.collective
-        if c.world_size == 1:
+        if c.world_size == 1 or not isinstance(self.storage, LocalStorage):  # an object store is shared
             return
         probe = os.path.join(self.storage.root, f".flashckpt-probe-{self.placement.token}")
         token = self.placement.token.encode()
@@ -276,6 +278,10 @@ class Engine:
         if self._slots[i] is None:
             self._slots[i] = Slot.open(self._slot_paths[i], writable=True, create=create)
         return self._slots[i]
+
+    def _has_slots(self) -> bool:
+        """Whether this rank has any slot (mapped, or left in shared memory by an earlier process)."""
+        return any(slot is not None for slot in self._slots) or any(os.path.exists(p) for p in self._slot_paths)
 
     def _headers(self) -> list[SlotHeader]:
         """Every slot's header, reading unmapped slots without mapping them."""
@@ -357,6 +363,9 @@ class Engine:
             raise CheckpointError("save() on a closed checkpointer")
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if export is not None and not isinstance(self.storage, LocalStorage):
+            raise CheckpointError(f"exporting the {export.get('name')!r} layout needs a local checkpoint directory, "
+                                  f"not {self.storage.root}")
         start = time.perf_counter()
         self._raise_persist_errors()
         self._saves += 1
@@ -440,6 +449,8 @@ class Engine:
 
     def _memory_headers(self) -> list[tuple[int, SlotHeader]]:
         """(slot, header) of this rank's complete copies of its own state, read once under the lock."""
+        if not self._has_slots():
+            return []
         with self._lock.held():
             return [(i, h) for i, h in enumerate(self._headers())
                     if (h.state == SlotState.COMPLETE and h.info.get("directory") == self.storage.root
@@ -628,7 +639,7 @@ class Engine:
     def discard_newer_than(self, step: int) -> None:
         """Mark this rank's in-memory copies of steps after ``step`` empty: after a rollback
         they belong to an abandoned timeline (``-1`` discards every copy)."""
-        if not self.placement.writes_memory:
+        if not self.placement.writes_memory or not self._has_slots():
             return
         with self._lock.held():
             for i, h in enumerate(self._headers()):
@@ -704,6 +715,29 @@ class Engine:
         me = os.getpid()
         return any(h.writer_pid not in (0, me) and pid_alive(h.writer_pid) for h in self._headers())
 
+    def _flush_on_close(self, timeout: float | None) -> None:
+        """Flush; when every rank closes (not while an exception unwinds this one, whose
+        peers may still be training), also wait for every rank's flush, so that every rank
+        sees the same newest committed step after ``close`` and learns of any rank's
+        failure. Without a process group any more, this rank's flush only."""
+        mine: tuple[str, str] | None = None
+        failed: CheckpointError | None = None
+        try:
+            self.flush(timeout)
+        except CheckpointError as exc:
+            mine, failed = (type(exc).__name__, f"rank {self.collective.rank}: {exc}"), exc
+        if self.collective.world_size > 1 and sys.exc_info()[0] is None:
+            try:
+                views = self.collective.all_gather(mine)
+            except Exception as exc:  # the process group was destroyed before close
+                log.debug("close: no agreement with the other ranks (%s)", exc)
+                views = []
+            others = [view for rank, view in enumerate(views) if view is not None and rank != self.collective.rank]
+            if failed is None and others:
+                self._raise(others, "persisting the newest step failed on other ranks")
+        if failed is not None:
+            raise failed
+
     def close(self, *, unlink: bool = True, timeout: float | None = None) -> None:
         """Flush the newest step, disconnect from the saver, free this rank's shared memory.
 
@@ -713,7 +747,7 @@ class Engine:
         if self._closed:
             return
         try:
-            self.flush(timeout)
+            self._flush_on_close(timeout)
         except CheckpointError:
             if self.placement.writes_memory:
                 log.error("closing without persisting the newest step of %s: its memory copy is kept in %s "

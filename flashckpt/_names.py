@@ -50,7 +50,8 @@ def private_dir() -> str:
 def default_job_id(directory: str) -> str:
     """A job id that every process of a run derives alike: a hash of the checkpoint
     directory, so restarts under any launcher find the same shared memory."""
-    digest = hashlib.sha1(os.path.abspath(directory).encode()).hexdigest()
+    where = directory if "://" in directory else os.path.abspath(directory)  # a URL is the same everywhere
+    digest = hashlib.sha1(where.encode()).hexdigest()
     return digest[:16]
 
 

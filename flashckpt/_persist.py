@@ -18,7 +18,7 @@ from typing import Any
 from . import _names
 from ._exporters import run_exporter
 from ._slot import RankLock, Slot, SlotState
-from ._storage import LocalStorage
+from ._storage_url import open_storage
 
 __all__ = ["PersistResult", "persist_slot", "unpersisted_slots"]
 
@@ -62,7 +62,7 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
         try:
             start = time.perf_counter()
             info = h.info if info is None else info
-            storage = LocalStorage(info["directory"])
+            storage = open_storage(info["directory"])
             storage.write_shard(h.step, info["storage_rank"], info["token"], slot.image(h.image_len))
             committed = storage.try_commit(h.step, info["storage_world"], info["token"], info["keep_last"],
                                            branch=info.get("branch"))
@@ -89,6 +89,6 @@ def unpersisted_slots(slot_paths: list[str]) -> list[tuple[str, int, str, int]]:
     for path in slot_paths:
         h = Slot.peek_header(path)
         if (h is not None and h.state == SlotState.COMPLETE and h.info.get("persist")
-                and LocalStorage(h.info["directory"]).newer_than_committed(h.info.get("token", ""), h.step)):
+                and open_storage(h.info["directory"]).newer_than_committed(h.info.get("token", ""), h.step)):
             found.append((path, h.generation, h.info["directory"], h.step))
     return sorted(found, key=lambda found: -found[3])

@@ -39,7 +39,7 @@ from . import _names
 from ._persist import PersistResult, persist_slot
 from ._replica_service import ReplicaService
 from ._slot import Slot, SlotState, open_private, pid_alive
-from ._storage import LocalStorage
+from ._storage_url import open_storage
 
 log = logging.getLogger("flashckpt.saver")
 
@@ -294,7 +294,7 @@ class Saver:
                 continue
             self._adopted.add((path, h.generation))
             info = dict(h.info, allow_pickle=False)
-            if LocalStorage(info["directory"]).newer_than_committed(info.get("token", ""), h.step):
+            if open_storage(info["directory"]).newer_than_committed(info.get("token", ""), h.step):
                 found.append((path, h.generation, info, h.step))
         if found:
             log.warning("persisting %d memory checkpoint(s) whose trainers died unheard: %s", len(found),
@@ -312,7 +312,7 @@ class Saver:
             h = Slot.peek_header(path)
             if h is None or h.state != SlotState.COMPLETE or h.generation != generation:
                 continue
-            if LocalStorage(info["directory"]).newer_than_committed(info["token"], h.step):
+            if open_storage(info["directory"]).newer_than_committed(info["token"], h.step):
                 found.append((path, generation, info, h.step))
         return sorted(found, key=lambda found: -found[3])
 
@@ -394,14 +394,14 @@ class Saver:
             return
         if job.unless_committed is not None:
             directory, token, newer = job.unless_committed
-            if not LocalStorage(directory).newer_than_committed(token, newer):
+            if not open_storage(directory).newer_than_committed(token, newer):
                 log.info("step %d is committed: %s is not needed on storage", newer, job.slot)
                 return
         try:
             result = persist_slot(job.slot, job.generation, job.info,
                                   already_persisted=self.persisted.get(job.slot) == job.generation)
         except Exception as exc:
-            if job.unless_committed is not None and not LocalStorage(directory).newer_than_committed(token, newer):
+            if job.unless_committed is not None and not open_storage(directory).newer_than_committed(token, newer):
                 # another node's saver committed the newer step (and cleared this one's tmp) meanwhile
                 log.info("step %d was committed while its fallback %s was written (%s): not needed", newer,
                          job.slot, exc)

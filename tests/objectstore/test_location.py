@@ -86,8 +86,6 @@ def test_parsing_imports_no_fsspec():
     assert out.strip() == "[]"
 
 
-@pytest.mark.xfail(strict=True, reason="wiring pending: the engine still builds LocalStorage(directory) itself, so "
-                                       "'s3:/x' becomes ./s3:/x (issue 23)")
 def test_checkpointer_refuses_a_malformed_url(tmp_path):
     code = textwrap.dedent("""
         import os, flashckpt
