@@ -172,10 +172,13 @@ class RankLock:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = open_private(path, os.O_RDWR | os.O_CREAT)
+        self._fd = -1
+        """Opened (and the file created) on first use: a rank that never holds slots leaves no file."""
 
     @contextmanager
     def held(self) -> Iterator[None]:
+        if self._fd < 0:
+            self._fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             yield
