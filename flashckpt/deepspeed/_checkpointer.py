@@ -62,7 +62,8 @@ class DeepSpeedCheckpointer:
         self.directory = os.path.abspath(os.fspath(directory))
         self._ckpt = Checkpointer(os.path.join(self.directory, FLASH_SUBDIR), persist_every=persist_every,
                                   keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
-                                  memory_slots=memory_slots, process_group=process_group)
+                                  memory_slots=memory_slots, process_group=process_group,
+                                  replicas=0)  # its load agreement does not count peer replicas yet
         self._flash = self._ckpt.engine
         self._previous_engine = engine.checkpoint_engine
         self.checkpoint_engine = FlashCheckpointEngine(self._flash_save)

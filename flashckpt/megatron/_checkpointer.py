@@ -62,7 +62,8 @@ class MegatronCheckpointer:
                  job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
                  process_group: Any = None) -> None:
         self._ckpt = Checkpointer(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id,
-                                  allow_pickle=allow_pickle, memory_slots=memory_slots, process_group=process_group)
+                                  allow_pickle=allow_pickle, memory_slots=memory_slots, process_group=process_group,
+                                  replicas=0)  # its load agreement does not count peer replicas yet
         self._flash = self._ckpt.engine
 
     @property
