@@ -1,6 +1,7 @@
 """Checkpointers and the CLI on an S3 URL, end to end: the saver persists to the bucket,
 a new process restores from memory, and from the bucket once memory is gone."""
 
+import json
 import os
 import signal
 import subprocess
@@ -78,3 +79,25 @@ def test_export_needs_a_local_directory(url, job_id):
         with pytest.raises(CheckpointError, match="local"):
             ck.engine.save(1, {"w": torch.zeros(4)}, export={"name": "tf", "params": {}})
     assert not os.path.exists("s3:")
+
+
+def test_torchrun_restart_from_memory_then_from_the_bucket(url, tmp_path):
+    """torchrun --max-restarts on a bucket: a rank SIGKILLed after step 6 (nothing due for
+    storage) restarts with its peer from memory and trains to the same weights as an
+    uninterrupted run; a later job, with memory freed by close(), loads step 12 from the bucket."""
+    from tests.checkpoint._torchrun_train import train_reference
+    from tests.checkpoint.test_ckpt_distributed import TORCHRUN_SCRIPT
+
+    for attempt, (steps, kill_at, loaded, source) in enumerate([(12, 6, 6, "memory"), (12, 0, 12, "storage")]):
+        out = tmp_path / f"out{attempt}"
+        out.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "--max-restarts=1", TORCHRUN_SCRIPT, url, str(out), str(steps), str(kill_at)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for rank in (0, 1):
+            report = json.loads((out / f"rank{rank}.json").read_text())
+            assert (report["loaded_step"], report["source"]) == (loaded, source), report
+            final = torch.load(out / f"final{rank}.pt")
+            ref = train_reference(rank, 12)
+            assert torch.equal(final["weight"], ref["weight"]) and torch.equal(final["bias"], ref["bias"])
