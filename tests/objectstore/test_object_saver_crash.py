@@ -1,0 +1,118 @@
+"""Crash safety of the real saver on a bucket: the saver process SIGKILLed at random
+moments while a trainer saves every step to storage (so it is nearly always uploading a
+shard or committing), then the trainer killed too; repeated, seed printed.
+
+After each crash every visible step verifies (no torn commit); the restart loads the
+newest committed step or a newer one from memory, never older than the last save that
+returned; after the last run's commit the bucket holds only committed steps' objects
+(no shard, marker or open multipart upload of a half-committed step)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from .conftest import raw_fs
+from .test_object_storage import objects, store
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MIB = 34  # above two 16 MiB parts: each shard is a multipart upload
+
+
+class Trainer:
+    """``tests.objectstore._saver_trainer`` in a subprocess, its output read by a thread."""
+
+    def __init__(self, url: str, job: str, *extra: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.objectstore._saver_trainer", url, job, str(MIB),
+                                      *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+
+    def first(self, word: str, timeout: float = 90) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if line == word or line.startswith(word + " "):
+                    return line[len(word) + 1:]
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.01)
+        raise AssertionError(f"no {word!r} from the trainer: {self.lines} {self.proc.stderr.read()[-3000:]}")
+
+    def saved(self) -> list[int]:
+        return [int(line.split()[1]) for line in list(self.lines) if line.startswith("saved ")]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self._reader.join(10)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_saver_killed_during_upload_and_commit(url, job_id):
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    print(f"seed {seed}")
+    storage = store(url)
+    floor = None  # the newest step a restart must load at least: max(newest committed, last returned save)
+    for round_ in range(3):
+        trainer = Trainer(url, job_id)
+        try:
+            loaded, source = trainer.first("loaded").split()
+            if floor is not None:
+                assert loaded != "None" and int(loaded) >= floor, f"seed {seed} round {round_}: loaded {loaded} " \
+                                                                  f"({source}), expected at least {floor}"
+            saver = int(trainer.first("saver"))
+            start = len(trainer.saved())
+            while len(trainer.saved()) - start < 2 and trainer.proc.poll() is None:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 1.5))  # the saver is uploading a shard or committing a step
+            _kill(saver)
+            time.sleep(rng.uniform(0, 0.3))  # the trainer may notice and start another saver
+            trainer.kill()
+        finally:
+            trainer.kill()
+        steps = storage.committed_steps()
+        for step in steps:
+            assert storage.verify(step) == [], f"seed {seed} round {round_}: step {step} of {steps} is torn"
+        left = [k for k in objects(url) if k.startswith("step-") and int(k[5:k.index("/")]) not in steps]
+        print(f"round {round_}: loaded {loaded} ({source}), saved {trainer.saved()[-1:]}, committed {steps}, "
+              f"uncommitted objects {left}")
+        saved = trainer.saved()
+        assert saved, f"seed {seed} round {round_}: {trainer.lines}"
+        floor = max([saved[-1], *steps])
+    finisher = Trainer(url, job_id, "--finish", "2")
+    try:
+        loaded = int(finisher.first("loaded").split()[0])
+        assert loaded >= floor, f"seed {seed}: the last restart loaded {loaded}, expected at least {floor}"
+        finisher.first("done", timeout=120)
+        assert finisher.proc.wait(30) == 0, finisher.proc.stderr.read()[-3000:]
+    finally:
+        finisher.kill()
+    steps = storage.committed_steps()
+    assert steps[-1] == loaded + 2 and len(steps) == 2, f"seed {seed}: {steps}"
+    for step in steps:
+        assert storage.verify(step) == [], f"seed {seed}: step {step} is torn"
+    tokens = {storage.metadata(s)["token"] for s in steps}
+    stray = [k for k in objects(url) if k.startswith("step-")
+             and (int(k[5:k.index("/")]) not in steps or not (k.endswith("/metadata.json")
+                                                               or any(t in k for t in tokens)))]
+    assert stray == [], f"seed {seed}: half-committed objects left: {stray}"
+    assert raw_fs().list_multipart_uploads(url.removeprefix("s3://").split("/")[0]) == [], f"seed {seed}"
