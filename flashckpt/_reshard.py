@@ -32,10 +32,10 @@ import numpy as np
 
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ._format import DTYPE_SIZES, Entry, Image
-from ._shard_read import ShardReader, file_header, open_shard
+from ._shard_read import Scratch, ShardReader, file_header, open_shard, run_chunks
 from ._storage import LocalStorage
 
-__all__ = ["LAYOUT_KEY", "Piece", "Source", "RangeReader", "chunk_pieces", "path_key", "tensor_names",
+__all__ = ["LAYOUT_KEY", "Fill", "Piece", "Source", "RangeReader", "chunk_pieces", "path_key", "tensor_names",
            "plain_value", "read_sources", "source_of", "close_sources", "byte_shape"]
 
 LAYOUT_KEY = "__flashckpt_layout__"
@@ -255,6 +255,24 @@ def close_sources(sources: list[Source]) -> None:
 
 # -- ranged reads ---------------------------------------------------------------------
 
+@dataclass(frozen=True, slots=True)
+class Fill:
+    """One target of :meth:`RangeReader.fill_many`: ``dst`` (C-contiguous uint8, shape
+    :func:`byte_shape` of ``want``) gets the box ``want`` of tensor ``key`` (``dtype``,
+    ``global_shape``), identical pieces read from rank ``prefer`` first; or, with
+    ``source`` and ``entry`` instead, the whole entry of that shard (``dst`` of
+    ``entry.nbytes`` bytes)."""
+
+    dst: np.ndarray
+    key: str | None = None
+    want: Piece | None = None
+    dtype: str | None = None
+    global_shape: tuple[int, ...] = ()
+    prefer: int = 0
+    source: Source | None = None
+    entry: Entry | None = None
+
+
 class RangeReader:
     """Fills target pieces from the byte ranges of source shards that overlap them,
     through each source's :class:`ShardReader` (exact reads, touched blocks verified).
@@ -319,39 +337,102 @@ class RangeReader:
              prefer: int = 0) -> None:
         """Fill ``dst`` (C-contiguous uint8, shape :func:`byte_shape` of ``want``) with
         the box ``want`` of tensor ``key``, from every source whose piece overlaps it;
-        identical pieces are read once, from rank ``prefer`` first."""
-        if want.numel == 0:
-            return
-        itemsize = DTYPE_SIZES[dtype]
-        for src, entry, piece, box in self._plan(key, want, dtype, global_shape, prefer):
-            self._copy(src, entry, _byte_piece(piece, itemsize), dst, _byte_piece(want, itemsize),
-                       _byte_piece(box, itemsize))
+        identical pieces are read once, from rank ``prefer`` first. One range at a time;
+        :meth:`fill_many` reads many targets' ranges together."""
+        self._read_one(Fill(dst, key=key, want=want, dtype=dtype, global_shape=global_shape, prefer=prefer))
 
     def read_entry(self, src: Source, entry: Entry, dst: np.ndarray) -> None:
         """Read one whole entry of ``src`` into ``dst`` (C-contiguous, ``entry.nbytes`` bytes)."""
-        flat = dst.reshape(-1)
-        if flat.nbytes != entry.nbytes:
-            raise StateMismatchError(f"{src.path}: entry {entry.name!r} has {entry.nbytes} bytes, "
-                                     f"the target {flat.nbytes}")
-        src.reader.readinto(flat, src.file_offset(entry))
-        self.bytes_read += entry.nbytes
+        self._read_one(Fill(dst, source=src, entry=entry))
 
-    def _copy(self, src: Source, entry: Entry, spiece: Piece, dst: np.ndarray, dpiece: Piece, box: Piece) -> None:
-        s_start = tuple(b - o for b, o in zip(box.offsets, spiece.offsets))
-        d_start = tuple(b - o for b, o in zip(box.offsets, dpiece.offsets))
-        s_run = _contiguous_range(spiece.lengths, s_start, box.lengths)
-        d_run = _contiguous_range(dpiece.lengths, d_start, box.lengths)
-        base = src.file_offset(entry)
-        if s_run is not None and d_run is not None:
-            flat = dst.reshape(-1)
-            src.reader.readinto(flat[d_run[0]:d_run[0] + d_run[1]], base + s_run[0])
-        else:  # strided: read the span from the box's first byte to its last, take the box out of it
-            first = _flat_offset(spiece.lengths, s_start)
-            last = _flat_offset(spiece.lengths, tuple(a + n - 1 for a, n in zip(s_start, box.lengths)))
-            span = np.empty(last + 1 - first, dtype=np.uint8)
-            src.reader.readinto(span, base + first)
-            strides = tuple(_flat_offset(spiece.lengths, tuple(int(d == k) for d in range(len(spiece.lengths))))
-                            for k in range(len(spiece.lengths)))
-            d_idx = tuple(slice(a, a + n) for a, n in zip(d_start, box.lengths))
-            dst[d_idx] = np.lib.stride_tricks.as_strided(span, box.lengths, strides, writeable=False)
-        self.bytes_read += box.numel
+    def _read_one(self, fill: Fill) -> None:
+        for src, at, view, finish, nbytes in self._ops(fill):
+            _read_range(src, at, view, finish)
+            self.bytes_read += nbytes
+
+    def fill_many(self, fills: list[Fill], *, threads: int | None = None) -> None:
+        """Fill every target of ``fills`` at once: the byte ranges of all of them, per
+        source file sorted and merged into block-aligned reads of up to
+        :data:`~flashckpt._shard_read.CHUNK_BYTES`, read on ``threads`` threads straight
+        into the targets (a strided box through a scratch span, copied once verified),
+        each read verifying the checksum blocks it holds. Bit for bit what :meth:`fill`
+        and :meth:`read_entry` one by one give; a damaged block raises
+        :class:`CorruptCheckpointError` naming the file and bytes (targets then hold
+        partly read bytes). Targets must not overlap one another."""
+        ops: dict[int, list[tuple[int, Any, Any]]] = {}  # id(source) -> (file offset, view | Scratch, finish)
+        by_id = {id(src): src for src in self.sources}
+        for fill in fills:
+            for src, at, view, finish, nbytes in self._ops(fill):
+                by_id.setdefault(id(src), src)
+                ops.setdefault(id(src), []).append((at, view, finish))
+                self.bytes_read += nbytes
+        chunks, finishers, serial = [], {}, []
+        for sid, items in ops.items():
+            items.sort(key=lambda op: op[0])
+            parts, finish, end = [], [], -1
+            for at, view, fin in items:
+                if at < end:  # overlaps the previous range (never for disjoint targets): read alone
+                    serial.append((by_id[sid], at, view, fin))
+                    continue
+                parts.append((at, view))
+                finish.append(fin)
+                end = at + len(view)
+            reader = by_id[sid].reader
+            finishers[id(reader)] = finish
+            chunks += reader.plan(parts)
+        run_chunks(chunks, threads=threads,
+                   done=lambda reader, i: finishers[id(reader)][i] and finishers[id(reader)][i]())
+        for src, at, view, fin in serial:
+            _read_range(src, at, view, fin)
+
+    def _ops(self, fill: Fill):
+        """(source, file offset, flat view or Scratch, finish or None, bytes) per range of ``fill``."""
+        if fill.source is not None:
+            src, entry = fill.source, fill.entry
+            flat = fill.dst.reshape(-1)
+            if flat.nbytes != entry.nbytes:
+                raise StateMismatchError(f"{src.path}: entry {entry.name!r} has {entry.nbytes} bytes, "
+                                         f"the target {flat.nbytes}")
+            if entry.nbytes:
+                yield src, src.file_offset(entry), flat, None, entry.nbytes
+            return
+        want, dst = fill.want, fill.dst
+        if want.numel == 0:
+            return
+        itemsize = DTYPE_SIZES[fill.dtype]
+        dpiece = _byte_piece(want, itemsize)
+        for src, entry, piece, box in self._plan(fill.key, want, fill.dtype, fill.global_shape, fill.prefer):
+            spiece, box = _byte_piece(piece, itemsize), _byte_piece(box, itemsize)
+            s_start = tuple(b - o for b, o in zip(box.offsets, spiece.offsets))
+            d_start = tuple(b - o for b, o in zip(box.offsets, dpiece.offsets))
+            s_run = _contiguous_range(spiece.lengths, s_start, box.lengths)
+            d_run = _contiguous_range(dpiece.lengths, d_start, box.lengths)
+            base = src.file_offset(entry)
+            if s_run is not None and d_run is not None:
+                yield src, base + s_run[0], dst.reshape(-1)[d_run[0]:d_run[0] + d_run[1]], None, box.numel
+            else:
+                first, span, copy = _strided(spiece, s_start, d_start, box, dst)
+                scratch = Scratch(span)
+                yield src, base + first, scratch, lambda s=scratch, c=copy: c(np.frombuffer(s.take(), np.uint8)), box.numel
+
+
+def _read_range(src: Source, at: int, view: Any, finish: Any) -> None:
+    """One range read on this thread (its touched blocks verified), then its ``finish``."""
+    src.reader.readinto(view.view() if isinstance(view, Scratch) else view, at)
+    if finish is not None:
+        finish()
+
+
+def _strided(spiece: Piece, s_start: tuple[int, ...], d_start: tuple[int, ...], box: Piece, dst: np.ndarray):
+    """(offset in the source entry, bytes, ``copy(span)``) of a box that is not one run:
+    the span from its first byte to its last, and the copy of the box out of it into ``dst``."""
+    first = _flat_offset(spiece.lengths, s_start)
+    last = _flat_offset(spiece.lengths, tuple(a + n - 1 for a, n in zip(s_start, box.lengths)))
+    strides = tuple(_flat_offset(spiece.lengths, tuple(int(d == k) for d in range(len(spiece.lengths))))
+                    for k in range(len(spiece.lengths)))
+    d_idx = tuple(slice(a, a + n) for a, n in zip(d_start, box.lengths))
+
+    def copy(span: np.ndarray) -> None:
+        dst[d_idx] = np.lib.stride_tricks.as_strided(span, box.lengths, strides, writeable=False)
+
+    return first, last + 1 - first, copy

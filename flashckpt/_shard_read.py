@@ -34,7 +34,7 @@ from ._tree import Merge, kind_named
 if TYPE_CHECKING:
     from ._storage import LocalStorage
 
-__all__ = ["CHUNK_BYTES", "ShardReader", "file_header", "open_shard", "read_header", "read_shard_into", "read_tensors", "unflatten"]
+__all__ = ["CHUNK_BYTES", "Chunk", "Scratch", "ShardReader", "file_header", "open_shard", "read_header", "read_shard_into", "read_tensors", "run_chunks", "unflatten"]
 
 CHUNK_BYTES = 32 << 20
 """Bytes per read of a full read (rounded down to whole checksum blocks, at least one)."""
@@ -142,45 +142,43 @@ class ShardReader:
         byte view or Scratch)``, sorted, disjoint) into its view and the rest into scratch,
         verifying every block. ``done(i)`` runs (on a reading thread) once part ``i`` is
         read and its blocks verified."""
-        bs = self._sums.block_size
-        chunk = max(1, CHUNK_BYTES // bs) * bs
-        plans = _plan_chunks(parts, self.size, chunk)
-        left = [0] * len(parts)
-        for plan in plans:
-            for i in plan[2]:
-                left[i] += 1
-        guard, failed = threading.Lock(), threading.Event()
-
-        def run(plan: tuple[int, list[Any], list[int]]) -> None:
-            if failed.is_set():
-                return
-            start, layout, touched = plan
-            pieces = [memoryview(bytearray(p)) if isinstance(p, int) else p[0].view()[p[1]:p[2]]
-                      if isinstance(p, tuple) else p for p in layout]
-            try:
-                self._preadv(pieces, start)
-                self._sums.check_pieces(start, pieces)
-            except BaseException:
-                failed.set()
-                raise
-            for i in touched:
-                with guard:
-                    left[i] -= 1
-                    finished = left[i] == 0
-                if finished and done is not None:
-                    done(i)
-
-        workers = max(1, min(threads or THREADS, len(plans)))
-        if workers == 1:
-            for plan in plans:
-                run(plan)
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="flashckpt-read") as pool:
-                for future in [pool.submit(run, plan) for plan in plans]:
-                    future.result()
+        run_chunks(self.plan(parts, whole=True), threads=threads,
+                   done=None if done is None else lambda _, i: done(i))
         if len(self._sums.verified) != len(self._sums.crcs):
             raise CorruptCheckpointError(f"{self.path}: {self.size} bytes read, the commit records "
                                          f"{len(self._sums.crcs)} checksum blocks")
+
+    def plan(self, parts: list[Part], *, whole: bool = False) -> list["Chunk"]:
+        """The reads that fill ``parts`` (``(file offset, flat byte view or Scratch)``,
+        sorted, disjoint): the whole file (``whole``), else only the checksum blocks the
+        parts touch, runs of adjacent touched blocks read together; each read at most
+        :data:`CHUNK_BYTES` and block aligned, so each verifies its own blocks. Run them
+        with :func:`run_chunks` (one pool for the chunks of many readers)."""
+        bs = self._sums.block_size
+        chunk = max(1, CHUNK_BYTES // bs) * bs
+        if whole:
+            spans = [(0, self.size)] if self.size else []
+        else:
+            spans = []
+            for at, view in parts:
+                if not len(view):
+                    continue
+                if at < 0 or at + len(view) > self.size:
+                    raise CorruptCheckpointError(f"{self.path}: bytes {at}-{at + len(view)} lie outside its "
+                                                 f"{self.size} bytes")
+                lo, hi = at // bs * bs, min(-(-(at + len(view)) // bs) * bs, self.size)
+                if spans and lo <= spans[-1][1]:
+                    spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
+                else:
+                    spans.append((lo, hi))
+        out: list[Chunk] = []
+        first = 0
+        for lo, hi in spans:
+            while first < len(parts) and parts[first][0] + len(parts[first][1]) <= lo:
+                first += 1
+            for start, layout, touched in _plan_chunks(parts[first:], hi, chunk, lo):
+                out.append(Chunk(self, start, layout, [first + i for i in touched]))
+        return out
 
     def verify(self, *, threads: int | None = None) -> None:
         """Read and verify every block of the file."""
@@ -260,13 +258,13 @@ Part = tuple[int, "memoryview | Scratch"]
 """(file offset, flat byte view or :class:`Scratch`) of a full read."""
 
 
-def _plan_chunks(parts: list[Part], size: int, chunk: int) -> list[tuple[int, list[Any], list[int]]]:
-    """Per chunk of the file: its start, what its bytes go into in order (a slice of a
+def _plan_chunks(parts: list[Part], size: int, chunk: int, begin: int = 0) -> list[tuple[int, list[Any], list[int]]]:
+    """Per chunk of the file's bytes ``[begin, size)``: its start, what its bytes go into in order (a slice of a
     part's view, ``(scratch, lo, hi)``, or the length of a gap to read into scratch),
     the parts it touches."""
     plans = []
     i = 0
-    for start in range(0, size, chunk):
+    for start in range(begin, size, chunk):
         end = min(start + chunk, size)
         layout: list[Any] = []
         touched: list[int] = []
@@ -290,6 +288,65 @@ def _plan_chunks(parts: list[Part], size: int, chunk: int) -> list[tuple[int, li
             layout.append(end - pos)
         plans.append((start, layout, touched))
     return plans
+
+
+class Chunk:
+    """One read of a planned ranged or full read (:meth:`ShardReader.plan`): ``reader``'s
+    bytes from ``start`` into ``layout`` (slices of parts' views, ``(scratch, lo, hi)``,
+    or gap lengths read into scratch), touching parts ``touched``."""
+
+    __slots__ = ("reader", "start", "layout", "touched")
+
+    def __init__(self, reader: ShardReader, start: int, layout: list[Any], touched: list[int]) -> None:
+        self.reader, self.start, self.layout, self.touched = reader, start, layout, touched
+
+    def read(self) -> None:
+        """Read and verify (every whole block not yet verified: a chunk is block aligned)."""
+        pieces = [memoryview(bytearray(p)) if isinstance(p, int) else p[0].view()[p[1]:p[2]]
+                  if isinstance(p, tuple) else p for p in self.layout]
+        self.reader._preadv(pieces, self.start)
+        self.reader._sums.check_pieces(self.start, pieces)
+
+
+def run_chunks(chunks: list[Chunk], *, threads: int | None = None,
+               done: Callable[[ShardReader, int], None] | None = None) -> None:
+    """Read ``chunks`` (of one or many readers) on ``threads`` threads (default
+    :data:`THREADS`). ``done(reader, i)`` runs on a reading thread once every chunk
+    touching part ``i`` of that reader's plan is read and verified. The first error
+    (a :class:`CorruptCheckpointError` naming the file and bytes) stops the reads not yet
+    started and is raised once the others end."""
+    left: dict[tuple[int, int], int] = {}
+    for c in chunks:
+        for i in c.touched:
+            left[id(c.reader), i] = left.get((id(c.reader), i), 0) + 1
+    guard, failed = threading.Lock(), threading.Event()
+
+    def run(c: Chunk) -> None:
+        if failed.is_set():
+            return
+        try:
+            c.read()
+        except BaseException:
+            failed.set()
+            raise
+        for i in c.touched:
+            with guard:
+                left[id(c.reader), i] -= 1
+                finished = left[id(c.reader), i] == 0
+            if finished and done is not None:
+                done(c.reader, i)
+
+    workers = max(1, min(threads or THREADS, len(chunks)))
+    if workers == 1:
+        for c in chunks:
+            run(c)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="flashckpt-read") as pool:
+        futures = [pool.submit(run, c) for c in chunks]
+        errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error
 
 
 def open_shard(storage: LocalStorage, step: int, rank: int) -> ShardReader:
