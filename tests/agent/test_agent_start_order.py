@@ -16,7 +16,6 @@ import torch
 import elastic
 from elastic._goodput import read_records, summarize
 from flashckpt.torch import Checkpointer
-from tests.checkpoint.conftest import job_id  # noqa: F401  (fixture)
 
 STEP_SECONDS = 0.01
 

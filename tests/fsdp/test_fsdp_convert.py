@@ -14,7 +14,6 @@ from flashckpt import CheckpointError, CorruptCheckpointError
 from flashckpt._convert import convert
 
 from ._fsdp_common import assert_equal_states
-from ..checkpoint.conftest import job_id  # noqa: F401  (fixture)
 from .conftest import assert_ok
 
 

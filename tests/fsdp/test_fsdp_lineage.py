@@ -8,7 +8,6 @@ import pytest
 import torch.distributed as dist
 
 from tests.checkpoint._dist import run_ranks
-from tests.checkpoint.conftest import job_id  # noqa: F401  (fixture)
 
 from ._fsdp_common import assert_equal_states, local_state, make, train_step
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tests.checkpoint._dist import run_ranks
-from tests.checkpoint.conftest import job_id  # noqa: F401  (fixture)
 
 from . import _gpt
 
