@@ -2,11 +2,12 @@
 torch.distributed.checkpoint (DCP) on the same model, 2 gloo ranks on CPU.
 
     python benchmarks/fsdp.py [--params-m 48] [--repeats 3] [--dir DIR] [--json results/fsdp.json]
-                              [--device cuda] [--source-world 4]
+                              [--device cuda] [--source-world 4] [--methods reshard,floor]
 
 ``--device cuda``: the model lives on the one GPU of a 1-rank job (NCCL for FSDP's
 collectives); the floor copies into page-locked host memory, and the resharded loads
-are left out (they need 2 ranks, and they read storage on any device).
+are left out (they need 2 ranks, and they read storage on any device). ``--methods``:
+only the methods whose names contain one of the given words (all by default).
 
 The model is a stack of square Linear layers (hidden 2048, one ``fully_shard`` each)
 with AdamW state after one step: parameters + two moments, fp32. A job of
@@ -118,7 +119,8 @@ def save_sources(rank: int, world: int, root: str, layers: int) -> None:
     dcp.save(sharded_state(model, opt), checkpoint_id=os.path.join(root, "dcp-src"))
 
 
-def measure(rank: int, world: int, root: str, layers: int, repeats: int, device: str) -> dict:
+def measure(rank: int, world: int, root: str, layers: int, repeats: int, device: str,
+            only: list[str] | None = None) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -218,14 +220,16 @@ def measure(rank: int, world: int, root: str, layers: int, repeats: int, device:
     ]
     if world == 1:
         methods = [m for m in methods if "resharded" not in m[0]]
+    if only:
+        methods = [m for m in methods if any(word in m[0] for word in only)]
     flash_durable()  # every load below has something committed to read
     dcp_save()
     for r in range(repeats):
         # async_save's two halves stay in order; everything else rotates per repeat
         rotated = methods[r % len(methods):] + methods[:r % len(methods)]
         order = [m for m in rotated if m[0] != "dcp async_save (until done)"]
-        i = order.index(next(m for m in order if m[0] == "dcp async_save (blocking)"))
-        order.insert(i + 1, next(m for m in methods if m[0] == "dcp async_save (until done)"))
+        blocking = [i for i, m in enumerate(order) if m[0] == "dcp async_save (blocking)"]
+        order[blocking[0] + 1:blocking[0] + 1] = [m for m in methods if m[0] == "dcp async_save (until done)"][:len(blocking)]
         for name, fn, before in order:
             if name.startswith("flashckpt load from memory"):
                 flash_save()  # the newest step is in memory
@@ -256,29 +260,31 @@ def main() -> None:
     parser.add_argument("--json", default=str(REPO / "results" / "fsdp.json"))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--source-world", type=int, default=4, help="ranks that save the resharded loads' source")
+    parser.add_argument("--methods", default="", help="comma-separated words: run only the methods named with one")
     args = parser.parse_args()
+    only = [w for w in args.methods.split(",") if w]
     layers = max(1, round(args.params_m * 1e6 / (HIDDEN * HIDDEN + HIDDEN)))
     root = tempfile.mkdtemp(prefix="flashckpt-fsdp-bench-", dir=args.dir)
     world, backend = (1, "cpu:gloo,cuda:nccl") if args.device == "cuda" else (2, "gloo")
     try:
         if world > 1:
             run_ranks(save_sources, args.source_world, root, layers, timeout=3600)
-        result = run_ranks(measure, world, root, layers, args.repeats, args.device, timeout=3600,
+        result = run_ranks(measure, world, root, layers, args.repeats, args.device, only, timeout=3600,
                            backend=backend)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {name: statistics.median(v) for name, v in result["samples"].items()}
-    ratios = {
-        "flashckpt save / floor save": med["flashckpt save (blocking)"] / med["floor save"],
-        "dcp async_save blocking / flashckpt save": med["dcp async_save (blocking)"] / med["flashckpt save (blocking)"],
-        "dcp save / flashckpt save": med["dcp save"] / med["flashckpt save (blocking)"],
-        "flashckpt load from memory / floor load": med["flashckpt load from memory"] / med["floor load"],
-        "dcp load / flashckpt load from memory": med["dcp load"] / med["flashckpt load from memory"],
-        "dcp load / flashckpt load from storage": med["dcp load"] / med["flashckpt load from storage"],
-    }
-    if world > 1:
-        ratios[f"dcp resharded load / flashckpt resharded load ({args.source_world}->2)"] = (
-            med["dcp resharded load"] / med["flashckpt resharded load"])
+    pairs = [
+        ("flashckpt save / floor save", "flashckpt save (blocking)", "floor save"),
+        ("dcp async_save blocking / flashckpt save", "dcp async_save (blocking)", "flashckpt save (blocking)"),
+        ("dcp save / flashckpt save", "dcp save", "flashckpt save (blocking)"),
+        ("flashckpt load from memory / floor load", "flashckpt load from memory", "floor load"),
+        ("dcp load / flashckpt load from memory", "dcp load", "flashckpt load from memory"),
+        ("dcp load / flashckpt load from storage", "dcp load", "flashckpt load from storage"),
+        (f"dcp resharded load / flashckpt resharded load ({args.source_world}->2)", "dcp resharded load",
+         "flashckpt resharded load"),
+    ]
+    ratios = {name: med[a] / med[b] for name, a, b in pairs if a in med and b in med}
     total_bytes = sum(result["state_bytes_per_rank"])
     where = f"1 rank on {args.device}" if world == 1 else "2 gloo ranks on CPU"
     print(f"FSDP2, {where}, {layers} x Linear({HIDDEN}, {HIDDEN}) + AdamW: "
