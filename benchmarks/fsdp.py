@@ -228,8 +228,10 @@ def measure(rank: int, world: int, root: str, layers: int, repeats: int, device:
         # async_save's two halves stay in order; everything else rotates per repeat
         rotated = methods[r % len(methods):] + methods[:r % len(methods)]
         order = [m for m in rotated if m[0] != "dcp async_save (until done)"]
-        blocking = [i for i, m in enumerate(order) if m[0] == "dcp async_save (blocking)"]
-        order[blocking[0] + 1:blocking[0] + 1] = [m for m in methods if m[0] == "dcp async_save (until done)"][:len(blocking)]
+        for i, m in enumerate(order):
+            if m[0] == "dcp async_save (blocking)":
+                order[i + 1:i + 1] = [m for m in methods if m[0] == "dcp async_save (until done)"]
+                break
         for name, fn, before in order:
             if name.startswith("flashckpt load from memory"):
                 flash_save()  # the newest step is in memory
