@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, TypeVar
 
 from . import _object_lease
-from ._checksum import BLOCK_SIZE, block_crcs
+from ._checksum import block_crcs
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._storage import (MAX_LATEST, MAX_METADATA, LocalStorage, ShardRecord, _Line, _image_token, _MAX_MARKER,
                        _plain_name, _validate_metadata, line_key)
@@ -67,6 +67,13 @@ MAX_CONNECTIONS = 64
 """Connections of an S3 client (botocore keeps 10 unless configured): several shards'
 parts at once; a ``max_pool_connections`` in fsspec's configuration wins."""
 _MAX_PARTS = 10_000
+BLOCK_BYTES = 1 << 20
+"""The checksum block of a shard in an object store (the disk's is 4 MiB): a ranged read
+verifies every block it touches, so it fetches its range widened to whole blocks; over
+the network a resharding load's small pieces (a third of a tensor's rows, a bias) would
+otherwise fetch up to 8 MiB each that nothing needs. Grown for very large shards (see
+:func:`_block_bytes`), so a done marker stays far below its 1 MiB bound."""
+_MAX_BLOCKS = 16_384
 _STEP_KEY_RE = re.compile(r"^step-(\d+)/([^/]+)$")
 _UPLOAD_RE = re.compile(r"^rank-(\d+)\.([A-Za-z0-9_+-]+)\.(safetensors|done)$")
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_+-]{1,64}$")
@@ -98,6 +105,13 @@ def _call(what: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         return fn(*args, **kwargs)
     except Exception as exc:
         raise _translate(exc, what) from exc
+
+
+def _block_bytes(size: int) -> int:
+    """The checksum block of a ``size``-byte shard: :data:`BLOCK_BYTES`, or a whole number
+    of MiB keeping at most :data:`_MAX_BLOCKS` checksums (16 GiB shards and larger)."""
+    per_block = -(-size // _MAX_BLOCKS)
+    return max(BLOCK_BYTES, -(-per_block // (1 << 20)) << 20)
 
 
 def _flat(view: Any) -> memoryview:
@@ -308,12 +322,13 @@ class ObjectStorage:
                                   f"this save's token is {token}: shards of two runs never commit together")
         name = f"step-{step}/{_shard_object(rank, token)}"
         try:
+            block = _block_bytes(len(image))
             with ThreadPoolExecutor(1, thread_name_prefix="flashckpt-crc32") as summer:
-                sums = summer.submit(block_crcs, image, BLOCK_SIZE)
+                sums = summer.submit(block_crcs, image, block)
                 self._upload(name, image)
                 record = ShardRecord(rank, len(image), sums.result())
             self._put_small(f"step-{step}/{_marker_object(rank, token)}",
-                            json.dumps({**record.to_json(), "token": token}).encode())
+                            json.dumps({**record.to_json(), "block_size": block, "token": token}).encode())
             return record
         except BaseException as exc:
             try:
