@@ -341,3 +341,21 @@ def test_opening_every_rank_reads_the_metadata_once(url, monkeypatch):
     for rank in range(4):
         storage.open_shard(1, rank)
     assert reads.count("step-1/metadata.json") <= 1
+
+
+@pytest.mark.parametrize("size, block", [(0, MiB), (1, MiB), (40 * MiB, MiB), (16 << 30, MiB),
+                                         ((16 << 30) + 1, 2 * MiB), (1 << 40, 64 * MiB)])
+def test_checksum_blocks_are_small_and_few(size, block):
+    """1 MiB blocks (a ranged read fetches its range widened to whole blocks), whole MiB,
+    at most 16,384 of them (a done marker stays far below its 1 MiB bound)."""
+    from flashckpt._object_storage import _block_bytes
+
+    assert _block_bytes(size) == block and -(-size // block) <= 16_384
+
+
+def test_a_shard_records_1_mib_blocks(url):
+    storage = store(url)
+    save(storage, 1, token(), [3 * MiB + 5])
+    record = storage.metadata(1)["shards"]["0"]
+    assert record["block_size"] == MiB and len(record["block_crc32"]) == 4
+    assert storage.verify(1) == []
