@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
 from . import _errors, _events, _names, _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
+from ._agreement import Agreement, Source, agree
 from ._client import SaverClient, saver_timeout
 from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError,
                       JobConflictError, StateMismatchError)
@@ -504,42 +505,35 @@ class Engine:
         self._client.update_info(self._info(None))
 
     def load(self, state: Any, *, step: int | None = None) -> int | None:
-        """Load the agreed step into ``state`` in place; all ranks must call this.
+        """Load the agreed step (:meth:`agree`) into ``state`` in place; all ranks must call this.
 
         Waits for the saver to finish a crash flush of the previous run first, at most
         ``FLASHCKPT_SAVER_TIMEOUT`` seconds (:class:`~flashckpt.CheckpointTimeoutError`)."""
         start = time.perf_counter()
-        requested = step
+        return self.load_agreed(state, self.agree(step), start)
+
+    def agree(self, step: int | None = None) -> Agreement:
+        """Agree with every rank on the step to load and its source (see
+        ``flashckpt._agreement``); fetches it from peer replicas where a node lacks it.
+        All ranks must call this."""
+        return agree(self, step)
+
+    def load_agreed(self, state: Any, agreement: Agreement, start: float | None = None) -> int | None:
+        """Load what ``agreement`` names into ``state`` in place (all ranks, the same
+        agreement): from memory, falling back to the newest committed step if that fails on
+        any rank; from storage, falling back to older committed steps
+        (``agreement.fallbacks``) if the step is damaged. Starts this run's line there."""
+        start = time.perf_counter() if start is None else start
         self._prepared()
-        self._client.wait()  # a crash flush of the previous run finishes first
-        memory = self.memory_steps()
-        rank0 = self.collective.rank == 0
-        local = {"memory": memory, "keys": self.memory_keys() if rank0 else None,
-                 "committed": self._committed_newest_first() if rank0 else None,
-                 "newest": self.storage.newest_key() if rank0 else None,
-                 "storage_rank": self.placement.storage_rank,
-                 "replicas": self.replicas.here()}
-        views = self.collective.all_gather(local)
-        fallbacks = views[0]["committed"]
-        committed = fallbacks[0] if fallbacks else None
-        holders, keys = self.replicas.holders(views)
-        common = set.intersection(*(set(v["memory"]) | {s for r, s in holders if r == v["storage_rank"]}
-                                    for v in views))
-        if step is not None:
-            source = "memory" if step in common else "storage"
-        elif common and memory_not_older(keys[max(common)], views[0]["newest"]):
-            step, source = max(common), "memory"
-        elif committed is not None:
-            step, source = committed, "storage"
-        else:
+        step, source, committed = agreement.step, agreement.source, agreement.committed
+        if step is None:
             self.start_line(-1)
             log.info("no checkpoint in memory or in %s: starting fresh", self.storage.root)
             self._loaded(None, None, start)
             self.prepare_for(state)
             return None
-        if source == "memory" and any(step not in v["memory"] for v in views):
-            step, source = self.replicas.fetch_missing(step, holders, committed)
-        if source == "memory":
+        fallbacks = list(agreement.fallbacks)
+        if source == Source.MEMORY:
             _, errors = self._gather(lambda: self._load_memory(state, *self.memory_steps()[step]))
             if errors:
                 if committed is None:
@@ -547,12 +541,12 @@ class Engine:
                                         f"in {self.storage.root}")
                 log.warning("loading step %d from memory failed on some ranks (%s); falling back to "
                             "committed step %d", step, "; ".join(m for _, m in errors), committed)
-                step, source = committed, "storage"
-        if source == "storage":
+                step, source = committed, Source.STORAGE
+        if source == Source.STORAGE:
             self._check_world(step)
-            step = self._load_storage_or_older(state, step, [] if requested is not None else fallbacks)
+            step = self._load_storage_or_older(state, step, fallbacks)
         self.start_line(step)
-        self._loaded(step, source, start)
+        self._loaded(step, source.value, start)
         self.prepare_for(state)
         return step
 
@@ -567,10 +561,6 @@ class Engine:
                 f"{self.placement.storage_world}; per-rank state cannot be split or merged: run with "
                 f"{saved} ranks, or save replicated state (DdpCheckpointer) or sharded state (FsdpCheckpointer) "
                 "that reshards")
-
-    def _committed_newest_first(self) -> list[int]:
-        """Committed steps, newest first by line and step (see ``flashckpt._storage``)."""
-        return self.storage.steps_in_order()[::-1]
 
     def _load_storage_or_older(self, state: Any, step: int, fallbacks: list[int]) -> int:
         """Load ``step`` from storage on every rank; if it is damaged or unreadable on any
@@ -798,11 +788,6 @@ def _page_locker(kind: TensorKind, objs: list[Any]) -> PageLocker | None:
     """The page locker ``kind`` wants for copies to or from ``objs`` (GPU tensors), if any."""
     page_locker = getattr(kind, "page_locker", None)
     return page_locker(objs) if page_locker is not None else None
-
-
-def memory_not_older(memory: tuple[str, int], newest: tuple[str, int] | None) -> bool:
-    """The load agreement's rule: memory wins unless storage holds a newer (line, step)."""
-    return newest is None or memory >= newest
 
 
 def _holds(path: str, token: bytes) -> bool:

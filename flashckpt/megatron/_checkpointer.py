@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .. import _events, _names
-from .._engine import memory_not_older
+from .._agreement import Source
 from .._errors import CheckpointError, StateMismatchError
 from .._slot import HEADER_SIZE, Slot, SlotState
 from ..torch import Checkpointer
@@ -60,10 +60,10 @@ class MegatronCheckpointer:
 
     def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
                  job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
-                 process_group: Any = None) -> None:
+                 replicas: int | None = None, process_group: Any = None) -> None:
         self._ckpt = Checkpointer(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id,
-                                  allow_pickle=allow_pickle, memory_slots=memory_slots, process_group=process_group,
-                                  replicas=0)  # its load agreement does not count peer replicas yet
+                                  allow_pickle=allow_pickle, memory_slots=memory_slots, replicas=replicas,
+                                  process_group=process_group)
         self._flash = self._ckpt.engine
 
     @property
@@ -135,30 +135,23 @@ class MegatronCheckpointer:
         return box[0], chosen
 
     def _agree_step(self, step: int | None, sharded_state_dict: dict) -> tuple[int | None, str]:
-        flash, collective = self._flash, self._flash.collective
+        """The engine's agreement (memory on this node or a peer's replica, else storage),
+        then memory only if every rank's node holds every block it asks for: another layout
+        reads other ranks' blocks, from storage (made durable first)."""
+        flash = self._flash
         flash.wait()
-        memory = flash.memory_steps()
-        newest = max(memory, default=None) if step is None else (step if step in memory else None)
-        local = newest is not None and self._memory_covers(sharded_state_dict, newest)
-        rank0 = collective.rank == 0
-        views = collective.all_gather({"memory": sorted(memory), "local": local,
-                                       "committed": flash.storage.latest_step() if rank0 else None,
-                                       "keys": flash.memory_keys() if rank0 else None,
-                                       "newest": flash.storage.newest_key() if rank0 else None})
-        committed = views[0]["committed"]
-        common = set.intersection(*(set(v["memory"]) for v in views))
-        candidate = (max(common) if common else None) if step is None else (step if step in common else None)
-        if candidate is not None and (step is not None
-                                      or memory_not_older(views[0]["keys"][candidate], views[0]["newest"])):
-            if all(v["local"] for v in views) and newest == candidate:
-                return candidate, "memory"
-            if candidate != committed:
-                self._ckpt.flush()  # another layout reads every rank's blocks: make them durable first
-                collective.all_gather(None)
-                return candidate, "storage"
-        if step is not None:
-            return step, "storage"
-        return committed, "storage"
+        agreement = flash.agree(step)
+        chosen = agreement.step
+        if chosen is None or agreement.source != Source.MEMORY:
+            return chosen, "storage"
+        covered = flash.on_all_ranks(lambda: self._memory_covers(sharded_state_dict, chosen),
+                                     f"looking for the blocks of step {chosen} in memory")
+        if all(covered):
+            return chosen, "memory"
+        if chosen != agreement.committed:
+            self._ckpt.flush()  # another layout reads every rank's blocks: make them durable first
+            flash.collective.all_gather(None)
+        return chosen, "storage"
 
     def _memory_sources(self, step: int) -> list[MemorySource]:
         """Every saved rank's image of ``step`` in this node's shared memory (one per rank).

@@ -36,7 +36,7 @@ import torch
 
 from .. import _events
 from .._base import EngineCheckpointer
-from .._engine import Engine, LoadInfo, Options, SaveHandle, gc_paused, memory_not_older, place
+from .._engine import Engine, LoadInfo, Options, SaveHandle, gc_paused, place
 from .._errors import CheckpointError, StateMismatchError
 from .._reshard import LAYOUT_KEY, Piece, RangeReader, path_key, read_header, read_layout, read_sources
 from .._tree import merge_into
@@ -287,30 +287,12 @@ class FsdpCheckpointer(EngineCheckpointer):
         eng = self._engine
         coll = eng.collective
         eng.wait()  # a crash flush of the previous run commits first
-        memory = eng.memory_steps()
-        rank0 = coll.rank == 0
-        local = {"memory": sorted(memory), "committed": eng.storage.latest_step() if rank0 else None,
-                 "keys": eng.memory_keys() if rank0 else None,
-                 "newest": eng.storage.newest_key() if rank0 else None,
-                 "storage_rank": eng.placement.storage_rank, "replicas": eng.replicas.here()}
-        views = coll.all_gather(local)
-        committed = views[0]["committed"]
-        holders, keys = eng.replicas.holders(views)  # a peer's replica counts as a copy in memory
-        common = set.intersection(*(set(v["memory"]) | {s for r, s in holders if r == v["storage_rank"]}
-                                    for v in views))
-        if step is None:
-            if common and memory_not_older(keys[max(common)], views[0]["newest"]):
-                step, source = max(common), "memory"
-            elif committed is not None:
-                step, source = committed, "storage"
-            else:
-                # Nothing anywhere: the engine reports a fresh start. The optimizer is not
-                # touched (get_state_dict would initialise its state with a zero step).
-                return eng.load({})
-        else:
-            source = "memory" if step in common else "storage"
-        if source == "memory" and any(step not in v["memory"] for v in views):
-            step, source = eng.replicas.fetch_missing(step, holders, committed)
+        agreement = eng.agree(step)  # memory (own node or a peer's replica) or storage
+        if agreement.step is None:
+            # Nothing anywhere: the engine reports a fresh start. The optimizer is not
+            # touched (get_state_dict would initialise its state with a zero step).
+            return eng.load_agreed({}, agreement, start)
+        step, source = agreement.step, agreement.source
         target = self._collect(model, None, {})
         peeks = self._engine.on_all_ranks(lambda: self._peek(target, step, source),
                                    f"reading the layout of step {step} from {source}")
@@ -325,8 +307,8 @@ class FsdpCheckpointer(EngineCheckpointer):
             target.tree["optim"] = {"state": {}, "param_groups": []}
         elif saved_optim != {False}:
             target.tree["optim"] = {}  # read and dropped: a model-only load of a checkpoint with optimizer
-        if all(same for same, _ in peeks):
-            loaded = eng.load(target.tree, step=step)
+        if all(same for same, _ in peeks):  # exactly the step whose layout was read: no fallbacks
+            loaded = eng.load_agreed(target.tree, agreement.pinned(), start)
         else:
             if step not in eng.storage.committed_steps():
                 raise CheckpointError(f"step {step} has another layout than this job and is not committed in "

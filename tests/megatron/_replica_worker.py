@@ -1,0 +1,66 @@
+"""One rank of the megatron replica test's two "nodes" (its own FLASHCKPT_SHM_DIR tmpfs, one rank each).
+
+    python _replica_worker.py RANK PORT DIR REPLICAS OUT_JSON save|load [KIND, ignored]
+
+Each rank holds one row of a (2, N) ``ShardedTensor`` ``w`` (value 10 * rank + step).
+``save``: steps 1..3 (step 2 committed, 3 only in memory), wait until this node holds the
+other node's replica of step 3 (when replicas are on), report, then wait to be killed.
+``load``: a fresh process loads through ``MegatronCheckpointer`` and reports the step, its
+source (from the ``load`` event) and the values. Same protocol as
+``tests/checkpoint/_replica_worker.py``, so ``test_replica_restore``'s rounds drive it.
+"""
+
+import json
+import pathlib
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from flashckpt import _events
+from flashckpt._replica_store import replica_index
+from flashckpt.megatron import MegatronCheckpointer
+
+N = 1 << 18
+
+
+def sharded(rank: int, value: float) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    data = torch.full((1, N), value)
+    return {"w": ShardedTensor.from_rank_offsets("w", data, (0, rank, 2))}
+
+
+def main() -> None:
+    rank, port, directory, replicas, out, mode = sys.argv[1:7]
+    rank = int(rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    kwargs = {} if replicas == "auto" else {"replicas": int(replicas)}
+    ck = MegatronCheckpointer(directory, job_id="replica", persist_every=2, **kwargs)
+    engine = ck._flash
+    report = {"saver_pid": engine._client.saver_pid, "endpoints": sorted(map(list, engine.replicas.endpoints.values()))}
+    if mode == "save":
+        for step in (1, 2, 3):
+            ck.save(step, sharded(rank, 10.0 * rank + step))
+        ck.wait()
+        deadline = time.monotonic() + 60
+        while engine.replicas.endpoints and not any(h.step == 3 for _, h in replica_index("replica")):
+            assert time.monotonic() < deadline, "the other node's step 3 never arrived"
+            time.sleep(0.05)
+        report["replicas_here"] = sorted((h.info["storage_rank"], h.step) for _, h in replica_index("replica"))
+        dist.barrier()
+    else:
+        events = []
+        _events.subscribe(lambda event, **info: events.append(info) if event == "load" else None)
+        state, step = ck.load(sharded(rank, 0.0))
+        w = state["w"]
+        report.update(step=step, source=events[-1]["source"], w=w[0, 0].item(), uniform=bool((w == w[0, 0]).all()))
+        dist.barrier()
+        ck.close()
+    pathlib.Path(out).write_text(json.dumps(report))
+    if mode == "save":
+        time.sleep(600)  # killed by the test, as a lost node's processes are
+
+
+if __name__ == "__main__":
+    main()
