@@ -21,7 +21,20 @@ server's from /proc when it is our moto), which other load on a shared machine d
 skew. flashckpt's write includes the commit (keep_last=2), whose median time is printed
 apart. Against moto the server (Python, one
 process) bounds both sides, so the ratios matter more than the MiB/s.
-Prints a table and writes JSON.
+
+Two more comparisons on the same bucket:
+
+- ``torch.distributed.checkpoint`` with its fsspec writer and reader (``FsspecWriter`` /
+  ``FsspecReader`` on an ``s3://`` URL of the same server, no process group, its default
+  settings) saving and loading ``{"w": <the large shard's bytes as a uint8 tensor>}``,
+  next to flashckpt's write (with commit) and read of the same bytes: the ratio is
+  flashckpt over DCP; skipped, with the reason, where DCP's fsspec storage does not run.
+- The save stall (what ``save`` blocks for) of a ``DdpCheckpointer`` on the bucket and on
+  a local directory, alternating, ``--stall-steps`` saves of ``--stall-mib`` each (the
+  first, which allocates the shared memory, not counted), each save's persist awaited
+  before the next: the upload runs in the saver process, so the ratio should be 1.
+
+Prints tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -36,6 +49,8 @@ import sys
 import time
 import urllib.request
 import uuid
+import statistics
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -168,12 +183,92 @@ def measure(args: argparse.Namespace, bucket: str, server_pid: int | None) -> tu
     return rows, sorted(commit_seconds)[len(commit_seconds) // 2]
 
 
+def dcp_fsspec() -> tuple[Any, Any]:
+    """DCP's fsspec writer and reader classes (public in some torch versions, private in others)."""
+    try:
+        from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+    except ImportError:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    return FsspecWriter, FsspecReader
+
+
+def measure_dcp(args: argparse.Namespace, bucket: str, server_pid: int | None) -> dict[str, dict[str, float]]:
+    """DCP (fsspec, no process group) and flashckpt saving and loading the same bytes."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    writer_cls, reader_cls = dcp_fsspec()
+    token = new_token()
+    image = make_image(token, args.large_mib * MiB)
+    body = torch.frombuffer(bytearray(image[-args.large_mib * MiB:]), dtype=torch.uint8)
+    base = f"s3://{bucket}/dcp-{uuid.uuid4().hex[:8]}"
+    storage = ObjectStorage(f"s3://{bucket}/ckpt-dcp-{uuid.uuid4().hex[:8]}")
+
+    def dcp_save(attempt: int) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no process group: saving as one process"
+            dcp.save({"w": body}, storage_writer=writer_cls(f"{base}/{attempt}"))
+
+    def dcp_load(attempt: int) -> None:
+        into = {"w": torch.empty_like(body)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(into, storage_reader=reader_cls(f"{base}/{args.repeats - 1}"))
+        assert torch.equal(into["w"][-64:], body[-64:])
+
+    def ours_save(attempt: int) -> None:
+        storage.write_shard(attempt, 0, token, memoryview(image))
+        assert storage.try_commit(attempt, 1, token, 2)
+
+    def ours_load(attempt: int) -> None:
+        shard, record = storage.open_shard(args.repeats - 1, 0)
+        shard.pread_into(bytearray(record["size"]), 0)
+
+    r, n = args.repeats, len(image)
+    return {"one large: save": pair(r, dcp_save, ours_save, n, server_pid),
+            "one large: load": pair(r, dcp_load, ours_load, n, server_pid)}
+
+
+def measure_stall(args: argparse.Namespace, bucket: str) -> dict[str, float]:
+    """Median save stall (seconds) of a DdpCheckpointer on the bucket and on a local directory."""
+    import torch
+
+    from flashckpt.torch import DdpCheckpointer
+
+    state = {"w": torch.zeros(args.stall_mib * MiB // 4), "step": 0}
+    stalls: dict[str, list[float]] = {"local": [], "bucket": []}
+    with tempfile.TemporaryDirectory(prefix="flashckpt-stall-") as local:
+        job = f"bench-stall-{uuid.uuid4().hex[:8]}"
+        where = {"local": local, "bucket": f"s3://{bucket}/stall-{uuid.uuid4().hex[:8]}"}
+        cks = {name: DdpCheckpointer(path, job_id=f"{job}-{name}", persist_every=1, keep_last=2)
+               for name, path in where.items()}
+        try:
+            for step in range(args.stall_steps + 1):
+                for name, ck in cks.items():
+                    state["w"].fill_(float(step))
+                    state["step"] = step
+                    start = time.perf_counter()
+                    ck.save(step, state)
+                    if step:  # the first save allocates the shared memory
+                        stalls[name].append(time.perf_counter() - start)
+                    ck.wait()
+        finally:
+            for ck in cks.values():
+                ck.close()
+    return {name: statistics.median(values) for name, values in stalls.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--large-mib", type=int, default=256)
     parser.add_argument("--many", type=int, default=8)
     parser.add_argument("--many-mib", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--stall-mib", type=int, default=256, help="the DdpCheckpointer state of the stall rows")
+    parser.add_argument("--stall-steps", type=int, default=5)
+    parser.add_argument("--no-dcp", action="store_true", help="skip the torch.distributed.checkpoint rows")
     parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a moto server of its own")
     parser.add_argument("--bucket", help="with --endpoint: an existing bucket")
     parser.add_argument("--json", default=str(ROOT / "results" / "object_store.json"))
@@ -190,7 +285,16 @@ def main(argv: list[str] | None = None) -> None:
         bucket = args.bucket or f"bench-{uuid.uuid4().hex[:8]}"
         if args.bucket is None:
             fsspec.filesystem("s3").mkdir(bucket)
-        rows, commit = measure(args, bucket, proc.pid if proc is not None else None)
+        pid = proc.pid if proc is not None else None
+        rows, commit = measure(args, bucket, pid)
+        dcp_rows: dict[str, dict[str, float]] = {}
+        dcp_skipped = "--no-dcp" if args.no_dcp else None
+        if not args.no_dcp:
+            try:
+                dcp_rows = measure_dcp(args, bucket, pid)
+            except Exception as exc:  # where DCP's fsspec storage does not run (torch version, s3fs)
+                dcp_skipped = f"{type(exc).__name__}: {exc}"[:300]
+        stall = measure_stall(args, bucket)
     finally:
         if proc is not None:
             proc.kill()
@@ -200,10 +304,23 @@ def main(argv: list[str] | None = None) -> None:
     for name, row in rows.items():
         print(f"{name:28} {row['floor']:11.0f} {row['flashckpt']:15.0f} {row['ratio']:6.2f} "
               f"{row['floor_cpu_s_per_gib']:15.2f} {row['flashckpt_cpu_s_per_gib']:9.2f}")
+    if dcp_rows:
+        print(f"\n{'vs torch.distributed.checkpoint':28} {'DCP MiB/s':>11} {'flashckpt MiB/s':>15} {'ratio':>6} "
+              f"{'CPU s/GiB DCP':>15} {'flashckpt':>9}")
+        for name, row in dcp_rows.items():
+            print(f"{name:28} {row['floor']:11.0f} {row['flashckpt']:15.0f} {row['ratio']:6.2f} "
+                  f"{row['floor_cpu_s_per_gib']:15.2f} {row['flashckpt_cpu_s_per_gib']:9.2f}")
+    else:
+        print(f"\ntorch.distributed.checkpoint (fsspec): skipped ({dcp_skipped})")
+    print(f"\nsave stall, DdpCheckpointer, {args.stall_mib} MiB, median of {args.stall_steps}: local directory "
+          f"{stall['local'] * 1000:.1f} ms, bucket {stall['bucket'] * 1000:.1f} ms, "
+          f"ratio {stall['bucket'] / stall['local']:.2f}")
     result = {"endpoint": "moto (own)" if proc is not None else args.endpoint, "part_bytes": PART_BYTES,
               "concurrency": CONCURRENCY, "large_mib": args.large_mib, "many": args.many,
               "many_mib": args.many_mib, "repeats": args.repeats, "cpus": os.cpu_count(), "rows": rows,
-              "commit_seconds_median": commit}
+              "commit_seconds_median": commit, "dcp_rows": {name: {k.replace("floor", "dcp"): v for k, v in row.items()}
+                                                     for name, row in dcp_rows.items()},
+              "dcp_skipped": dcp_skipped, "stall_mib": args.stall_mib, "stall_seconds_median": stall}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"try_commit (the last rank's: listing, markers, metadata, retention, latest): median {commit * 1000:.0f} ms")
