@@ -2,6 +2,8 @@
 what one-by-one fills give; every block a range touches verified, no other; a flipped
 byte in a range names the file and the bytes."""
 
+import os
+
 import pytest
 import torch
 
@@ -133,3 +135,21 @@ def test_a_flipped_byte_in_a_range_names_the_file_and_bytes(tmp_path, key):
     with RangeReader(read_sources(storage, 1)) as reader:
         reader.fill_many(_fills(out0, wants0, 0), threads=4)
     assert torch.equal(out0["a"], fulls["a"][:151])
+
+
+def test_sources_open_together_and_a_damaged_header_closes_them_all(tmp_path):
+    storage, _ = _step(tmp_path, source_world=4)
+    sources = read_sources(storage, 1)
+    assert [s.rank for s in sources] == [0, 1, 2, 3]
+    for s in sources:
+        s.reader.close()
+    path = sources[2].path
+    with open(path, "r+b") as f:
+        f.seek(9)  # inside the header's JSON
+        byte = f.read(1)[0]
+        f.seek(9)
+        f.write(bytes([byte ^ 0x01]))
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(CorruptCheckpointError, match=r"rank-2\.safetensors"):
+        read_sources(storage, 1)
+    assert len(os.listdir("/proc/self/fd")) == before
