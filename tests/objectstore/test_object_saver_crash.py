@@ -1,6 +1,7 @@
-"""Crash safety of the real saver on a bucket: the saver process SIGKILLed at random
-moments while a trainer saves every step to storage (so it is nearly always uploading a
-shard or committing), then the trainer killed too; repeated, seed printed.
+"""Crash safety of the real saver on a bucket: the saver process SIGKILLed while a trainer
+saves every step to storage, at random moments (it is nearly always uploading a shard)
+and in alternate rounds as soon as a done marker without metadata shows it committing a
+step; then the trainer killed too; repeated, seed printed.
 
 After each crash every visible step verifies (no torn commit); the restart loads the
 newest committed step or a newer one from memory, never older than the last save that
@@ -66,13 +67,24 @@ def _kill(pid: int) -> None:
         pass
 
 
+def _await_commit_window(url: str, deadline: float) -> None:
+    """Return once the bucket holds a done marker of a step without metadata: the saver
+    is committing that step (listing, metadata, retention, ``latest``)."""
+    while time.monotonic() < deadline:
+        names = objects(url)
+        done = {k.split("/")[0] for k in names if k.endswith(".done")}
+        if done - {k.split("/")[0] for k in names if k.endswith("/metadata.json")}:
+            return
+        time.sleep(0.005)
+
+
 def test_saver_killed_during_upload_and_commit(url, job_id):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     print(f"seed {seed}")
     storage = store(url)
     floor = None  # the newest step a restart must load at least: max(newest committed, last returned save)
-    for round_ in range(3):
+    for round_ in range(4):
         trainer = Trainer(url, job_id)
         try:
             loaded, source = trainer.first("loaded").split()
@@ -83,7 +95,10 @@ def test_saver_killed_during_upload_and_commit(url, job_id):
             start = len(trainer.saved())
             while len(trainer.saved()) - start < 2 and trainer.proc.poll() is None:
                 time.sleep(0.01)
-            time.sleep(rng.uniform(0, 1.5))  # the saver is uploading a shard or committing a step
+            if round_ % 2:  # the saver is committing a step
+                _await_commit_window(url, time.monotonic() + 10)
+            else:  # the saver is uploading a shard (mostly) or committing a step
+                time.sleep(rng.uniform(0, 1.5))
             _kill(saver)
             time.sleep(rng.uniform(0, 0.3))  # the trainer may notice and start another saver
             trainer.kill()
