@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -33,7 +32,7 @@ import numpy as np
 
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ._format import DTYPE_SIZES, Entry, Image
-from ._shard_read import THREADS, Scratch, ShardReader, file_header, open_shard, run_chunks
+from ._shard_read import Scratch, ShardReader, file_header, open_shard, run_chunks
 from ._storage import LocalStorage
 
 __all__ = ["LAYOUT_KEY", "Fill", "Piece", "Source", "RangeReader", "chunk_pieces", "path_key", "tensor_names",
@@ -223,25 +222,17 @@ def read_header(f: Any, expected_size: int) -> tuple[Image, int]:
 
 def read_sources(storage: LocalStorage, step: int) -> list[Source]:
     """Readers and layouts of every rank's shard of a committed step (by rank), each
-    shard opened once with :func:`open_shard` and its header blocks verified, all shards
-    at once (give them to a :class:`RangeReader`, which closes them, or call
-    :func:`close_sources`); the first error is raised once every shard is closed."""
-    world = int(storage.metadata(step)["world_size"])
-
-    def one(rank: int) -> Source:
-        return source_of(rank, open_shard(storage, step, rank), layout=True)
-
-    if world <= 1:
-        return [one(rank) for rank in range(world)]
-    # the header blocks of every shard at once (a block each, cold: one after another they add up)
-    with ThreadPoolExecutor(min(world, THREADS), thread_name_prefix="flashckpt-open") as pool:
-        futures = [pool.submit(one, rank) for rank in range(world)]
-        done = [f.exception() or f.result() for f in futures]
-    errors = [d for d in done if isinstance(d, BaseException)]
-    if errors:
-        close_sources([d for d in done if isinstance(d, Source)])
-        raise errors[0]
-    return done
+    shard opened once with :func:`open_shard` (give them to a :class:`RangeReader`,
+    which closes them, or call :func:`close_sources`)."""
+    meta = storage.metadata(step)
+    sources: list[Source] = []
+    try:
+        for rank in range(meta["world_size"]):
+            sources.append(source_of(rank, open_shard(storage, step, rank), layout=True))
+    except BaseException:
+        close_sources(sources)
+        raise
+    return sources
 
 
 def source_of(rank: int, reader: ShardReader, *, layout: bool) -> Source:
