@@ -35,7 +35,7 @@ class DeepSpeedCheckpointer:
     ``<directory>/flashckpt/`` and writes DeepSpeed's own tag
     (``<directory>/<tag>/*.pt``, ``latest``) in the background, so stock DeepSpeed and
     ``zero_to_fp32.py`` read the result. :meth:`load` restores the newest step every
-    rank holds in memory, else the newest committed one.
+    rank holds in memory (on its node or as a peer's replica), else the newest committed one.
 
     All ranks construct it together (after ``deepspeed.initialize``) and all ranks call
     :meth:`save`, :meth:`load`, :meth:`wait` and :meth:`close`. Options are those of
@@ -55,15 +55,14 @@ class DeepSpeedCheckpointer:
 
     def __init__(self, engine: Any, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
                  job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
-                 process_group: Any = None) -> None:
+                 replicas: int | None = None, process_group: Any = None) -> None:
         if not hasattr(engine, "save_checkpoint") or not hasattr(engine, "checkpoint_engine"):
             raise TypeError(f"expected a DeepSpeedEngine, got {type(engine).__qualname__}")
         self.engine = engine
         self.directory = os.path.abspath(os.fspath(directory))
         self._ckpt = Checkpointer(os.path.join(self.directory, FLASH_SUBDIR), persist_every=persist_every,
                                   keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
-                                  memory_slots=memory_slots, process_group=process_group,
-                                  replicas=0)  # its load agreement does not count peer replicas yet
+                                  memory_slots=memory_slots, replicas=replicas, process_group=process_group)
         self._flash = self._ckpt.engine
         self._previous_engine = engine.checkpoint_engine
         self.checkpoint_engine = FlashCheckpointEngine(self._flash_save)

@@ -10,16 +10,13 @@ source (from the ``load`` event) and the values. Same protocol as
 ``tests/checkpoint/_replica_worker.py``, so ``test_replica_restore``'s rounds drive it.
 """
 
-import json
-import pathlib
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 from flashckpt import _events
-from flashckpt._replica_store import replica_index
+from tests.checkpoint._replica_node import finish, wait_for_replica
 from flashckpt.megatron import MegatronCheckpointer
 
 N = 1 << 18
@@ -43,11 +40,7 @@ def main() -> None:
         for step in (1, 2, 3):
             ck.save(step, sharded(rank, 10.0 * rank + step))
         ck.wait()
-        deadline = time.monotonic() + 60
-        while engine.replicas.endpoints and not any(h.step == 3 for _, h in replica_index("replica")):
-            assert time.monotonic() < deadline, "the other node's step 3 never arrived"
-            time.sleep(0.05)
-        report["replicas_here"] = sorted((h.info["storage_rank"], h.step) for _, h in replica_index("replica"))
+        report["replicas_here"] = wait_for_replica(engine, "replica", 3)
         dist.barrier()
     else:
         events = []
@@ -57,10 +50,7 @@ def main() -> None:
         report.update(step=step, source=events[-1]["source"], w=w[0, 0].item(), uniform=bool((w == w[0, 0]).all()))
         dist.barrier()
         ck.close()
-    pathlib.Path(out).write_text(json.dumps(report))
-    if mode == "save":
-        time.sleep(600)  # killed by the test, as a lost node's processes are
-
+    finish(report, out, mode)
 
 if __name__ == "__main__":
     main()
