@@ -38,7 +38,7 @@ from .. import _events
 from .._base import EngineCheckpointer
 from .._engine import Engine, LoadInfo, Options, SaveHandle, gc_paused, place
 from .._errors import CheckpointError, StateMismatchError
-from .._reshard import LAYOUT_KEY, Piece, RangeReader, path_key, read_header, read_layout, read_sources
+from .._reshard import LAYOUT_KEY, Fill, Piece, RangeReader, path_key, read_header, read_layout, read_sources
 from .._tree import merge_into
 from ._checkpointer import collective_for
 from ._tensors import DTYPE_NAMES
@@ -371,37 +371,28 @@ class FsdpCheckpointer(EngineCheckpointer):
                 entries[name] = (entries[name][0], tuple(rec["lengths"]))
                 keys_by_name.setdefault(name, key)
         merge = merge_into(target.tree, skeleton, entries, allow_pickle=self._engine.options.allow_pickle)
+        fills, copies = [], []
+        for name, obj in merge.fills:
+            if obj.numel() == 0:
+                continue
+            dst = _host_bytes(obj)
+            if dst is None:  # no host bytes (an accelerator): through a host tensor, copied once read
+                copies.append((obj, torch.empty(obj.shape, dtype=obj.dtype)))
+                dst = _host_bytes(copies[-1][1])
+            key = keys_by_name.get(name)
+            if key is not None and target.locals.get(key) is obj:
+                rec = mine[key]
+                fills.append(Fill(dst, key=key, want=Piece(tuple(rec["offsets"]), tuple(rec["lengths"])),
+                                  dtype=DTYPE_NAMES[obj.dtype], global_shape=tuple(rec["shape"]), prefer=home.rank))
+            else:  # not in the layout (extra): this rank's home shard holds it whole
+                fills.append(Fill(dst, source=home, entry=home.entries[name]))
         with RangeReader(sources) as reader:
-            for name, obj in merge.fills:
-                key = keys_by_name.get(name)
-                if key is not None and target.locals.get(key) is obj and obj.numel():
-                    rec = mine[key]
-                    reader.prefetch(key, Piece(tuple(rec["offsets"]), tuple(rec["lengths"])), DTYPE_NAMES[obj.dtype],
-                                    tuple(rec["shape"]), prefer=home.rank)
-            for name, obj in merge.fills:
-                key = keys_by_name.get(name)
-                if key is not None and target.locals.get(key) is obj:
-                    rec = mine[key]
-                    want = Piece(tuple(rec["offsets"]), tuple(rec["lengths"]))
-                    self._fill(obj, lambda dst, k=key, w=want, r=rec: reader.fill(
-                        k, dst, w, DTYPE_NAMES[obj.dtype], tuple(r["shape"]), prefer=home.rank))
-                else:  # not in the layout (extra): this rank's home shard holds it whole
-                    self._fill(obj, lambda dst, n=name: reader.read_entry(home, home.entries[n], dst))
+            reader.fill_many(fills)
+        with torch.no_grad():
+            for obj, host in copies:
+                obj.copy_(host)
         merge.apply_plain()
         return reader.bytes_read
-
-    @staticmethod
-    def _fill(obj: torch.Tensor, read: Any) -> None:
-        if obj.numel() == 0:
-            return
-        dst = _host_bytes(obj)
-        if dst is not None:
-            read(dst)
-            return
-        scratch = torch.empty(obj.shape, dtype=obj.dtype)
-        read(_host_bytes(scratch))
-        with torch.no_grad():
-            obj.copy_(scratch)
 
     # -- hand over to the model and optimizer ----------------------------------------------
 
