@@ -34,7 +34,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_round_trip_through_the_bucket(url, job_id):
+def test_round_trip_through_the_bucket(url, job_id, tmp_path):
     with Checkpointer(url, job_id=job_id + "a", keep_last=2) as ck:
         for step in (1, 2, 3):
             ck.save(step, {"w": torch.full((1000,), float(step)), "step": step})
@@ -50,6 +50,9 @@ def test_round_trip_through_the_bucket(url, job_id):
     assert "(latest)" in listed.stdout and listed.stdout.count("\n") >= 3  # header, steps 2 and 3
     checked = _cli("verify", url)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    converted = _cli("convert", url, str(tmp_path / "model.pt"), "--to", "torch")
+    assert converted.returncode == 0, converted.stdout + converted.stderr
+    assert torch.equal(torch.load(tmp_path / "model.pt")["w"], torch.full((1000,), 3.0))
 
 
 def test_crash_restores_from_memory_then_from_the_bucket(url, job_id):
