@@ -28,6 +28,7 @@ def main() -> None:
     except CheckpointError as exc:
         with open(out, "w") as f:
             json.dump({"error": str(exc)}, f)
+        dist.destroy_process_group()  # left to interpreter exit, gloo's teardown sometimes aborts (SIGABRT)
         return
     for step in (1, 2):
         ck.save(step, {"w": torch.full((100,), value + step)})
