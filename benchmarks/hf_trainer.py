@@ -11,6 +11,9 @@ the same bytes (weights and both Adam moments) into a buffer that is already map
 Writes results/hf_trainer.json. Goal (issue 9): steady stall within 1.3x of the
 floor and at least 10x below the stock save. "Steady" leaves out the first save into
 each of the engine's two shared-memory slots, which also maps the fresh pages.
+Also printed: save to durable, from the end of a saved step until its ``checkpoint-N``
+folder is complete on disk (issue 21: a Trainer killed soon after a save must find
+that save's folder), for the stock save and for the callback.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,12 +51,44 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class StallTimer(TrainerCallback):
-    """Seconds from the end of a step to the end of its save, per saved step."""
+    """Seconds from the end of a step to the end of its save (the stall), and to the
+    moment its ``checkpoint-N`` folder exists (durable), per saved step.
 
-    def __init__(self) -> None:
+    The flash callback's exporter renames a finished folder into place, so the folder's
+    appearance is the moment it is complete; the stock save writes the folder in place
+    and is complete when ``on_save`` runs. A thread polls for folders every 2 ms.
+    """
+
+    def __init__(self, out: str) -> None:
+        self.out = out
         self.stalls: dict[int, float] = {}
+        self.durable: dict[int, float] = {}
         self.step_times: list[float] = []
         self._begin = self._end = 0.0
+        self._ends: dict[int, float] = {}
+        self._seen: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.002):
+            try:
+                names = os.listdir(self.out)
+            except FileNotFoundError:
+                continue
+            now = time.perf_counter()
+            for name in names:
+                if name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit():
+                    self._seen.setdefault(int(name[len("checkpoint-"):]), now)
+
+    def finish(self) -> None:
+        """Stop watching; durable time of each saved step (its folder seen, or its save returned)."""
+        self._stop.set()
+        self._watcher.join()
+        for step, end in self._ends.items():
+            done = max(self._seen.get(step, float("inf")), end + self.stalls[step])
+            self.durable[step] = done - end
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._begin = time.perf_counter()
@@ -63,6 +99,7 @@ class StallTimer(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         self.stalls[state.global_step] = time.perf_counter() - self._end
+        self._ends[state.global_step] = self._end
 
 
 def run(out: str, flash: bool, opts) -> tuple[StallTimer, float, float]:
@@ -71,12 +108,13 @@ def run(out: str, flash: bool, opts) -> tuple[StallTimer, float, float]:
     args = TrainingArguments(out, max_steps=opts.steps, save_steps=opts.save_steps, logging_steps=10_000,
                              per_device_train_batch_size=1, report_to=[], use_cpu=True, disable_tqdm=True,
                              seed=1, save_total_limit=2)
-    timer = StallTimer()
+    timer = StallTimer(out)
     callbacks = ([FlashCheckpointCallback()] if flash else []) + [timer]
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, opts.seq), callbacks=callbacks)
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start
+    timer.finish()
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     state_bytes += sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values()
                        for t in s.values() if torch.is_tensor(t))
@@ -137,6 +175,11 @@ def main() -> None:
     flash_step = statistics.median(flash.step_times)
     print(f"median training step (no save in it): stock run {step_time:.2f}s, flash run {flash_step:.2f}s "
           f"(the saver writes in the background on the same cores)")
+    stock_durable = statistics.median(stock.durable.values())
+    flash_durable = statistics.median(flash.durable.values())
+    print(f"save to durable (step end -> checkpoint-N folder complete), median: stock {stock_durable:.2f}s, "
+          f"flash {flash_durable:.2f}s ({flash_durable / stock_durable:.2f}x the stock save; "
+          "per step: " + ", ".join(f"{s}: {flash.durable[s]:.2f}s" for s in steps) + ")")
     print(f"whole train(): stock {stock_total:.1f}s, flash {flash_total:.1f}s (flash waits for the last folder)")
     result = {
         "benchmark": "hf_trainer", "model": "gpt2-small (GPT2Config())", "state_bytes": nbytes,
@@ -148,6 +191,9 @@ def main() -> None:
         "memcpy_floor_seconds": floor, "memcpy_floor_median_seconds": floor_median,
         "ratio_flash_steady_to_floor": flash_steady / floor, "ratio_stock_to_flash_steady": stock_mean / flash_steady,
         "train_seconds": {"stock": stock_total, "flash": flash_total},
+        "durable_seconds": {"stock": {str(s): stock.durable[s] for s in steps},
+                            "flash": {str(s): flash.durable[s] for s in steps}},
+        "ratio_flash_to_stock_durable_median": flash_durable / stock_durable,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "load_average": os.getloadavg()},
     }

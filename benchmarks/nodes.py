@@ -19,6 +19,13 @@ with a private /dev/shm. What is measured, and against what:
   node 1 joins; the time from the kill to the first step every rank finished afterwards,
   restoring from the peer's replica (``replicas=1``), from storage (``replicas=0``: steps 6
   and 7 are lost too), and a bare restart of the same job that loads nothing.
+- **node-local directories** (each node its own directory at the checkpoint path, see
+  ``flashckpt._node_local``): the save stall with storage every 5 steps, node-local against
+  one shared directory (``stall_shared`` / ``stall_node_local``, both ``replicas=1``); and
+  node loss -> training with node 1's directory wiped too (``recover_peer_node_local``),
+  against ``recover_peer`` on a shared directory.
+
+``--runs a,b`` measures only the named job runs (and not the link).
 
 Prints a table with ratios; writes JSON. Numbers on a shared 2-core machine are noisy:
 compare ratios taken in one run.
@@ -44,6 +51,7 @@ sys.path.insert(0, str(REPO))
 RESULT = "RESULT "
 FLOOR_PORT, REPLICA_PORT, RDZV_PORT = 29610, 29611, 29400
 KILL_STEP, STEPS, STEP_SECONDS = 7, 10, 0.3
+_NODE_LOCAL_RUNS = ("stall_shared", "stall_node_local", "recover_peer_node_local")
 
 
 # -- roles run inside the nodes --------------------------------------------------------------
@@ -149,19 +157,28 @@ def events(shared: Path) -> list[dict]:
     return out
 
 
-def torchrun_job(nodes, shared: Path, train_args: list[str], *, lose_node1: bool) -> tuple[list[dict], float]:
+def torchrun_job(nodes, shared: Path, train_args: list[str], *, lose_node1: bool,
+                 node_local: bool = False) -> tuple[list[dict], float]:
     """Run the 2x1 job; with ``lose_node1``, kill node 1 once both ranks paused and start a
-    fresh one. Returns the events and the kill time (0 without a kill)."""
+    fresh one (with ``node_local``, each node's checkpoint directory is its own, and node 1's
+    is wiped with it). Returns the events and the kill time (0 without a kill)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     logs = []
+    disks = [shared / f"disk{i}" for i in range(2)]
+    if node_local:
+        for d in disks + [shared / "ckpt"]:
+            d.mkdir()
 
     def start(i: int):
         log = open(shared / f"torchrun-{i}-{len(logs)}.log", "w")
         logs.append(log)
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=node0:{RDZV_PORT}", f"--rdzv-id={nodes.namespaces[0]}",
-                "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=2", "--max-restarts=3",
+                "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=5", "--max-restarts=3",
                 __file__, "--role", "train", "--dir", str(shared), *train_args]
+        if node_local:  # node i's own directory at the one checkpoint path, in its mount namespace
+            argv = ["sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(disks[i]),
+                    str(shared / "ckpt"), *argv]
         return nodes.spawn(i, argv, cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT)
 
     agents = {0: start(0), 1: start(1)}
@@ -174,6 +191,9 @@ def torchrun_job(nodes, shared: Path, train_args: list[str], *, lose_node1: bool
         killed_at = time.time()
         nodes.kill_node(1)
         agents[1].wait()
+        if node_local:
+            subprocess.run(["rm", "-rf", str(disks[1])], check=True)
+            disks[1].mkdir()
         agents[1] = start(1)
     for agent in agents.values():
         agent.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -203,6 +223,23 @@ def measure_throughput(nodes_cls, args: argparse.Namespace) -> dict:
     return json.loads(line[len(RESULT):])
 
 
+def _record(evs: list[dict], killed_at: float, lose: bool) -> dict:
+    """One run's median save stall and, after a node loss, the time to training again."""
+    steps = sorted((e for e in evs if e["event"] == "step"), key=lambda e: e["time"])
+    record: dict = {"median_stall_s": statistics.median(e["stall"] for e in steps[4:])}
+    if lose:  # the first step every rank finished after the kill
+        first: dict[int, float] = {}
+        for e in steps:
+            if e["time"] > killed_at:
+                first.setdefault(e["rank"], e["time"])
+        record["to_training_s"] = max(first.values()) - killed_at
+        record["restored"] = sorted({(e["step"], e["source"]) for e in evs
+                                     if e["event"] == "restored" and e["time"] > killed_at})
+        record["timeline"] = sorted((round(e["time"] - killed_at, 2), e["event"], e["rank"]) for e in evs
+                                    if e["time"] > killed_at and e["event"] != "step")
+    return record
+
+
 def measure_jobs(nodes_cls, args: argparse.Namespace) -> dict:
     half = str(max(1, args.mib // 2))
     results: dict = {}
@@ -210,30 +247,25 @@ def measure_jobs(nodes_cls, args: argparse.Namespace) -> dict:
             "stall_replicas_0": (["--replicas", "0", "--persist-every", "1000", "--steps", "20"], False),
             "recover_peer": (["--replicas", "1", "--kill-step", str(KILL_STEP)], True),
             "recover_storage": (["--replicas", "0", "--kill-step", str(KILL_STEP)], True),
-            "recover_bare": (["--replicas", "0", "--bare", "--kill-step", str(KILL_STEP)], True)}
-    for name, (train_args, lose) in runs.items():
-        records = []
-        for _ in range(args.repeats if lose else 1):
+            "recover_bare": (["--replicas", "0", "--bare", "--kill-step", str(KILL_STEP)], True),
+            "stall_shared": (["--replicas", "1", "--persist-every", "5", "--steps", "20"], False),
+            "stall_node_local": (["--replicas", "1", "--persist-every", "5", "--steps", "20"], False),
+            "recover_peer_node_local": (["--replicas", "1", "--kill-step", str(KILL_STEP)], True)}
+    chosen = args.runs.split(",") if args.runs else [n for n in runs if n not in _NODE_LOCAL_RUNS]
+    records: dict[str, list[dict]] = {name: [] for name in chosen}
+    for _ in range(args.repeats):  # interleaved: the machine's load drifts alike for every run
+        for name in chosen:
+            train_args, lose = runs[name]
             shared = Path(tempfile.mkdtemp(prefix=f"fcn-bench-{name}-", dir="/tmp"))
             with nodes_cls(2, shm_size=f"{int(half) * 6 + 64}m") as nodes:
-                evs, killed_at = torchrun_job(nodes, shared, ["--mib", half, *train_args], lose_node1=lose)
+                evs, killed_at = torchrun_job(nodes, shared, ["--mib", half, *train_args], lose_node1=lose,
+                                              node_local=name.endswith("node_local"))
             subprocess.run(["rm", "-rf", str(shared)], check=False)
-            steps = sorted((e for e in evs if e["event"] == "step"), key=lambda e: e["time"])
-            record: dict = {"median_stall_s": statistics.median(e["stall"] for e in steps[4:])}
-            if lose:  # the first step every rank finished after the kill
-                first: dict[int, float] = {}
-                for e in steps:
-                    if e["time"] > killed_at:
-                        first.setdefault(e["rank"], e["time"])
-                record["to_training_s"] = max(first.values()) - killed_at
-                record["restored"] = sorted({(e["step"], e["source"]) for e in evs
-                                             if e["event"] == "restored" and e["time"] > killed_at})
-                record["timeline"] = sorted((round(e["time"] - killed_at, 2), e["event"], e["rank"]) for e in evs
-                                            if e["time"] > killed_at and e["event"] != "step")
-            records.append(record)
-        results[name] = {"runs": records, **{key: statistics.median(r[key] for r in records)
-                                              for key in ("median_stall_s", "to_training_s") if key in records[0]}}
-        results[name]["restored"] = records[0].get("restored")
+            records[name].append(_record(evs, killed_at, lose))
+    for name, runs_of in records.items():
+        results[name] = {"runs": runs_of, **{key: statistics.median(r[key] for r in runs_of)
+                                             for key in ("median_stall_s", "to_training_s") if key in runs_of[0]}}
+        results[name]["restored"] = runs_of[0].get("restored")
     return results
 
 
@@ -250,6 +282,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--bare", action="store_true")
+    p.add_argument("--runs", default="", help="only these job runs, comma-separated (e.g. "
+                   "stall_shared,stall_node_local,recover_peer,recover_peer_node_local); not the link")
     args = p.parse_args()
     if args.role != "bench":
         {"receive": role_receive, "push": role_push, "train": role_train}[args.role](args)
@@ -257,6 +291,10 @@ def main() -> None:
     from tests.nodes._netns import Nodes, missing_requirements
     if missing_requirements():
         sys.exit(f"benchmarks/nodes.py: {missing_requirements()}")
+    if args.runs:
+        jobs = measure_jobs(Nodes, args)
+        print_runs(jobs, args)
+        return
     link = measure_throughput(Nodes, args)
     jobs = measure_jobs(Nodes, args)
     floor, replica = statistics.median(link["floor_s"]), statistics.median(link["replica_s"])
@@ -279,6 +317,22 @@ def main() -> None:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"link": link, "jobs": jobs}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def print_runs(jobs: dict, args: argparse.Namespace) -> None:
+    """The chosen job runs, with node-local against shared where both ran; writes JSON."""
+    pairs = {"stall_node_local": "stall_shared", "recover_peer_node_local": "recover_peer"}
+    print(f"two namespace nodes, {max(1, args.mib // 2)} MiB per rank, load average {os.getloadavg()[0]:.1f}")
+    for name, r in jobs.items():
+        value = r.get("to_training_s", r["median_stall_s"])
+        unit = f"{value:8.2f} s" if "to_training_s" in r else f"{value * 1e3:8.1f} ms"
+        base = jobs.get(pairs.get(name, ""))
+        ratio = f"{value / base.get('to_training_s', base['median_stall_s']):.2f}x {pairs[name]}" if base else ""
+        print(f"  {name + ' ' + str(r.get('restored') or ''):<58} {unit:>12}   {ratio}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"jobs": jobs, "load_average": os.getloadavg()[0]}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

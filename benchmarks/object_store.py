@@ -8,13 +8,17 @@ on a loopback port; with it, any S3-compatible endpoint (credentials from the
 environment). The floor is s3fs itself on the same bytes: ``pipe_file`` (its multipart
 upload) and ``cat_file`` (its parallel ranged GETs) of one large object, with
 ObjectStorage's part size and concurrency; ``pipe`` (same part size) and ``cat`` of many
-objects at once, ``cat`` in s3fs's default (one GET per object: its fastest here, as
-moto reads a whole object for every ranged GET, so ObjectStorage's two 16 MiB GETs per
-32 MiB shard cost the server twice the work; S3 serves ranges natively).
+objects at once, ``cat`` in s3fs's default (a HEAD and one GET per object: its fastest
+here, as moto reads a whole object for every ranged GET, so each extra GET of a shard
+costs the server the whole shard again; S3 serves ranges natively).
 ObjectStorage: ``write_shard`` (upload, block checksums, done marker) then ``try_commit``
 of one rank, and of ``--many`` ranks written by as many threads (as savers of that many
-nodes would); load: ``open_shard`` and ``pread_into`` of each whole shard (by as many
-threads), and ``verify`` of the large one (the same read plus every block checksum). Floor and flashckpt run in turn
+nodes would); load: what a load does to each whole shard (by as many threads):
+``open_shard(..., whole=True)`` (a HEAD; the header's read brings the first 32 MiB
+chunk), every chunk read and every block verified
+(:class:`~flashckpt._shard_read.ShardReader`), one GET per chunk, into buffers allocated
+and touched beforehand (as a load copies into the model's existing tensors); and
+``verify`` of the large one. Floor and flashckpt run in turn
 ``--repeats`` times: best MiB/s of each, the median of the paired ratios (flashckpt /
 floor throughput, 1.0 = the floor), and CPU seconds per GiB of client plus server (the
 server's from /proc when it is our moto), which other load on a shared machine does not
@@ -61,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 from flashckpt._engine import new_token  # noqa: E402
 from flashckpt._format import plan_image  # noqa: E402
 from flashckpt._object_storage import CONCURRENCY, PART_BYTES, ObjectStorage  # noqa: E402
+from flashckpt._shard_read import open_shard  # noqa: E402
 
 log = logging.getLogger("object_store")
 MiB = 1 << 20
@@ -161,10 +166,12 @@ def measure(args: argparse.Namespace, bucket: str, server_pid: int | None) -> tu
             commit_seconds.append(time.perf_counter() - start)
         return run
 
+    into = {kind: [bytearray(b"\1" * len(img)) for img in shards] for kind, shards in images.items()}
+
     def ckpt_get(kind: str, step: int) -> Callable[[int], None]:
-        def one(rank: int) -> None:
-            shard, record = storage.open_shard(step, rank)
-            shard.pread_into(bytearray(record["size"]), 0)
+        def one(rank: int) -> None:  # what a load does: open, parse the header, read all, verify every block
+            with open_shard(storage, step, rank, whole=True) as reader:
+                reader.read_all([(0, memoryview(into[kind][rank]))])
 
         def run(_: int) -> None:
             with ThreadPoolExecutor(len(images[kind])) as pool:

@@ -4,6 +4,9 @@
                                    [--dir DIR] [--json results/save_load.json]
                                    [--methods floor,flashckpt,torch,dcp,dlrover,dd]
 
+(``--methods dlrover-memory``: DLRover's MEMORY saves and load only, no DISK runs and
+no torchrun restarts -- its save stall at a fraction of the time.)
+
 The state is GPT-2-shaped (see _state.py): "large" is GPT-2 small's AdamW training state
 (124M fp32 parameters + two moments, 1.49 GB), "small" a 357 MB variant. Each repeat runs
 every method once, in an order rotated per repeat, and the table shows medians over
@@ -446,11 +449,11 @@ def _run_dlrover(ctx: Context, what: str, cmd: list[str], env: dict[str, str]) -
     return run_json(cmd, env=env)
 
 
-def bench_dlrover(ctx: Context) -> None:
+def bench_dlrover(ctx: Context, storages: tuple[str, ...] = ("memory", "disk"), restarts: bool = True) -> None:
     if not PEER_PYTHON.exists():
         ctx.note("DLRover skipped: no .bench-venv (run benchmarks/setup_peer_venv.sh)")
         return
-    for storage in ("memory", "disk"):
+    for storage in storages:
         prefix = f"dlrover.{storage}"
         directory = ctx.scratch(f"dlrover-{storage}")
         with dlrover_job(ctx) as (_, env):
@@ -468,7 +471,7 @@ def bench_dlrover(ctx: Context) -> None:
             evict(directory)
             _dlrover_load(ctx, f"{prefix}.load_new_process", _peer(ctx, env, "load", directory))
         shutil.rmtree(directory)
-    if ctx.repeat:
+    if ctx.repeat or not restarts:
         return  # the restarts show where a restarted worker finds its bytes: once is enough
     for crash in ("kill", "raise"):
         directory = ctx.scratch(f"dlrover-torchrun-{crash}")
@@ -515,6 +518,7 @@ METHODS: list[tuple[str, Callable[[Context], None]]] = [
     ("torch", bench_torch),
     ("dcp", bench_dcp),
     ("dlrover", bench_dlrover),
+    ("dlrover-memory", lambda ctx: bench_dlrover(ctx, ("memory",), restarts=False)),  # its save stall, quickly
     ("dd", bench_dd),
 ]
 
@@ -732,8 +736,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", default="/tmp",
                         help="storage directory, made if missing (a temp folder is made inside)")
     parser.add_argument("--json", default=str(REPO / "results" / "save_load.json"))
-    parser.add_argument("--methods", default=",".join(name for name, _ in METHODS),
-                        help="comma-separated methods to run (default: all)")
+    parser.add_argument("--methods", default=",".join(name for name, _ in METHODS if name != "dlrover-memory"),
+                        help="comma-separated methods to run (default: all but dlrover-memory, a part of dlrover)")
     args = parser.parse_args(argv)
     args.methods = args.methods.split(",")
     unknown = sorted(set(args.methods) - {name for name, _ in METHODS})

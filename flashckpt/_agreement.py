@@ -9,6 +9,10 @@ All ranks of a job must load the same step. The rule (DESIGN.md, "Agreement on l
   first) as fallbacks should it prove damaged;
 - ``step=`` asked explicitly: memory if every rank holds it, else storage, no fallbacks.
 
+Node-local directories (no directory shared by the nodes, see ``flashckpt._node_local``)
+count every node's directory and a peer node's directory as sources too
+(``flashckpt._node_local_load``).
+
 :func:`agree` is collective (every rank calls it, and every rank gets the same
 :class:`Agreement`); a rank's failure while looking (storage unreadable, a fetch that
 fails) reaches every rank as one exception, never a rank left waiting in a collective.
@@ -72,19 +76,29 @@ def memory_not_older(memory: tuple[str, int], newest: tuple[str, int] | None) ->
 
 def agree(engine: "Engine", step: int | None = None) -> Agreement:
     """Agree with every rank on the step to load (see the module docstring); fetches the
-    agreed step from peer replicas on ranks whose node lacks it. All ranks must call this."""
+    agreed step from peer replicas on ranks whose node lacks it. All ranks must call this.
+    Node-local directories follow ``flashckpt._node_local_load``."""
+    from ._node_local_load import agree_node_local, disk_copies  # it builds on this module
     engine._prepared()  # no slot is being created in the background while a replica is fetched into one
     engine._client.wait()  # a crash flush of the previous run finishes first
     rank0 = engine.collective.rank == 0
 
+    node_local = engine.node_local is not None
+
     def look() -> dict:
-        storage = engine.storage
-        return {"memory": sorted(engine.memory_steps()), "keys": engine.memory_keys() if rank0 else None,
+        storage, p = engine.storage, engine.placement
+        view = {"memory": sorted(engine.memory_steps()), "keys": engine.memory_keys() if rank0 else None,
                 "committed": storage.steps_in_order()[::-1] if rank0 else None,
                 "newest": storage.newest_key() if rank0 else None,
-                "storage_rank": engine.placement.storage_rank, "replicas": engine.replicas.here()}
+                "storage_rank": p.storage_rank, "replicas": engine.replicas.here()}
+        if node_local:  # every node's directory differs: each node's first rank reports its own
+            view.update(mine=sorted(engine.memory_keys().values()),
+                        disk=disk_copies(storage, p.storage_world) if p.local_rank == 0 else None)
+        return view
 
     views = engine.on_all_ranks(look, f"looking for checkpoints of {engine.storage.root} to load")
+    if node_local:
+        return agree_node_local(engine, views, step)
     order: list[int] = views[0]["committed"]
     committed = order[0] if order else None
     holders, keys = engine.replicas.holders(views)  # a peer's replica counts as a copy in memory

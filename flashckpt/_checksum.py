@@ -17,7 +17,7 @@ try:  # ISA-L's crc32: the same checksum, about three times zlib's speed
 except ImportError:
     from zlib import crc32
 
-__all__ = ["BLOCK_SIZE", "BlockSums", "StreamCheck", "block_crcs"]
+__all__ = ["BLOCK_SIZE", "BlockSums", "block_crcs"]
 
 BLOCK_SIZE = 4 << 20
 
@@ -72,33 +72,3 @@ class BlockSums:
                     block, crc = block + 1, 0
                     whole = block not in self.verified
 
-
-class StreamCheck(BlockSums):
-    """Verifies a shard file's bytes fed in file order, from offset 0 to the end."""
-
-    def __init__(self, record: dict[str, Any], path: str) -> None:
-        super().__init__(record, path)
-        self._block, self._fill, self._crc, self._total = 0, 0, 0, 0
-
-    def update(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        self._total += len(view)
-        while len(view):
-            take = min(len(view), self.block_size - self._fill)
-            self._crc = crc32(view[:take], self._crc)
-            self._fill += take
-            view = view[take:]
-            if self._fill == self.block_size:
-                self._end_block()
-
-    def _end_block(self) -> None:
-        self.check(self._block, self._crc)
-        self._block, self._fill, self._crc = self._block + 1, 0, 0
-
-    def finish(self) -> None:
-        """Check the last block and that the file had the recorded length."""
-        if self._fill:
-            self._end_block()
-        if self._total != self.size or self._block != len(self.crcs):
-            raise CorruptCheckpointError(f"{self.path}: {self._total} bytes read, the commit recorded "
-                                         f"{self.size} (truncated?)")

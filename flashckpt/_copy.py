@@ -8,8 +8,9 @@ one per thread; numpy releases the GIL while it copies. Small copies stay on the
 calling thread (a hand-off costs more than it saves).
 
 ``FLASHCKPT_COPY_THREADS`` sets the number of threads (default: the CPUs this process
-may run on, at most 4; 1 copies on the calling thread only). Torch tensors do not come
-here: torch splits its own copies across its intra-op threads.
+may run on, at most 4; 1 copies on the calling thread only). Contiguous host torch
+tensors come here too, as byte arrays (``flashckpt/torch/_tensors.py`` says why); numpy
+copies contiguous bytes with ``memmove``, which aligns its stores whatever the offsets.
 """
 
 from __future__ import annotations

@@ -13,15 +13,13 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import socket
 import struct
 import sys
 import threading
 import time
-import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 from . import _errors, _events, _names, _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
 from ._agreement import Agreement, Source, agree
@@ -29,10 +27,13 @@ from ._client import SaverClient, saver_timeout
 from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError,
                       JobConflictError, StateMismatchError)
 from ._format import Entry, Image, parse_header, plan_image
-from ._replica import new_secret
+from ._node_local import NodeLocal, check_directory
+from ._options import Options
+from ._placement import Collective, Placement, SingleProcess, new_token, place  # noqa: F401  (re-exported)
 from ._replica_engine import PeerReplicas
 from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
-from ._storage import LocalStorage, line_key
+from ._step_meta import line_key
+from ._storage import LocalStorage
 from ._storage_url import open_storage
 from ._shard_read import read_shard_into
 from ._tree import Flat, Merge, TensorKind, flatten, kind_named, merge_into
@@ -41,78 +42,6 @@ __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHand
            "place"]
 
 log = logging.getLogger("flashckpt")
-
-_PROBE_SECONDS = 5.0
-
-
-class Collective(Protocol):
-    """How the ranks of a job exchange small picklable objects (a process group)."""
-
-    rank: int
-    world_size: int
-
-    def all_gather(self, obj: Any) -> list[Any]: ...
-
-
-class SingleProcess:
-    rank = 0
-    world_size = 1
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        return [obj]
-
-
-@dataclass(kw_only=True, slots=True)
-class Options:
-    """Options shared by every checkpointer."""
-
-    persist_every: int = 1
-    """Every this many saves also go to storage (the others stay in memory only)."""
-    keep_last: int = 3
-    """Committed steps kept on storage; older ones are deleted at commit (0 keeps all)."""
-    job_id: str | None = None
-    """Names this job's shared memory; default: a hash of the checkpoint directory."""
-    allow_pickle: bool = False
-    """Store non-tensor, non-plain leaves pickled, and unpickle them on load."""
-    memory_slots: int = 2
-    """Shared-memory copies per rank. 2: a save never waits for, nor overwrites, the copy
-    being written to storage. 1: half the memory; a save waits while storage reads the
-    copy, and a crash during a save leaves only what storage holds."""
-    replicas: int | None = None
-    """Peer-memory replicas (see ``flashckpt._replica``): 1 has each node's saver copy the
-    node's newest complete step into the next node's memory, so a node lost whole restores
-    from a survivor's memory; 0 turns them off. None (default): 1 when the job spans two or
-    more nodes, else 0."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.persist_every, int) or self.persist_every < 1:
-            raise ValueError(f"persist_every must be an int >= 1, got {self.persist_every!r}")
-        if not isinstance(self.keep_last, int) or self.keep_last < 0:
-            raise ValueError(f"keep_last must be an int >= 0, got {self.keep_last!r}")
-        check_memory_slots(self.memory_slots)
-        if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas not in (0, 1)):
-            raise ValueError(f"replicas must be 0 (off), 1 (a copy of each node's newest step on the next node) "
-                             f"or None (1 on two or more nodes), got {self.replicas!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where one process's state lives, in memory and on storage."""
-
-    local_rank: int
-    memory_rank: int
-    """The local rank whose slots hold this process's state (0 for replicated state)."""
-    writes_memory: bool
-    storage_rank: int
-    storage_world: int
-    persists: bool
-    token: str
-    """Shared by all ranks of one run; keeps shards of different runs from mixing."""
-    nodes: tuple[str, ...] = ()
-    """Each rank's node (``node_id``), in rank order."""
-    secret: str = field(default="", repr=False)
-    """The run's replica secret (rank 0 draws it); only the job's processes learn it."""
-
 
 @dataclass(frozen=True, slots=True)
 class LoadInfo:
@@ -157,43 +86,6 @@ class SaveHandle:
         return f"SaveHandle(step={self.step}, persisting={self.persisting}, done={self.done()})"
 
 
-def check_memory_slots(memory_slots: Any) -> None:
-    """``memory_slots`` is 1 or 2, else a ValueError (for adapters that open their engine later)."""
-    if memory_slots not in (1, 2):
-        raise ValueError(f"memory_slots must be 1 or 2, got {memory_slots!r}")
-
-
-def new_token() -> str:
-    """A run's token: unique, and ordered by the time the run started (its line, see
-    ``flashckpt._storage``)."""
-    return f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
-
-
-def node_id() -> str:
-    """Ranks on one node share a /dev/shm; a private tmpfs (container, namespace) is another node."""
-    return f"{socket.gethostname()}:{os.stat(_names.SHM_DIR).st_dev}"
-
-
-def place(collective: Collective, *, replicated: bool) -> Placement:
-    """Where each rank's state lives; a collective call (every rank calls it).
-
-    Own state: every rank keeps its slots and writes ``rank-<R>``. Replicated state: local
-    rank 0 of each node keeps the node's copy and rank 0 alone writes ``rank-0``.
-    """
-    me = (node_id(), (new_token(), new_secret()) if collective.rank == 0 else None)
-    everyone = collective.all_gather(me)
-    local_rank = sum(1 for node, _ in everyone[:collective.rank] if node == me[0])
-    token, secret = everyone[0][1]
-    nodes = tuple(node for node, _ in everyone)
-    if replicated:
-        return Placement(local_rank=local_rank, memory_rank=0, writes_memory=local_rank == 0,
-                         storage_rank=0, storage_world=1, persists=collective.rank == 0, token=token,
-                         nodes=nodes, secret=secret)
-    return Placement(local_rank=local_rank, memory_rank=local_rank, writes_memory=True,
-                     storage_rank=collective.rank, storage_world=collective.world_size,
-                     persists=True, token=token, nodes=nodes, secret=secret)
-
-
 class Engine:
     """Save and load one process's state through shared memory and storage."""
 
@@ -207,8 +99,13 @@ class Engine:
         _names.job_prefix(self.job_id)  # validates the name
         if placement.persists:
             self.storage.check_writable()
-        self._check_shared_directory()
-        if placement.persists and placement.storage_rank == 0 and self.collective.rank == 0:
+        self.node_local: NodeLocal | None = None
+        """Set when the nodes do not share the directory (see ``flashckpt._node_local``)."""
+        if self.collective.world_size > 1 and isinstance(self.storage, LocalStorage):  # an object store is shared
+            self.node_local = check_directory(self.storage.root, self.collective, placement,
+                                              replicas=options.replicas)  # a collective call
+        if (placement.persists and placement.storage_rank == 0 and self.collective.rank == 0) or \
+                (self.node_local is not None and placement.local_rank == 0):
             self.storage.claim_run(placement.token)  # one live run per directory
         self._slot_paths = [_names.slot_path(self.job_id, placement.memory_rank, i)
                             for i in range(options.memory_slots)]
@@ -231,36 +128,8 @@ class Engine:
         self._client = SaverClient(self.job_id, own_slots, self._info(None))
         self.replicas = PeerReplicas(self)
         """Peer-memory replicas of this job (a collective at construction; see ``flashckpt._replica``)."""
-
-    def _check_shared_directory(self) -> None:
-        """Every rank must see the directory rank 0 writes (a collective call): with
-        node-local directories, per-rank shards would never commit and other nodes could
-        not load, silently. Rank 0 writes a probe with the run's token; each rank looks
-        for it (a few seconds, for network file systems' caches); any node that does not
-        see it fails construction on every rank, named."""
-        c = self.collective
-        if c.world_size == 1 or not isinstance(self.storage, LocalStorage):  # an object store is shared
-            return
-        probe = os.path.join(self.storage.root, f".flashckpt-probe-{self.placement.token}")
-        token = self.placement.token.encode()
-        if c.rank == 0:
-            os.makedirs(self.storage.root, exist_ok=True)
-            with open(probe, "wb") as f:
-                f.write(token)
-        c.all_gather(None)  # the probe is written
-        deadline = time.monotonic() + _PROBE_SECONDS
-        while not (sees := _holds(probe, token)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        views = c.all_gather((node_id(), sees))
-        if c.rank == 0:
-            os.unlink(probe)
-        blind = sorted({node for node, ok in views if not ok})
-        if blind:
-            raise CheckpointError(
-                f"the checkpoint directory {self.storage.root} is not shared: the ranks on node(s) "
-                f"{', '.join(blind)} do not see what rank 0 (node {views[0][0]}) wrote there, so shards would "
-                "never commit and those nodes could not load; give every node the same directory (a shared or "
-                "network file system mounted at this path)")
+        if self.node_local is not None:
+            self.node_local.require_replicas(self)
 
     def _check_other_job(self) -> None:
         """Refuse slots that a live process of another run writes for another directory
@@ -689,14 +558,23 @@ class Engine:
         self._client.wait(timeout)
         self._raise_persist_errors()
 
+    def expect_export(self, name: str) -> None:
+        """This checkpointer's saves will name the exporter ``name``: the saver loads it now,
+        so that the first export does not pay for its imports."""
+        if self.placement.persists:
+            self._client.warm_exporter(name)
+
     def flush(self, timeout: float | None = None) -> None:
         """Persist the newest in-memory step now, unless it is on storage already, and wait
         (bounded like :meth:`wait`)."""
-        if self.placement.persists:
+        if self.placement.persists and self.node_local is not None:
+            self.node_local.flush(self, timeout)
+        elif self.placement.persists:
             self._client.flush(timeout)
         self._raise_persist_errors()
 
     def latest_step(self) -> int | None:
+        """The newest committed step (node-local directories: the newest committed on this node)."""
         return self.storage.latest_step()
 
     def _other_writer(self) -> bool:
@@ -788,11 +666,3 @@ def _page_locker(kind: TensorKind, objs: list[Any]) -> PageLocker | None:
     """The page locker ``kind`` wants for copies to or from ``objs`` (GPU tensors), if any."""
     page_locker = getattr(kind, "page_locker", None)
     return page_locker(objs) if page_locker is not None else None
-
-
-def _holds(path: str, token: bytes) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(token) + 1) == token
-    except OSError:
-        return False

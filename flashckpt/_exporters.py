@@ -3,7 +3,8 @@
 An adapter that must leave its framework's own files on storage (Hugging Face
 ``checkpoint-N`` folders, DeepSpeed tags) names an exporter in its saves; the saver
 runs it in the background once the step is committed, reading the committed
-safetensors shards. Exporters are looked up in this allow-list of flashckpt's own
+safetensors shards. The saver runs exports on an :class:`ExportQueue`, off the threads
+that persist, so a slow export never holds up the next step's write. Exporters are looked up in this allow-list of flashckpt's own
 modules, never by a module path taken from a message. Each module defines
 ``export(directory: str, step: int, params: dict) -> None``.
 """
@@ -12,14 +13,22 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 import time
-from typing import Any
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from ._errors import CheckpointError
+from ._errors import CheckpointError, CheckpointNotFoundError
+from ._storage import LocalStorage
+from ._storage_url import open_storage
 
-__all__ = ["EXPORTERS", "run_exporter"]
+__all__ = ["EXPORTERS", "Export", "ExportQueue", "run_exporter"]
 
 log = logging.getLogger(__name__)
+
+_RECENT = 64
+"""Exports remembered per directory, to run a step's export once (see :class:`ExportQueue`)."""
 
 EXPORTERS = {
     "hf": "flashckpt.hf._export",
@@ -41,3 +50,124 @@ def run_exporter(spec: dict[str, Any], directory: str, step: int, *, allow_pickl
     start = time.perf_counter()
     importlib.import_module(EXPORTERS[name]).export(directory, step, params)
     log.info("exported step %d of %s as %s in %.2fs", step, directory, name, time.perf_counter() - start)
+
+
+@dataclass(frozen=True, slots=True)
+class Export:
+    """One exporter run for committed ``step`` of ``directory``."""
+
+    spec: dict[str, Any]
+    directory: str
+    step: int
+    allow_pickle: bool = False
+
+    def run(self) -> None:
+        run_exporter(self.spec, self.directory, self.step, allow_pickle=self.allow_pickle)
+
+
+class ExportQueue:
+    """Runs exports off the persist threads: per directory one at a time, in the order
+    submitted (the order its steps committed), on a thread of that directory's own while
+    it has work. Each rank's commit call reports a step committed once it is, so two
+    persist threads may both submit it: an export whose step's commit (token and time in
+    its metadata) this queue exported already is skipped.
+
+    Retention runs in the commit, so a commit must not retire a step whose export still
+    waits: persist threads call :meth:`wait_idle` before committing."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queues: dict[str, deque[tuple[Export, Callable[[Exception | None], None]]]] = {}
+        """directory -> exports not finished yet (the first one runs); present while its thread runs."""
+        self._exported: dict[str, deque[tuple[Any, ...]]] = {}
+        self._warmed: set[str] = set()
+
+    def warm(self, spec: Any) -> None:
+        """Import the exporter ``spec`` names, once, on a thread of its own: its imports
+        (torch, transformers, DeepSpeed: seconds) then overlap the step's write instead of
+        delaying its first export. An exporter that cannot load fails at its export."""
+        name = spec.get("name") if isinstance(spec, dict) else None
+        with self._cond:
+            if name not in EXPORTERS or name in self._warmed:
+                return
+            self._warmed.add(name)
+        threading.Thread(target=_import, args=(EXPORTERS[name],), name="flashckpt-export-import", daemon=True).start()
+
+    def submit(self, export: Export, done: Callable[[Exception | None], None]) -> None:
+        """Queue ``export``; ``done(error)`` is called on its thread once it ran (``error``
+        None) or failed."""
+        with self._cond:
+            queue = self._queues.get(export.directory)
+            if queue is None:
+                queue = self._queues[export.directory] = deque()
+                threading.Thread(target=self._drain, args=(export.directory, queue), name="flashckpt-export",
+                                 daemon=True).start()
+            queue.append((export, done))
+
+    def _drain(self, directory: str, queue: deque[tuple[Export, Callable[[Exception | None], None]]]) -> None:
+        while True:
+            with self._cond:
+                if not queue:
+                    del self._queues[directory]
+                    self._cond.notify_all()
+                    return
+                export, done = queue[0]
+            error: Exception | None = None
+            try:
+                self._run(export)
+            except Exception as exc:  # noqa: BLE001 -- reported to the trainer that saved the step
+                log.exception("exporting step %d of %s failed", export.step, directory)
+                error = exc
+            try:
+                done(error)
+            finally:
+                with self._cond:
+                    queue.popleft()
+                    self._cond.notify_all()
+
+    def _run(self, export: Export) -> None:
+        storage = open_storage(export.directory)
+        try:
+            meta = storage.metadata(export.step)
+            key: tuple[Any, ...] | None = (export.step, meta.get("token"), meta.get("committed_at"))
+        except CheckpointError:  # the exporter names what is wrong
+            key = None
+        recent = self._exported.setdefault(export.directory, deque(maxlen=_RECENT))
+        if key is not None and key in recent:
+            log.info("step %d of %s is exported already", export.step, export.directory)
+            return
+        if not isinstance(storage, LocalStorage):
+            export.run()
+        else:  # the saver of another node may commit a newer step meanwhile: its retention leaves a held step
+            try:
+                hold = storage.hold_step(export.step)
+            except CheckpointNotFoundError:
+                if key is None:  # never committed: the exporter's own error says so
+                    raise
+                log.warning("step %d of %s was retired by a newer step's commit before its export began: its "
+                            "export is skipped (the newer step is exported)", export.step, export.directory)
+                return
+            with hold:
+                export.run()
+        if key is not None:
+            recent.append(key)
+
+    def wait_idle(self, directory: str) -> None:
+        """Block until every export submitted for ``directory`` has finished."""
+        with self._cond:
+            self._cond.wait_for(lambda: directory not in self._queues)
+
+    def close(self) -> None:
+        """Block until every export submitted has finished."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._queues)
+
+
+def _import(module: str) -> None:
+    start = time.perf_counter()
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 -- the export itself raises it to the trainer
+        log.debug("importing %s ahead of its first export failed", module, exc_info=True)
+        return
+    log.info("loaded the exporter %s in %.2fs", module, time.perf_counter() - start)

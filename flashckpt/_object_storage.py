@@ -30,12 +30,21 @@ stream gives about 100 MB/s), and at most ``CONCURRENCY * PART_BYTES`` (256 MiB)
 copies in memory (the HTTP client needs ``bytes``, not the shared-memory view). Uploads
 run in the saver process, never on the training thread.
 
-**Reads** are ranged GETs: :class:`ObjectShard` reads exactly the ranges asked for,
-large ranges as parallel :data:`PART_BYTES` GETs, so a resharding load fetches only the
-bytes it needs. Small objects (metadata, markers, ``latest``, the lease) are read with a
-bounded range. Errors name the object's URL; a missing bucket or object is a
-:class:`CheckpointNotFoundError`, denied access or an unreachable endpoint a
-:class:`CheckpointError`, altered bytes a :class:`CorruptCheckpointError`.
+**Reads** are ranged GETs (:mod:`flashckpt._object_shard`): one per reader chunk, the
+first checksum block kept from the header's read, so a resharding load fetches only the
+blocks it needs and a whole load fetches each byte once. Small objects (metadata,
+markers, ``latest``, the lease) are read with a bounded range. Errors name the object's
+URL; a missing bucket or object is a :class:`CheckpointNotFoundError`, denied access or
+an unreachable endpoint a :class:`CheckpointError`, altered bytes a
+:class:`CorruptCheckpointError`.
+
+**Stores.** Everything above is plain fsspec (``pipe_file``, ``cat_file``, ``find``,
+``rm``), so any fsspec URL works; S3 (s3fs) adds multipart uploads, the abort of stale
+multipart uploads, and the run lease's conditional writes. Tested against an S3 server
+(moto) and ``memory://``. GCS (``gs://``, gcsfs), Azure (``az://``, adlfs) and OSS
+(``oss://``, ossfs) are untested here (no server of theirs installs in the test
+environment): they take that generic path, a shard in one unchunked PUT, and an
+advisory run lease.
 """
 
 from __future__ import annotations
@@ -46,13 +55,15 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, NamedTuple
 
 from . import _object_lease
 from ._checksum import block_crcs
+from ._object_shard import CONCURRENCY, ObjectShard, _call, _run_all, _translate
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ._storage import (MAX_LATEST, MAX_METADATA, LocalStorage, ShardRecord, _Line, _image_token, _MAX_MARKER,
-                       _plain_name, _validate_metadata, line_key)
+from ._step_meta import (MAX_LATEST, MAX_MARKER, MAX_METADATA, Line, ShardRecord, image_token, line_key, plain_name,
+                         validate_metadata)
+from ._storage import LocalStorage
 from ._storage_url import OBJECT_SCHEMES, parse_location
 
 __all__ = ["CONCURRENCY", "PART_BYTES", "ObjectShard", "ObjectStorage"]
@@ -61,8 +72,6 @@ log = logging.getLogger(__name__)
 
 PART_BYTES = 16 << 20
 """Bytes per multipart part and per ranged GET of a large read (S3's minimum part is 5 MiB)."""
-CONCURRENCY = 16
-"""Parts uploaded, or ranges fetched, at once for one object."""
 MAX_CONNECTIONS = 64
 """Connections of an S3 client (botocore keeps 10 unless configured): several shards'
 parts at once; a ``max_pool_connections`` in fsspec's configuration wins."""
@@ -77,7 +86,6 @@ _MAX_BLOCKS = 16_384
 _STEP_KEY_RE = re.compile(r"^step-(\d+)/([^/]+)$")
 _UPLOAD_RE = re.compile(r"^rank-(\d+)\.([A-Za-z0-9_+-]+)\.(safetensors|done)$")
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_+-]{1,64}$")
-_T = TypeVar("_T")
 
 
 def _shard_object(rank: int, token: str) -> str:
@@ -88,25 +96,6 @@ def _marker_object(rank: int, token: str) -> str:
     return f"rank-{rank}.{token}.done"
 
 
-def _translate(exc: Exception, what: str) -> CheckpointError:
-    """A flashckpt error for a storage client's exception; ``what`` names the action and object."""
-    if isinstance(exc, CheckpointError):
-        return exc
-    if isinstance(exc, FileNotFoundError):
-        return CheckpointNotFoundError(f"{what}: not found ({exc})")
-    if isinstance(exc, PermissionError):
-        return CheckpointError(f"{what}: access denied ({exc}); check the credentials the store's client reads "
-                               "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, fsspec configuration)")
-    return CheckpointError(f"{what} failed: {type(exc).__name__}: {exc}")
-
-
-def _call(what: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    try:
-        return fn(*args, **kwargs)
-    except Exception as exc:
-        raise _translate(exc, what) from exc
-
-
 def _block_bytes(size: int) -> int:
     """The checksum block of a ``size``-byte shard: :data:`BLOCK_BYTES`, or a whole number
     of MiB keeping at most :data:`_MAX_BLOCKS` checksums (16 GiB shards and larger)."""
@@ -114,105 +103,11 @@ def _block_bytes(size: int) -> int:
     return max(BLOCK_BYTES, -(-per_block // (1 << 20)) << 20)
 
 
-def _flat(view: Any) -> memoryview:
-    view = memoryview(view)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-class ObjectShard:
-    """One committed shard object opened for reading: ``name`` (its URL), ``size``,
-    sequential :meth:`readinto` and positional :meth:`pread_into` / :meth:`preadv`, each
-    one ranged GET per :data:`PART_BYTES` or so (in parallel); exact, or an error naming the
-    object. Thread safe for positional reads; a context manager."""
-
-    def __init__(self, fs: Any, key: str, name: str, size: int, *, concurrency: int = CONCURRENCY) -> None:
-        self._fs, self._key, self.name, self.size = fs, key, name, size
-        self._concurrency = concurrency
-        self._pos = 0
-
-    def readinto(self, view: Any) -> int:
-        """Fill ``view`` from the current position (less at the end of the object); the bytes read."""
-        view = _flat(view)
-        n = max(0, min(len(view), self.size - self._pos))
-        self.preadv([view[:n]], self._pos)
-        self._pos += n
-        return n
-
-    def pread_into(self, view: Any, offset: int) -> None:
-        """Fill ``view`` with the object's bytes from ``offset``, exactly."""
-        self.preadv([view], offset)
-
-    def preadv(self, pieces: list[Any], offset: int) -> None:
-        """Fill ``pieces`` (flat byte views) with consecutive bytes from ``offset``, exactly:
-        one ranged GET per about :data:`PART_BYTES` of the range, several at once."""
-        views = [_flat(p) for p in pieces]
-        end = offset + sum(len(v) for v in views)
-        if offset < 0 or end > self.size:
-            raise CorruptCheckpointError(f"{self.name}: bytes {offset}-{end} lie outside its {self.size} bytes")
-        if end == offset:
-            return
-        count = max(1, (end - offset) // PART_BYTES)  # even ranges of PART_BYTES or more: no tiny last GET
-        cuts = [offset + (end - offset) * k // count for k in range(count + 1)]
-        ranges = list(zip(cuts[:-1], cuts[1:]))
-        targets = []  # per range: the slices of ``views`` it fills
-        pos, i, skip = offset, 0, 0
-        for start, stop in ranges:
-            parts = []
-            while pos < stop:
-                take = min(len(views[i]) - skip, stop - pos)
-                parts.append(views[i][skip:skip + take])
-                pos, skip = pos + take, skip + take
-                if skip == len(views[i]):
-                    i, skip = i + 1, 0
-            targets.append(parts)
-
-        def fetch(k: int) -> None:
-            start, stop = ranges[k]
-            data = _call(f"reading bytes {start}-{stop} of {self.name}", self._fs.cat_file, self._key,
-                         start=start, end=stop)
-            if len(data) != stop - start:
-                raise CorruptCheckpointError(f"{self.name}: truncated at byte {start + len(data)} (the commit "
-                                             f"recorded {self.size} bytes)")
-            at = 0
-            for part in targets[k]:
-                part[:] = data[at:at + len(part)]
-                at += len(part)
-
-        try:
-            _run_all(fetch, len(ranges), self._concurrency)
-        except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{self.name}: the shard object is gone from the store "
-                                          f"(deleted after the commit?): {exc}") from exc
-
-    def close(self) -> None:
-        """Nothing is held open between reads."""
-
-    def __enter__(self) -> "ObjectShard":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-def _run_all(job: Callable[[int], None], count: int, threads: int) -> None:
-    """``job(0..count-1)`` on up to ``threads`` threads (inline for one); the first error raised."""
-    if count <= 1:
-        for k in range(count):
-            job(k)
-        return
-    pool = ThreadPoolExecutor(min(threads, count), thread_name_prefix="flashckpt-object")
-    try:
-        for future in [pool.submit(job, k) for k in range(count)]:
-            future.result()
-    finally:
-        pool.shutdown(cancel_futures=True)  # after an error, the jobs not yet started never start
-
-
 class _Commit(NamedTuple):
     """A committed step's place in the order of steps, the run that committed it, and
     its metadata (None when unreadable)."""
 
-    line: _Line
+    line: Line
     token: str | None
     meta: dict | None
 
@@ -316,7 +211,7 @@ class ObjectStorage:
         is removed and a :class:`CheckpointError` is raised with the cause chained."""
         if not _TOKEN_RE.match(token):
             raise CheckpointError(f"run token {token[:80]!r} cannot name an object (letters, digits, _+- only)")
-        theirs = _image_token(image)
+        theirs = image_token(image)
         if theirs is not None and theirs != token:
             raise CheckpointError(f"rank {rank} of step {step} was written by another run (token {theirs}); "
                                   f"this save's token is {token}: shards of two runs never commit together")
@@ -326,9 +221,9 @@ class ObjectStorage:
             with ThreadPoolExecutor(1, thread_name_prefix="flashckpt-crc32") as summer:
                 sums = summer.submit(block_crcs, image, block)
                 self._upload(name, image)
-                record = ShardRecord(rank, len(image), sums.result())
+                record = ShardRecord(rank, len(image), sums.result(), block)
             self._put_small(f"step-{step}/{_marker_object(rank, token)}",
-                            json.dumps({**record.to_json(), "block_size": block, "token": token}).encode())
+                            json.dumps({**record.to_json(), "token": token}).encode())
             return record
         except BaseException as exc:
             try:
@@ -414,9 +309,9 @@ class ObjectStorage:
         """The metadata committing ``step`` from the markers of run ``token`` (read at
         once), or None with an error logged when a marker or shard does not fit."""
         markers = [f"step-{step}/{_marker_object(r, token)}" for r in range(world_size)]
-        oversize = [m for m in markers if names.get(m.split("/")[1], {}).get("size", 0) > _MAX_MARKER]
+        oversize = [m for m in markers if names.get(m.split("/")[1], {}).get("size", 0) > MAX_MARKER]
         if oversize:
-            log.error("not committing step %d: %s is larger than %d bytes", step, self._url(oversize[0]), _MAX_MARKER)
+            log.error("not committing step %d: %s is larger than %d bytes", step, self._url(oversize[0]), MAX_MARKER)
             return None
         raw = _call(f"reading the done markers of step {step} in {self.root}", self._fs.cat,
                     [self._key(m) for m in markers], on_error="return")
@@ -439,7 +334,7 @@ class ObjectStorage:
         meta = {"format": "flashckpt/1", "step": step, "world_size": world_size, "token": token, "branch": branch,
                 "committed_at": time.time(), "shards": shards}
         try:
-            return _validate_metadata(meta, step, self._url(f"step-{step}/metadata.json"))
+            return validate_metadata(meta, step, self._url(f"step-{step}/metadata.json"))
         except CorruptCheckpointError as exc:
             log.error("not committing step %d: its markers do not make valid metadata: %s", step, exc)
             return None
@@ -511,13 +406,13 @@ class ObjectStorage:
             return cached[1]
         try:
             meta = self.metadata(step)
-            there = _Commit(_Line(line_key(meta.get("token")), step, meta.get("branch"), True), meta.get("token"),
+            there = _Commit(Line(line_key(meta.get("token")), step, meta.get("branch"), True), meta.get("token"),
                             meta)
         except CheckpointNotFoundError:
             return None
         except CheckpointError as exc:
             log.info("step %d is ordered as the oldest line: %s", step, exc)
-            there = _Commit(_Line("", step, None, False), None, None)
+            there = _Commit(Line("", step, None, False), None, None)
         self._commits[step] = (ident, there)
         return there
 
@@ -527,7 +422,7 @@ class ObjectStorage:
             self._commits.pop(gone, None)
         return {s: there for s, names in tree.items() if (there := self._commit(s, names.get("metadata.json")))}
 
-    def _order(self) -> list[_Line]:
+    def _order(self) -> list[Line]:
         """Committed steps' lines by (line, step), what LocalStorage's ordering methods read."""
         return _in_order(self._commits_in(self._tree()).values())
 
@@ -563,7 +458,7 @@ class ObjectStorage:
             meta = json.loads(raw)
         except ValueError as exc:
             raise CorruptCheckpointError(f"{self._url(where)}: unreadable metadata: {exc}") from exc
-        return _validate_metadata(meta, step, self._url(where))
+        return validate_metadata(meta, step, self._url(where))
 
     def open_shard(self, step: int, rank: int) -> tuple[ObjectShard, dict]:
         """A committed shard opened for ranged reads (``.name`` is its URL) and its record
@@ -580,7 +475,7 @@ class ObjectStorage:
         if record is None:
             raise CheckpointNotFoundError(
                 f"step {step} in {self.root} has no shard for rank {rank} (world size {meta['world_size']})")
-        name = f"step-{step}/{_plain_name(record['file'], step, rank)}"
+        name = f"step-{step}/{plain_name(record['file'], step, rank)}"
         self._fs.invalidate_cache(self._key(name))
         try:
             size = _call(f"reading {self._url(name)}", self._fs.size, self._key(name))
@@ -598,12 +493,12 @@ def _upload_token(name: str) -> str | None:
     return m.group(2) if m else None
 
 
-def _in_order(commits: Any) -> list[_Line]:
+def _in_order(commits: Any) -> list[Line]:
     """The lines of ``commits`` by (line, step): the last is the newest."""
     return sorted((c.line for c in commits), key=lambda ln: (ln.key, ln.step))
 
 
-def _doomed(order: list[_Line], keep_last: int, step: int) -> set[int]:
+def _doomed(order: list[Line], keep_last: int, step: int) -> set[int]:
     """The steps retention deletes, given committed steps in (line, step) order: those of
     older lines past the newest line's branch, then all but the newest ``keep_last``;
     never ``step`` nor a step whose metadata is unreadable."""

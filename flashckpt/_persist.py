@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _names
-from ._exporters import run_exporter
+from ._exporters import Export, ExportQueue
 from ._slot import RankLock, Slot, SlotState
 from ._storage_url import open_storage
 
@@ -33,10 +33,12 @@ class PersistResult:
     """True when the slot no longer held that generation (a newer save replaced it)."""
     seconds: float = 0.0
     nbytes: int = 0
+    export: Export | None = None
+    """The committed step's export, left to the caller's :class:`ExportQueue`."""
 
 
 def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, Any] | None = None, *,
-                 already_persisted: bool = False) -> PersistResult:
+                 already_persisted: bool = False, exports: ExportQueue | None = None) -> PersistResult:
     """Write the image in ``slot_path`` to storage as ``info`` says (default: the slot
     header's) and commit its step if complete.
 
@@ -44,6 +46,11 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
     exactly that save. The slot is marked as being read, so the trainer writes its
     next save into the other slot meanwhile, and released at the end.
     ``already_persisted`` only releases the slot (a repeated request).
+
+    A step this call commits is exported (if its ``info`` names an exporter) before it
+    returns; with ``exports`` given, the export is returned in the result for the caller
+    to queue there instead, and the commit first waits for the exports queued there for
+    this directory (a commit's retention could otherwise retire a step they read).
     """
     slot = Slot.open(slot_path, writable=True, populate=False)
     if slot is None:
@@ -64,15 +71,26 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
             info = h.info if info is None else info
             storage = open_storage(info["directory"])
             storage.write_shard(h.step, info["storage_rank"], info["token"], slot.image(h.image_len))
+            if exports is not None:
+                waited = time.perf_counter()
+                exports.wait_idle(storage.root)
+                waited = time.perf_counter() - waited
+                if waited > 0.01:
+                    log.info("step %d rank %d waited %.2fs for earlier exports of %s before its commit", h.step,
+                             info["storage_rank"], waited, storage.root)
             committed = storage.try_commit(h.step, info["storage_world"], info["token"], info["keep_last"],
                                            branch=info.get("branch"))
+            export = None
             if committed and info.get("export"):
-                run_exporter(info["export"], storage.root, h.step, allow_pickle=bool(info.get("allow_pickle")))
+                export = Export(info["export"], storage.root, h.step, bool(info.get("allow_pickle")))
+                if exports is None:
+                    export.run()
+                    export = None
             seconds = time.perf_counter() - start
             log.info("persisted step %d rank %d: %.1f MiB in %.2fs (%.0f MiB/s)%s", h.step, info["storage_rank"],
                      h.image_len / 2**20, seconds, h.image_len / 2**20 / max(seconds, 1e-9),
                      ", committed" if committed else "")
-            return PersistResult(h.step, committed, seconds=seconds, nbytes=h.image_len)
+            return PersistResult(h.step, committed, seconds=seconds, nbytes=h.image_len, export=export)
         finally:
             with lock.held():
                 slot.set_reader(0)

@@ -226,13 +226,14 @@ def recv_image(sock: socket.socket, into: memoryview) -> int:
 
 
 def fetch(endpoint: tuple[str, int], secret: str, want: dict[str, Any],
-          into: Callable[[dict[str, Any]], memoryview]) -> dict[str, Any]:
+          into: Callable[[dict[str, Any]], memoryview], *, op: str = "fetch") -> dict[str, Any]:
     """Ask the saver at ``endpoint`` for the replica ``want`` describes (directory,
-    storage_rank, storage_world, step); ``into(header)`` returns where its image goes.
-    Returns the replica's header (step, info, image_len, crc32) once its checksum verified."""
+    storage_rank, storage_world, step; ``op`` "fetch_shard": the committed shard in its
+    node-local directory, ``want``'s ``line`` too); ``into(header)`` returns where its image
+    goes. Returns the header (step, info, image_len, crc32) once its checksum verified."""
     sock = connect_peer(endpoint, secret)
     try:
-        send_message(sock, {"op": "fetch", **want})
+        send_message(sock, {"op": op, **want})
         header = recv_message(sock)
         if not header.get("ok"):
             raise ReplicaError(f"{endpoint[0]}:{endpoint[1]} has no replica of step {want.get('step')} "

@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ._errors import CheckpointError
 from ._replica import ReplicaError, advertised_host, fetch
 from ._replica_store import replica_index
 from ._slot import SlotHeader, SlotState, mark_writing
-from ._storage import line_key
+from ._step_meta import line_key
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -128,18 +128,34 @@ class PeerReplicas:
         raise ReplicaError(f"no peer sent a verified replica of step {step} rank {rank}"
                            f"{': ' + '; '.join(failures) if failures else ' (none holds one)'}")
 
-    def _fetch_from(self, endpoint: Endpoint, step: int) -> None:
+    def _fetch_from(self, endpoint: Endpoint, step: int, op: str = "fetch", **want: Any) -> None:
+        """Write this rank's copy of ``step`` into one of its slots from the peer at ``endpoint``
+        (``op`` "fetch": its memory replica; "fetch_shard": its node-local directory)."""
         eng = self._engine
         p = eng.placement
-        index = eng._choose_slot()
-        slot = eng._slot(index, create=True)
-        written: list[SlotHeader] = []
+        into, done = self.slot_writer(step)
 
-        def into(header: dict[str, Any]) -> memoryview:
+        def check(header: dict[str, Any]) -> memoryview:
             size, info = header.get("image_len"), header.get("info")
             if header.get("step") != step or not isinstance(size, int) or not isinstance(info, dict):
                 raise ReplicaError(f"{endpoint[0]}:{endpoint[1]} answered with step {header.get('step')!r}, "
                                    f"not {step}")
+            return into(size, info)
+
+        fetch(endpoint, p.secret, {"directory": eng.storage.root, "storage_rank": p.storage_rank,
+                                   "storage_world": p.storage_world, "step": step, **want}, check, op=op)
+        done()
+
+    def slot_writer(self, step: int) -> tuple[Callable[[int, dict[str, Any]], memoryview], Callable[[], None]]:
+        """Where a copy of ``step`` for this rank goes: ``into(size, info)`` readies one of its
+        slots (marked WRITING, recording ``info``'s token and branch) and returns the view to
+        fill; ``done()`` marks it COMPLETE and tells the saver."""
+        eng = self._engine
+        index = eng._choose_slot()
+        slot = eng._slot(index, create=True)
+        written: list[SlotHeader] = []
+
+        def into(size: int, info: dict[str, Any]) -> memoryview:
             if slot.ensure_capacity(size):
                 eng._views = {k: v for k, v in eng._views.items() if k[0] != index}
             mine = dict(eng._info(None), token=str(info.get("token")), branch=info.get("branch", -1))
@@ -147,11 +163,12 @@ class PeerReplicas:
                 written.append(mark_writing(slot, step, size, mine))
             return slot.image(size)
 
-        fetch(endpoint, p.secret, {"directory": eng.storage.root, "storage_rank": p.storage_rank,
-                                   "storage_world": p.storage_world, "step": step}, into)
-        header = written[0]
-        with eng._lock.held():
-            header.state = SlotState.COMPLETE
-            header.saved_at = time.time()
-            slot.write_header(header)
-        eng._client.saved(slot.path, header.generation, step, header.info, persist=False)
+        def done() -> None:
+            header = written[0]
+            with eng._lock.held():
+                header.state = SlotState.COMPLETE
+                header.saved_at = time.time()
+                slot.write_header(header)
+            eng._client.saved(slot.path, header.generation, step, header.info, persist=False)
+
+        return into, done

@@ -20,6 +20,8 @@ from typing import Any
 
 from . import _names
 from ._replica import (ReplicaError, accept_peer, connect_peer, recv_message, send_message)
+from ._node_local import read_scope
+from ._node_local_saver import ReplicaPersister, serve_shard, wants_on_disk
 from ._replica_store import ReplicaStore, send_slot
 
 __all__ = ["ReplicaService"]
@@ -37,13 +39,19 @@ class ReplicaService:
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
         self.store = ReplicaStore(job_id)
+        self.persister = ReplicaPersister()
+        """Writes received replicas to this node's directory (node-local mode only)."""
         self.endpoint: tuple[str, int] | None = None
         self.peer: tuple[str, int] | None = None
         self._secrets: list[str] = []
         self._offers: dict[str, dict[str, Any]] = {}
         """rank lock path -> the newest ``saved`` message of that local rank."""
-        self._pushed: dict[str, int] = {}
-        """rank lock path -> the generation last sent whole (or found stale)."""
+        self._kept: dict[str, dict[str, Any]] = {}
+        """rank lock path -> its newest save due for storage, in node-local mode (where the
+        receiver writes it to its directory: it must arrive even when a newer save follows)."""
+        self._pushed: set[tuple[str, int, bool]] = set()
+        """:meth:`_ident` of the offers sent whole (or found stale)."""
+        self._node_local: dict[tuple[str, str], bool] = {}
         self._cond = threading.Condition()
         self._stopped = False
         self._busy = 0
@@ -90,18 +98,31 @@ class ReplicaService:
             old = self._offers.get(key)
             if old is None or msg["generation"] >= old["generation"]:
                 self._offers[key] = msg
+                if msg.get("persist") and self._is_node_local(msg["info"]):
+                    self._kept[key] = msg
                 self._cond.notify_all()
 
+    def _is_node_local(self, info: dict[str, Any]) -> bool:
+        where = (str(info.get("directory")), str(info.get("token")))
+        if where not in self._node_local:
+            self._node_local[where] = read_scope(*where) is not None
+        return self._node_local[where]
+
     def busy(self) -> bool:
-        """A peer is pushing or fetching a replica here (the saver lingers for it; its own
-        pushes do not keep it: a peer that is gone must not keep the saver forever)."""
+        """A peer is pushing or fetching a replica here, a received one is being written to
+        this node's directory, or (node-local mode) a save due for storage is still to be sent
+        to a reachable peer: the saver lingers for these. Other pushes do not keep it: a peer
+        that is gone must not keep the saver forever."""
         with self._cond:
-            return self._busy > 0
+            sending = not self._failing and self.peer is not None and any(
+                self._ident(k, m) not in self._pushed for k, m in self._kept.items())
+            return self._busy > 0 or self.persister.busy() or sending
 
     def close(self) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+        self.persister.close()
         if self._listener is not None:
             self._listener.close()
 
@@ -161,17 +182,23 @@ class ReplicaService:
         if op == "push":
             started = time.perf_counter()
             try:
-                step = self.store.receive(conn, msg, source)
+                step, path, generation = self.store.receive(conn, msg, source)
             except Exception as exc:
                 send_message(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
                 raise
             send_message(conn, {"ok": True, "step": step})
+            if wants_on_disk(msg):  # a node-local directory keeps its predecessor's shards too
+                self.persister.offer(path, generation, dict(msg["info"], storage_rank=msg["storage_rank"]))
             log.info("received the replica of step %d rank %s from %s (%.1f MiB in %.2fs)", step,
                      msg.get("storage_rank"), source, msg["image_len"] / 2**20, time.perf_counter() - started)
         elif op == "fetch":
             if self.store.serve(conn, msg):
                 log.info("sent the replica of step %s rank %s to %s", msg.get("step"), msg.get("storage_rank"),
                          source)
+        elif op == "fetch_shard":
+            if serve_shard(conn, msg):
+                log.info("sent step %s rank %s from %s to %s", msg.get("step"), msg.get("storage_rank"),
+                         msg.get("directory"), source)
         else:
             raise ReplicaError(f"unknown replica op {op!r}")
 
@@ -183,8 +210,18 @@ class ReplicaService:
 
     # -- the pusher ---------------------------------------------------------------------
 
+    def _ident(self, key: str, msg: dict[str, Any]) -> tuple[str, int, bool]:
+        """What one push sends: a save, and in node-local mode whether the receiver writes it
+        to its directory (a save first sent as memory only is sent again when asked to persist)."""
+        return key, msg["generation"], bool(msg.get("persist")) and self._is_node_local(msg["info"])
+
     def _due(self) -> list[tuple[str, dict[str, Any]]]:
-        return [(key, msg) for key, msg in self._offers.items() if self._pushed.get(key) != msg["generation"]]
+        due, seen = [], set()
+        for key, msg in [*self._kept.items(), *self._offers.items()]:  # a kept save first: it is older
+            if (ident := self._ident(key, msg)) not in self._pushed | seen:
+                seen.add(ident)
+                due.append((key, msg))
+        return due
 
     def _push_loop(self) -> None:
         while True:
@@ -214,9 +251,10 @@ class ReplicaService:
                 info = msg["info"]
                 started = time.perf_counter()
                 sent = send_slot(sock, msg["slot"], msg["generation"],
-                                 {"op": "push", "storage_rank": info["storage_rank"], "info": info})
+                                 {"op": "push", "storage_rank": info["storage_rank"], "info": info,
+                                  "persist": bool(msg.get("persist"))})
                 if sent is None:  # replaced already: the newer save is (or will be) offered
-                    self._mark(key, msg["generation"])
+                    self._mark(key, msg)
                     continue
                 reply = recv_message(sock)
                 if not sent:
@@ -227,7 +265,7 @@ class ReplicaService:
                     raise ReplicaError(f"{peer[0]}:{peer[1]} refused the replica of step {msg['step']}: "
                                        f"{reply.get('error')}")
                 seconds = time.perf_counter() - started
-                self._mark(key, msg["generation"])
+                self._mark(key, msg)
                 record = {"step": msg["step"], "storage_rank": info["storage_rank"], "seconds": seconds,
                           "finished_at": time.time()}
                 self.pushed_log = (self.pushed_log + [record])[-16:]
@@ -236,9 +274,10 @@ class ReplicaService:
         finally:
             sock.close()
 
-    def _mark(self, key: str, generation: int) -> None:
+    def _mark(self, key: str, msg: dict[str, Any]) -> None:
         with self._cond:
-            self._pushed[key] = generation
+            current = {self._ident(k, m) for k, m in [*self._kept.items(), *self._offers.items()]}
+            self._pushed = (self._pushed & current) | {self._ident(key, msg)}
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -21,15 +21,18 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 from . import _names
 from ._replica import ReplicaError, recv_image, send_image, send_message
-from ._slot import HEADER_SIZE, RankLock, Slot, SlotHeader, SlotState, mark_writing, shm_free_bytes
+from ._slot import HEADER_SIZE, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive, shm_free_bytes
 
 __all__ = ["ReplicaStore", "replica_index", "send_slot"]
 
 log = logging.getLogger("flashckpt.replica")
+
+_BUSY_SECONDS = 30.0
 
 
 def send_slot(sock: socket.socket, path: str, generation: int | None, header: dict[str, Any],
@@ -112,10 +115,28 @@ class ReplicaStore:
     def _paths(self, storage_rank: int) -> list[str]:
         return [_names.replica_path(self.job_id, storage_rank, k) for k in range(2)]
 
-    def receive(self, sock: socket.socket, msg: dict[str, Any], source: str) -> int:
+    @staticmethod
+    def _free_copy(lock: RankLock, paths: list[str], storage_rank: int) -> int:
+        """The copy a push may write: not the newest complete one, and not one being written
+        to this node's directory (``flashckpt._node_local_saver``; waits a while for it)."""
+        deadline = time.monotonic() + _BUSY_SECONDS
+        while True:
+            with lock.held():
+                headers = [Slot.peek_header(p) or SlotHeader() for p in paths]
+            complete = [i for i, h in enumerate(headers) if h.state == SlotState.COMPLETE]
+            newest = max(complete, key=lambda i: headers[i].generation, default=None)
+            free = [i for i in range(2) if i != newest and not (headers[i].reader_pid
+                                                                 and pid_alive(headers[i].reader_pid))]
+            if free:
+                return free[0]
+            if time.monotonic() > deadline:
+                raise ReplicaError(f"the older replica of rank {storage_rank} is still being written to storage")
+            time.sleep(0.01)
+
+    def receive(self, sock: socket.socket, msg: dict[str, Any], source: str) -> tuple[int, str, int]:
         """Store the pushed image announced by ``msg`` (storage_rank, step, image_len,
-        info) in the copy that is not the newest complete one; returns its step. A
-        ReplicaError leaves the older complete copy as it was."""
+        info) in the copy that is not the newest complete one; returns its (step, replica
+        file, generation). A ReplicaError leaves the older complete copy as it was."""
         storage_rank, step, image_len = _int(msg, "storage_rank"), _int(msg, "step"), _int(msg, "image_len")
         info = msg.get("info")
         if not (isinstance(info, dict) and isinstance(info.get("directory"), str)
@@ -127,11 +148,7 @@ class ReplicaStore:
             paths = self._paths(storage_rank)
             lock = RankLock(_names.lock_path(paths[0]))
             try:
-                with lock.held():
-                    headers = [Slot.peek_header(p) or SlotHeader() for p in paths]
-                    complete = [i for i, h in enumerate(headers) if h.state == SlotState.COMPLETE]
-                    newest = max(complete, key=lambda i: headers[i].generation, default=None)
-                    index = next(i for i in range(2) if i != newest)
+                index = self._free_copy(lock, paths, storage_rank)
                 slot = self._mapped.get(paths[index])
                 if slot is None:
                     slot = self._mapped[paths[index]] = Slot.open(paths[index], writable=True, create=True)
@@ -153,7 +170,7 @@ class ReplicaStore:
                     slot.write_header(header)
             finally:
                 lock.close()
-        return step
+        return step, paths[index], header.generation
 
     def serve(self, sock: socket.socket, want: dict[str, Any]) -> bool:
         """Send the complete replica ``want`` names (directory, storage_rank,

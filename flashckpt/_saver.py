@@ -2,12 +2,14 @@
 
 Trainers connect over a Unix socket in the user's private shared-memory directory
 (peers of another uid are refused) and send small JSON messages (``hello``, ``saved``,
-``info``, ``flush``, ``wait``, ``close``; on several nodes ``replicate`` and
+``info``, ``warm``, ``flush``, ``wait``, ``close``; on several nodes ``replicate`` and
 ``replica_peer``, which start peer-memory replicas, see ``flashckpt._replica``). Where a slot goes on storage, its retention,
 exporter and pickling come from these messages of an authenticated trainer, never from
-the bytes in shared memory. A worker thread
-writes slots to storage one at a time, so persisting never competes with training
-for the trainer's GIL. When a trainer disconnects without ``close`` (it crashed or
+the bytes in shared memory. Worker threads (``FLASHCKPT_PERSIST_THREADS``, see ``flashckpt._client.persist_threads``)
+write slots to storage, several local ranks at once but each rank's saves one after
+another (see ``flashckpt._saver_jobs``), and exports run on threads of their own (see
+``flashckpt._exporters.ExportQueue``); persisting never competes with training for the
+trainer's GIL. When a trainer disconnects without ``close`` (it crashed or
 was killed), the saver persists that trainer's newest complete slots itself. It exits
 once no trainer is connected and nothing is left to write.
 
@@ -24,7 +26,6 @@ import json
 import logging
 import logging.handlers
 import os
-import queue
 import select
 import selectors
 import socket
@@ -36,8 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _names
+from ._client import persist_threads
+from ._exporters import ExportQueue
 from ._persist import PersistResult, persist_slot
 from ._replica_service import ReplicaService
+from ._saver_jobs import Job, Jobs
 from ._slot import Slot, SlotState, open_private, pid_alive
 from ._storage_url import open_storage
 
@@ -71,61 +75,17 @@ class _Client:
                 pass  # the trainer is gone; what it asked for still happens
 
 
-@dataclass
-class _Job:
-    slot: str
-    generation: int
-    client: _Client | None
-    info: dict[str, Any] = field(default_factory=dict)
-    reply: dict[str, Any] | None = None
-    """Message to send once done (for flush/wait); None sends a ``persisted`` note."""
-    unless_committed: tuple[str, str, int] | None = None
-    """(directory, token, step): a fallback, skipped if that newer step of run ``token`` is
-    committed (or superseded) by then."""
-
-
-class _Jobs:
-    """The persist queue. Fallbacks (older slots a flush writes in case the newest step
-    cannot commit, because a peer died mid-save) and the replies queued after them run
-    once no newest-step work waits, so the newest steps of every local rank usually commit
-    first and make the fallbacks unnecessary. FIFO within each kind."""
-
-    def __init__(self) -> None:
-        self._queue: "queue.PriorityQueue[tuple[int, int, _Job | None]]" = queue.PriorityQueue()
-        self._seq = 0
-        self._seq_lock = threading.Lock()
-
-    def put(self, job: _Job | None, *, later: bool = False) -> None:
-        with self._seq_lock:
-            self._seq += 1
-            seq = self._seq
-        self._queue.put((2 if job is None else int(later), seq, job))
-
-    def put_slots(self, slots: list[tuple[str, int, dict[str, Any], int]], client: _Client | None) -> None:
-        """Persist ``(slot, generation, info, step)``, newest step first: the newest
-        now, the older ones as fallbacks for it."""
-        for i, (path, generation, info, _) in enumerate(slots):
-            fallback = (slots[0][2]["directory"], slots[0][2]["token"], slots[0][3]) if i else None
-            self.put(_Job(path, generation, client, info, unless_committed=fallback), later=fallback is not None)
-
-    def get(self) -> _Job | None:
-        return self._queue.get()[2]
-
-    def empty(self) -> bool:
-        return self._queue.empty()
-
-
 class Saver:
-    def __init__(self, job_id: str, linger_seconds: float) -> None:
+    def __init__(self, job_id: str, linger_seconds: float, threads: int = 1) -> None:
         self.job_id = job_id
         self.linger_seconds = linger_seconds
+        self.threads = threads
         self.sock_path = _names.socket_path(job_id)
         self.sel = selectors.DefaultSelector()
         self.clients: dict[int, _Client] = {}
-        self.jobs = _Jobs()
+        self.jobs = Jobs()
+        self.exports = ExportQueue()
         self.persisted: dict[str, int] = {}  # slot path -> generation written to storage
-        self.busy = 0
-        self.busy_lock = threading.Lock()
         self.idle_since = time.monotonic()
         self._listener: socket.socket | None = None
         self._sock_ino = 0
@@ -168,9 +128,12 @@ class Saver:
 
     def serve(self) -> None:
         self._listen()
-        worker = threading.Thread(target=self._work, name="flashckpt-persist", daemon=True)
-        worker.start()
-        log.info("saver for job %s listening on %s (pid %d)", self.job_id, self.sock_path, os.getpid())
+        workers = [threading.Thread(target=self._work, name=f"flashckpt-persist-{i}", daemon=True)
+                   for i in range(self.threads)]
+        for worker in workers:
+            worker.start()
+        log.info("saver for job %s listening on %s (pid %d, %d persist threads)", self.job_id, self.sock_path,
+                 os.getpid(), self.threads)
         watchdog = _load_watchdog()
         try:
             while not self._should_exit():
@@ -186,8 +149,10 @@ class Saver:
                 if watchdog is not None:
                     watchdog(self.job_id)
         finally:
-            self.jobs.put(None)
-            worker.join()
+            self.jobs.stop()
+            for worker in workers:
+                worker.join()
+            self.exports.close()
             if self.replicas is not None:
                 self.replicas.close()
                 if self._ended_cleanly:  # the job is over: nobody will fetch them
@@ -200,9 +165,7 @@ class Saver:
             log.info("saver for job %s exits", self.job_id)
 
     def _should_exit(self) -> bool:
-        with self.busy_lock:
-            idle = not self.clients and self.busy == 0 and self.jobs.empty()
-        idle = idle and not (self.replicas is not None and self.replicas.busy())
+        idle = not self.clients and self.jobs.idle() and not (self.replicas is not None and self.replicas.busy())
         if not idle:
             self.idle_since = time.monotonic()
             return False
@@ -332,14 +295,17 @@ class Saver:
             client.send({"op": "welcome", "pid": os.getpid()})
         elif op == "info":
             client.info = dict(msg["info"])
+        elif op == "warm":
+            self.exports.warm({"name": msg.get("export")})
         elif op == "saved":
             if msg["slot"] not in client.slots:
                 client.send({"op": "persisted", "slot": msg["slot"], "generation": msg["generation"],
                              "error": f"{msg['slot']} is not one of this trainer's slots"})
                 return
             client.saved[msg["slot"]] = msg
+            self.exports.warm(msg["info"].get("export"))
             if msg.get("persist"):
-                self.jobs.put(_Job(msg["slot"], msg["generation"], client, dict(msg["info"])))
+                self.jobs.put(Job(msg["slot"], msg["generation"], client, dict(msg["info"])))
             if self.replicas is not None:
                 self.replicas.offer(msg)
         elif op == "replicate":
@@ -351,10 +317,10 @@ class Saver:
             self._reap()
             # an older slot may be the newest step all ranks hold: it is written as a fallback
             self.jobs.put_slots(self._unpersisted(client), client)
-            self.jobs.put(_Job("", 0, client, reply={"op": "flushed", "id": msg["id"]}), later=True)
+            self.jobs.put(Job("", 0, client, reply={"op": "flushed", "id": msg["id"]}), later=True)
         elif op == "wait":
             self._reap()
-            self.jobs.put(_Job("", 0, client, reply={"op": "waited", "id": msg["id"]}), later=True)
+            self.jobs.put(Job("", 0, client, reply={"op": "waited", "id": msg["id"]}), later=True)
         elif op == "close":
             client.closed_cleanly = True
         else:
@@ -379,42 +345,62 @@ class Saver:
     # -- persisting ---------------------------------------------------------------
 
     def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            with self.busy_lock:
-                self.busy += 1
+        while (job := self.jobs.take()) is not None:
+            handed_off = False
             try:
-                self._run(job)
+                handed_off = self._run(job)
+            except Exception:
+                log.exception("persisting %s failed", job.slot)
             finally:
-                with self.busy_lock:
-                    self.busy -= 1
+                if not handed_off:
+                    self.jobs.finish(job)
 
-    def _run(self, job: _Job) -> None:
-        if job.reply is not None:  # a marker: everything queued before it is done
-            job.client.send(job.reply)
-            return
+    def _run(self, job: Job) -> bool:
+        """Persist ``job`` and report the outcome; True when its export was queued, which
+        reports and finishes it later."""
         if job.unless_committed is not None:
             directory, token, newer = job.unless_committed
             if not open_storage(directory).newer_than_committed(token, newer):
                 log.info("step %d is committed: %s is not needed on storage", newer, job.slot)
-                return
+                return False
         try:
-            result = persist_slot(job.slot, job.generation, job.info,
+            result = persist_slot(job.slot, job.generation, job.info, exports=self.exports,
                                   already_persisted=self.persisted.get(job.slot) == job.generation)
         except Exception as exc:
             if job.unless_committed is not None and not open_storage(directory).newer_than_committed(token, newer):
                 # another node's saver committed the newer step (and cleared this one's tmp) meanwhile
                 log.info("step %d was committed while its fallback %s was written (%s): not needed", newer,
                          job.slot, exc)
-                return
+                return False
             log.exception("persisting %s failed", job.slot)
-            if job.client is not None:
-                job.client.send({"op": "persisted", "error": f"{type(exc).__name__}: {exc}",
-                                 "slot": job.slot, "generation": job.generation})
-            return
+            _report(job, error=exc)
+            return False
         if not result.skipped:
             self.persisted[job.slot] = job.generation
-        if job.client is not None:
-            job.client.send(_result_message(result, job.slot, job.generation))
+        self.jobs.release(job)
+        if result.export is None:
+            _report(job, result=result)
+            return False
+
+        def exported(error: Exception | None) -> None:
+            try:
+                _report(job, result=result, error=error)
+            finally:
+                self.jobs.finish(job)
+
+        self.exports.submit(result.export, exported)
+        return True
+
+
+def _report(job: Job, *, result: PersistResult | None = None, error: Exception | None = None) -> None:
+    """Tell the trainer that asked for ``job`` (if any) how it went."""
+    if job.client is None:
+        return
+    if error is not None:
+        job.client.send({"op": "persisted", "error": f"{type(error).__name__}: {error}", "slot": job.slot,
+                         "generation": job.generation})
+    else:
+        job.client.send(_result_message(result, job.slot, job.generation))
 
 
 def _result_message(result: PersistResult, slot: str, generation: int) -> dict[str, Any]:
@@ -460,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)  # who serves, for the trainers' error messages
     try:
-        Saver(args.job_id, args.linger_seconds).serve()  # unlinks the socket first ...
+        Saver(args.job_id, args.linger_seconds, persist_threads()).serve()  # unlinks the socket first ...
     finally:
         os.unlink(lock_path)  # ... so a successor can bind only once this lock is gone
     return 0

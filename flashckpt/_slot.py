@@ -7,6 +7,15 @@ every write; a reader trusts an image only if it saw COMPLETE with the same
 generation before and after reading. Header updates happen under an ``flock`` on the
 rank's lock file, which the kernel releases when a holder dies (a POSIX semaphore
 would stay taken by a process killed inside its critical section).
+
+The header names one reader (``reader_pid``), not a count of readers, because one holder
+is all the design has: the trainer hands a slot due for storage to its saver (the saver's
+pid, set with COMPLETE), and the saver persists a rank's slots one job at a time (its
+threads take different ranks, see ``flashckpt._saver_jobs``), so at most one persist
+reads a slot at once. Peer replication never holds a slot: it reads seqlock-style
+(COMPLETE and the same generation before and after), and a save that overwrites the slot
+meanwhile just withdraws that copy. A pid also survives its holder's death honestly
+(``pid_alive``), where a count left raised by a killed reader would pin the slot.
 """
 
 from __future__ import annotations

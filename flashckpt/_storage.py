@@ -46,111 +46,25 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple
+from typing import Iterator
 
 from ._checksum import BLOCK_SIZE, block_crcs
 from ._files import fsync_dir, open_regular, read_bounded, write_atomic, write_durable
-from ._format import parse_header
+from ._node_local import read_scope
+from ._step_meta import (MAX_LATEST, MAX_MARKER, MAX_METADATA, Line, ShardRecord, image_token, line_key, plain_name,
+                         shard_name, validate_metadata)
 from ._shard_read import ShardReader
 from ._errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, JobConflictError,
                       UnsafeFileError)
 
-__all__ = ["ShardRecord", "LocalStorage", "shard_name", "line_key", "RUN_LOCK"]
+__all__ = ["LocalStorage", "RUN_LOCK", "StepHold"]
 
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-(\d+)\.tmp-(.+)$")
-_TOKEN_RE = re.compile(r"^[0-9a-f]{24}$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-MAX_METADATA = 64 << 20
-MAX_LATEST = 64
-_MAX_MARKER = 1 << 20
-_MAX_WORLD = 1 << 24
-_MAX_BLOCK = 1 << 30
 RUN_LOCK = ".flashckpt-run.lock"
-
-
-def shard_name(rank: int) -> str:
-    return f"rank-{rank}.safetensors"
-
-
-def line_key(token: Any) -> str:
-    """The sort key of a run's line: its token when time ordered, else "" (the oldest line)."""
-    return token if isinstance(token, str) and _TOKEN_RE.match(token) else ""
-
-
-class _UnsafeName(UnsafeFileError, CorruptCheckpointError):
-    """A file name in metadata that would leave the step directory."""
-
-
-@dataclass(frozen=True, slots=True)
-class ShardRecord:
-    rank: int
-    size: int
-    block_crc32: list[int]
-
-    def to_json(self) -> dict:
-        return {"rank": self.rank, "size": self.size, "block_size": BLOCK_SIZE, "block_crc32": self.block_crc32}
-
-
-class _Line(NamedTuple):
-    """A committed step's place in the order of steps."""
-
-    key: str
-    step: int
-    branch: int | None
-    readable: bool
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _validate_metadata(meta: Any, step: int, where: str) -> dict:
-    """``meta`` if it is well typed, else a :class:`CorruptCheckpointError` saying what is wrong."""
-    def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{where}: {what}")
-    if not isinstance(meta, dict):
-        raise bad(f"not a JSON object but {type(meta).__name__}")
-    if "step" in meta and (not _is_int(meta["step"]) or meta["step"] != step):
-        raise bad(f"step is {meta['step']!r}, the directory says {step}")
-    ws = meta.get("world_size")
-    if not _is_int(ws) or not 1 <= ws <= _MAX_WORLD:
-        raise bad(f"world_size {ws!r} is not an integer from 1 to {_MAX_WORLD}")
-    if not isinstance(meta.get("token", ""), str):
-        raise bad("token is not a string")
-    if meta.get("branch") is not None and not _is_int(meta["branch"]):
-        raise bad(f"branch {meta['branch']!r} is not an integer")
-    if "committed_at" in meta and (not isinstance(meta["committed_at"], (int, float))
-                                   or isinstance(meta["committed_at"], bool)):
-        raise bad(f"committed_at {meta['committed_at']!r} is not a time")
-    shards = meta.get("shards")
-    if not isinstance(shards, dict):
-        raise bad(f"shards is {type(shards).__name__}, not an object of rank -> record")
-    for rank, rec in shards.items():
-        if not (isinstance(rank, str) and rank.isdigit() and int(rank) < ws):
-            raise bad(f"shard key {rank!r} is not a rank below world_size {ws}")
-        if not isinstance(rec, dict) or not isinstance(rec.get("file"), str) or not _is_int(rec.get("size")) \
-                or rec["size"] < 0:
-            raise bad(f"the record of rank {rank} needs a file name and a size")
-        if "block_size" in rec or "block_crc32" in rec:
-            bs, crcs = rec.get("block_size"), rec.get("block_crc32")
-            if not _is_int(bs) or not 1 <= bs <= _MAX_BLOCK or not isinstance(crcs, list) \
-                    or len(crcs) != -(-rec["size"] // bs) or not all(_is_int(c) for c in crcs):
-                raise bad(f"the block checksums of rank {rank} do not fit its size")
-    return meta
-
-
-def _image_token(image: memoryview) -> str | None:
-    """The run token in an image's header, or None (no token, not a flashckpt header)."""
-    try:
-        token = parse_header(image, "the image").meta.get("token")
-    except CorruptCheckpointError:
-        return None
-    return token if isinstance(token, str) else None
 
 
 class _Claim:
@@ -164,13 +78,31 @@ _CLAIMS: dict[str, _Claim] = {}
 _CLAIMS_GUARD = threading.Lock()
 
 
+class StepHold:
+    """A committed step kept from retention (see :meth:`LocalStorage.hold_step`)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "StepHold":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class LocalStorage:
     """Committed steps of one checkpoint directory on a local or shared file system."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self._claimed = False
-        self._lines: dict[int, tuple[tuple[int, int, int], _Line]] = {}
+        self._lines: dict[int, tuple[tuple[int, int, int], Line]] = {}
 
     # -- one live run ---------------------------------------------------------------
 
@@ -273,7 +205,7 @@ class LocalStorage:
         disk) the partial file and a pending directory this call created are removed and
         a :class:`CheckpointError` is raised with the cause chained.
         """
-        theirs = _image_token(image)
+        theirs = image_token(image)
         if theirs is not None and theirs != token:
             raise CheckpointError(f"rank {rank} of step {step} was written by another run (token {theirs}); "
                                   f"this save's token is {token}: shards of two runs never commit together")
@@ -295,7 +227,7 @@ class LocalStorage:
                 write_durable(path, image)
             finally:
                 summer.join()
-            record = ShardRecord(rank, len(image), crcs[0])
+            record = ShardRecord(rank, len(image), crcs[0], BLOCK_SIZE)
             write_atomic(os.path.join(pending, f"rank-{rank}.done"),
                           json.dumps({**record.to_json(), "token": token}).encode())
             return record
@@ -331,7 +263,8 @@ class LocalStorage:
 
     def try_commit(self, step: int, world_size: int, token: str, keep_last: int, *,
                    branch: int | None = None) -> bool:
-        """Commit ``step`` if all ``world_size`` shards of this save (run ``token``) are durable.
+        """Commit ``step`` if all ``world_size`` shards of this save (run ``token``) are durable
+        (in a node-local directory, the shards of the ranks in its scope: see ``flashckpt._node_local``).
 
         ``branch`` is the step this run's line started from: the step it loaded, -1 when it
         loaded nothing, the first saved step - 1 when it never called load; None (unknown)
@@ -345,7 +278,8 @@ class LocalStorage:
             if not os.path.isdir(pending) or os.path.islink(pending):
                 return self._committed_by(step, token)
             shards = {}
-            for rank in range(world_size):
+            scope = read_scope(self.root, token)  # node-local directories commit their scope
+            for rank in range(world_size) if scope is None else scope:
                 marker = self._read_marker(pending, rank, token)
                 if marker is None:
                     return False
@@ -361,15 +295,19 @@ class LocalStorage:
                     "branch": branch, "committed_at": time.time(),
                     "shards": {r: {"file": shard_name(int(r)), "size": s["size"], "block_size": s["block_size"],
                                    "block_crc32": s["block_crc32"]} for r, s in shards.items()}}
+            if scope is not None:
+                meta["ranks"] = scope
             write_atomic(os.path.join(pending, "metadata.json"), json.dumps(meta, indent=1).encode())
             if os.path.lexists(final):  # the same step saved again (a rollback, a newer line)
                 os.replace(final, f"{final}.tmp-replaced-{uuid.uuid4().hex[:8]}")
             os.replace(pending, final)
             fsync_dir(self.root)
-            self._retain(keep_last, step, token)
+            retired = self._retire(keep_last, step, token)
             order = self.steps_in_order()
             if order and self._read_latest() != order[-1]:
                 write_atomic(os.path.join(self.root, "latest"), f"{order[-1]}\n".encode())
+        for path in retired:  # off the lock: another rank's commit does not wait for the deletes
+            shutil.rmtree(path, ignore_errors=True)
         log.info("committed step %d (%d shards, %.1f MiB) in %s", step, world_size,
                  sum(s["size"] for s in shards.values()) / 2**20, self.root)
         return True
@@ -381,7 +319,7 @@ class LocalStorage:
         except CheckpointNotFoundError:
             return None
         try:
-            marker = json.loads(read_bounded(fd, _MAX_MARKER, where))
+            marker = json.loads(read_bounded(fd, MAX_MARKER, where))
         except ValueError:
             log.warning("%s is unreadable; rank %d of this save is not durable", where, rank)
             return None
@@ -398,13 +336,14 @@ class LocalStorage:
         except CheckpointError:
             return False
 
-    def _retain(self, keep_last: int, step: int, token: str) -> None:
-        """Delete abandoned steps of older lines, steps beyond ``keep_last`` in line order
+    def _retire(self, keep_last: int, step: int, token: str) -> list[str]:
+        """Retire abandoned steps of older lines, steps beyond ``keep_last`` in line order
         (never ``step``, just committed, nor a step whose metadata cannot be read), and
-        leftovers of crashed or failed saves.
+        leftovers of crashed or failed saves; the paths to delete (caller holds the commit lock).
 
-        A step is first renamed out of the committed namespace (atomic), then deleted, so a
-        crash mid-delete never leaves a committed step with missing shards."""
+        Each is renamed (atomic) to a ``*.tmp-retired-*`` name that no reader or commit uses,
+        so its deletion can run after the lock is released, and a crash mid-delete never
+        leaves a committed step with missing shards, nor a pending save that commits torn."""
         order = self._order()
         doomed: set[int] = set()
         if order:
@@ -417,18 +356,39 @@ class LocalStorage:
                 doomed.update(ln.step for ln in kept[:-keep_last])
             readable = {ln.step for ln in order if ln.readable}
             doomed = (doomed & readable) - {step}
+        retired = []
         for old in sorted(doomed):
-            os.replace(self.step_dir(old), f"{self.step_dir(old)}.tmp-retired-{uuid.uuid4().hex[:8]}")
-            self._lines.pop(old, None)
+            fd = os.open(self.step_dir(old), _DIR_FLAGS)
+            try:
+                try:  # an exporter reading it holds it (see hold_step): a later commit retires it
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    log.info("step %d of %s is being read by an exporter: retired by a later commit", old, self.root)
+                    continue
+                retired.append(self._retire_path(self.step_dir(old), old))
+                self._lines.pop(old, None)
+            finally:
+                os.close(fd)
         mine = line_key(token)
         for name in os.listdir(self.root):
             m = _TMP_RE.match(name)
             if m is None:
                 continue
             other = m.group(2)
-            if other.startswith(("replaced-", "retired-")) or line_key(other) < mine \
-                    or (line_key(other) == mine and int(m.group(1)) < step):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            if other.startswith(("replaced-", "retired-")):
+                retired.append(os.path.join(self.root, name))  # being deleted, or left by a crash mid-delete
+            elif line_key(other) < mine or (line_key(other) == mine and int(m.group(1)) < step):
+                retired.append(self._retire_path(os.path.join(self.root, name), int(m.group(1))))
+        return list(dict.fromkeys(path for path in retired if path is not None))
+
+    def _retire_path(self, path: str, step: int) -> str | None:
+        """``path`` renamed to a retired name; None if it is gone (a failed write undid itself)."""
+        retired = os.path.join(self.root, f"step-{step}.tmp-retired-{uuid.uuid4().hex[:8]}")
+        try:
+            os.replace(path, retired)
+        except FileNotFoundError:
+            return None
+        return retired
 
     # -- reading ------------------------------------------------------------------
 
@@ -470,7 +430,7 @@ class LocalStorage:
             steps.append(int(m.group(1)))
         return sorted(steps)
 
-    def _line(self, step: int) -> _Line | None:
+    def _line(self, step: int) -> Line | None:
         """The line of a committed step (cached by the metadata file's identity)."""
         try:
             st = os.lstat(os.path.join(self.step_dir(step), "metadata.json"))
@@ -482,16 +442,16 @@ class LocalStorage:
             return cached[1]
         try:
             meta = self.metadata(step)
-            line = _Line(line_key(meta.get("token")), step, meta.get("branch"), True)
+            line = Line(line_key(meta.get("token")), step, meta.get("branch"), True)
         except CheckpointNotFoundError:
             return None
         except CheckpointError as exc:
             log.info("step %d is ordered as the oldest line: %s", step, exc)
-            line = _Line("", step, None, False)
+            line = Line("", step, None, False)
         self._lines[step] = (ident, line)
         return line
 
-    def _order(self) -> list[_Line]:
+    def _order(self) -> list[Line]:
         lines = [ln for s in self.committed_steps() if (ln := self._line(s)) is not None]
         return sorted(lines, key=lambda ln: (ln.key, ln.step))
 
@@ -531,6 +491,25 @@ class LocalStorage:
         except OSError as exc:  # a read-only directory: the hint stays stale
             log.debug("cannot repair the latest hint in %s: %s", self.root, exc)
 
+    def hold_step(self, step: int) -> "StepHold":
+        """Keep committed ``step`` from retention until the hold is closed (a shared
+        ``flock`` on its directory, which every commit's retention respects, on any node:
+        it leaves a held step to a later commit). Raises :class:`CheckpointNotFoundError`
+        if the step is not committed, or a newer commit retired it first."""
+        fd = self._open_step(step)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                there = os.stat(self.step_dir(step), follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                there = None
+            if there != os.fstat(fd).st_ino:
+                raise CheckpointNotFoundError(f"step {step} in {self.root} was retired by a newer commit")
+        except BaseException:
+            os.close(fd)
+            raise
+        return StepHold(fd)
+
     def _open_step(self, step: int) -> int:
         """A descriptor of the committed step's directory, which must not be a symlink."""
         where = self.step_dir(step)
@@ -558,7 +537,7 @@ class LocalStorage:
             meta = json.loads(raw)
         except ValueError as exc:
             raise CorruptCheckpointError(f"{where}: unreadable metadata: {exc}") from exc
-        return _validate_metadata(meta, step, where)
+        return validate_metadata(meta, step, where)
 
     def metadata(self, step: int) -> dict:
         """The committed step's metadata, read safely and checked for types."""
@@ -580,7 +559,7 @@ class LocalStorage:
                 raise CheckpointNotFoundError(
                     f"step {step} in {self.root} has no shard for rank {rank} (world size {meta['world_size']})")
             where = os.path.join(self.step_dir(step), record["file"])
-            name = _plain_name(record["file"], step, rank)
+            name = plain_name(record["file"], step, rank)
             try:
                 fd = open_regular(name, where, dir_fd=dir_fd)
             except CheckpointNotFoundError:
@@ -610,7 +589,11 @@ class LocalStorage:
         meta = self.metadata(step)
         world, shards = meta["world_size"], meta["shards"]
         problems = []
-        if len(shards) < world:
+        if isinstance(meta.get("ranks"), list):  # a node-local directory's step: the ranks of its scope
+            missing = [r for r in meta["ranks"] if str(r) not in shards]
+            if missing:
+                problems.append(f"step {step} in {self.root}: ranks {missing[:5]} of its node's scope have no shard")
+        elif len(shards) < world:
             missing = []
             rank = 0
             while len(missing) < 5 and rank < world:
@@ -638,14 +621,3 @@ class LocalStorage:
                 except CorruptCheckpointError as exc:
                     problems.append(str(exc))
         return problems
-
-
-def _plain_name(name: str, step: int, rank: int) -> str:
-    """``name`` if it is a plain file name; a name that leaves the directory is unsafe."""
-    if "/" in name or "\0" in name or name in (".", "..") or name.startswith(".."):
-        raise _UnsafeName(f"the metadata of step {step} names a file outside its step directory for rank {rank} "
-                          f"({name[:80]!r}); only plain names are read")
-    if not _NAME_RE.match(name):
-        raise CorruptCheckpointError(f"the metadata of step {step} names rank {rank}'s file {name[:80]!r}, "
-                                     "which is not a plain file name")
-    return name

@@ -6,14 +6,13 @@ import fnmatch
 import logging
 import os
 import shutil
-import struct
 import tempfile
 from typing import Any
 
 import torch.distributed as dist
 
 from .._errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
-from .._format import parse_header
+from .._shard_read import open_shard
 from ..torch import Checkpointer
 from . import _objects
 from ._engine import FlashCheckpointEngine
@@ -235,10 +234,11 @@ class DeepSpeedCheckpointer:
         storage = self._flash.storage
         for step in reversed(storage.committed_steps()):
             try:
-                path, record = storage.shard_path(step, self._flash.placement.storage_rank)
-            except CheckpointError:
+                with open_shard(storage, step, self._flash.placement.storage_rank) as reader:
+                    saved_tag = _tag_in_meta(reader.image.meta)
+            except CheckpointError:  # missing, unreadable or damaged: not the tag's step
                 continue
-            if _tag_in_header(_read_header(path), path) == tag:
+            if saved_tag == tag:
                 mine = step
                 break
         if mine is None:
@@ -282,19 +282,10 @@ class DeepSpeedCheckpointer:
         self.close()
 
 
-def _read_header(path: str) -> bytes:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return head
-        (n,) = struct.unpack("<Q", head)
-        return head + f.read(n)
-
-
-def _tag_in_header(buf: Any, where: str) -> str | None:
+def _tag_in_meta(meta: dict[str, Any]) -> str | None:
+    """The DeepSpeed tag a shard's metadata records (None if it records none)."""
     try:
-        tree = parse_header(buf, where).meta["tree"]
-        ds = dict(dict(tree["d"])["deepspeed"]["d"])
+        ds = dict(dict(meta["tree"]["d"])["deepspeed"]["d"])
         return ds["tag"]["v"]
-    except (CheckpointError, KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):
         return None

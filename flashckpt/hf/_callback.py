@@ -21,15 +21,31 @@ How resuming prefers memory
     ``Trainer.train(resume_from_checkpoint=True)`` picks the newest ``checkpoint-<N>``
     folder before any training callback runs, and derives the data position from it,
     so memory cannot be swapped in later. Instead, at ``on_init_end`` (the Trainer's
-    constructor, on every rank) the callback compares the newest step that every rank
-    holds in shared memory with the newest folder; when memory is newer it has that
-    step persisted and exported now, so the folder the stock Trainer then picks is the
-    in-memory state. This works with stock transformers and under torchrun restarts:
-    the shared memory and the saver outlive the killed processes, and the restarted
-    ones find them by the output directory. (After a crash the saver usually writes
-    that folder by itself before the restart gets there.) Then the memory is freed;
-    ``train()`` starts a fresh engine. If writing it out fails, the memory is kept and
-    the constructor raises :class:`flashckpt.CheckpointError` on every rank.
+    constructor, on every rank) the callback runs the one load agreement every adapter
+    uses (``flashckpt._agreement.agree``: memory on this node or a peer node's replica,
+    else the newest committed step; one answer on every rank, any rank's error raised on
+    all) and compares its step with the newest folder; when the agreed step is newer it
+    writes that step's folder now, so the folder the stock Trainer then picks is that
+    state. This works with stock transformers and under torchrun restarts: the shared
+    memory and the saver outlive the killed processes, and the restarted ones find them
+    by the output directory. (After a crash the saver usually writes that folder by
+    itself before the restart gets there.) Then the memory is freed; ``train()`` starts a
+    fresh engine. If writing it out fails, the memory is kept and the constructor raises
+    :class:`flashckpt.CheckpointError` on every rank.
+
+    How the folders map onto the agreement: the agreement's storage is the callback's
+    scratch (``.flashckpt``, below), where each step commits before the exporter makes
+    its ``checkpoint-<N>`` folder out of it; so a folder is a committed step written out,
+    and the folders are what the Trainer resumes from. The scratch knows lines (a save
+    after a rollback starts a new one) and keeps the newest step only; the folders carry
+    no line and the Trainer picks among them by number. Hence the rule, on the
+    agreement's answer: a step in memory (this node's, or fetched from a peer's replica
+    for a node that was lost whole) wins when no folder has a higher number, and is then
+    persisted and exported; a committed step whose folder is missing (its exporter died
+    with its node) is exported from the scratch; a folder with a higher number than the
+    agreed step (one the user resumed from, or copied in) wins, as the Trainer would pick
+    it. Under replicas (two or more nodes, see ``replicas``), a node lost whole thus
+    resumes from the survivor's memory, 0 steps lost once the snapshot had replicated.
 
     Under torchrun with gloo, call :func:`flashckpt.torch.init_process_group` before
     building the Trainer (accelerate keeps an existing group), or a restarted group may
@@ -87,6 +103,7 @@ Trainer internals it relies on, and why no public hook does
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -100,8 +117,10 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 
 from .. import _events
-from .._engine import check_memory_slots
+from .._agreement import Source
+from .._options import Options, check_memory_slots
 from .._errors import CheckpointError
+from .._files import write_atomic
 from ..torch import Checkpointer
 from . import _deepspeed, _export
 from ._capture import capture_main_state, capture_rank_state, write_static_files
@@ -113,6 +132,9 @@ log = logging.getLogger("flashckpt.hf")
 _FOLDER_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_DIR = ".flashckpt"
 """Under ``output_dir``: the engine's committed steps (the newest only) and static files."""
+PARAMS_FILE = "export.json"
+"""Under :data:`STATE_DIR`: the exporter's parameters of the current ``train()``, to write a
+committed step's folder when no copy in memory recorded them."""
 
 
 def _newest_folder(run_dir: str) -> int | None:
@@ -137,6 +159,22 @@ def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
     run_dir = os.fspath(output_dir)
     step = _newest_folder(run_dir)
     return None if step is None else os.path.join(run_dir, _export.folder_name(step))
+
+
+def _export_params(engine: Any) -> dict[str, Any] | None:
+    """The exporter's parameters recorded with this rank's newest own copy in memory (a
+    copy fetched from a peer's replica records none), else those of the run's
+    :data:`PARAMS_FILE`, or None."""
+    for step in sorted(engine.memory_steps(), reverse=True):
+        params = engine.memory_info(step).get("export", {}).get("params")
+        if params is not None:
+            return params
+    try:
+        with open(os.path.join(engine.storage.root, PARAMS_FILE), encoding="utf-8") as f:
+            params = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return params if isinstance(params, dict) else None
 
 
 def _check_positive(name: str, value: int | None, minimum: int) -> None:
@@ -188,15 +226,20 @@ class FlashCheckpointCallback(TrainerCallback):
         keep_last: folders to keep. None: ``save_total_limit``.
         memory_slots: shared-memory copies per rank: 2, or 1 for half the memory (a
             save then waits while the previous folder is read from it).
+        replicas: peer-memory replicas: 1 has each node's saver copy the node's newest
+            snapshot into the next node's memory, so that a node lost whole resumes from a
+            survivor's memory; 0 turns them off. None: 1 when the job spans two or more nodes.
 
     Attributes:
         resumed_from: after construction, ``{"step": N, "source": "memory"}`` when shared
-            memory held a step at least as new as the newest folder (so a
-            ``resume_from_checkpoint=True`` resumes from it), else None.
+            memory (this node's, or a peer node's replica) held a step at least as new as
+            the newest folder (so a ``resume_from_checkpoint=True`` resumes from it),
+            ``{"step": N, "source": "storage"}`` when a committed step's missing folder
+            was written, else None.
     """
 
     def __init__(self, *, memory_every: int | None = None, persist_every: int | None = None,
-                 keep_last: int | None = None, memory_slots: int = 2) -> None:
+                 keep_last: int | None = None, memory_slots: int = 2, replicas: int | None = None) -> None:
         _check_positive("memory_every", memory_every, 1)
         _check_positive("persist_every", persist_every, 1)
         _check_positive("keep_last", keep_last, 0)
@@ -205,11 +248,13 @@ class FlashCheckpointCallback(TrainerCallback):
         self.keep_last = keep_last
         check_memory_slots(memory_slots)
         self.memory_slots = memory_slots
+        self.replicas = Options(replicas=replicas).replicas  # checked as every checkpointer checks it
         self.resumed_from: dict[str, Any] | None = None
         self._trainer: Any = None
         self._stock_save: Any = None
         self._ckpt: Checkpointer | None = None
         self._static: str | None = None
+        self._export: dict[str, Any] | None = None
         self._persist_at: dict[int, bool] = {}
         self._persisted: set[int] = set()
 
@@ -246,10 +291,17 @@ class FlashCheckpointCallback(TrainerCallback):
         # (-1: from nothing), so older steps of an abandoned line never outrank them
         self._ckpt.engine.start_line(state.global_step if state.global_step > 0 else -1)
         trainer = self._trainer
-        everyone = self._ckpt.engine.on_all_ranks(
-            lambda: write_static_files(trainer, self._state_dir()) if trainer.args.should_save else None,
-            "writing training_args.bin and the tokenizer files")
+
+        def write_run_files() -> str | None:
+            if not trainer.args.should_save:
+                return None
+            static = write_static_files(trainer, self._state_dir())
+            write_atomic(os.path.join(self._state_dir(), PARAMS_FILE), json.dumps(self._params(static)).encode())
+            return static
+
+        everyone = self._ckpt.engine.on_all_ranks(write_run_files, "writing training_args.bin and the tokenizer files")
         self._static = everyone[0]
+        self._export = {"name": "hf", "params": self._params(self._static)}
 
     def on_step_end(self, args, state, control, **kwargs):
         """Decide whether this step is snapshotted and whether it is persisted."""
@@ -330,6 +382,12 @@ class FlashCheckpointCallback(TrainerCallback):
         trainer.train = train
         return True
 
+    def _params(self, static: str | None) -> dict[str, Any]:
+        """The exporter's parameters for this ``train()`` (see :mod:`flashckpt.hf._export`)."""
+        args = self._trainer.args
+        return {"run_dir": args.output_dir, "static": static,
+                "limit": self.keep_last if self.keep_last is not None else args.save_total_limit}
+
     def _state_dir(self) -> str:
         return os.path.join(self._trainer.args.output_dir, STATE_DIR)
 
@@ -339,7 +397,9 @@ class FlashCheckpointCallback(TrainerCallback):
 
     def _open(self) -> None:
         # only the newest step is kept here: the checkpoint-N folders are the checkpoints
-        self._ckpt = Checkpointer(self._state_dir(), keep_last=1, memory_slots=self.memory_slots)
+        self._ckpt = Checkpointer(self._state_dir(), keep_last=1, memory_slots=self.memory_slots,
+                                  replicas=self.replicas)
+        self._ckpt.engine.expect_export("hf")
 
     def _close(self) -> None:
         """All ranks: wait for every folder asked for, drop the memory, disconnect."""
@@ -397,48 +457,52 @@ class FlashCheckpointCallback(TrainerCallback):
     # -- resuming -----------------------------------------------------------------
 
     def _recover(self) -> None:
-        """All ranks: if memory holds a step newer than the newest folder, write that folder now."""
+        """All ranks: agree on the newest step (this node's memory, a peer's replica, or
+        the scratch's committed step) and, if no folder is as new, write its folder now."""
         engine = self._ckpt.engine
-        collective = engine.collective
         start = time.perf_counter()
         run_dir = self._trainer.args.output_dir
-
-        def look() -> tuple[dict, int | None]:
-            engine.wait()  # the saver may still be writing what a crashed attempt left in memory
-            return engine.memory_steps(), _newest_folder(run_dir) if collective.rank == 0 else None
-
-        views = engine.on_all_ranks(look, "looking for checkpoints in memory")
-        common = set.intersection(*(set(steps) for steps, _ in views))
-        newest = views[0][1]
-        if not common:
-            return
-        step = max(common)
+        agreement = engine.agree()  # fetches the step from a peer's replica where a node lost it
+        step, source = agreement.step, agreement.source
+        views = engine.on_all_ranks(lambda: (_newest_folder(run_dir) if engine.collective.rank == 0 else None,
+                                             _export_params(engine)), "looking for checkpoint folders")
+        newest = views[0][0]
+        if step is None or (source == Source.STORAGE and step == newest):
+            return  # nothing newer than the folders: the Trainer reads them as usual
         if newest is not None and step < newest:
-            log.info("memory holds step %d, older than %s/checkpoint-%d: a resume reads the folder",
-                     step, run_dir, newest)
+            log.info("%s holds step %d, older than %s/checkpoint-%d: a resume reads the folder", source, step,
+                     run_dir, newest)
             return
         if newest != step:
-            log.info("memory holds step %d, newer than the newest folder (%s): writing checkpoint-%d from memory",
-                     step, newest, step)
-            params = engine.memory_info(step).get("export", {}).get("params")
-
-            def persist() -> None:
-                engine.persist(step)  # the saver exports it
-                engine.wait()
-
-            def export() -> None:
-                if collective.rank == 0 and not os.path.isdir(os.path.join(run_dir, _export.folder_name(step))):
-                    # committed before but its folder is gone (a failed export): write it here
-                    _export.export(engine.storage.root, step, params or {"run_dir": run_dir})
-
-            what = f"writing step {step} from memory to {run_dir}/checkpoint-{step}"
-            engine.on_all_ranks(persist, what)  # after it, every rank's shard is committed
-            engine.on_all_ranks(export, what)
-        self.resumed_from = {"step": step, "source": "memory"}
+            log.info("step %d (%s) is newer than the newest folder (%s): writing checkpoint-%d", step, source,
+                     newest, step)
+            params = next((p for _, p in views if p is not None), None) or {"run_dir": run_dir}
+            self._write_folder(step, source, params)
+        self.resumed_from = {"step": step, "source": str(source)}
         seconds = time.perf_counter() - start
-        log.info("step %d from memory is %s/checkpoint-%d (%.2fs): resume_from_checkpoint=True resumes there",
-                 step, run_dir, step, seconds)
-        _events.emit("load", step=step, source="memory", seconds=seconds)
+        log.info("step %d from %s is %s/checkpoint-%d (%.2fs): resume_from_checkpoint=True resumes there",
+                 step, source, run_dir, step, seconds)
+        _events.emit("load", step=step, source=str(source), seconds=seconds)
+
+    def _write_folder(self, step: int, source: Source, params: dict[str, Any]) -> None:
+        """All ranks: ``checkpoint-<step>`` from memory (persisted, which exports it) or,
+        when the exporter did not write it (it died, or the copy came from a peer's
+        replica, which records no exporter), from the committed step by process 0."""
+        engine = self._ckpt.engine
+        run_dir = self._trainer.args.output_dir
+
+        def persist() -> None:
+            engine.persist(step)  # the saver that commits it exports it
+            engine.wait()
+
+        def export() -> None:
+            if engine.collective.rank == 0 and not os.path.isdir(os.path.join(run_dir, _export.folder_name(step))):
+                _export.export(engine.storage.root, step, params)
+
+        what = f"writing step {step} from {source} to {run_dir}/checkpoint-{step}"
+        if source == Source.MEMORY:
+            engine.on_all_ranks(persist, what)  # after it, every rank's shard is committed
+        engine.on_all_ranks(export, what)
 
     # -- saving -------------------------------------------------------------------
 
@@ -476,9 +540,7 @@ class FlashCheckpointCallback(TrainerCallback):
             model_state, keep_tied = _deepspeed.model_state_dict(trainer)
         if args.process_index == 0:
             tree["hf"] = capture_main_state(trainer, model_state, keep_tied)
-        limit = self.keep_last if self.keep_last is not None else args.save_total_limit
-        export = {"name": "hf", "params": {"run_dir": run_dir, "static": self._static, "limit": limit}}
-        self._ckpt.engine.save(step, tree, persist=persist, export=export)
+        self._ckpt.engine.save(step, tree, persist=persist, export=self._export)
         if persist:
             self._persisted.add(step)
         if step >= state.max_steps or trainer.control.should_training_stop:

@@ -21,10 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from .._checksum import StreamCheck
-from .._errors import CheckpointError, CorruptCheckpointError
-from .._format import parse_header
+from .._errors import CheckpointError
 from .._numpy_kind import _DTYPES
+from .._shard_read import open_shard
 from .._storage import LocalStorage
 
 __all__ = ["export", "read_step", "write_tf_checkpoint"]
@@ -41,24 +40,12 @@ def _children(node: dict[str, Any]) -> dict[str, Any]:
 
 def read_step(directory: str, step: int) -> tuple[dict[str, np.ndarray], dict[str, Any], Any]:
     """``({checkpoint key: array}, the "tf" leaves (object graph in base64 or None, ...),
-    mmap)`` of a committed step; the arrays view the mmap (close it when done; bfloat16
-    variables come as ``uint16``)."""
-    storage = LocalStorage(directory)
-    path, record = storage.shard_path(step, 0)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != record["size"]:
-            raise CorruptCheckpointError(f"{path}: {size} bytes, the commit recorded {record['size']} (truncated?)")
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        check = StreamCheck(record, path)
-        check.update(mm)
-        check.finish()
-    except CorruptCheckpointError:
-        mm.close()
-        raise
-    (n,) = np.frombuffer(mm, dtype="<u8", count=1)
-    image = parse_header(mm[:8 + int(n)], path, size)
+    mmap)`` of a committed step, every block verified first; the arrays view the mmap
+    (close it when done; bfloat16 variables come as ``uint16``)."""
+    with open_shard(LocalStorage(directory), step, 0, whole=True) as reader:
+        reader.verify()
+        path, image = reader.path, reader.image
+        mm = mmap.mmap(reader.fileno(), 0, access=mmap.ACCESS_READ)  # the file just verified
     root = _children(image.meta["tree"])
     tf_node = {k: v.get("v") for k, v in _children(root.get("tf", {})).items()}
     if "variables" not in root or not tf_node.get("format", "").startswith("flashckpt.tf/"):

@@ -1,6 +1,6 @@
 """One rank on its own "node" (a private /dev/shm), for the multi-node test.
 
-    python _node_worker.py RANK WORLD PORT DIR own|ddp OUT_JSON
+    python _node_worker.py RANK WORLD PORT DIR own|ddp OUT_JSON [REPLICAS]
 """
 
 import glob
@@ -21,10 +21,11 @@ def main() -> None:
                                                sys.argv[5], sys.argv[6])
     socket.sethostname(f"node{rank}")  # its own mount namespace; the hostname names the node in errors
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    replicas = int(sys.argv[7]) if len(sys.argv) > 7 else None
     cls = Checkpointer if mode == "own" else DdpCheckpointer
     value = float(rank) if mode == "own" else 7.0
     try:
-        ck = cls(directory, job_id="nodes")
+        ck = cls(directory, job_id="nodes", replicas=replicas)
     except CheckpointError as exc:
         with open(out, "w") as f:
             json.dump({"error": str(exc)}, f)

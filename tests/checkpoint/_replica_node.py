@@ -2,7 +2,10 @@
 
 import json
 import pathlib
+import subprocess
 import time
+
+import pytest
 
 from flashckpt._replica_store import replica_index
 
@@ -22,3 +25,29 @@ def finish(report: dict, out: str, mode: str) -> None:
     pathlib.Path(out).write_text(json.dumps(report))
     if mode == "save":
         time.sleep(600)
+
+
+def load_and_report(ck, report: dict) -> None:
+    """Load a ``{"w": tensor}`` state (2**18 floats) and report the step, its source and the values."""
+    import torch
+    import torch.distributed as dist
+
+    target = {"w": torch.zeros(1 << 18)}
+    step = ck.load(target)
+    report.update(step=step, source=ck.last_load.source, w=target["w"][0].item(),
+                  uniform=bool((target["w"] == target["w"][0]).all()))
+    dist.barrier()
+    ck.close()
+
+
+def reports(procs: list[subprocess.Popen], outs: list[pathlib.Path], mode: str) -> list[dict]:
+    """Every worker's report once all are written (120 s at most); a worker that failed first fails the test."""
+    deadline = time.monotonic() + 120
+    while not all(o.exists() for o in outs):
+        for p in procs:
+            if p.poll() is not None and p.returncode != 0:
+                pytest.fail(f"a {mode} worker failed: {p.stderr.read()[-3000:]}")
+        assert time.monotonic() < deadline, f"the {mode} round did not finish"
+        time.sleep(0.1)
+    time.sleep(0.2)  # the json is written whole before the file is closed
+    return [json.loads(o.read_text()) for o in outs]

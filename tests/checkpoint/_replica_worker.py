@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from flashckpt._replica_store import replica_index
 from flashckpt.torch import Checkpointer
+from tests.checkpoint._replica_node import load_and_report
 
 
 def digest(model) -> float:
@@ -62,12 +63,7 @@ def main() -> None:
         dist.barrier()
         ck.close()
     else:
-        target = {"w": torch.zeros(1 << 18)}
-        step = ck.load(target)
-        report.update(step=step, source=ck.last_load.source, w=target["w"][0].item(),
-                      uniform=bool((target["w"] == target["w"][0]).all()))
-        dist.barrier()
-        ck.close()
+        load_and_report(ck, report)
     with open(out, "w") as f:
         json.dump(report, f)
     if mode == "save":

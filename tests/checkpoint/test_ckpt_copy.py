@@ -59,8 +59,8 @@ def test_copy_arrays_copies_exactly(monkeypatch, threads):
         assert np.array_equal(d, s)
 
 
-def test_copy_arrays_uses_the_threads(monkeypatch):
-    monkeypatch.setenv("FLASHCKPT_COPY_THREADS", "3")
+def spy_threads(monkeypatch) -> set[str]:
+    """Names of the threads that run a part of a threaded copy (filled as they run)."""
     seen: set[str] = set()
     real = _copy._copy_group
 
@@ -69,6 +69,12 @@ def test_copy_arrays_uses_the_threads(monkeypatch):
         real(group)
 
     monkeypatch.setattr(_copy, "_copy_group", spy)
+    return seen
+
+
+def test_copy_arrays_uses_the_threads(monkeypatch):
+    monkeypatch.setenv("FLASHCKPT_COPY_THREADS", "3")
+    seen = spy_threads(monkeypatch)
     src = np.ones(_copy.PARALLEL_MIN_BYTES, dtype=np.uint8)
     dst = np.zeros_like(src)
     _copy.copy_arrays([dst], [src])

@@ -13,7 +13,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "_node_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_nodes(tmp_path, mode: str, *, node_local: bool = False) -> list[dict]:
+def run_nodes(tmp_path, mode: str, *, node_local: bool = False, replicas: str = "") -> list[dict]:
     """Two nodes; with ``node_local`` node 1 has its own (empty) directory at the checkpoint path."""
     port = free_port()
     procs = []
@@ -21,7 +21,7 @@ def run_nodes(tmp_path, mode: str, *, node_local: bool = False) -> list[dict]:
     for rank in range(2):
         own_dir = f"mount -t tmpfs -o size=64m tmpfs {tmp_path / 'ck'} && " if node_local and rank == 1 else ""
         cmd = (f"mount -t tmpfs -o size=256m tmpfs /dev/shm && {own_dir}exec {sys.executable} {WORKER} "
-               f"{rank} 2 {port} {tmp_path / 'ck'} {mode} {tmp_path / f'node{rank}.json'}")
+               f"{rank} 2 {port} {tmp_path / 'ck'} {mode} {tmp_path / f'node{rank}.json'} {replicas}")
         procs.append(subprocess.Popen(["unshare", "-m", "-u", "sh", "-c", cmd], cwd=REPO,
                                       env={**os.environ, "PYTHONPATH": REPO},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -50,10 +50,20 @@ def test_ddp_keeps_a_copy_on_every_node_and_one_on_storage(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["own", "ddp"])
-def test_a_directory_that_is_not_shared_fails_construction_on_every_node(tmp_path, mode):
-    reports = run_nodes(tmp_path, mode, node_local=True)
+def test_a_directory_that_is_not_shared_fails_construction_on_every_node_without_replicas(tmp_path, mode):
+    # with replicas (the default on two nodes) node-local directories are a mode: test_replica_node_local.py
+    reports = run_nodes(tmp_path, mode, node_local=True, replicas="0")
     for report in reports:
         assert "is not shared" in report["error"] and "node1:" in report["error"], report
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith("step-")]
+
+
+def test_node_local_directories_whose_replicas_cannot_connect_fail_construction_on_every_node(tmp_path):
+    # replicas on (two nodes), but each saver advertises its hostname, which no other node resolves here
+    reports = run_nodes(tmp_path, "own", node_local=True)
+    for report in reports:
+        assert "node-local" in report["error"] and "do not connect" in report["error"], report
+        assert "cannot reach node node1:" in report["error"], report
     assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith("step-")]
 
 

@@ -8,16 +8,15 @@ The next round's ranks restore step 3 (only in memory) from memory, node 1's fro
 replica; with ``replicas=0``, step 2 from storage.
 """
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from ._dist import free_port
+from ._replica_node import reports
 
 WORKER = os.path.join(os.path.dirname(__file__), "_replica_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,15 +46,7 @@ def run_round(tmp_path, shms, replicas: str, mode: str, kind: str = "own"
         procs.append(subprocess.Popen([sys.executable, WORKER, str(rank), str(port), str(tmp_path / "ck"), replicas,
                                        str(out), mode, kind], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True))
         outs.append(out)
-    deadline = time.monotonic() + 120
-    while not all(o.exists() for o in outs):
-        for p in procs:
-            if p.poll() is not None and p.returncode != 0:
-                pytest.fail(f"a {mode} worker failed: {p.stderr.read()[-3000:]}")
-        assert time.monotonic() < deadline, f"the {mode} round did not finish"
-        time.sleep(0.1)
-    time.sleep(0.2)  # the json is written whole before the file is closed
-    return [json.loads(o.read_text()) for o in outs], procs
+    return reports(procs, outs, mode), procs
 
 
 def lose_node1_and_restart(tmp_path, shms, replicas: str, kind: str = "own") -> list[dict]:

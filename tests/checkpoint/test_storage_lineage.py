@@ -3,13 +3,18 @@
 import json
 import os
 import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from flashckpt._format import plan_image
+from flashckpt._errors import CheckpointNotFoundError
 from flashckpt._storage import LocalStorage
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def token(at_ns: int | None = None) -> str:
@@ -143,3 +148,60 @@ def test_metadata_records_token_and_branch(tmp_path):
     commit(storage, 7, A, branch=6)
     meta = json.loads((tmp_path / "step-7" / "metadata.json").read_text())
     assert meta["token"] == A and meta["branch"] == 6
+
+
+def test_retention_deletes_after_the_commit_lock_is_released(tmp_path, monkeypatch):
+    """Deleting retired steps (gigabytes) never holds up another rank's commit: the
+    retired directories leave the committed namespace under the lock and are deleted after."""
+    import fcntl
+    import shutil
+
+    import flashckpt._storage as storage_module
+
+    lock_path = tmp_path / ".commit.lock"
+    seen: list[tuple[str, bool]] = []
+    real_rmtree = shutil.rmtree
+
+    def probing_rmtree(path, *args, **kwargs):
+        fd = os.open(lock_path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = False
+        except BlockingIOError:
+            held = True
+        finally:
+            os.close(fd)
+        seen.append((os.path.basename(path), held))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(storage_module.shutil, "rmtree", probing_rmtree)
+    storage = LocalStorage(tmp_path)
+    storage.write_shard(9, 0, A, image(9, A))  # an older line's unfinished save: removed at the next commit
+    for step in range(1, 5):
+        assert commit(storage, step, B, branch=0, keep_last=2)
+    assert storage.committed_steps() == [3, 4]
+    assert len(seen) >= 3, seen  # steps 1 and 2 retired, the older line's leftover
+    assert not [name for name, held in seen if held], seen
+    assert sorted(os.listdir(tmp_path)) == [".commit.lock", "latest", "step-3", "step-4"]
+
+
+def test_a_step_an_exporter_holds_is_retired_only_by_a_later_commit(tmp_path):
+    """An exporter of one node's saver reads step 1 while another node's saver commits
+    step 2 with keep_last=1: step 1 stays until the hold ends, and a later commit retires it.
+    The hold is a flock on the step's directory, so another process's commit respects it."""
+    storage = LocalStorage(tmp_path)
+    assert commit(storage, 1, B, branch=0, keep_last=1)
+    hold = storage.hold_step(1)
+    other = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from tests.checkpoint.test_storage_lineage "
+         "import commit; from flashckpt._storage import LocalStorage; "
+         "assert commit(LocalStorage(sys.argv[2]), 2, sys.argv[3], branch=0, keep_last=1)", str(REPO), str(tmp_path), B],
+        capture_output=True, text=True, timeout=60)
+    assert other.returncode == 0, other.stderr
+    assert storage.committed_steps() == [1, 2]
+    storage.metadata(1)  # readable while held
+    hold.close()
+    assert commit(storage, 3, B, branch=0, keep_last=1)
+    assert storage.committed_steps() == [3]
+    with pytest.raises(CheckpointNotFoundError):
+        storage.hold_step(1)

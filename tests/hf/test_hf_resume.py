@@ -97,3 +97,47 @@ def test_failing_to_write_memory_out_is_a_clear_error_at_construction(tmp_path):
     assert any(".slot" in p for p in kept)  # the only copy of step 4 stays for a later attempt
     for path in kept:
         os.unlink(path)
+
+
+def _crash_at_5(out: str) -> "FlashCheckpointCallback":
+    """A run that dies after step 5 (memory: steps 3 and 4; checkpoint-3 written), its
+    saver told all is well, so nothing flushes step 4."""
+    first = FlashCheckpointCallback(memory_every=2)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer.train(make_trainer(out, [first, Crash(5)], max_steps=10, save_steps=3))
+    first._ckpt.wait()
+    first._ckpt.engine._client.close()
+    return first
+
+
+def test_a_folder_newer_than_memory_wins(tmp_path):
+    """E.g. the user copied or resumed from a folder of a longer run: the Trainer picks
+    folders by number, and memory older than the newest folder is not written out."""
+    out = str(tmp_path / "run")
+    _crash_at_5(out)._ckpt = None
+    shutil.copytree(os.path.join(out, "checkpoint-3"), os.path.join(out, "checkpoint-6"))
+    again = FlashCheckpointCallback()
+    make_trainer(out, [again], max_steps=10, save_steps=3)
+    assert again.resumed_from is None
+    assert sorted(os.listdir(out)) == ["checkpoint-3", "checkpoint-6"]
+    assert not shm_left(out)
+
+
+def test_a_committed_step_whose_folder_was_never_written_is_written_at_construction(tmp_path, reference_10):
+    """The node whose saver was writing checkpoint-3 was lost with its memory (no replica):
+    the step is committed in flashckpt's scratch, its folder is not; the agreement picks it
+    from storage and the constructor writes the folder, so the Trainer resumes there."""
+    out = str(tmp_path / "run")
+    first = _crash_at_5(out)
+    first._ckpt.engine.discard_newer_than(-1)  # the memory is lost with the node
+    first._ckpt = None
+    shutil.rmtree(os.path.join(out, "checkpoint-3"))  # its exporter died with the node
+    second = FlashCheckpointCallback(memory_every=2)
+    resumed = make_trainer(out, [second], max_steps=10, save_steps=3)
+    assert second.resumed_from == {"step": 3, "source": "storage"}
+    assert sorted(os.listdir(out)) == ["checkpoint-3"]
+    assert len(os.listdir(os.path.join(out, "checkpoint-3"))) == 8  # the full stock layout
+    resumed.train(resume_from_checkpoint=True)
+    for a, b in zip(reference_10, resumed.model.parameters()):
+        assert torch.equal(a, b)
+    assert not shm_left(out)

@@ -27,10 +27,10 @@ def lose_node1(tmp_path, replicas: str) -> Job:
     return replace_node1(tmp_path, steps=STEPS, kill_step=KILL_STEP, worker_args=("--replicas", replicas, "--per-rank"))
 
 
-def check_every_step_once(job: Job) -> None:
+def check_every_step_once(job: Job, steps: int = STEPS) -> None:
     done = job.events("done")
-    assert sorted(e["rank"] for e in done) == [0, 1, 2, 3] and {e["step"] for e in done} == {STEPS}, done
-    expected = done[0]["initial"] - 1e-3 * 4 * 16 * sum(range(1, STEPS + 1))
+    assert sorted(e["rank"] for e in done) == [0, 1, 2, 3] and {e["step"] for e in done} == {steps}, done
+    expected = done[0]["initial"] - 1e-3 * 4 * 16 * sum(range(1, steps + 1))
     assert [e["bias"] for e in done] == pytest.approx([expected] * 4, abs=1e-4)
 
 

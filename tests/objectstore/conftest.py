@@ -5,8 +5,10 @@ endpoint in a process of its own, on a free loopback port, stopped at the end of
 session (also when a test fails). Its state lives in memory, so "the server killed and
 restarted" is played by :class:`Proxy`, a TCP relay in front of it that is killed (every
 connection cut) and restarted on the same port, which also counts the bytes the server
-sends (the ranged-read test). Clients find the server as a user's would: fsspec's
-configuration (``FSSPEC_S3`` in the environment of subprocesses).
+sends (the ranged-read test). A server really killed and restarted keeps its objects
+through moto's recorder (its log of requests, replayed by the restarted server),
+standing in for a real store's durable state. Clients find the server as a user's
+would: fsspec's configuration (``FSSPEC_S3`` in the environment of subprocesses).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def free_port() -> int:
 class MotoServer:
     """``python -m moto.server`` on a free loopback port."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, env: dict[str, str] | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -183,6 +185,10 @@ class Proxy:
 
     def kill(self) -> None:
         if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread: the port is free at once
+            except OSError:
+                pass
             self._listener.close()
             self._listener = None
         with self._lock:

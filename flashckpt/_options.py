@@ -1,0 +1,47 @@
+"""The options every checkpointer takes, checked when they are given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Options", "check_memory_slots"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Options:
+    """Options shared by every checkpointer."""
+
+    persist_every: int = 1
+    """Every this many saves also go to storage (the others stay in memory only)."""
+    keep_last: int = 3
+    """Committed steps kept on storage; older ones are deleted at commit (0 keeps all)."""
+    job_id: str | None = None
+    """Names this job's shared memory; default: a hash of the checkpoint directory."""
+    allow_pickle: bool = False
+    """Store non-tensor, non-plain leaves pickled, and unpickle them on load."""
+    memory_slots: int = 2
+    """Shared-memory copies per rank. 2: a save never waits for, nor overwrites, the copy
+    being written to storage. 1: half the memory; a save waits while storage reads the
+    copy, and a crash during a save leaves only what storage holds."""
+    replicas: int | None = None
+    """Peer-memory replicas (see ``flashckpt._replica``): 1 has each node's saver copy the
+    node's newest complete step into the next node's memory, so a node lost whole restores
+    from a survivor's memory; 0 turns them off. None (default): 1 when the job spans two or
+    more nodes, else 0."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.persist_every, int) or self.persist_every < 1:
+            raise ValueError(f"persist_every must be an int >= 1, got {self.persist_every!r}")
+        if not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise ValueError(f"keep_last must be an int >= 0, got {self.keep_last!r}")
+        check_memory_slots(self.memory_slots)
+        if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas not in (0, 1)):
+            raise ValueError(f"replicas must be 0 (off), 1 (a copy of each node's newest step on the next node) "
+                             f"or None (1 on two or more nodes), got {self.replicas!r}")
+
+
+def check_memory_slots(memory_slots: Any) -> None:
+    """``memory_slots`` is 1 or 2, else a ValueError (for adapters that open their engine later)."""
+    if memory_slots not in (1, 2):
+        raise ValueError(f"memory_slots must be 1 or 2, got {memory_slots!r}")

@@ -1,0 +1,310 @@
+"""The saver persists several local ranks at once, and exports off the persist threads.
+
+Two local ranks of one job live in this process: engines with hand-made placements, each
+writing its own directory (storage world 1), so each commits on its own. A rank's persist
+is held up for real: the test holds that rank's lock file (``flock``), which the saver
+takes before it reads the slot, and checks in ``/proc/locks`` that the saver waits on it.
+An export is held up by a FIFO where the DeepSpeed exporter reads its manifest. The
+queue's rules are also checked alone, with no saver (``Jobs`` and a thread that takes).
+"""
+
+import json
+import os
+import queue
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from flashckpt import _names
+from flashckpt._engine import Engine, Options, Placement, new_token
+from flashckpt._errors import CheckpointError
+from flashckpt._saver_jobs import Job, Jobs
+from flashckpt._slot import RankLock
+from flashckpt._storage import LocalStorage
+from flashckpt.torch import _tensors  # noqa: F401  (registers torch tensors as leaves)
+
+@pytest.fixture(autouse=True)
+def _four_persist_threads(monkeypatch):
+    """The saver these tests start (it inherits this environment) persists 4 ranks at once
+    whatever this machine's default."""
+    monkeypatch.setenv("FLASHCKPT_PERSIST_THREADS", "4")
+
+
+_BOUND = 30.0  # seconds any single condition below may take on a loaded machine
+
+
+def _engine(directory, job_id: str, rank: int, **options) -> Engine:
+    placement = Placement(local_rank=rank, memory_rank=rank, writes_memory=True, storage_rank=0,
+                          storage_world=1, persists=True, token=new_token())
+    return Engine(str(directory), Options(**{"persist_every": 1, "keep_last": 0, "job_id": job_id, **options}),
+                  placement)
+
+
+def _state(step: int, numel: int = 4096) -> dict:
+    return {"w": torch.full((numel,), float(step))}
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + _BOUND
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {_BOUND:.0f}s: {what}")
+        time.sleep(0.02)
+
+
+def _waiters(path: str) -> bool:
+    """Whether some process waits for an flock on ``path`` (a ``->`` line of /proc/locks)."""
+    ino = os.stat(path).st_ino
+    with open("/proc/locks") as f:
+        return any("->" in line and line.split()[6].endswith(f":{ino}") for line in f if "FLOCK" in line)
+
+
+@contextmanager
+def _rank_held(job_id: str, rank: int):
+    """Hold local rank ``rank``'s lock file, as a trainer mid-header-update would."""
+    lock = RankLock(_names.lock_path(_names.slot_path(job_id, rank, 0)))
+    try:
+        with lock.held():
+            yield lock.path
+    finally:
+        lock.close()
+
+
+class _Background:
+    """``fn`` on a thread; ``join`` re-raises what it raised."""
+
+    def __init__(self, fn) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 -- handed to join
+            self.error = exc
+
+    def returned(self) -> bool:
+        return not self.thread.is_alive()
+
+    def join(self) -> None:
+        self.thread.join(_BOUND)
+        assert not self.thread.is_alive(), "still waiting"
+        if self.error is not None:
+            raise self.error
+
+
+@contextmanager
+def _held_persist(job_id: str, engine: Engine, step: int):
+    """Rank 0 (``engine``) has ``step`` in memory and its flush waiting in the saver,
+    stuck on its lock file; yields the flush running in the background."""
+    engine.save(step, _state(step), persist=False)
+    with _rank_held(job_id, 0) as lock_path:
+        flush = _Background(engine.flush)
+        _until(lambda: _waiters(lock_path), "the saver waits for rank 0's lock")
+        yield flush
+    flush.join()
+
+
+def test_one_ranks_persist_does_not_wait_for_another_ranks(tmp_path, job_id):
+    a, b = _engine(tmp_path / "a", job_id, 0), _engine(tmp_path / "b", job_id, 1)
+    with _held_persist(job_id, a, 1):
+        handle = b.save(1, _state(1))
+        _until(handle.durable, "rank 1's step committed while rank 0's persist is held")
+        assert a.storage.committed_steps() == []
+    assert a.storage.committed_steps() == [1] and b.storage.committed_steps() == [1]
+    for engine in (a, b):
+        engine.close()
+
+
+def test_a_flush_waits_for_every_persist_queued_before_it(tmp_path, job_id):
+    a, b = _engine(tmp_path / "a", job_id, 0), _engine(tmp_path / "b", job_id, 1)
+    with _held_persist(job_id, a, 1) as flush_a:
+        handle = b.save(1, _state(1))
+        flush_b = _Background(b.flush)  # asked after rank 0's persist: waits for it too
+        _until(handle.durable, "rank 1's step committed while rank 0's persist is held")
+        time.sleep(0.5)
+        assert not flush_b.returned() and not flush_a.returned()
+    flush_b.join()
+    assert a.storage.committed_steps() == [1] and b.storage.committed_steps() == [1]
+    for engine in (a, b):
+        engine.close()
+
+
+def test_one_ranks_persists_stay_in_save_order(tmp_path, job_id, monkeypatch):
+    """Rank 1's saves (into its two slots in turn) persist one after another, in step
+    order, while rank 0's persist is held."""
+    monkeypatch.setenv("FLASHCKPT_SAVER_TIMEOUT", str(_BOUND))  # a save waiting for a slot fails, not hangs
+    a, b = _engine(tmp_path / "a", job_id, 0), _engine(tmp_path / "b", job_id, 1)
+    steps = [1, 2, 3, 4, 5]
+    with _held_persist(job_id, a, 1):
+        handles = [b.save(step, _state(step, 4 << 20)) for step in steps]  # 16 MiB each
+        _until(handles[-1].durable, "rank 1's last step committed while rank 0's persist is held")
+    storage = LocalStorage(b.storage.root)
+    assert storage.committed_steps() == steps
+    committed_at = [storage.metadata(step)["committed_at"] for step in steps]
+    assert committed_at == sorted(committed_at)
+    for step in steps:
+        assert storage.verify(step) == []
+    got = _state(0, 4 << 20)
+    for engine in (a, b):
+        engine.close()
+    reader = _engine(tmp_path / "b", job_id, 1)
+    assert reader.load(got) == 5 and torch.equal(got["w"], _state(5, 4 << 20)["w"])
+    reader.close()
+
+
+def _deepspeed_state(step: int, tag: str) -> dict:
+    return {"deepspeed": {"files": {f"{tag}/mp_rank_00_model_states.pt": {"w": torch.full((1024,), float(step))}}}}
+
+
+def _export(save_dir, tag: str) -> dict:
+    return {"name": "deepspeed", "params": {"save_dir": str(save_dir), "tag": tag, "keep_last": 0}}
+
+
+def test_a_slow_export_does_not_hold_up_the_next_persists(tmp_path, job_id):
+    """Rank 0's export of step 1 hangs (its manifest is a FIFO nobody writes yet): rank 1
+    persists and commits meanwhile, rank 0's next step reaches storage (its commit waits
+    for the export, which must read step 1 before retention could retire it), and rank
+    0's flush returns only once the export is done."""
+    save_dir = tmp_path / "ds"
+    save_dir.mkdir()
+    manifest = save_dir / ".flashckpt-tags.json"
+    os.mkfifo(manifest)
+    a, b = _engine(tmp_path / "a", job_id, 0, keep_last=1), _engine(tmp_path / "b", job_id, 1)
+    try:
+        a.save(1, _deepspeed_state(1, "t1"), export=_export(save_dir, "t1"))
+        _until(lambda: (save_dir / "t1").is_dir(), "the export of step 1 reached its manifest")
+        handle = b.save(1, _state(1))
+        _until(handle.durable, "rank 1's step committed while rank 0's export hangs")
+        a.save(2, _state(2))
+        _until(lambda: any((tmp_path / "a" / name / "rank-0.done").exists() for name in os.listdir(tmp_path / "a")
+                           if name.startswith("step-2.tmp-")), "rank 0's next step written while its export hangs")
+        flush = _Background(a.flush)
+        time.sleep(0.5)
+        assert not flush.returned()
+        assert a.storage.committed_steps() == [1]  # step 2's commit would retire step 1 mid-export
+    finally:
+        _release(manifest)
+    flush.join()
+    assert a.storage.committed_steps() == [2]
+    assert (save_dir / "t1" / "mp_rank_00_model_states.pt").is_file()
+    assert json.loads(manifest.read_text())[0][:2] == ["t1", 1]
+    for engine in (a, b):
+        engine.close()
+
+
+def _release(fifo) -> None:
+    """Let a reader blocked on ``fifo`` go on: it reads an empty manifest."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # nobody is reading it
+        return
+    os.write(fd, b"[]")
+    os.close(fd)
+
+
+def test_an_export_that_fails_is_reported_and_later_persists_go_on(tmp_path, job_id):
+    save_dir = tmp_path / "ds"
+    save_dir.mkdir()
+    a, b = _engine(tmp_path / "a", job_id, 0), _engine(tmp_path / "b", job_id, 1)
+    handle = a.save(1, _state(1), export=_export(save_dir, "t1"))  # no "deepspeed" entry: the exporter raises
+    with pytest.raises(CheckpointError, match="KeyError"):
+        a.wait()
+    assert handle.done() and handle.durable()  # committed; only the export failed
+    for step in (2, 3):
+        a.save(step, _state(step))
+        b.save(step, _state(step))
+    for engine in (a, b):
+        engine.wait()
+    assert a.storage.committed_steps() == [1, 2, 3] and b.storage.committed_steps() == [2, 3]
+    for engine in (a, b):
+        engine.close()
+
+
+def test_the_saver_loads_an_exporter_when_asked_before_the_first_export(tmp_path, job_id):
+    """A trainer that will export names its exporter at start: the saver imports it then
+    (seconds: torch, DeepSpeed), not when the first step commits."""
+    a = _engine(tmp_path / "a", job_id, 0)
+    a._client.warm_exporter("deepspeed")
+    log_path = _names.saver_log_path(job_id)
+    _until(lambda: "loaded the exporter flashckpt.deepspeed._export" in open(log_path).read(),
+           "the saver loaded the DeepSpeed exporter before any save")
+    save_dir = tmp_path / "ds"
+    save_dir.mkdir()
+    a.save(1, _deepspeed_state(1, "t1"), export=_export(save_dir, "t1"))
+    a.wait()
+    assert (save_dir / "t1" / "mp_rank_00_model_states.pt").is_file()
+    assert open(log_path).read().count("loaded the exporter") == 1
+    a.close()
+
+
+class _Inbox:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send(self, msg: dict) -> None:
+        self.sent.append(msg)
+
+
+def _taker(jobs: Jobs) -> "queue.Queue[Job]":
+    """Jobs as ``take`` hands them out (it does not wait for them to finish)."""
+    taken: "queue.Queue[Job]" = queue.Queue()
+    threading.Thread(target=lambda: [taken.put(job) for job in iter(jobs.take, None)], daemon=True).start()
+    return taken
+
+
+def _nothing_taken(taken: "queue.Queue[Job]") -> bool:
+    try:
+        taken.get(timeout=0.3)
+    except queue.Empty:
+        return True
+    return False
+
+
+def test_jobs_of_one_rank_run_one_at_a_time_and_a_reply_waits_for_every_job_taken_before_it():
+    jobs, inbox = Jobs(), _Inbox()
+    a1, a2 = Job(_names.slot_path("tq", 0, 0), 1, inbox), Job(_names.slot_path("tq", 0, 1), 2, inbox)
+    b1 = Job(_names.slot_path("tq", 1, 0), 1, inbox)
+    for job in (a1, a2, b1):
+        jobs.put(job)
+    jobs.put(Job("", 0, inbox, reply={"op": "flushed", "id": 7}), later=True)
+    taken = _taker(jobs)
+    assert taken.get(timeout=_BOUND) is a1 and taken.get(timeout=_BOUND) is b1
+    assert _nothing_taken(taken)  # a2: its rank's slot is being read
+    jobs.release(a1)  # a1 read its slot; its export may still run
+    assert taken.get(timeout=_BOUND) is a2
+    jobs.finish(b1)
+    jobs.finish(a2)
+    time.sleep(0.3)
+    assert inbox.sent == [] and not jobs.idle()  # a1 (its export) is not finished
+    jobs.finish(a1)
+    _until(lambda: inbox.sent == [{"op": "flushed", "id": 7}], "the reply once every job before it finished")
+    assert jobs.idle()
+    jobs.stop()
+
+
+def test_jobs_a_fallback_waits_while_newest_step_work_runs():
+    jobs, inbox = Jobs(), _Inbox()
+    newest = Job(_names.slot_path("tq", 0, 0), 5, inbox)
+    fallback = Job(_names.slot_path("tq", 1, 1), 4, inbox, unless_committed=("/d", "tok", 5))
+    jobs.put(fallback, later=True)
+    jobs.put(newest)  # newest-step work goes first even when queued after
+    taken = _taker(jobs)
+    assert taken.get(timeout=_BOUND) is newest
+    assert _nothing_taken(taken)  # another rank's fallback, yet it waits
+    jobs.release(newest)
+    assert taken.get(timeout=_BOUND) is fallback
+    for job in (newest, fallback):
+        jobs.finish(job)
+    jobs.stop()
+
+
+@pytest.mark.parametrize("value", ["0", "four"])
+def test_a_bad_thread_count_is_a_clear_error_at_construction(tmp_path, job_id, monkeypatch, value):
+    monkeypatch.setenv("FLASHCKPT_PERSIST_THREADS", value)
+    with pytest.raises(ValueError, match="FLASHCKPT_PERSIST_THREADS"):
+        _engine(tmp_path / "a", job_id, 0)

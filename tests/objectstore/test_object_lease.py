@@ -1,0 +1,56 @@
+"""The run lease is exclusive on a real S3 server: of many runs claiming one URL at the
+same instant (no lease, or an expired one), exactly one wins and every other gets a
+JobConflictError; a store without conditional writes keeps an advisory lease."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import time
+import uuid
+
+from flashckpt._object_storage import ObjectStorage
+
+from . import _lease_racer
+from .conftest import raw_fs, token
+
+RACERS, ROUNDS = 8, 6
+
+
+def test_one_of_many_simultaneous_claims_wins(url):
+    urls = [f"{url}/round-{k}" for k in range(ROUNDS)]
+    for k, u in enumerate(urls):
+        if k % 2:  # odd rounds: the racers take over a lease that expired (its run died elsewhere)
+            raw_fs().pipe_file(f"{u}/.flashckpt-run.json", json.dumps(
+                {"token": "dead", "pid": 1, "host": "elsewhere", "heartbeat_at": time.time() - 3600}).encode())
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(RACERS), ctx.Queue()
+    procs = [ctx.Process(target=_lease_racer.race, args=(urls, barrier, results)) for _ in range(RACERS)]
+    for p in procs:
+        p.start()
+    try:
+        outcomes = [results.get(timeout=120) for _ in range(RACERS * ROUNDS)]
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    for u in urls:
+        mine = [(kind, detail) for kind, where, detail in outcomes if where == u]
+        kinds = sorted(kind for kind, _ in mine)
+        assert kinds == ["conflict"] * (RACERS - 1) + ["won"], f"{u}: {mine}"
+        assert all("another run is live" in d for kind, d in mine if kind == "conflict"), mine
+
+
+def test_a_store_without_conditional_writes_keeps_an_advisory_lease(caplog):
+    url = f"memory://box-{uuid.uuid4().hex[:8]}/run"
+    with caplog.at_level(logging.WARNING, logger="flashckpt._object_lease"):
+        first = ObjectStorage(url)
+        first.claim_run(token())
+        first.release_run()
+        second = ObjectStorage(url)
+        second.claim_run(token())
+        second.release_run()
+    advisory = [r.getMessage() for r in caplog.records if "advisory" in r.getMessage()]
+    assert len(advisory) == 1 and url in advisory[0], advisory
