@@ -257,7 +257,7 @@ class Saver:
                 continue
             self._adopted.add((path, h.generation))
             info = dict(h.info, allow_pickle=False)
-            if open_storage(info["directory"]).newer_than_committed(info.get("token", ""), h.step):
+            if _not_superseded(info["directory"], info.get("token", ""), h.step):
                 found.append((path, h.generation, info, h.step))
         if found:
             log.warning("persisting %d memory checkpoint(s) whose trainers died unheard: %s", len(found),
@@ -275,7 +275,7 @@ class Saver:
             h = Slot.peek_header(path)
             if h is None or h.state != SlotState.COMPLETE or h.generation != generation:
                 continue
-            if open_storage(info["directory"]).newer_than_committed(info["token"], h.step):
+            if _not_superseded(info["directory"], info["token"], h.step):
                 found.append((path, generation, info, h.step))
         return sorted(found, key=lambda found: -found[3])
 
@@ -349,8 +349,9 @@ class Saver:
             handed_off = False
             try:
                 handed_off = self._run(job)
-            except Exception:
+            except Exception as exc:  # outside persist_slot (a storage check, the export queue): still a failure
                 log.exception("persisting %s failed", job.slot)
+                _report(job, error=exc)
             finally:
                 if not handed_off:
                     self.jobs.finish(job)
@@ -360,7 +361,7 @@ class Saver:
         reports and finishes it later."""
         if job.unless_committed is not None:
             directory, token, newer = job.unless_committed
-            if not open_storage(directory).newer_than_committed(token, newer):
+            if not _not_superseded(directory, token, newer):
                 log.info("step %d is committed: %s is not needed on storage", newer, job.slot)
                 return False
         try:
@@ -389,6 +390,18 @@ class Saver:
                 self.jobs.finish(job)
 
         self.exports.submit(result.export, exported)
+        return True
+
+
+def _not_superseded(directory: str, token: str, step: int) -> bool:
+    """Whether storage lacks anything newer than ``step`` of run ``token``; True when storage
+    cannot say (a store that is down): a rescue is written rather than lost, and the
+    commit's own ordering still keeps a newer step the newest."""
+    try:
+        return open_storage(directory).newer_than_committed(token, step)
+    except Exception as exc:  # noqa: BLE001 -- the serve loop must outlive any storage error
+        log.warning("cannot tell whether step %d is superseded in %s (%s: %s): persisting it", step, directory,
+                    type(exc).__name__, exc)
         return True
 
 
