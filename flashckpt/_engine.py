@@ -27,9 +27,9 @@ from ._client import SaverClient, saver_timeout
 from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError,
                       JobConflictError, StateMismatchError)
 from ._format import Entry, Image, parse_header, plan_image
-from ._node_local import NodeLocal, check_directory
+from ._node_local import NodeLocal, check_directory, write_scope
 from ._options import Options
-from ._placement import Collective, Placement, SingleProcess, new_token, place  # noqa: F401  (re-exported)
+from ._placement import Collective, Placement, SingleProcess, new_token, next_line_token, place  # noqa: F401
 from ._replica_engine import PeerReplicas
 from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
 from ._step_meta import line_key
@@ -121,6 +121,9 @@ class Engine:
         self._branch: int | None = None
         """The step this run's line starts from: the step it loaded (-1: none), or, if it
         never loaded, the step before its first save."""
+        self._line_token = placement.token
+        """The token this run's saves carry: the run's own, then a successor for each load
+        after a save (see :meth:`load_agreed`)."""
         self.last_load: LoadInfo | None = None
         if placement.writes_memory:
             self._check_other_job()
@@ -277,14 +280,14 @@ class Engine:
         return SaveHandle(self, step, due, slot.path, header.generation)
 
     def _meta(self, step: int, flat: Flat) -> dict[str, Any]:
-        return {"format": "flashckpt/1", "step": step, "tree": flat.skeleton, "token": self.placement.token,
+        return {"format": "flashckpt/1", "step": step, "tree": flat.skeleton, "token": self._line_token,
                 "rank": self.placement.storage_rank, "world_size": self.placement.storage_world,
                 "kinds": {leaf.name: leaf.kind.name for leaf in flat.leaves}}
 
     def _info(self, export: dict[str, Any] | None) -> dict[str, Any]:
         p = self.placement
         info = {"directory": self.storage.root, "storage_rank": p.storage_rank, "storage_world": p.storage_world,
-                "persist": p.persists, "token": p.token, "keep_last": self.options.keep_last,
+                "persist": p.persists, "token": self._line_token, "keep_last": self.options.keep_last,
                 "branch": -1 if self._branch is None else self._branch, "allow_pickle": self.options.allow_pickle}
         if export is not None:
             info["export"] = export
@@ -356,7 +359,7 @@ class Engine:
         :meth:`wait` for it to be durable."""
         index, generation = self._memory_slot(step)
         recorded = self.memory_info(step)  # a copy a previous run left belongs to that run's line
-        info = dict(self._info(recorded.get("export")), token=recorded.get("token", self.placement.token),
+        info = dict(self._info(recorded.get("export")), token=recorded.get("token", self._line_token),
                     branch=recorded.get("branch", -1))
         self._client.saved(self._slot_paths[index], generation, step, info, persist=True)
 
@@ -372,6 +375,13 @@ class Engine:
         self._branch = branch
         self.discard_newer_than(branch)
         self._client.update_info(self._info(None))
+
+    def _next_line(self) -> None:
+        """Carry a new line token from now on (every rank derives the same one); node-local
+        directories learn which ranks it commits there."""
+        self._line_token = next_line_token(self._line_token)
+        if self.node_local is not None and self.placement.local_rank == 0:
+            write_scope(self.storage.root, self._line_token, list(self.node_local.scope))
 
     def load(self, state: Any, *, step: int | None = None) -> int | None:
         """Load the agreed step (:meth:`agree`) into ``state`` in place; all ranks must call this.
@@ -394,6 +404,8 @@ class Engine:
         (``agreement.fallbacks``) if the step is damaged. Starts this run's line there."""
         start = time.perf_counter() if start is None else start
         self._prepared()
+        if self._saves:  # a rollback within this run: its next saves must order after the ones it made
+            self._next_line()
         step, source, committed = agreement.step, agreement.source, agreement.committed
         if step is None:
             self.start_line(-1)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from . import _names
 from ._replica import new_secret
 
-__all__ = ["Collective", "Placement", "SingleProcess", "new_token", "node_id", "place"]
+__all__ = ["Collective", "Placement", "SingleProcess", "new_token", "next_line_token", "node_id", "place"]
 
 
 class Collective(Protocol):
@@ -62,6 +62,13 @@ def new_token() -> str:
     """A run's token: unique, and ordered by the time the run started (its line, see
     ``flashckpt._storage``)."""
     return f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
+
+
+def next_line_token(token: str) -> str:
+    """The token of a new line that a run starts when it rolls back in the same process
+    (loads an older step after saving): ordered after every step the run saved so far and,
+    one nanosecond on, before any later run's. Every rank derives the same one."""
+    return f"{int(token[:16], 16) + 1:016x}{token[16:]}"
 
 
 def node_id() -> str:

@@ -165,3 +165,26 @@ def test_killed_runs_in_memory_the_restart_loads_the_new_line(tmp_path, job_id):
         assert ck.latest_step() == 4
     storage = LocalStorage(str(tmp_path))
     assert storage.latest_step() == 4 and storage.committed_steps() == [3, 4]
+
+
+@pytest.mark.parametrize("cls", [Checkpointer, DdpCheckpointer])
+def test_a_rollback_within_one_run_starts_a_line_that_wins_over_the_runs_own_newer_steps(tmp_path, job_id, cls):
+    """A loss spike handled in the same process: ``load(step=20)`` on the checkpointer that
+    saved 30. The steps saved next (25, 26) are the newest, not the abandoned 30."""
+    w = torch.zeros(8)
+    with cls(tmp_path, job_id=job_id, persist_every=1, keep_last=2) as ck:
+        for step in (10, 20, 30):
+            w.fill_(step)
+            ck.save(step, {"w": w})
+            ck.wait()
+        assert ck.load({"w": w}, step=20) == 20 and w.tolist() == [20.0] * 8
+        for step in (25, 26):
+            w.fill_(step)
+            ck.save(step, {"w": w})
+            ck.wait()
+            assert ck.latest_step() == step
+        assert steps_on_disk(tmp_path) == [25, 26]
+    assert (tmp_path / "latest").read_text().strip() == "26"
+    with cls(tmp_path, job_id=job_id) as ck:
+        target = {"w": torch.zeros(8)}
+        assert ck.load(target) == 26 and target["w"].tolist() == [26.0] * 8
