@@ -128,14 +128,14 @@ class NodeLocal:
             return
         step = max(keys, key=keys.__getitem__)
         storage, rank = engine.storage, engine.placement.storage_rank
-        if step in storage.committed_steps():
-            return
         token = engine.memory_info(step).get("token")
+        if not storage.newer_than_committed(token, step):  # committed, or a newer line's step is
+            return
         if not os.path.exists(os.path.join(storage.root, f"step-{step}.tmp-{token}", f"rank-{rank}.done")):
             engine.persist(step)  # the saver writes it here and sends it to the next node as due for storage
             engine._client.wait(timeout)
         deadline = time.monotonic() + _COMMIT_SECONDS
-        while step not in storage.committed_steps():
+        while storage.newer_than_committed(token, step):
             if time.monotonic() > deadline:
                 log.warning("step %d is not committed in %s after %.0fs: the shards of the other node's ranks have "
                             "not arrived (latest_step() is %s)", step, storage.root, _COMMIT_SECONDS,
