@@ -7,6 +7,8 @@ lease of another run counts as live while its heartbeat is younger than
 ``lease_seconds`` (clocks assumed within a few seconds of each other), unless its pid is
 dead on this host or it carries this job's ``TORCHELASTIC_RUN_ID`` (a restart of the
 same job); a live lease is a :class:`JobConflictError` naming its pid and host.
+torchrun's default run id, "none", names no job: a job launched without ``--rdzv-id``
+whose rank 0 comes back on another host is refused until the old lease expires.
 
 **Exclusive on S3.** Every write of the lease is a conditional PUT: ``If-None-Match: *``
 creates it, ``If-Match: <ETag read>`` takes over a dead run's lease and renews one's
@@ -54,6 +56,8 @@ log = logging.getLogger(__name__)
 LEASE = ".flashckpt-run.json"
 LEASE_SECONDS = 60.0
 """A run lease not renewed for this long belongs to a dead run."""
+_NO_RUN_ID = ("", "none")
+"""Run ids that name no job: torchrun's default ``--rdzv-id`` is "none" for every job."""
 _ATTEMPTS = 4
 """Claims retried when the lease changed between its read and the conditional write."""
 
@@ -243,7 +247,7 @@ def _live(lease: dict, seconds: float) -> bool:
         pid, host, run_id = int(lease["pid"]), str(lease["host"]), str(lease.get("run_id", ""))
     except (KeyError, TypeError, ValueError):
         return False
-    if age > seconds or (run_id and run_id == os.environ.get("TORCHELASTIC_RUN_ID")):
+    if age > seconds or (run_id not in _NO_RUN_ID and run_id == os.environ.get("TORCHELASTIC_RUN_ID")):
         return False
     return not (host == socket.gethostname() and not pid_alive(pid))
 

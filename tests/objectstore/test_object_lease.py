@@ -10,6 +10,10 @@ import multiprocessing
 import time
 import uuid
 
+import fsspec
+import pytest
+
+from flashckpt._errors import JobConflictError
 from flashckpt._object_storage import ObjectStorage
 
 from . import _lease_racer
@@ -54,3 +58,25 @@ def test_a_store_without_conditional_writes_keeps_an_advisory_lease(caplog):
         second.release_run()
     advisory = [r.getMessage() for r in caplog.records if "advisory" in r.getMessage()]
     assert len(advisory) == 1 and url in advisory[0], advisory
+
+
+def _leased_elsewhere(url: str, run_id: str) -> None:
+    """A live run on another host holds ``url``'s lease."""
+    fsspec.filesystem("memory").pipe_file(url[len("memory://"):] + "/.flashckpt-run.json", json.dumps(
+        {"token": token(), "pid": 1, "host": "elsewhere", "run_id": run_id, "heartbeat_at": time.time()}).encode())
+
+
+def test_torchruns_default_run_id_is_not_taken_for_the_same_job(monkeypatch):
+    """Every torchrun without ``--rdzv-id`` has run id "none": two such jobs on one URL are
+    two runs, and the second is refused; a named run id still lets a restart take over."""
+    url = f"memory://box-{uuid.uuid4().hex[:8]}/run"
+    _leased_elsewhere(url, "none")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    with pytest.raises(JobConflictError, match="another run is live"):
+        ObjectStorage(url).claim_run(token())
+
+    _leased_elsewhere(url, "job-7")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    restarted = ObjectStorage(url)
+    restarted.claim_run(token())
+    restarted.release_run()
