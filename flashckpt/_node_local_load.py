@@ -90,8 +90,8 @@ def agree_node_local(engine: "Engine", views: list[dict[str, Any]], step: int | 
     in_memory = [mine[r] | {k for (sr, k) in replicas if sr == view["storage_rank"]} for r, view in enumerate(views)]
     own_disk = [{k for k, ranks in disks.get(nodes[r], {}).items() if view["storage_rank"] in ranks}
                 for r, view in enumerate(views)]
-    anywhere = [in_memory[r] | {k for d in disks.values() for k, ranks in d.items() if view["storage_rank"] in ranks}
-                for r, view in enumerate(views)]
+    on_disks = [{k for d in disks.values() for k, ranks in d.items() if view["storage_rank"] in ranks} for view in views]
+    anywhere = [in_memory[r] | on_disks[r] for r in range(len(views))]
     stored = sorted(set.intersection(*own_disk), reverse=True)
     committed = stored[0][1] if stored else None
     key = choose(anywhere, step)
@@ -102,11 +102,17 @@ def agree_node_local(engine: "Engine", views: list[dict[str, Any]], step: int | 
                                           f"on every rank: {lacking(anywhere) if any(anywhere) else 'none'}")
         return Agreement(None, None, None)
     if all(key in have for have in in_memory):
+        agreed = key[1]
         holders, _ = engine.replicas.holders(views)
         fetched, where = engine.replicas.fetch_missing(key[1], holders, committed)
         if where == Source.MEMORY:
             return Agreement(key[1], Source.MEMORY, committed, tuple(k[1] for k in stored if k != key))
-        key = stored[0]  # fetching failed: the newest step every node's directory holds (warned)
+        key = choose(on_disks, step)  # fetching failed (warned): the newest step some directory holds for every rank
+        if key is None:
+            raise CheckpointNotFoundError(
+                f"fetching step {agreed} from peer memory failed, and no node-local directory under "
+                f"{engine.storage.root} can give every rank " + (f"step {step}" if step is not None else
+                "a step") + f": {lacking(on_disks) if any(on_disks) else 'no step is on disk'}")
     if key in stored:
         return Agreement(key[1], Source.STORAGE, committed, tuple(k[1] for k in stored if k != key))
     me, where = engine.collective.rank, views[engine.collective.rank]
