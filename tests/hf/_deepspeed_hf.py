@@ -23,7 +23,7 @@ zero = {"stage": stage}
 if stage == 3:
     zero["stage3_gather_16bit_weights_on_model_save"] = True
 DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-      "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+      "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
       "steps_per_print": 10**9}
 init_process_group()
 trainer = make_trainer(out, [FlashCheckpointCallback()] if mode == "flash" else [], deepspeed=DS, max_steps=4,

@@ -27,7 +27,7 @@ from tests.hf._hf import make_trainer  # noqa: E402
 
 KILL_AT = 9
 DEEPSPEED = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-             "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+             "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
              "steps_per_print": 10**9}
 
 
