@@ -41,12 +41,6 @@ import secrets
 import time
 
 import torch.distributed as dist
-# Imported before any group forms: its functions take ``group=group.WORLD`` as a default
-# argument, so a first import after ``init_process_group`` (``torch._dynamo`` does it, and an
-# optimizer imports dynamo) pins the default group for good; ``destroy_process_group`` then
-# leaves gloo's threads running into interpreter exit, where their teardown can abort.
-# Importing ``flashckpt.torch`` first protects the stock init the same way.
-import torch.distributed.nn.functional  # noqa: F401
 
 __all__ = ["init_process_group"]
 

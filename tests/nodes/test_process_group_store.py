@@ -79,34 +79,3 @@ def test_plain_launch_rank_0_hosts_the_store():
     port = free_port()
     assert finish([start_rank(r, 2, port, False) for r in range(2)]) == [
         {"rank": r, "sum": 3.0} for r in range(2)]
-
-
-TEARDOWN_CODE = """
-import gc, glob, json
-import torch, torch.distributed as dist
-from flashckpt.torch import init_process_group
-init_process_group("gloo")
-torch.optim.Adam(torch.nn.Linear(2, 2).parameters())  # imports torch._dynamo, as a training script does
-dist.barrier()
-dist.destroy_process_group()
-gc.collect()
-names = [open(p).read().strip() for p in glob.glob("/proc/self/task/*/comm")]
-print(json.dumps({"rank": 0, "gloo_threads": sorted(n for n in names if "gloo" in n)}), flush=True)
-"""
-
-
-def test_destroy_ends_the_groups_threads_after_a_training_script_imports_torch_dynamo():
-    """torch binds the default group into ``torch.distributed.nn.functional``'s default
-    arguments when that module is first imported after the group formed (``torch._dynamo``
-    imports it, and an optimizer imports dynamo): the group then outlives
-    ``destroy_process_group`` and gloo's threads are still running at interpreter exit, where
-    their teardown aborted workers with SIGABRT after a clean run."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "PYTHONPATH": REPO, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs.append(subprocess.Popen([sys.executable, "-c", TEARDOWN_CODE], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    assert [r["gloo_threads"] for r in finish(procs)] == [[], []]
