@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import elastic
+from tests._exit import exit_now
 
 
 def inject_hang(seconds: float) -> None:
@@ -173,4 +174,4 @@ def inject(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
