@@ -29,7 +29,8 @@ from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeou
 from ._format import Entry, Image, parse_header, plan_image
 from ._node_local import NodeLocal, check_directory, write_scope
 from ._options import Options
-from ._placement import Collective, Placement, SingleProcess, new_token, next_line_token, place  # noqa: F401
+from ._placement import (Collective, Placement, SingleProcess, new_token,  # noqa: F401  (re-exported)
+                         next_line_token, place)
 from ._replica_engine import PeerReplicas
 from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
 from ._step_meta import line_key
@@ -404,7 +405,7 @@ class Engine:
         (``agreement.fallbacks``) if the step is damaged. Starts this run's line there."""
         start = time.perf_counter() if start is None else start
         self._prepared()
-        if self._saves:  # a rollback within this run: its next saves must order after the ones it made
+        if self._saves:  # a load after saves (a rollback, maybe): the next saves order after those made
             self._next_line()
         step, source, committed = agreement.step, agreement.source, agreement.committed
         if step is None:

@@ -94,10 +94,10 @@ def agree_node_local(engine: "Engine", views: list[dict[str, Any]], step: int | 
     anywhere = [in_memory[r] | on_disks[r] for r in range(len(views))]
     stored = sorted(set.intersection(*own_disk), reverse=True)
     committed = stored[0][1] if stored else None
+    what = f"step {step}" if step is not None else "a step"
     key = choose(anywhere, step)
     if key is None:
         if step is not None or any(anywhere):
-            what = f"step {step}" if step is not None else "a step"
             raise CheckpointNotFoundError(f"cannot restore {what} of the node-local directories {engine.storage.root} "
                                           f"on every rank: {lacking(anywhere) if any(anywhere) else 'none'}")
         return Agreement(None, None, None)
@@ -111,8 +111,8 @@ def agree_node_local(engine: "Engine", views: list[dict[str, Any]], step: int | 
         if key is None:
             raise CheckpointNotFoundError(
                 f"fetching step {agreed} from peer memory failed, and no node-local directory under "
-                f"{engine.storage.root} can give every rank " + (f"step {step}" if step is not None else
-                "a step") + f": {lacking(on_disks) if any(on_disks) else 'no step is on disk'}")
+                f"{engine.storage.root} can give every rank {what}: "
+                f"{lacking(on_disks) if any(on_disks) else 'no step is on disk'}")
     if key in stored:
         return Agreement(key[1], Source.STORAGE, committed, tuple(k[1] for k in stored if k != key))
     me, where = engine.collective.rank, views[engine.collective.rank]

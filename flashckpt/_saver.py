@@ -368,7 +368,7 @@ class Saver:
             result = persist_slot(job.slot, job.generation, job.info, exports=self.exports,
                                   already_persisted=self.persisted.get(job.slot) == job.generation)
         except Exception as exc:
-            if job.unless_committed is not None and not open_storage(directory).newer_than_committed(token, newer):
+            if job.unless_committed is not None and not _not_superseded(directory, token, newer):
                 # another node's saver committed the newer step (and cleared this one's tmp) meanwhile
                 log.info("step %d was committed while its fallback %s was written (%s): not needed", newer,
                          job.slot, exc)
