@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ._errors import CheckpointError, CheckpointNotFoundError
-from ._storage import LocalStorage
+from ._storage import LocalStorage, StepHold
 from ._storage_url import open_storage
 
 __all__ = ["EXPORTERS", "Export", "ExportQueue", "run_exporter"]
@@ -65,6 +65,18 @@ class Export:
         run_exporter(self.spec, self.directory, self.step, allow_pickle=self.allow_pickle)
 
 
+@dataclass(eq=False, slots=True)
+class _Queued:
+    """An export waiting in (or running from) a directory's queue."""
+
+    export: Export
+    done: Callable[[Exception | None], None]
+    hold: StepHold | None = None
+    """Keeps the step from retention until the export ran (local directories)."""
+    missing: CheckpointNotFoundError | None = None
+    """Why the step could not be held: not committed, or retired already."""
+
+
 class ExportQueue:
     """Runs exports off the persist threads: per directory one at a time, in the order
     submitted (the order its steps committed), on a thread of that directory's own while
@@ -73,11 +85,13 @@ class ExportQueue:
     its metadata) this queue exported already is skipped.
 
     Retention runs in the commit, so a commit must not retire a step whose export still
-    waits: persist threads call :meth:`wait_idle` before committing."""
+    waits: persist threads call :meth:`wait_idle` before committing, and a step in a local
+    directory is held (:meth:`LocalStorage.hold_step`) from its submission until its
+    export ran, so a commit that slips in between leaves it to a later commit."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._queues: dict[str, deque[tuple[Export, Callable[[Exception | None], None]]]] = {}
+        self._queues: dict[str, deque[_Queued]] = {}
         """directory -> exports not finished yet (the first one runs); present while its thread runs."""
         self._exported: dict[str, deque[tuple[Any, ...]]] = {}
         self._warmed: set[str] = set()
@@ -94,38 +108,49 @@ class ExportQueue:
         threading.Thread(target=_import, args=(EXPORTERS[name],), name="flashckpt-export-import", daemon=True).start()
 
     def submit(self, export: Export, done: Callable[[Exception | None], None]) -> None:
-        """Queue ``export``; ``done(error)`` is called on its thread once it ran (``error``
-        None) or failed."""
+        """Queue ``export``, holding its step from now on; ``done(error)`` is called on its
+        thread once it ran (``error`` None) or failed."""
+        queued = _Queued(export, done)
+        storage = open_storage(export.directory)
+        if isinstance(storage, LocalStorage):
+            try:
+                queued.hold = storage.hold_step(export.step)
+            except CheckpointNotFoundError as exc:  # _run says why
+                queued.missing = exc
         with self._cond:
             queue = self._queues.get(export.directory)
             if queue is None:
                 queue = self._queues[export.directory] = deque()
                 threading.Thread(target=self._drain, args=(export.directory, queue), name="flashckpt-export",
                                  daemon=True).start()
-            queue.append((export, done))
+            queue.append(queued)
 
-    def _drain(self, directory: str, queue: deque[tuple[Export, Callable[[Exception | None], None]]]) -> None:
+    def _drain(self, directory: str, queue: deque[_Queued]) -> None:
         while True:
             with self._cond:
                 if not queue:
                     del self._queues[directory]
                     self._cond.notify_all()
                     return
-                export, done = queue[0]
+                queued = queue[0]
             error: Exception | None = None
             try:
-                self._run(export)
+                self._run(queued)
             except Exception as exc:  # noqa: BLE001 -- reported to the trainer that saved the step
-                log.exception("exporting step %d of %s failed", export.step, directory)
+                log.exception("exporting step %d of %s failed", queued.export.step, directory)
                 error = exc
+            finally:
+                if queued.hold is not None:
+                    queued.hold.close()
             try:
-                done(error)
+                queued.done(error)
             finally:
                 with self._cond:
                     queue.popleft()
                     self._cond.notify_all()
 
-    def _run(self, export: Export) -> None:
+    def _run(self, queued: _Queued) -> None:
+        export = queued.export
         storage = open_storage(export.directory)
         try:
             meta = storage.metadata(export.step)
@@ -136,19 +161,14 @@ class ExportQueue:
         if key is not None and key in recent:
             log.info("step %d of %s is exported already", export.step, export.directory)
             return
-        if not isinstance(storage, LocalStorage):
-            export.run()
-        else:  # the saver of another node may commit a newer step meanwhile: its retention leaves a held step
-            try:
-                hold = storage.hold_step(export.step)
-            except CheckpointNotFoundError:
-                if key is None:  # never committed: the exporter's own error says so
-                    raise
-                log.warning("step %d of %s was retired by a newer step's commit before its export began: its "
-                            "export is skipped (the newer step is exported)", export.step, export.directory)
-                return
-            with hold:
-                export.run()
+        if queued.missing is not None:
+            if key is None:  # never committed: the exporter's own error says so
+                raise queued.missing
+            # the saver of another node committed a newer step between this commit and its export's submission
+            log.warning("step %d of %s was retired by a newer step's commit before its export was queued: its "
+                        "export is skipped (the newer step is exported)", export.step, export.directory)
+            return
+        export.run()
         if key is not None:
             recent.append(key)
 

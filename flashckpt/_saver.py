@@ -214,6 +214,9 @@ class Saver:
             self._drop(client, "disconnected")
             return
         client.buffer += data
+        self._handle_lines(client)
+
+    def _handle_lines(self, client: _Client) -> None:
         while b"\n" in client.buffer:
             line, client.buffer = client.buffer.split(b"\n", 1)
             try:
@@ -221,9 +224,25 @@ class Saver:
             except Exception:
                 log.exception("bad message from pid %d: %r", client.pid, line[:200])
 
+    def _read_rest(self, client: _Client) -> None:
+        """Handle what a trainer sent before it went and this loop had not read: its exit
+        (the pidfd) can be seen before its last messages, a ``saved`` among them."""
+        while True:
+            try:
+                data = client.conn.recv(1 << 16)
+            except OSError:  # BlockingIOError: nothing more (a forked child may hold the socket open)
+                break
+            if not data:
+                break
+            client.buffer += data
+        self._handle_lines(client)
+
     def _drop(self, client: _Client, why: str) -> None:
-        if self.clients.pop(client.conn.fileno(), None) is None:
+        if client.conn.fileno() not in self.clients:
             return
+        self._read_rest(client)
+        if self.clients.pop(client.conn.fileno(), None) is None:
+            return  # a flush or wait among its last messages reaped it already
         for key in list(self.sel.get_map().values()):
             if key.data is client or (isinstance(key.data, tuple) and key.data[1] is client):
                 self.sel.unregister(key.fileobj)
@@ -378,7 +397,6 @@ class Saver:
             return False
         if not result.skipped:
             self.persisted[job.slot] = job.generation
-        self.jobs.release(job)
         if result.export is None:
             _report(job, result=result)
             return False
@@ -389,7 +407,10 @@ class Saver:
             finally:
                 self.jobs.finish(job)
 
+        # queued (its step held) before this rank's next save may start: no newer step of
+        # this rank can commit, and retire this one, before its export is queued
         self.exports.submit(result.export, exported)
+        self.jobs.release(job)
         return True
 
 
