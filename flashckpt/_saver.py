@@ -41,7 +41,7 @@ from ._client import persist_threads
 from ._exporters import ExportQueue
 from ._persist import PersistResult, persist_slot
 from ._replica_service import ReplicaService
-from ._saver_jobs import Job, Jobs
+from ._saver_jobs import Job, Jobs, Rescue
 from ._slot import Slot, SlotState, open_private, pid_alive
 from ._storage_url import open_storage
 
@@ -277,15 +277,15 @@ class Saver:
             self._adopted.add((path, h.generation))
             info = dict(h.info, allow_pickle=False)
             if _not_superseded(info["directory"], info.get("token", ""), h.step):
-                found.append((path, h.generation, info, h.step))
+                found.append(Rescue(path, h.generation, info, h.step, asked=h.reader_pid != 0))
         if found:
             log.warning("persisting %d memory checkpoint(s) whose trainers died unheard: %s", len(found),
-                        ", ".join(f"step {step} ({os.path.basename(path)})" for path, _, _, step in found))
-            self.jobs.put_slots(sorted(found, key=lambda f: -f[3]), None)
+                        ", ".join(f"step {r.step} ({os.path.basename(r.slot)})" for r in found))
+            self.jobs.put_slots(found, None)
 
-    def _unpersisted(self, client: _Client) -> list[tuple[str, int, dict[str, Any], int]]:
-        """(slot, generation, info, step) of the saves ``client`` reported that its slots
-        still hold complete, meant for storage and not there yet, newest step first."""
+    def _unpersisted(self, client: _Client) -> list[Rescue]:
+        """The saves ``client`` reported that its slots still hold complete, meant for
+        storage and not there yet."""
         found = []
         for path, msg in client.saved.items():
             info, generation = msg["info"], msg["generation"]
@@ -295,8 +295,8 @@ class Saver:
             if h is None or h.state != SlotState.COMPLETE or h.generation != generation:
                 continue
             if _not_superseded(info["directory"], info["token"], h.step):
-                found.append((path, generation, info, h.step))
-        return sorted(found, key=lambda found: -found[3])
+                found.append(Rescue(path, generation, info, h.step, asked=h.reader_pid != 0))
+        return found
 
     def _handle(self, client: _Client, msg: dict[str, Any]) -> None:
         op = msg.get("op")

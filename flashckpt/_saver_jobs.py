@@ -19,17 +19,28 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from . import _names
 
-__all__ = ["Job", "Jobs", "Replier"]
+__all__ = ["Job", "Jobs", "Replier", "Rescue"]
 
 
 class Replier(Protocol):
     """The trainer's end of the socket, as a job sees it."""
 
     def send(self, msg: dict[str, Any]) -> None: ...
+
+
+class Rescue(NamedTuple):
+    """A complete slot a saver writes on a trainer's behalf (it died, or flushes)."""
+
+    slot: str
+    generation: int
+    info: dict[str, Any]
+    step: int
+    asked: bool
+    """The save asked to be persisted (its header still names a reader): never a mere fallback."""
 
 
 @dataclass(eq=False)
@@ -75,12 +86,19 @@ class Jobs:
             self._queue.insert(at, job)
             self._cond.notify_all()
 
-    def put_slots(self, slots: list[tuple[str, int, dict[str, Any], int]], client: Replier | None) -> None:
-        """Persist ``(slot, generation, info, step)``, newest step first: the newest
-        now, the older ones as fallbacks for it."""
-        for i, (path, generation, info, _) in enumerate(slots):
-            fallback = (slots[0][2]["directory"], slots[0][2]["token"], slots[0][3]) if i else None
-            self.put(Job(path, generation, client, info, unless_committed=fallback), later=fallback is not None)
+    def put_slots(self, slots: list[Rescue], client: Replier | None) -> None:
+        """Persist what a dead (or flushing) trainer's slots hold: the newest step and every
+        save that asked to be persisted, oldest first; the other older ones as fallbacks
+        for the newest, newest first."""
+        if not slots:
+            return
+        newest = max(slots, key=lambda rescue: rescue.step)
+        due = sorted((r for r in slots if r.asked or r.step == newest.step), key=lambda rescue: rescue.step)
+        for rescue in due:
+            self.put(Job(rescue.slot, rescue.generation, client, rescue.info))
+        fallback = (newest.info["directory"], newest.info["token"], newest.step)
+        for rescue in sorted((r for r in slots if r not in due), key=lambda rescue: -rescue.step):
+            self.put(Job(rescue.slot, rescue.generation, client, rescue.info, unless_committed=fallback), later=True)
 
     def take(self) -> Job | None:
         """The next job this thread may run (blocks); None once :meth:`stop` was called

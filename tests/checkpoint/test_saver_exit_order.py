@@ -7,7 +7,7 @@ returned to the trainer is never written (a lost ``checkpoint-N`` folder under t
 Trainer). The test holds the saver's loop still and hands it the exit before the socket.
 """
 
-import json
+import glob
 import os
 import subprocess
 import sys
@@ -17,6 +17,8 @@ import pytest
 
 from flashckpt import _names
 from flashckpt._saver import PROTOCOL, Saver
+from flashckpt._slot import pid_alive
+from flashckpt._storage import LocalStorage
 
 _TRAINER = """
 import json, socket, sys
@@ -62,3 +64,35 @@ def test_a_trainer_that_exits_right_after_saved_still_has_that_save_persisted(tm
     finally:
         trainer.kill()
         os.unlink(saver.sock_path)
+
+
+_UNHEARD = """
+import os, signal, sys
+import torch
+from flashckpt.torch import Checkpointer
+ckpt = Checkpointer(sys.argv[1], keep_last=0, job_id=sys.argv[2])
+os.kill(ckpt._engine._client.saver_pid, signal.SIGSTOP)  # its saver hears nothing more
+ckpt.save(6, {"w": torch.full((1024,), 6.0)}, persist=True)
+ckpt.save(8, {"w": torch.full((1024,), 8.0)}, persist=False)
+print(ckpt._engine._client.saver_pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_save_asked_to_persist_that_no_saver_heard_of_is_persisted_beside_a_newer_snapshot(tmp_path):
+    """The saver dies with the ``saved`` messages unread; the next saver finds the slots
+    (their headers are the only record) and writes the step that was asked to persist,
+    not only the newest snapshot."""
+    job_id = f"unheard-{os.getpid()}"
+    run = subprocess.run([sys.executable, "-c", _UNHEARD, str(tmp_path), job_id], capture_output=True, text=True,
+                         timeout=120)
+    old_saver = int(run.stdout.split()[0])
+    os.kill(old_saver, 9)
+    _until(lambda: not pid_alive(old_saver), "the old saver is gone")
+    try:
+        subprocess.run([sys.executable, "-m", "flashckpt._saver", "--job-id", job_id, "--linger-seconds", "0.5"],
+                       timeout=120, check=True)
+        assert LocalStorage(str(tmp_path)).committed_steps() == [6, 8]
+    finally:
+        for path in glob.glob(_names.job_prefix(job_id) + "*"):
+            os.unlink(path)
