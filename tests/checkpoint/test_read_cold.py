@@ -1,6 +1,6 @@
 """A full read of a shard that is not in the page cache (a restart's load: the saver wrote
-it with O_DIRECT) reads it with O_DIRECT, around the page cache; a cached shard is read
-from the cache. Both give exactly the saved bytes and verify every block."""
+it with O_DIRECT) leaves it out of the page cache; a cached shard is read from the cache
+and stays there. Both give exactly the saved bytes and verify every block."""
 
 import ctypes
 import mmap
@@ -81,12 +81,12 @@ def shard(tmp_path, job_id):
     return tmp_path, job_id, saved_shard(tmp_path, job_id)
 
 
-def test_a_cold_shard_is_read_around_the_page_cache(shard):
+def test_a_cold_shard_is_not_left_in_the_page_cache(shard):
     directory, job_id, path = shard
     evict(path)
     assert cached_fraction(path) < 0.05
     assert_saved(load_from_storage(directory, job_id))
-    assert cached_fraction(path) < 0.5  # O_DIRECT: the file's pages did not pass through the cache
+    assert cached_fraction(path) < 0.5  # each chunk read is dropped from the cache
 
 
 def test_a_cached_shard_is_read_from_the_cache(shard):
