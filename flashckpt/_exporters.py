@@ -85,9 +85,11 @@ class ExportQueue:
     its metadata) this queue exported already is skipped.
 
     Retention runs in the commit, so a commit must not retire a step whose export still
-    waits: persist threads call :meth:`wait_idle` before committing, and a step in a local
-    directory is held (:meth:`LocalStorage.hold_step`) from its submission until its
-    export ran, so a commit that slips in between leaves it to a later commit."""
+    waits: a step in a local directory is held (:meth:`LocalStorage.hold_step`) from its
+    submission until its export ran, and a commit leaves a held step to a later commit.
+    Persist threads also wait (:meth:`wait_idle`, bounded) for the exports before
+    committing, so that retention keeps exactly ``keep_last`` steps while exports keep up,
+    and a stuck export delays commits by the bound only."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -172,10 +174,11 @@ class ExportQueue:
         if key is not None:
             recent.append(key)
 
-    def wait_idle(self, directory: str) -> None:
-        """Block until every export submitted for ``directory`` has finished."""
+    def wait_idle(self, directory: str, timeout: float | None = None) -> bool:
+        """Block until every export submitted for ``directory`` has finished, at most
+        ``timeout`` seconds; whether they did."""
         with self._cond:
-            self._cond.wait_for(lambda: directory not in self._queues)
+            return self._cond.wait_for(lambda: directory not in self._queues, timeout)
 
     def close(self) -> None:
         """Block until every export submitted has finished."""

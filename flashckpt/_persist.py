@@ -24,6 +24,10 @@ __all__ = ["PersistResult", "persist_slot", "unpersisted_slots"]
 
 log = logging.getLogger(__name__)
 
+EXPORT_WAIT_SECONDS = 120.0
+"""How long a commit waits for the exports of its directory queued before it (see
+:class:`~flashckpt._exporters.ExportQueue`): a stuck exporter delays commits no longer."""
+
 
 @dataclass(frozen=True, slots=True)
 class PersistResult:
@@ -50,7 +54,8 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
     A step this call commits is exported (if its ``info`` names an exporter) before it
     returns; with ``exports`` given, the export is returned in the result for the caller
     to queue there instead, and the commit first waits for the exports queued there for
-    this directory (a commit's retention could otherwise retire a step they read).
+    this directory, at most :data:`EXPORT_WAIT_SECONDS` (they hold their steps: retention
+    retires them at a later commit).
     """
     slot = Slot.open(slot_path, writable=True, populate=False)
     if slot is None:
@@ -73,9 +78,12 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
             storage.write_shard(h.step, info["storage_rank"], info["token"], slot.image(h.image_len))
             if exports is not None:
                 waited = time.perf_counter()
-                exports.wait_idle(storage.root)
+                idle = exports.wait_idle(storage.root, EXPORT_WAIT_SECONDS)
                 waited = time.perf_counter() - waited
-                if waited > 0.01:
+                if not idle:
+                    log.warning("exports of %s are still running after %.0fs: step %d commits anyway (the steps "
+                                "being exported stay until a later commit)", storage.root, waited, h.step)
+                elif waited > 0.01:
                     log.info("step %d rank %d waited %.2fs for earlier exports of %s before its commit", h.step,
                              info["storage_rank"], waited, storage.root)
             committed = storage.try_commit(h.step, info["storage_world"], info["token"], info["keep_last"],

@@ -2,16 +2,19 @@
 from the moment its export is queued, and the saver queues it before that rank's next
 save may start (so before any newer step of it can commit)."""
 
+import glob
+import os
 import threading
 
-from flashckpt import _exporters, _saver
+from flashckpt import _exporters, _names, _persist, _saver
 from flashckpt._exporters import Export, ExportQueue
 from flashckpt._persist import PersistResult
 from flashckpt._saver import Saver
 from flashckpt._saver_jobs import Job
+from flashckpt._slot import Slot, SlotState, mark_writing
 from flashckpt._storage import LocalStorage
 
-from .test_storage_lineage import commit, token
+from .test_storage_lineage import commit, image, token
 
 _BOUND = 30.0
 
@@ -60,3 +63,44 @@ def test_the_saver_queues_a_commits_export_before_that_ranks_next_save_may_start
     assert saver.jobs.take() is job
     saver._run(job)
     assert events == ["export queued", "rank released"]
+
+
+def test_a_stuck_export_delays_the_next_commit_by_the_bound_only(tmp_path, monkeypatch):
+    """A commit waits for the exports queued before it (retention stays exact while they
+    keep up), but not for ever: past the bound it commits, the step being exported held."""
+    storage = LocalStorage(str(tmp_path))
+    tok = token()
+    go_on = threading.Event()
+    monkeypatch.setattr(_exporters, "run_exporter", lambda *a, **k: go_on.wait(_BOUND))
+    monkeypatch.setattr(_persist, "EXPORT_WAIT_SECONDS", 0.5)
+    queue = ExportQueue()
+    assert commit(storage, 2, tok, branch=-1, keep_last=1)
+    queue.submit(Export({"name": "hf"}, storage.root, 2), lambda error: None)
+    slot = _one_slot(tmp_path, 4, tok)
+    try:
+        result = _persist.persist_slot(slot, info={"directory": storage.root, "storage_rank": 0, "storage_world": 1,
+                                                  "token": tok, "keep_last": 1, "branch": -1}, exports=queue)
+        assert result.committed
+        assert storage.committed_steps() == [2, 4]  # step 2 is still being exported: kept
+    finally:
+        go_on.set()
+        queue.close()
+        for path in glob.glob(_names.job_prefix(f"export-hold-{os.getpid()}") + ".*"):
+            os.unlink(path)
+
+
+def _one_slot(tmp_path, step: int, tok: str) -> str:
+    """A complete shared-memory slot holding a small image of ``step``."""
+    job_id = f"export-hold-{os.getpid()}"
+    path = _names.slot_path(job_id, 0, 0)
+    data = image(step, tok)
+    slot = Slot.open(path, writable=True, create=True)
+    try:
+        slot.ensure_capacity(len(data))
+        header = mark_writing(slot, step, len(data), {})
+        slot.image(len(data))[:] = data
+        header.state = SlotState.COMPLETE
+        slot.write_header(header)
+    finally:
+        slot.close()
+    return path
