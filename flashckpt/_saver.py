@@ -277,7 +277,7 @@ class Saver:
             self._adopted.add((path, h.generation))
             info = dict(h.info, allow_pickle=False)
             if _not_superseded(info["directory"], info.get("token", ""), h.step):
-                found.append(Rescue(path, h.generation, info, h.step, asked=h.reader_pid != 0))
+                found.append(Rescue(path, h.generation, info, h.step, asked=h.persist_asked))
         if found:
             log.warning("persisting %d memory checkpoint(s) whose trainers died unheard: %s", len(found),
                         ", ".join(f"step {r.step} ({os.path.basename(r.slot)})" for r in found))
@@ -295,7 +295,7 @@ class Saver:
             if h is None or h.state != SlotState.COMPLETE or h.generation != generation:
                 continue
             if _not_superseded(info["directory"], info["token"], h.step):
-                found.append(Rescue(path, generation, info, h.step, asked=h.reader_pid != 0))
+                found.append(Rescue(path, generation, info, h.step, asked=h.persist_asked))
         return found
 
     def _handle(self, client: _Client, msg: dict[str, Any]) -> None:

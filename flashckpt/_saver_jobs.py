@@ -40,7 +40,7 @@ class Rescue(NamedTuple):
     info: dict[str, Any]
     step: int
     asked: bool
-    """The save asked to be persisted (its header still names a reader): never a mere fallback."""
+    """The save asked to be persisted (``SlotHeader.persist_asked``): never a mere fallback."""
 
 
 @dataclass(eq=False)

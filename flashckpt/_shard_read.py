@@ -17,8 +17,8 @@ load: the saver wrote the file with ``O_DIRECT``) is dropped from the cache once
 training needs. Reads go through the cache rather than around it (``O_DIRECT``): the
 kernel's readahead fills the caller's buffers with no bounce buffer, which measured
 faster cold on this project's disk, with no more system time (a new process's load of
-357 MB: 0.19-0.24 s against 0.24-0.30 s, of 1.49 GB: 0.74-0.77 s against 0.70-1.28 s;
-a resharded FSDP load 4 -> 2: 0.30-0.34 s against 0.40-0.41 s). Trade-off: a tensor's
+357 MB: 0.19-0.24 s against 0.24-0.37 s, of 1.49 GB: 0.74-0.77 s against 0.70-1.28 s;
+a resharded FSDP load 4 -> 2: 0.31-0.39 s against 0.39-0.44 s). Trade-off: a tensor's
 bytes land in the caller's tensor before the whole file is verified (no second copy of
 the model); a damaged shard leaves them partly overwritten, which an older step's load
 overwrites in turn. Plain (non-tensor) leaves are applied only after every block verified.
@@ -84,8 +84,10 @@ class ShardReader:
     def __init__(self, file: Any, record: dict[str, Any]) -> None:
         self.path = str(file.name)
         self._file = file
-        self._resident: _Resident | None = None
-        self._resident_guard = threading.Lock()
+        self._cached: bytes | None = None
+        """Per page, nonzero where it was in the page cache before the first chunk was read."""
+        self._cached_known = False
+        self._cached_guard = threading.Lock()
         try:
             self.size = int(record["size"])
             self._read_pieces = _pieces_reader(file, self.path, self.size)
@@ -207,33 +209,29 @@ class ShardReader:
     def _read_chunk(self, start: int, pieces: list[Any]) -> None:
         """Fill ``pieces`` (views, or gap lengths to skip) with the bytes from block-aligned
         ``start`` and verify their blocks; a range that was not cached is not left cached."""
-        resident = self._resident_pages()  # before this chunk's read fills the cache
+        cached = self._cached_before()  # before this chunk's read fills the cache
         views = [memoryview(bytearray(p)) if isinstance(p, int) else p for p in pieces]
         self._preadv(views, start)
         self._sums.check_pieces(start, views)
         length = sum(len(v) for v in views)
-        if resident is not None and not resident.cached(start, length):
+        if cached is not None and not _mostly_cached(cached, start, length):
             os.posix_fadvise(self._file.fileno(), start, length, os.POSIX_FADV_DONTNEED)
 
-    def _resident_pages(self) -> "_Resident | None":
+    def _cached_before(self) -> bytes | None:
         """Which pages of this local file were cached before its first chunk was read
         (None: not a local file, or the kernel would not say)."""
-        with self._resident_guard:
-            if self._resident is None and isinstance(self._file, io.FileIO):
-                self._resident = _Resident(_resident_pages(self._file.fileno(), self.size))
-        return self._resident if self._resident is not None and self._resident.pages is not None else None
+        with self._cached_guard:
+            if not self._cached_known:
+                self._cached_known = True
+                if isinstance(self._file, io.FileIO):
+                    self._cached = _resident_pages(self._file.fileno(), self.size)
+        return self._cached
 
 
-class _Resident:
-    """One byte per page of a file, nonzero where the page was in the page cache."""
-
-    def __init__(self, pages: bytes | None) -> None:
-        self.pages = pages
-
-    def cached(self, start: int, length: int) -> bool:
-        """Whether at least half of the pages of ``[start, start + length)`` were cached."""
-        pages = self.pages[start // mmap.PAGESIZE:-(-(start + length) // mmap.PAGESIZE)]
-        return 2 * (len(pages) - pages.count(0)) >= len(pages)
+def _mostly_cached(pages: bytes, start: int, length: int) -> bool:
+    """Whether at least half of the pages of ``[start, start + length)`` are marked in ``pages``."""
+    touched = pages[start // mmap.PAGESIZE:-(-(start + length) // mmap.PAGESIZE)]
+    return 2 * (len(touched) - touched.count(0)) >= len(touched)
 
 
 def _resident_pages(fd: int, size: int) -> bytes | None:

@@ -125,6 +125,12 @@ class SlotHeader:
     info: dict[str, Any] = field(default_factory=dict)
     """Who wrote the image and where it belongs on storage (rank, world, directory, ...)."""
 
+    @property
+    def persist_asked(self) -> bool:
+        """A persist of this image was asked and has not finished: a save that asks names
+        the saver as its reader, and the saver clears the reader once it is written."""
+        return self.reader_pid != 0
+
 
 def shm_free_bytes(directory: str) -> int:
     st = os.statvfs(directory)
