@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _names
+from ._errors import CheckpointError
 from ._exporters import Export, ExportQueue
 from ._slot import RankLock, Slot, SlotState
 from ._storage_url import open_storage
@@ -27,6 +28,11 @@ log = logging.getLogger(__name__)
 EXPORT_WAIT_SECONDS = 120.0
 """How long a commit waits for the exports of its directory queued before it (see
 :class:`~flashckpt._exporters.ExportQueue`): a stuck exporter delays commits no longer."""
+
+
+BUSY_WAIT_SECONDS = 300.0
+"""How long a persist waits while another process persists the same slot (a second saver
+of the job stepping down, ``flashckpt persist``) before it fails."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +68,9 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
         return PersistResult(-1, False, skipped=True)
     lock = RankLock(_names.lock_path(slot_path))
     try:
+        if not slot.lock_for_persist(BUSY_WAIT_SECONDS):
+            raise CheckpointError(f"another process is persisting {slot_path} (a second saver of this job, or "
+                                  f"`flashckpt persist`) and still was after {BUSY_WAIT_SECONDS:.0f}s")
         with lock.held():
             h = slot.read_header()
             if h.state != SlotState.COMPLETE or (generation is not None and h.generation != generation):

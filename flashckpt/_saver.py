@@ -20,7 +20,6 @@ new session, so a signal to the training process group does not reach it).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import glob
 import json
 import logging
@@ -42,7 +41,8 @@ from ._exporters import ExportQueue
 from ._persist import PersistResult, persist_slot
 from ._replica_service import ReplicaService
 from ._saver_jobs import Job, Jobs, Rescue
-from ._slot import Slot, SlotState, open_private, pid_alive
+from ._saver_lock import ServingLock
+from ._slot import Slot, SlotState, pid_alive
 from ._storage_url import open_storage
 
 log = logging.getLogger("flashckpt.saver")
@@ -76,8 +76,13 @@ class _Client:
 
 
 class Saver:
-    def __init__(self, job_id: str, linger_seconds: float, threads: int = 1) -> None:
+    def __init__(self, job_id: str, linger_seconds: float, threads: int = 1,
+                 lock: ServingLock | None = None) -> None:
         self.job_id = job_id
+        self.lock = lock
+        """The job's saver lock, held (see ``flashckpt._saver_lock``); None serves unchecked."""
+        self.superseded = False
+        """Another saver holds the job's lock now: this one serves only the trainers it has."""
         self.linger_seconds = linger_seconds
         self.threads = threads
         self.sock_path = _names.socket_path(job_id)
@@ -144,8 +149,9 @@ class Saver:
                         self._drop(key.data[1], "process exited")
                     else:
                         self._read(key.data)
-                self._check_socket()
-                self._adopt_orphans()
+                if self._serving():
+                    self._check_socket()
+                    self._adopt_orphans()
                 if watchdog is not None:
                     watchdog(self.job_id)
         finally:
@@ -163,6 +169,31 @@ class Saver:
             except FileNotFoundError:
                 pass
             log.info("saver for job %s exits", self.job_id)
+
+    def _serving(self) -> bool:
+        """Whether this saver still serves the job: it holds the lock its path names, or
+        takes the path again when nobody else has; otherwise it steps down."""
+        if self.superseded:
+            return False
+        if self.lock is None or self.lock.held():
+            return True
+        try:
+            if self.lock.take():
+                log.warning("the lock file %s was removed or replaced: taken again", self.lock.path)
+                return True
+        except OSError as exc:
+            log.warning("cannot take the lock file %s again (%s: %s)", self.lock.path, type(exc).__name__, exc)
+        log.warning("another saver serves job %s now (the lock file %s was replaced): this one stops listening "
+                    "and leaves once its %d trainer(s) and their saves are done", self.job_id, self.lock.path,
+                    len(self.clients))
+        self.superseded = True
+        self.linger_seconds = 0.0
+        if self._listener is not None:
+            self.sel.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+            self._sock_ino = 0  # the socket there is the new saver's
+        return False
 
     def _should_exit(self) -> bool:
         idle = not self.clients and self.jobs.idle() and not (self.replicas is not None and self.replicas.busy())
@@ -471,18 +502,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(handlers=handlers, level=logging.INFO,
                         format="%(asctime)s flashckpt-saver[%(process)d] %(levelname)s %(message)s")
     # one saver per node and job: the holder of this lock serves, later ones leave
-    lock_path = _names.job_prefix(args.job_id) + ".saver.lock"
-    lock_fd = open_private(lock_path, os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    lock = ServingLock(_names.job_prefix(args.job_id) + ".saver.lock")
+    if not lock.take():
         return 0
-    os.ftruncate(lock_fd, 0)
-    os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)  # who serves, for the trainers' error messages
     try:
-        Saver(args.job_id, args.linger_seconds, persist_threads()).serve()  # unlinks the socket first ...
+        Saver(args.job_id, args.linger_seconds, persist_threads(), lock).serve()  # unlinks the socket first ...
     finally:
-        os.unlink(lock_path)  # ... so a successor can bind only once this lock is gone
+        lock.release()  # ... so a successor can bind only once this lock is gone
     return 0
 
 

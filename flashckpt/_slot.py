@@ -232,6 +232,20 @@ class Slot:
         fd = open_private(path, (os.O_RDWR if writable else os.O_RDONLY) | (os.O_CREAT if create else 0))
         return None if fd is None else cls(path, fd, writable, populate)
 
+    def lock_for_persist(self, seconds: float) -> bool:
+        """Take this slot's persist lock, an ``flock`` on its file (two processes never
+        write one slot to storage at once), waiting up to ``seconds``; False if another
+        holder kept it that long. Closing the slot releases it."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.02)
+
     def _map(self) -> None:
         size = os.fstat(self._fd).st_size
         self._unlock_pages()

@@ -1,0 +1,66 @@
+"""Two processes never persist one slot at once.
+
+Two savers of one job (one stepping down, see ``test_one_saver.py``), a saver and
+``flashckpt persist``, or a saver and a node-local one can all find the same slot to
+rescue. A shard is written in place into the step's pending directory; a second writer
+of it truncates and rewrites the file that the first one may have committed already,
+which damages a committed step. Each persist holds the slot's ``flock`` while it writes
+and commits, so a second one waits (for a bound) and then writes a whole copy of its own.
+"""
+
+import fcntl
+import glob
+import os
+import threading
+import time
+
+import pytest
+
+from flashckpt import _names, _persist
+from flashckpt._errors import CheckpointError
+from flashckpt._storage import LocalStorage
+
+from .test_export_hold import _one_slot
+from .test_storage_lineage import token
+
+
+def _info(storage: LocalStorage, tok: str) -> dict:
+    return {"directory": storage.root, "storage_rank": 0, "storage_world": 1, "token": tok, "keep_last": 2,
+            "branch": -1}
+
+
+@pytest.fixture
+def held_slot(tmp_path):
+    """A complete slot of step 4 whose ``flock`` another persister holds."""
+    tok = token()
+    slot = _one_slot(tmp_path, 4, tok)
+    fd = os.open(slot, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield slot, tok, fd
+    os.close(fd)
+    for path in glob.glob(_names.job_prefix(f"export-hold-{os.getpid()}") + ".*"):
+        os.unlink(path)
+
+
+def test_a_second_persist_of_a_slot_waits_for_the_first(tmp_path, held_slot):
+    slot, tok, fd = held_slot
+    (tmp_path / "ckpt").mkdir()
+    storage = LocalStorage(str(tmp_path / "ckpt"))
+    results = []
+    second = threading.Thread(target=lambda: results.append(_persist.persist_slot(slot, info=_info(storage, tok))))
+    second.start()
+    time.sleep(0.5)
+    assert not os.listdir(storage.root), "it wrote while another persist of the slot was running"
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    second.join(30)
+    assert results[0].committed and storage.verify(4) == []
+
+
+def test_a_persist_that_waits_past_the_bound_fails_aloud(tmp_path, held_slot, monkeypatch):
+    slot, tok, _ = held_slot
+    monkeypatch.setattr(_persist, "BUSY_WAIT_SECONDS", 0.3)
+    (tmp_path / "ckpt").mkdir()
+    storage = LocalStorage(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match="another process is persisting"):
+        _persist.persist_slot(slot, info=_info(storage, tok))
+    assert not os.listdir(storage.root)
