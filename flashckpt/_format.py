@@ -2,9 +2,12 @@
 
 Layout: 8-byte little-endian header length, the JSON header padded with spaces so
 that the body starts 64-byte aligned, then the body. Tensors are sorted by item size
-(largest first) so each stays naturally aligned. The tree skeleton and the plain
-values travel as JSON in ``__metadata__["flashckpt"]``, so any safetensors reader
-can open the file and flashckpt can rebuild the nested state.
+(largest first) so each stays naturally aligned; within one item size the small ones
+(under :data:`SMALL_BYTES`: optimizer step counters, biases, norms) come first,
+smallest first, so that they share the header's checksum block: a resharding rank
+that takes only those from a shard reads that block, not one block per tensor. The
+tree skeleton and the plain values travel as JSON in ``__metadata__["flashckpt"]``, so
+any safetensors reader can open the file and flashckpt can rebuild the nested state.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ ALIGN = 64
 FORMAT = "flashckpt/1"
 META_KEY = "flashckpt"
 MAX_HEADER = 100 * 1024 * 1024  # the bound safetensors itself enforces
+SMALL_BYTES = 64 << 10
 
 DTYPE_SIZES = {
     "F64": 8, "I64": 8, "U64": 8, "C64": 8,
@@ -75,9 +79,15 @@ def plan_image(tensors: list[tuple[str, str, tuple[int, ...]]], meta: dict[str, 
 
 @functools.lru_cache(maxsize=8)
 def _plan_entries(tensors: tuple[tuple[str, str, tuple[int, ...]], ...]) -> tuple[list[Entry], str, int]:
-    """The entries of ``tensors`` (largest dtypes first), their header JSON (``,"name":{...}``
-    each) and the body size. Cached: a training job saves the same layout again and again."""
-    order = sorted(range(len(tensors)), key=lambda i: -DTYPE_SIZES[tensors[i][1]])
+    """The entries of ``tensors`` (largest dtypes first; small ones first within each,
+    smallest first), their header JSON (``,"name":{...}`` each) and the body size.
+    Cached: a training job saves the same layout again and again."""
+    def place(i: int) -> tuple[int, bool, int]:
+        size = DTYPE_SIZES[tensors[i][1]]
+        nbytes = _numel(tensors[i][2]) * size
+        return -size, nbytes >= SMALL_BYTES, min(nbytes, SMALL_BYTES)
+
+    order = sorted(range(len(tensors)), key=place)
     entries: list[Entry] = []
     offset = 0
     for i in order:

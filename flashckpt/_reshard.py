@@ -180,7 +180,8 @@ def plain_value(skeleton: Any, key: str) -> Any:
 
 @dataclass(slots=True)
 class Source:
-    """One committed shard: its reader (parsed header, header blocks verified) and layout."""
+    """One committed shard: its reader (parsed header, its blocks verified, or verified by
+    the :class:`RangeReader` that reads from it) and layout."""
 
     rank: int
     reader: ShardReader
@@ -227,17 +228,21 @@ def read_header(f: Any, expected_size: int) -> tuple[Image, int]:
     return file_header(f, size), size
 
 
-def read_sources(storage: Storage, step: int) -> list[Source]:
+def read_sources(storage: Storage, step: int, *, verify_headers: bool = True) -> list[Source]:
     """Readers and layouts of every rank's shard of a committed step (by rank), each
     shard opened once with :func:`open_shard` and its header blocks verified (give them
-    to a :class:`RangeReader`, which closes them, or call :func:`close_sources`). On a
+    to a :class:`RangeReader`, which closes them, or call :func:`close_sources`).
+    ``verify_headers=False`` leaves the header blocks to the :class:`RangeReader`, which
+    verifies those of every shard it reads from along with its reads (the layouts only
+    choose which shards to read; a caller that uses a shard's header otherwise verifies
+    it with ``reader.verify_header()``). On a
     local disk one after another (threads were no faster); on an object store, where each
     opening is a round trip, at once on threads. The first error is raised once every
     opened shard is closed."""
     world = int(storage.metadata(step)["world_size"])
 
     def one(rank: int) -> Source:
-        return source_of(rank, open_shard(storage, step, rank), layout=True)
+        return source_of(rank, open_shard(storage, step, rank), layout=True, verify=verify_headers)
 
     if isinstance(storage, LocalStorage) or world <= 1:
         sources: list[Source] = []
@@ -258,11 +263,12 @@ def read_sources(storage: Storage, step: int) -> list[Source]:
     return done
 
 
-def source_of(rank: int, reader: ShardReader, *, layout: bool) -> Source:
-    """A :class:`Source` of an open shard, its header blocks verified (closed on error);
-    ``layout=False``: an unsharded checkpoint, every tensor read whole."""
+def source_of(rank: int, reader: ShardReader, *, layout: bool, verify: bool = True) -> Source:
+    """A :class:`Source` of an open shard, its header blocks verified unless ``verify`` is
+    False (closed on error); ``layout=False``: an unsharded checkpoint, every tensor read whole."""
     try:
-        reader.verify_header()
+        if verify:
+            reader.verify_header()
         image = reader.image
         return Source(rank, reader, read_layout(image, reader.path) if layout else {"tensors": {}},
                       tensor_names(image.meta["tree"]), {e.name: e for e in image.entries})
@@ -298,7 +304,8 @@ class Fill:
 
 class RangeReader:
     """Fills target pieces from the byte ranges of source shards that overlap them,
-    through each source's :class:`ShardReader` (exact reads, touched blocks verified).
+    through each source's :class:`ShardReader` (exact reads, touched blocks verified, and
+    the header blocks of every source read from).
     Use as a context manager; closes the sources when it closes."""
 
     def __init__(self, sources: list[Source]) -> None:
@@ -407,6 +414,8 @@ class RangeReader:
                    done=lambda reader, i: finishers[id(reader)][i] and finishers[id(reader)][i]())
         for src, at, view, fin in serial:
             _read_range(src, at, view, fin)
+        for sid in ops:  # the layout that placed these reads: its blocks are usually read already
+            by_id[sid].reader.verify_header()
 
     def _ops(self, fill: Fill):
         """(source, file offset, flat view or Scratch, finish or None, bytes) per range of ``fill``."""
@@ -442,6 +451,7 @@ class RangeReader:
 def _read_range(src: Source, at: int, view: Any, finish: Any) -> None:
     """One range read on this thread (its touched blocks verified), then its ``finish``."""
     src.reader.readinto(view.view() if isinstance(view, Scratch) else view, at)
+    src.reader.verify_header()
     if finish is not None:
         finish()
 

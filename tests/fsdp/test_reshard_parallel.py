@@ -153,3 +153,53 @@ def test_sources_open_together_and_a_damaged_header_closes_them_all(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"rank-2\.safetensors"):
         read_sources(storage, 1)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_headers_left_to_the_reads_are_verified_for_the_shards_read_from_only(tmp_path):
+    """``read_sources(verify_headers=False)`` (a resharding load) reads no header block
+    up front: the reads verify those of the shards they read from, a damaged one fails
+    the fill, and a shard that is not read from costs nothing."""
+    storage, fulls = _step(tmp_path, source_world=2)
+    sources = read_sources(storage, 1, verify_headers=False)
+    assert all(not s.reader._sums.verified for s in sources)
+    paths = [s.path for s in sources]
+    body_start = sources[0].reader.body_start
+    for s in sources:
+        s.reader.close()
+    assert body_start < BLOCK - 1
+    for path in paths:
+        _flip(path, BLOCK - 1)  # the first block, past the header: the header block no longer verifies
+    want = Piece((0, 0), (10, 40))  # the first 10 rows of "a": rank 0's file only
+    out = torch.zeros(10, 40)
+    with RangeReader(read_sources(storage, 1, verify_headers=False)) as reader:
+        with pytest.raises(CorruptCheckpointError, match=r"rank-0\.safetensors: checksum .* bytes 0-"):
+            reader.fill_many([Fill(_host_bytes(out), key="t/a", want=want, dtype="F32", global_shape=SHAPE)])
+    _flip(paths[0], BLOCK - 1)  # rank 0's file intact again; rank 1's header block stays damaged
+    with RangeReader(read_sources(storage, 1, verify_headers=False)) as reader:
+        reader.fill_many([Fill(_host_bytes(out), key="t/a", want=want, dtype="F32", global_shape=SHAPE)])
+        assert not reader.sources[1].reader._sums.verified
+    assert torch.equal(out, fulls["a"][:10])
+    with pytest.raises(CorruptCheckpointError, match=r"rank-1\.safetensors"):
+        read_sources(storage, 1)  # verified up front, the default
+
+
+def test_a_replicated_scalar_is_read_from_the_header_block(tmp_path):
+    """Small entries lie first in the body, smallest first, in the header's checksum
+    block: a rank that takes only a replicated scalar from a shard reads that block and
+    no other (not one block per scalar, spread among the large tensors)."""
+    storage, _ = _step(tmp_path, source_world=2)
+    sources = read_sources(storage, 1, verify_headers=False)
+    home = sources[1]
+    out = torch.zeros(())
+    with RangeReader(sources) as reader:
+        reader.fill_many([Fill(_host_bytes(out), source=home, entry=home.entry("t/s"))])
+        assert home.reader._sums.verified == set(range(-(-home.reader.body_start // BLOCK)))
+    assert out.item() == 7.5
