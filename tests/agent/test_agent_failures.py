@@ -58,9 +58,12 @@ def test_failure_flushes_newest_step_and_records_diagnosis(tmp_path, fault, kind
 def test_gloo_collective_timeout_is_a_network_failure_and_the_peer_is_preempted(tmp_path):
     out, ck = str(tmp_path), str(tmp_path / "ck")
     # rank 1 stalls at step 6; rank 0's all_reduce hits the 3 s gloo timeout; torchrun
-    # then stops rank 1 with SIGTERM.
+    # then stops rank 1 with SIGTERM. A fixed hang timeout: the adaptive one grows with the
+    # first save's time on a loaded machine, past twice the 3 s before that SIGTERM, and
+    # a rank stalled for less than half its timeout does not dump its stacks.
     proc = run(out, "--ckpt", ck, "--fault", "gloo", "--fault-rank", "1", "--fault-step", "6",
-               "--fault-seconds", "40", "--pg-timeout", "3", "--steps", "10", nproc=2, timeout=150)
+               "--fault-seconds", "40", "--pg-timeout", "3", "--steps", "10", "--hang-timeout", "4",
+               nproc=2, timeout=150)
     assert proc.returncode != 0, explain(proc)
     f0 = of_type(records(out, 0), "failure")
     assert f0 and f0[0]["diagnosis"]["kind"] == "network", (f0, explain(proc))
