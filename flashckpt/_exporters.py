@@ -60,6 +60,8 @@ class Export:
     directory: str
     step: int
     allow_pickle: bool = False
+    keep_last: int = 0
+    """The directory's retention, applied again once the export ran (0: keep every step)."""
 
     def run(self) -> None:
         run_exporter(self.spec, self.directory, self.step, allow_pickle=self.allow_pickle)
@@ -86,7 +88,8 @@ class ExportQueue:
 
     Retention runs in the commit, so a commit must not retire a step whose export still
     waits: a step in a local directory is held (:meth:`LocalStorage.hold_step`) from its
-    submission until its export ran, and a commit leaves a held step to a later commit.
+    submission until its export ran, and a commit leaves a held step to a later commit,
+    or to the export's end, which applies the directory's retention again.
     Persist threads also wait (:meth:`wait_idle`, bounded) for the exports before
     committing, so that retention keeps exactly ``keep_last`` steps while exports keep up,
     and a stuck export delays commits by the bound only."""
@@ -144,6 +147,7 @@ class ExportQueue:
             finally:
                 if queued.hold is not None:
                     queued.hold.close()
+                    _retire_released(queued.export)
             try:
                 queued.done(error)
             finally:
@@ -184,6 +188,17 @@ class ExportQueue:
         """Block until every export submitted has finished."""
         with self._cond:
             self._cond.wait_for(lambda: not self._queues)
+
+
+def _retire_released(export: Export) -> None:
+    """A commit while the export ran left its step to a later commit, and there may be
+    none (the job's last): apply the retention now."""
+    if export.keep_last <= 0:
+        return
+    try:
+        LocalStorage(export.directory).apply_retention(export.keep_last)
+    except Exception:  # noqa: BLE001 -- a later commit retires them; the export itself succeeded
+        log.exception("retention of %s after exporting step %d failed", export.directory, export.step)
 
 
 def _import(module: str) -> None:

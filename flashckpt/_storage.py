@@ -336,6 +336,18 @@ class LocalStorage:
         except CheckpointError:
             return False
 
+    def apply_retention(self, keep_last: int) -> None:
+        """Retire what the newest commit's retention had to leave (a step an exporter
+        held then): the retention of that commit, run again under the commit lock."""
+        with self._commit_lock():
+            order = self.steps_in_order()
+            if not order:
+                return
+            token = self.metadata(order[-1]).get("token", "")
+            retired = self._retire(keep_last, order[-1], token)
+        for path in retired:
+            shutil.rmtree(path, ignore_errors=True)
+
     def _retire(self, keep_last: int, step: int, token: str) -> list[str]:
         """Retire abandoned steps of older lines, steps beyond ``keep_last`` in line order
         (never ``step``, just committed, nor a step whose metadata cannot be read), and

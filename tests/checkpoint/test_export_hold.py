@@ -48,6 +48,23 @@ def test_a_queued_export_keeps_its_step_from_a_newer_commits_retention(tmp_path,
     assert storage.committed_steps() == [8]
 
 
+def test_a_step_held_past_the_last_commit_is_retired_once_its_export_ran(tmp_path, monkeypatch):
+    """The job's last commit leaves the step being exported; its export's end applies
+    the retention that commit could not, so exactly ``keep_last`` steps remain."""
+    storage = LocalStorage(str(tmp_path))
+    tok = token()
+    go_on = threading.Event()
+    monkeypatch.setattr(_exporters, "run_exporter", lambda *a, **k: go_on.wait(_BOUND))
+    queue = ExportQueue()
+    assert commit(storage, 2, tok, branch=-1, keep_last=1)
+    queue.submit(Export({"name": "hf"}, storage.root, 2, keep_last=1), lambda error: None)
+    assert commit(storage, 4, tok, branch=-1, keep_last=1)  # the last commit of the job
+    assert storage.committed_steps() == [2, 4]  # step 2 is being exported: held
+    go_on.set()
+    queue.close()
+    assert storage.committed_steps() == [4]
+
+
 def test_the_saver_queues_a_commits_export_before_that_ranks_next_save_may_start(tmp_path, monkeypatch):
     storage = LocalStorage(str(tmp_path))
     assert commit(storage, 3, token(), branch=-1)
