@@ -19,6 +19,7 @@ from . import _names
 from ._errors import CheckpointError
 from ._exporters import Export, ExportQueue
 from ._slot import RankLock, Slot, SlotState
+from ._storage import LocalStorage
 from ._storage_url import open_storage
 
 __all__ = ["PersistResult", "persist_slot", "unpersisted_slots"]
@@ -68,12 +69,16 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
         return PersistResult(-1, False, skipped=True)
     lock = RankLock(_names.lock_path(slot_path))
     try:
-        if not slot.lock_for_persist(BUSY_WAIT_SECONDS):
+        contended = not slot.lock_for_persist(0.0)
+        if contended and not slot.lock_for_persist(BUSY_WAIT_SECONDS):
             raise CheckpointError(f"another process is persisting {slot_path} (a second saver of this job, or "
                                   f"`flashckpt persist`) and still was after {BUSY_WAIT_SECONDS:.0f}s")
         with lock.held():
             h = slot.read_header()
             if h.state != SlotState.COMPLETE or (generation is not None and h.generation != generation):
+                return PersistResult(h.step, False, skipped=True)
+            if contended and _written_already(h.info if info is None else info, h.step):
+                log.info("step %d of %s was persisted by the process this one waited for", h.step, slot_path)
                 return PersistResult(h.step, False, skipped=True)
             slot.set_reader(os.getpid())
         if already_persisted:
@@ -115,6 +120,15 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
     finally:
         slot.close()
         lock.close()
+
+
+def _written_already(info: dict[str, Any], step: int) -> bool:
+    """Whether this rank's shard of ``step`` (run ``info["token"]``) is durable already, or
+    the step committed: what another persist of the same slot leaves behind."""
+    storage = open_storage(info["directory"])
+    if not storage.newer_than_committed(info["token"], step):
+        return True
+    return isinstance(storage, LocalStorage) and storage.shard_written(step, info["storage_rank"], info["token"])
 
 
 def unpersisted_slots(slot_paths: list[str]) -> list[tuple[str, int, str, int]]:

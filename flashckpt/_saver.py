@@ -37,6 +37,7 @@ from typing import Any
 
 from . import _names
 from ._client import persist_threads
+from ._errors import CheckpointError
 from ._exporters import ExportQueue
 from ._persist import PersistResult, persist_slot
 from ._replica_service import ReplicaService
@@ -149,7 +150,7 @@ class Saver:
                         self._drop(key.data[1], "process exited")
                     else:
                         self._read(key.data)
-                if self._serving():
+                if self._check_serving():
                     self._check_socket()
                     self._adopt_orphans()
                 if watchdog is not None:
@@ -161,7 +162,7 @@ class Saver:
             self.exports.close()
             if self.replicas is not None:
                 self.replicas.close()
-                if self._ended_cleanly:  # the job is over: nobody will fetch them
+                if self._ended_cleanly and not self.superseded:  # the job is over: nobody will fetch them
                     self.replicas.store.remove_all()
             try:
                 if os.lstat(self.sock_path).st_ino == self._sock_ino:
@@ -170,7 +171,7 @@ class Saver:
                 pass
             log.info("saver for job %s exits", self.job_id)
 
-    def _serving(self) -> bool:
+    def _check_serving(self) -> bool:
         """Whether this saver still serves the job: it holds the lock its path names, or
         takes the path again when nobody else has; otherwise it steps down."""
         if self.superseded:
@@ -181,7 +182,7 @@ class Saver:
             if self.lock.take():
                 log.warning("the lock file %s was removed or replaced: taken again", self.lock.path)
                 return True
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:  # CheckpointError: an unsafe file there (UnsafeFileError)
             log.warning("cannot take the lock file %s again (%s: %s)", self.lock.path, type(exc).__name__, exc)
         log.warning("another saver serves job %s now (the lock file %s was replaced): this one stops listening "
                     "and leaves once its %d trainer(s) and their saves are done", self.job_id, self.lock.path,

@@ -60,6 +60,7 @@ class ServingLock:
         self._fd = -1
 
     def _names(self, fd: int) -> bool:
+        """Whether the lock path names the file open as ``fd``."""
         try:
             there = os.stat(self.path)
         except FileNotFoundError:

@@ -312,6 +312,11 @@ class LocalStorage:
                  sum(s["size"] for s in shards.values()) / 2**20, self.root)
         return True
 
+    def shard_written(self, step: int, rank: int, token: str) -> bool:
+        """Whether rank ``rank``'s shard of ``step`` (run ``token``) is durable in its pending
+        directory, waiting for the other ranks."""
+        return self._read_marker(self._tmp_dir(step, token), rank, token) is not None
+
     def _read_marker(self, pending: str, rank: int, token: str) -> dict | None:
         where = os.path.join(pending, f"rank-{rank}.done")
         try:

@@ -10,6 +10,7 @@ slot at once, writing into one pending directory.
 """
 
 import os
+import signal
 import time
 
 from flashckpt import _names
@@ -30,9 +31,13 @@ def test_a_saver_whose_lock_file_was_removed_steps_down_for_the_next(job_id):
     first = SaverClient(job_id, [], {})
     old = first.saver_pid
     assert _lock_holder(job_id) == old
-    os.unlink(lock)  # a wiped /dev/shm, while the old saver still serves a trainer
-    os.unlink(sock)
-    second = SaverClient(job_id, [], {})
+    os.kill(old, signal.SIGSTOP)  # held still, so the next saver starts before it looks again
+    try:
+        os.unlink(lock)  # a wiped /dev/shm, while the old saver still serves a trainer
+        os.unlink(sock)
+        second = SaverClient(job_id, [], {})
+    finally:
+        os.kill(old, signal.SIGCONT)
     new = second.saver_pid
     try:
         assert new != old and _lock_holder(job_id) == new
@@ -51,3 +56,19 @@ def test_a_saver_whose_lock_file_was_removed_steps_down_for_the_next(job_id):
         second.close()
     _until(lambda: not pid_alive(new), "the saver leaves after its linger")
     assert not os.path.exists(lock) and not os.path.exists(sock)
+
+
+def test_a_saver_whose_lock_file_was_removed_takes_it_again_when_no_other_did(job_id):
+    lock = _names.job_prefix(job_id) + ".saver.lock"
+    client = SaverClient(job_id, [], {})
+    pid = client.saver_pid
+    try:
+        os.unlink(lock)
+        _until(lambda: _lock_holder(job_id) == pid, "the saver takes its lock path again", seconds=5)
+        again = SaverClient(job_id, [], {})
+        assert again.saver_pid == pid
+        again.close()
+    finally:
+        client.close()
+    _until(lambda: not pid_alive(pid), "the saver leaves after its linger")
+    assert not os.path.exists(lock)

@@ -5,7 +5,8 @@ Two savers of one job (one stepping down, see ``test_one_saver.py``), a saver an
 rescue. A shard is written in place into the step's pending directory; a second writer
 of it truncates and rewrites the file that the first one may have committed already,
 which damages a committed step. Each persist holds the slot's ``flock`` while it writes
-and commits, so a second one waits (for a bound) and then writes a whole copy of its own.
+and commits, so a second one waits (for a bound), and then writes only what the first
+one did not.
 """
 
 import fcntl
@@ -21,7 +22,7 @@ from flashckpt._errors import CheckpointError
 from flashckpt._storage import LocalStorage
 
 from .test_export_hold import _one_slot
-from .test_storage_lineage import token
+from .test_storage_lineage import commit, token
 
 
 def _info(storage: LocalStorage, tok: str) -> dict:
@@ -64,3 +65,20 @@ def test_a_persist_that_waits_past_the_bound_fails_aloud(tmp_path, held_slot, mo
     with pytest.raises(CheckpointError, match="another process is persisting"):
         _persist.persist_slot(slot, info=_info(storage, tok))
     assert not os.listdir(storage.root)
+
+
+def test_a_persist_that_waited_skips_what_the_first_one_wrote(tmp_path, held_slot):
+    slot, tok, fd = held_slot
+    (tmp_path / "ckpt").mkdir()
+    storage = LocalStorage(str(tmp_path / "ckpt"))
+    results = []
+    second = threading.Thread(target=lambda: results.append(_persist.persist_slot(slot, info=_info(storage, tok))))
+    second.start()
+    time.sleep(0.3)
+    assert commit(storage, 4, tok, branch=-1)  # what the persist it waits for does
+    committed_at = storage.metadata(4)["committed_at"]
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    second.join(30)
+    assert results[0].skipped
+    assert storage.metadata(4)["committed_at"] == committed_at  # not written and committed again
+    assert sorted(os.listdir(storage.root)) == [".commit.lock", "latest", "step-4"]
