@@ -43,13 +43,23 @@ def held_slot(tmp_path):
         os.unlink(path)
 
 
-def test_a_second_persist_of_a_slot_waits_for_the_first(tmp_path, held_slot):
-    slot, tok, fd = held_slot
+def _storage(tmp_path) -> LocalStorage:
     (tmp_path / "ckpt").mkdir()
-    storage = LocalStorage(str(tmp_path / "ckpt"))
-    results = []
+    return LocalStorage(str(tmp_path / "ckpt"))
+
+
+def _persist_meanwhile(slot: str, storage: LocalStorage, tok: str) -> tuple[threading.Thread, list]:
+    """A second persist of ``slot``, started on a thread; its result lands in the list."""
+    results: list = []
     second = threading.Thread(target=lambda: results.append(_persist.persist_slot(slot, info=_info(storage, tok))))
     second.start()
+    return second, results
+
+
+def test_a_second_persist_of_a_slot_waits_for_the_first(tmp_path, held_slot):
+    slot, tok, fd = held_slot
+    storage = _storage(tmp_path)
+    second, results = _persist_meanwhile(slot, storage, tok)
     time.sleep(0.5)
     assert not os.listdir(storage.root), "it wrote while another persist of the slot was running"
     fcntl.flock(fd, fcntl.LOCK_UN)
@@ -60,8 +70,7 @@ def test_a_second_persist_of_a_slot_waits_for_the_first(tmp_path, held_slot):
 def test_a_persist_that_waits_past_the_bound_fails_aloud(tmp_path, held_slot, monkeypatch):
     slot, tok, _ = held_slot
     monkeypatch.setattr(_persist, "BUSY_WAIT_SECONDS", 0.3)
-    (tmp_path / "ckpt").mkdir()
-    storage = LocalStorage(str(tmp_path / "ckpt"))
+    storage = _storage(tmp_path)
     with pytest.raises(CheckpointError, match="another process is persisting"):
         _persist.persist_slot(slot, info=_info(storage, tok))
     assert not os.listdir(storage.root)
@@ -69,11 +78,8 @@ def test_a_persist_that_waits_past_the_bound_fails_aloud(tmp_path, held_slot, mo
 
 def test_a_persist_that_waited_skips_what_the_first_one_wrote(tmp_path, held_slot):
     slot, tok, fd = held_slot
-    (tmp_path / "ckpt").mkdir()
-    storage = LocalStorage(str(tmp_path / "ckpt"))
-    results = []
-    second = threading.Thread(target=lambda: results.append(_persist.persist_slot(slot, info=_info(storage, tok))))
-    second.start()
+    storage = _storage(tmp_path)
+    second, results = _persist_meanwhile(slot, storage, tok)
     time.sleep(0.3)
     assert commit(storage, 4, tok, branch=-1)  # what the persist it waits for does
     committed_at = storage.metadata(4)["committed_at"]
