@@ -61,7 +61,9 @@ class Export:
     step: int
     allow_pickle: bool = False
     keep_last: int = 0
-    """The directory's retention, applied again once the export ran (0: keep every step)."""
+    """The retention of the run that committed the step (``token``), applied again once
+    the export ran if that run still made the newest commit (0: keep every step)."""
+    token: str = ""
 
     def run(self) -> None:
         run_exporter(self.spec, self.directory, self.step, allow_pickle=self.allow_pickle)
@@ -196,7 +198,7 @@ def _retire_released(export: Export) -> None:
     if export.keep_last <= 0:
         return
     try:
-        LocalStorage(export.directory).apply_retention(export.keep_last)
+        LocalStorage(export.directory).apply_retention(export.keep_last, export.token)
     except Exception:  # noqa: BLE001 -- a later commit retires them; the export itself succeeded
         log.exception("retention of %s after exporting step %d failed", export.directory, export.step)
 

@@ -104,8 +104,8 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
                                            branch=info.get("branch"))
             export = None
             if committed and info.get("export"):
-                export = Export(info["export"], storage.root, h.step, bool(info.get("allow_pickle")),
-                                info.get("keep_last", 0))
+                export = Export(info["export"], storage.root, h.step, allow_pickle=bool(info.get("allow_pickle")),
+                                keep_last=info.get("keep_last", 0), token=info["token"])
                 if exports is None:
                     export.run()
                     export = None

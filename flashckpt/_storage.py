@@ -341,14 +341,14 @@ class LocalStorage:
         except CheckpointError:
             return False
 
-    def apply_retention(self, keep_last: int) -> None:
+    def apply_retention(self, keep_last: int, token: str) -> None:
         """Retire what the newest commit's retention had to leave (a step an exporter
-        held then): the retention of that commit, run again under the commit lock."""
+        held then): the retention of that commit, run again under the commit lock, if
+        run ``token`` (whose ``keep_last`` this is) made it."""
         with self._commit_lock():
             order = self.steps_in_order()
-            if not order:
+            if not order or self.metadata(order[-1]).get("token") != token:
                 return
-            token = self.metadata(order[-1]).get("token", "")
             retired = self._retire(keep_last, order[-1], token)
         for path in retired:
             shutil.rmtree(path, ignore_errors=True)

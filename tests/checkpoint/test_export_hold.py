@@ -57,12 +57,29 @@ def test_a_step_held_past_the_last_commit_is_retired_once_its_export_ran(tmp_pat
     monkeypatch.setattr(_exporters, "run_exporter", lambda *a, **k: go_on.wait(_BOUND))
     queue = ExportQueue()
     assert commit(storage, 2, tok, branch=-1, keep_last=1)
-    queue.submit(Export({"name": "hf"}, storage.root, 2, keep_last=1), lambda error: None)
+    queue.submit(Export({"name": "hf"}, storage.root, 2, keep_last=1, token=tok), lambda error: None)
     assert commit(storage, 4, tok, branch=-1, keep_last=1)  # the last commit of the job
     assert storage.committed_steps() == [2, 4]  # step 2 is being exported: held
     go_on.set()
     queue.close()
     assert storage.committed_steps() == [4]
+
+
+def test_an_export_of_an_older_line_applies_no_retention_to_a_newer_one(tmp_path, monkeypatch):
+    """Its end re-applies its own line's retention only: a newer run (a restart that
+    keeps 3 steps) is not cut down to the older run's ``keep_last``."""
+    storage = LocalStorage(str(tmp_path))
+    old, new = token(1), token(2)
+    go_on = threading.Event()
+    monkeypatch.setattr(_exporters, "run_exporter", lambda *a, **k: go_on.wait(_BOUND))
+    queue = ExportQueue()
+    assert commit(storage, 2, old, branch=-1, keep_last=1)
+    queue.submit(Export({"name": "hf"}, storage.root, 2, keep_last=1, token=old), lambda error: None)
+    for step in (3, 4, 5):
+        assert commit(storage, step, new, branch=2, keep_last=3)
+    go_on.set()
+    queue.close()
+    assert storage.committed_steps() == [2, 3, 4, 5]  # the newer run's next commit retires step 2
 
 
 def test_the_saver_queues_a_commits_export_before_that_ranks_next_save_may_start(tmp_path, monkeypatch):
