@@ -330,6 +330,7 @@ class RangeReader:
         for src in order:
             piece = src.piece(key)
             if piece is None:
+                src.reader.verify_header()  # a damaged header is reported as such, not as a mismatch
                 raise StateMismatchError(f"{src.path} has no entry {key!r} in its layout")
             if piece in seen:
                 continue
@@ -339,6 +340,7 @@ class RangeReader:
                 continue
             entry = src.entry(key)
             if entry.dtype != dtype:
+                src.reader.verify_header()
                 raise StateMismatchError(f"{key}: checkpoint has {entry.dtype}, state has {dtype}")
             if tuple(entry.shape) != piece.lengths:
                 raise CorruptCheckpointError(f"{src.path}: entry {key!r} has shape {list(entry.shape)} "

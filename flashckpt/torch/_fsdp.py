@@ -353,6 +353,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         rank = self._engine.collective.rank
         sources = read_sources(self._engine.storage, step, verify_headers=False)  # verified as read
         home = sources[rank] if rank < len(sources) else sources[0]
+        home.reader.verify_header()  # its skeleton, plain values and layout decide what follows
         skeleton = home.image.meta["tree"]
         if "optim" not in target.tree or target.tree["optim"] == {}:
             target.tree.pop("optim", None)
@@ -388,7 +389,6 @@ class FsdpCheckpointer(EngineCheckpointer):
                 fills.append(Fill(dst, source=home, entry=home.entries[name]))
         with RangeReader(sources) as reader:
             reader.fill_many(fills)
-            home.reader.verify_header()  # its skeleton and plain values
         with torch.no_grad():
             for obj, host in copies:
                 obj.copy_(host)

@@ -2,6 +2,7 @@
 what one-by-one fills give; every block a range touches verified, no other; a flipped
 byte in a range names the file and the bytes."""
 
+import json
 import os
 
 import pytest
@@ -203,3 +204,22 @@ def test_a_replicated_scalar_is_read_from_the_header_block(tmp_path):
         reader.fill_many([Fill(_host_bytes(out), source=home, entry=home.entry("t/s"))])
         assert home.reader._sums.verified == set(range(-(-home.reader.body_start // BLOCK)))
     assert out.item() == 7.5
+
+
+def test_a_damaged_header_that_still_parses_is_reported_as_damage_not_a_mismatch(tmp_path):
+    storage, fulls = _step(tmp_path, source_world=2)
+    sources = read_sources(storage, 1, verify_headers=False)
+    path, body_start = sources[1].path, sources[1].reader.body_start
+    name = json.dumps(sources[1].entry("t/a").name).encode()
+    for s in sources:
+        s.reader.close()
+    with open(path, "r+b") as f:
+        head = f.read(body_start)
+        at = head.index(name + b':{"dtype":"F32"') + len(name + b':{"dtype":"')
+        f.seek(at)
+        f.write(b"I")  # F32 -> I32: the header still parses; its checksum block no longer verifies
+    wants = _wants(2, 1)
+    out = _targets(fulls, wants)
+    with RangeReader(read_sources(storage, 1, verify_headers=False)) as reader:
+        with pytest.raises(CorruptCheckpointError, match=r"rank-1\.safetensors: checksum .* bytes 0-"):
+            reader.fill_many(_fills(out, wants, 0))
