@@ -9,6 +9,7 @@ left by a dead job can be persisted by a process that never saw the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -56,14 +57,27 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
     With ``generation`` given, does nothing (``skipped``) unless the slot still holds
     exactly that save. The slot is marked as being read, so the trainer writes its
     next save into the other slot meanwhile, and released at the end.
-    ``already_persisted`` only releases the slot (a repeated request).
+    ``already_persisted`` only releases the slot (a repeated request). The slot's
+    ``flock`` is held while it is written and committed: a second persist of it (another
+    process) waits, at most :data:`BUSY_WAIT_SECONDS`, then skips a step the first wrote.
 
     A step this call commits is exported (if its ``info`` names an exporter) before it
-    returns; with ``exports`` given, the export is returned in the result for the caller
+    returns, once the slot is let go; with ``exports`` given, the export is returned in the result for the caller
     to queue there instead, and the commit first waits for the exports queued there for
     this directory, at most :data:`EXPORT_WAIT_SECONDS` (they hold their steps: retention
     retires them at a later commit).
     """
+    result = _persist_held(slot_path, generation, info, already_persisted=already_persisted, exports=exports)
+    if exports is None and result.export is not None:  # after the slot is let go: it reads storage only
+        result.export.run()
+        result = dataclasses.replace(result, export=None)
+    return result
+
+
+def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] | None, *,
+                  already_persisted: bool, exports: ExportQueue | None) -> PersistResult:
+    """:func:`persist_slot` with the slot held (its ``flock``, and marked as being read);
+    the committed step's export is left in the result."""
     slot = Slot.open(slot_path, writable=True, populate=False)
     if slot is None:
         return PersistResult(-1, False, skipped=True)
@@ -106,9 +120,6 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
             if committed and info.get("export"):
                 export = Export(info["export"], storage.root, h.step, allow_pickle=bool(info.get("allow_pickle")),
                                 keep_last=info.get("keep_last", 0), token=info["token"])
-                if exports is None:
-                    export.run()
-                    export = None
             seconds = time.perf_counter() - start
             log.info("persisted step %d rank %d: %.1f MiB in %.2fs (%.0f MiB/s)%s", h.step, info["storage_rank"],
                      h.image_len / 2**20, seconds, h.image_len / 2**20 / max(seconds, 1e-9),

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from flashckpt import _names, _persist
+from flashckpt import _exporters, _names, _persist
 from flashckpt._errors import CheckpointError
 from flashckpt._storage import LocalStorage
 
@@ -88,3 +88,30 @@ def test_a_persist_that_waited_skips_what_the_first_one_wrote(tmp_path, held_slo
     assert results[0].skipped
     assert storage.metadata(4)["committed_at"] == committed_at  # not written and committed again
     assert sorted(os.listdir(storage.root)) == [".commit.lock", "latest", "step-4"]
+
+
+def test_an_export_run_inline_runs_once_the_slot_is_let_go(tmp_path, monkeypatch):
+    """``flashckpt persist`` exports on its own thread: a saver waiting for the slot then
+    waits for the write and commit, not for the export too."""
+    tok = token()
+    slot = _one_slot(tmp_path, 4, tok)
+    free_then = []
+
+    def exporter(spec, directory, step, *, allow_pickle=False):
+        fd = os.open(slot, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            free_then.append(True)
+        except BlockingIOError:
+            free_then.append(False)
+        finally:
+            os.close(fd)
+
+    monkeypatch.setattr(_exporters, "run_exporter", exporter)
+    storage = _storage(tmp_path)
+    try:
+        result = _persist.persist_slot(slot, info=dict(_info(storage, tok), export={"name": "hf"}))
+    finally:
+        for path in glob.glob(_names.job_prefix(f"export-hold-{os.getpid()}") + ".*"):
+            os.unlink(path)
+    assert result.committed and free_then == [True]
