@@ -104,9 +104,7 @@ class Saver:
 
     def _listen(self) -> None:
         """Bind the job's socket (again, if someone removed or replaced it)."""
-        if self._listener is not None:
-            self.sel.unregister(self._listener)
-            self._listener.close()
+        self._stop_listening()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             os.unlink(self.sock_path)
@@ -122,6 +120,13 @@ class Saver:
         self._sock_ino = os.stat(self.sock_path).st_ino
         self._listener = listener
         self.sel.register(listener, selectors.EVENT_READ, "accept")
+
+    def _stop_listening(self) -> None:
+        """Close the listening socket, if any (its path is left as it is)."""
+        if self._listener is not None:
+            self.sel.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
 
     def _check_socket(self) -> None:
         try:
@@ -189,11 +194,8 @@ class Saver:
                     len(self.clients))
         self.superseded = True
         self.linger_seconds = 0.0
-        if self._listener is not None:
-            self.sel.unregister(self._listener)
-            self._listener.close()
-            self._listener = None
-            self._sock_ino = 0  # the socket there is the new saver's
+        self._stop_listening()
+        self._sock_ino = 0  # the socket there is the new saver's
         return False
 
     def _should_exit(self) -> bool:
