@@ -8,7 +8,8 @@ Layout under the checkpoint directory::
     latest                          a hint: the newest committed step, replaced atomically
     .flashckpt-run.lock             held (flock) by the one live run of this directory
 
-Shards of a save in progress go to ``step-<N>.tmp-<token>/`` with a small done
+Shards of a save in progress go to ``step-<N>.tmp-<token>/`` (each written under a
+temporary name, then renamed: a shard already there stays whole) with a small done
 marker per rank; whoever writes the last marker commits by writing the metadata and
 renaming the directory to ``step-<N>``, then moves ``latest`` forward, all under an
 ``flock`` on ``<dir>/.commit.lock``. A crash at any moment leaves only ``*.tmp-*``
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-(\d+)\.tmp-(.+)$")
+_PART = ".tmp-"  # a file being written: <name>.tmp-<pid>-<random>, renamed to <name> once durable
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 RUN_LOCK = ".flashckpt-run.lock"
 
@@ -211,6 +213,7 @@ class LocalStorage:
                                   f"this save's token is {token}: shards of two runs never commit together")
         pending = self._tmp_dir(step, token)
         path = os.path.join(pending, shard_name(rank))
+        part = f"{path}{_PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         created = False
         try:
             try:
@@ -224,24 +227,25 @@ class LocalStorage:
                                       name="flashckpt-crc32")
             summer.start()
             try:
-                write_durable(path, image)
+                write_durable(part, image)
             finally:
                 summer.join()
+            os.replace(part, path)  # a shard already durable here stays whole until this one is
             record = ShardRecord(rank, len(image), crcs[0], BLOCK_SIZE)
             write_atomic(os.path.join(pending, f"rank-{rank}.done"),
                           json.dumps({**record.to_json(), "token": token}).encode())
             return record
         except OSError as exc:
-            self._undo_write(pending, path, created)
+            self._undo_write(pending, part, created)
             raise CheckpointError(f"writing rank {rank} of step {step} to {self.root} failed: {exc.strerror or exc}"
                                   " (the previous committed step is intact)") from exc
         except BaseException:
-            self._undo_write(pending, path, created)
+            self._undo_write(pending, part, created)
             raise
 
     @staticmethod
-    def _undo_write(pending: str, path: str, created: bool) -> None:
-        for undo in (lambda: os.unlink(path), lambda: os.rmdir(pending) if created else None):
+    def _undo_write(pending: str, part: str, created: bool) -> None:
+        for undo in (lambda: os.unlink(part), lambda: os.rmdir(pending) if created else None):
             try:
                 undo()
             except OSError:
@@ -297,6 +301,7 @@ class LocalStorage:
                                    "block_crc32": s["block_crc32"]} for r, s in shards.items()}}
             if scope is not None:
                 meta["ranks"] = scope
+            self._drop_parts(pending)
             write_atomic(os.path.join(pending, "metadata.json"), json.dumps(meta, indent=1).encode())
             if os.path.lexists(final):  # the same step saved again (a rollback, a newer line)
                 os.replace(final, f"{final}.tmp-replaced-{uuid.uuid4().hex[:8]}")
@@ -311,6 +316,16 @@ class LocalStorage:
         log.info("committed step %d (%d shards, %.1f MiB) in %s", step, world_size,
                  sum(s["size"] for s in shards.values()) / 2**20, self.root)
         return True
+
+    @staticmethod
+    def _drop_parts(pending: str) -> None:
+        """Remove the files a killed writer left half-written in ``pending``."""
+        for name in os.listdir(pending):
+            if _PART in name:
+                try:
+                    os.unlink(os.path.join(pending, name))
+                except OSError:
+                    pass
 
     def shard_written(self, step: int, rank: int, token: str) -> bool:
         """Whether rank ``rank``'s shard of ``step`` (run ``token``) is durable in its pending

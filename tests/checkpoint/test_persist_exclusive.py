@@ -2,11 +2,10 @@
 
 Two savers of one job (one stepping down, see ``test_one_saver.py``), a saver and
 ``flashckpt persist``, or a saver and a node-local one can all find the same slot to
-rescue. A shard is written in place into the step's pending directory; a second writer
-of it truncates and rewrites the file that the first one may have committed already,
-which damages a committed step. Each persist holds the slot's ``flock`` while it writes
-and commits, so a second one waits (for a bound), and then writes only what the first
-one did not.
+rescue. Two writers of one shard would write it twice and race the commit (see
+``test_shard_rewrite.py`` for what a second write may and may not do). Each persist
+holds the slot's ``flock`` while it writes and commits, so a second one waits (for a
+bound), and then writes only what the first one did not.
 """
 
 import fcntl
