@@ -35,7 +35,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
-from ._checksum import BlockSums
+from ._checksum import BlockSums, block_crcs
 from ._errors import CorruptCheckpointError
 from ._format import Entry, Image, header_length, parse_header
 from ._tree import Merge, kind_named
@@ -165,6 +165,9 @@ class ShardReader:
         read and its blocks verified."""
         run_chunks(self.plan(parts, whole=True), threads=threads,
                    done=None if done is None else lambda _, i: done(i))
+        self._all_verified()
+
+    def _all_verified(self) -> None:
         if len(self._sums.verified) != len(self._sums.crcs):
             raise CorruptCheckpointError(f"{self.path}: {self.size} bytes read, the commit records "
                                          f"{len(self._sums.crcs)} checksum blocks")
@@ -204,6 +207,35 @@ class ShardReader:
     def verify(self, *, threads: int | None = None) -> None:
         """Read and verify every block of the file."""
         self.read_all([], threads=threads)
+
+    def map_verified(self, *, threads: int | None = None) -> mmap.mmap:
+        """The whole local file mapped read-only, every block verified by checksumming the
+        mapped pages on ``threads`` threads: the pages the caller then reads through the
+        map are the ones verified, from memory (a :meth:`verify` drops what it read from
+        the cache, so reading a map after it reads the disk twice). Close the map when done."""
+        length = os.fstat(self.fileno()).st_size
+        if length != self.size:  # a map past the end of the file faults (SIGBUS) when read
+            raise CorruptCheckpointError(f"{self.path}: {length} bytes, the commit recorded {self.size} (truncated?)")
+        mm = mmap.mmap(self.fileno(), self.size, prot=mmap.PROT_READ)
+        bs = self._sums.block_size
+        chunk = max(1, CHUNK_BYTES // bs) * bs
+
+        def sums(at: int) -> list[int]:
+            with memoryview(mm) as view, view[at:at + chunk] as piece:
+                return block_crcs(piece, bs)
+
+        try:
+            starts = range(0, self.size, chunk)
+            with ThreadPoolExecutor(max(1, min(threads or THREADS, len(starts))),
+                                    thread_name_prefix="flashckpt-verify") as pool:
+                for at, crcs in zip(starts, pool.map(sums, starts)):
+                    for i, crc in enumerate(crcs):
+                        self._sums.check(at // bs + i, crc)
+            self._all_verified()
+        except BaseException:
+            mm.close()
+            raise
+        return mm
 
     def _preadv(self, pieces: list[memoryview], offset: int) -> None:
         self._read_pieces([p for p in pieces if len(p)], offset)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import CheckpointError, CorruptCheckpointError
+from .._errors import CheckpointError
 from .._files import fsync_dir
 from .._shard_read import ShardReader, open_shard, unflatten
 from .._storage import LocalStorage
@@ -50,10 +50,7 @@ def folder_name(step: int) -> str:
 def read_shard(reader: ShardReader) -> tuple[Any, mmap.mmap]:
     """The state tree of one shard, once every block verified, its tensors viewing the
     mapped file (keep the map open)."""
-    reader.verify()
-    if reader.size < 8:
-        raise CorruptCheckpointError(f"{reader.path}: empty or truncated shard")
-    mm = mmap.mmap(reader.fileno(), 0, prot=mmap.PROT_READ)
+    mm = reader.map_verified()
     image, base = reader.image, reader.body_start
     kinds = image.meta["kinds"]
     leaves: dict[str, Any] = {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import mmap
 import os
 from typing import Any
 
@@ -43,9 +42,8 @@ def read_step(directory: str, step: int) -> tuple[dict[str, np.ndarray], dict[st
     mmap)`` of a committed step, every block verified first; the arrays view the mmap
     (close it when done; bfloat16 variables come as ``uint16``)."""
     with open_shard(LocalStorage(directory), step, 0, whole=True) as reader:
-        reader.verify()
+        mm = reader.map_verified()
         path, image = reader.path, reader.image
-        mm = mmap.mmap(reader.fileno(), 0, access=mmap.ACCESS_READ)  # the file just verified
     root = _children(image.meta["tree"])
     tf_node = {k: v.get("v") for k, v in _children(root.get("tf", {})).items()}
     if "variables" not in root or not tf_node.get("format", "").startswith("flashckpt.tf/"):
