@@ -41,7 +41,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import stat
 import threading
 import time
@@ -52,11 +51,11 @@ from typing import Iterator
 from ._checksum import BLOCK_SIZE, block_crcs
 from ._files import fsync_dir, open_regular, read_bounded, write_atomic, write_durable
 from ._node_local import read_scope
+from ._run_lock import RUN_LOCK, RunClaim
 from ._step_meta import (MAX_LATEST, MAX_MARKER, MAX_METADATA, Line, ShardRecord, image_token, line_key, plain_name,
                          shard_name, validate_metadata)
 from ._shard_read import ShardReader
-from ._errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, JobConflictError,
-                      UnsafeFileError)
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeFileError
 
 __all__ = ["LocalStorage", "RUN_LOCK", "StepHold"]
 
@@ -66,18 +65,6 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-(\d+)\.tmp-(.+)$")
 _PART = ".tmp-"  # a file being written: <name>.tmp-<pid>-<random>, renamed to <name> once durable
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-RUN_LOCK = ".flashckpt-run.lock"
-
-
-class _Claim:
-    """This process's hold of one directory's run lock."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd, self.pid, self.count = fd, os.getpid(), 1
-
-
-_CLAIMS: dict[str, _Claim] = {}
-_CLAIMS_GUARD = threading.Lock()
 
 
 class StepHold:
@@ -103,77 +90,19 @@ class LocalStorage:
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = os.path.abspath(os.fspath(root))
-        self._claimed = False
+        self._run = RunClaim(self.root)
         self._lines: dict[int, tuple[tuple[int, int, int], Line]] = {}
 
     # -- one live run ---------------------------------------------------------------
 
     def claim_run(self, token: str) -> None:
-        """Hold ``<dir>/.flashckpt-run.lock`` for this run until :meth:`release_run` or exit.
-
-        Raises :class:`JobConflictError` naming the other process's pid and host when a
-        live process of another run holds it. Claiming again from the same process (a
-        second checkpointer) succeeds. Called once per run, by rank 0.
-        """
-        with _CLAIMS_GUARD:
-            held = _CLAIMS.get(self.root)
-            if held is not None and held.pid == os.getpid():
-                if not self._claimed:
-                    held.count += 1
-                    self._claimed = True
-                return
-            where = os.path.join(self.root, RUN_LOCK)
-            try:
-                os.makedirs(self.root, exist_ok=True)
-                fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise UnsafeFileError(f"{where} is a symbolic link; refusing to use it") from None
-                raise CheckpointError(f"cannot open {where}: {exc.strerror}") from exc
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise UnsafeFileError(f"{where} is not a regular file; refusing to use it")
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise JobConflictError(self._conflict(fd, where)) from None
-                record = {"pid": os.getpid(), "host": socket.gethostname(), "token": token,
-                          "started_at": time.time()}
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
-            except BaseException:
-                os.close(fd)
-                raise
-            _CLAIMS[self.root] = _Claim(fd)
-            self._claimed = True
-
-    def _conflict(self, fd: int, where: str) -> str:
-        try:
-            other = json.loads(os.pread(fd, 4096, 0))
-            pid, host = int(other["pid"]), str(other["host"])[:255]
-            who = f"pid {pid} on host {host}"
-        except (OSError, ValueError, TypeError, KeyError):
-            who = "a process that has not yet written its pid"
-        return (f"another run is live in {self.root}: {who} holds {RUN_LOCK}; stop it, or give this run "
-                "another checkpoint directory")
+        """Hold ``<dir>/.flashckpt-run.lock`` for this run until :meth:`release_run` or exit
+        (see :class:`flashckpt._run_lock.RunClaim`). Called once per run, by rank 0."""
+        self._run.take(token)
 
     def release_run(self) -> None:
         """Give up this object's claim; the lock is released when the process's last claim goes."""
-        with _CLAIMS_GUARD:
-            if not self._claimed:
-                return
-            self._claimed = False
-            held = _CLAIMS.get(self.root)
-            if held is None or held.pid != os.getpid():
-                return
-            held.count -= 1
-            if held.count == 0:
-                del _CLAIMS[self.root]
-                try:
-                    os.ftruncate(held.fd, 0)
-                except OSError:
-                    pass
-                os.close(held.fd)
+        self._run.release()
 
     # -- writing ------------------------------------------------------------------
 
