@@ -59,7 +59,8 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
     next save into the other slot meanwhile, and released at the end.
     ``already_persisted`` only releases the slot (a repeated request). The slot's
     ``flock`` is held while it is written and committed: a second persist of it (another
-    process) waits, at most :data:`BUSY_WAIT_SECONDS`, then skips a step the first wrote.
+    process) waits, at most :data:`BUSY_WAIT_SECONDS`, then skips a step the first committed.
+    A shard that is durable already (its done marker is there) is committed, not written again.
 
     A step this call commits is exported (if its ``info`` names an exporter) before it
     returns, once the slot is let go; with ``exports`` given, the export is returned in the result for the caller
@@ -91,7 +92,7 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
             h = slot.read_header()
             if h.state != SlotState.COMPLETE or (generation is not None and h.generation != generation):
                 return PersistResult(h.step, False, skipped=True)
-            if contended and _written_already(h.info if info is None else info, h.step):
+            if contended and _committed_already(h.info if info is None else info, h.step):
                 log.info("step %d of %s was persisted by the process this one waited for", h.step, slot_path)
                 return PersistResult(h.step, False, skipped=True)
             slot.set_reader(os.getpid())
@@ -103,7 +104,13 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
             start = time.perf_counter()
             info = h.info if info is None else info
             storage = open_storage(info["directory"])
-            storage.write_shard(h.step, info["storage_rank"], info["token"], slot.image(h.image_len))
+            if isinstance(storage, LocalStorage) and storage.shard_written(h.step, info["storage_rank"], info["token"]):
+                # an earlier persist of this slot (a saver that died, or the one waited for) wrote
+                # it and ended before its commit: commit, never write a durable shard again
+                log.info("rank %d of step %d is durable in %s already; committing it", info["storage_rank"], h.step,
+                         storage.root)
+            else:
+                storage.write_shard(h.step, info["storage_rank"], info["token"], slot.image(h.image_len))
             if exports is not None:
                 waited = time.perf_counter()
                 idle = exports.wait_idle(storage.root, EXPORT_WAIT_SECONDS)
@@ -133,13 +140,10 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
         lock.close()
 
 
-def _written_already(info: dict[str, Any], step: int) -> bool:
-    """Whether this rank's shard of ``step`` (run ``info["token"]``) is durable already, or
-    the step committed: what another persist of the same slot leaves behind."""
-    storage = open_storage(info["directory"])
-    if not storage.newer_than_committed(info["token"], step):
-        return True
-    return isinstance(storage, LocalStorage) and storage.shard_written(step, info["storage_rank"], info["token"])
+def _committed_already(info: dict[str, Any], step: int) -> bool:
+    """Whether ``step`` of run ``info["token"]`` committed (or a newer step did) while this
+    persist waited for another persist of the same slot."""
+    return not open_storage(info["directory"]).newer_than_committed(info["token"], step)
 
 
 def unpersisted_slots(slot_paths: list[str]) -> list[tuple[str, int, str, int]]:

@@ -143,6 +143,8 @@ class LocalStorage:
         pending = self._tmp_dir(step, token)
         path = os.path.join(pending, shard_name(rank))
         part = f"{path}{_PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        marker = os.path.join(pending, f"rank-{rank}.done")
+        undo = [part]  # what a failure removes
         created = False
         try:
             try:
@@ -160,23 +162,28 @@ class LocalStorage:
             finally:
                 summer.join()
             os.replace(part, path)  # a shard already durable here stays whole until this one is
+            undo = [] if os.path.exists(marker) else [path]  # a durable shard stays; one without its marker goes
             record = ShardRecord(rank, len(image), crcs[0], BLOCK_SIZE)
-            write_atomic(os.path.join(pending, f"rank-{rank}.done"),
-                          json.dumps({**record.to_json(), "token": token}).encode())
+            write_atomic(marker, json.dumps({**record.to_json(), "token": token}).encode())
             return record
         except OSError as exc:
-            self._undo_write(pending, part, created)
+            self._undo_write(pending, undo, created)
             raise CheckpointError(f"writing rank {rank} of step {step} to {self.root} failed: {exc.strerror or exc}"
                                   " (the previous committed step is intact)") from exc
         except BaseException:
-            self._undo_write(pending, part, created)
+            self._undo_write(pending, undo, created)
             raise
 
     @staticmethod
-    def _undo_write(pending: str, part: str, created: bool) -> None:
-        for undo in (lambda: os.unlink(part), lambda: os.rmdir(pending) if created else None):
+    def _undo_write(pending: str, files: list[str], created: bool) -> None:
+        for name in files:
             try:
-                undo()
+                os.unlink(name)
+            except OSError:
+                pass
+        if created:
+            try:
+                os.rmdir(pending)
             except OSError:
                 pass
 

@@ -21,7 +21,7 @@ from flashckpt._errors import CheckpointError
 from flashckpt._storage import LocalStorage
 
 from .test_export_hold import _one_slot
-from .test_storage_lineage import commit, token
+from .test_storage_lineage import commit, image, token
 
 
 def _info(storage: LocalStorage, tok: str) -> dict:
@@ -114,3 +114,29 @@ def test_an_export_run_inline_runs_once_the_slot_is_let_go(tmp_path, monkeypatch
         for path in glob.glob(_names.job_prefix(f"export-hold-{os.getpid()}") + ".*"):
             os.unlink(path)
     assert result.committed and free_then == [True]
+
+
+@pytest.mark.parametrize("waited", [False, True], ids=["a dead saver's slot", "after a wait"])
+def test_a_shard_durable_but_not_committed_is_committed_not_written_again(tmp_path, waited):
+    """A persist that wrote the rank's shard and its marker and then died (its saver was
+    killed before the commit; the other rank had written its own) leaves the step to the
+    next persist of the slot: that one commits it and never rewrites a durable shard."""
+    tok = token()
+    slot = _one_slot(tmp_path, 4, tok)
+    storage = _storage(tmp_path)
+    for rank in (0, 1):
+        storage.write_shard(4, rank, tok, image(4, tok))
+    written = os.stat(os.path.join(storage.root, f"step-4.tmp-{tok}", "rank-0.safetensors")).st_ino
+    info = dict(_info(storage, tok), storage_world=2)
+    fd = os.open(slot, os.O_RDONLY)
+    try:
+        if waited:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            threading.Timer(0.3, fcntl.flock, (fd, fcntl.LOCK_UN)).start()
+        result = _persist.persist_slot(slot, info=info)
+    finally:
+        os.close(fd)
+        for path in glob.glob(_names.job_prefix(f"export-hold-{os.getpid()}") + ".*"):
+            os.unlink(path)
+    assert result.committed and storage.verify(4) == []
+    assert os.stat(os.path.join(storage.step_dir(4), "rank-0.safetensors")).st_ino == written

@@ -68,3 +68,15 @@ def test_a_rewrite_killed_half_way_leaves_the_durable_shard(tmp_path):
     proc = subprocess.run([sys.executable, "-c", rewrite], cwd=REPO, capture_output=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     _commit_and_check(storage, tok)
+
+
+def test_a_first_write_whose_marker_fails_leaves_no_shard_behind(tmp_path, monkeypatch):
+    storage, tok = LocalStorage(tmp_path), token()
+
+    def full_disk(path: str, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("flashckpt._storage.write_atomic", full_disk)
+    with pytest.raises(CheckpointError, match="No space left"):
+        storage.write_shard(4, 0, tok, image(4, tok, 1 << 20))
+    assert os.listdir(tmp_path) == []  # no shard without its marker holding the disk
