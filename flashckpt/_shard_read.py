@@ -35,7 +35,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
-from ._checksum import BlockSums, block_crcs
+from ._checksum import BlockSums
 from ._errors import CorruptCheckpointError
 from ._format import Entry, Image, header_length, parse_header
 from ._tree import Merge, kind_named
@@ -88,6 +88,8 @@ class ShardReader:
         """Per page, nonzero where it was in the page cache before the first chunk was read."""
         self._cached_known = False
         self._cached_guard = threading.Lock()
+        self._keep_cached = False
+        """Whether a full read leaves what it read in the cache (:meth:`map_verified`)."""
         try:
             self.size = int(record["size"])
             self._read_pieces = _pieces_reader(file, self.path, self.size)
@@ -209,46 +211,39 @@ class ShardReader:
         self.read_all([], threads=threads)
 
     def map_verified(self, *, threads: int | None = None) -> mmap.mmap:
-        """The whole local file mapped read-only, every block verified by checksumming the
-        mapped pages on ``threads`` threads: the pages the caller then reads through the
-        map are the ones verified, from memory (a :meth:`verify` drops what it read from
-        the cache, so reading a map after it reads the disk twice). Close the map when done."""
+        """The whole local file mapped read-only, after a full read (:meth:`verify`) that
+        leaves what it read in the page cache: the caller's reads of the map then come
+        from memory, not from the disk a second time. A disk error is raised by the read
+        (as :class:`OSError`), not met through the map (which would be ``SIGBUS``).
+        Close the map when done."""
+        self._keep_cached = True
+        try:
+            self.verify(threads=threads)
+        finally:
+            self._keep_cached = False
         length = os.fstat(self.fileno()).st_size
         if length != self.size:  # a map past the end of the file faults (SIGBUS) when read
             raise CorruptCheckpointError(f"{self.path}: {length} bytes, the commit recorded {self.size} (truncated?)")
-        mm = mmap.mmap(self.fileno(), self.size, prot=mmap.PROT_READ)
-        bs = self._sums.block_size
-        chunk = max(1, CHUNK_BYTES // bs) * bs
-
-        def sums(at: int) -> list[int]:
-            with memoryview(mm) as view, view[at:at + chunk] as piece:
-                return block_crcs(piece, bs)
-
-        try:
-            starts = range(0, self.size, chunk)
-            with ThreadPoolExecutor(max(1, min(threads or THREADS, len(starts))),
-                                    thread_name_prefix="flashckpt-verify") as pool:
-                for at, crcs in zip(starts, pool.map(sums, starts)):
-                    for i, crc in enumerate(crcs):
-                        self._sums.check(at // bs + i, crc)
-            self._all_verified()
-        except BaseException:
-            mm.close()
-            raise
-        return mm
+        return mmap.mmap(self.fileno(), self.size, prot=mmap.PROT_READ)
 
     def _preadv(self, pieces: list[memoryview], offset: int) -> None:
         self._read_pieces([p for p in pieces if len(p)], offset)
 
-    def _read_chunk(self, start: int, pieces: list[Any]) -> None:
+    def _read_chunk(self, start: int, pieces: list[Any], gaps: threading.local | None = None) -> None:
         """Fill ``pieces`` (views, or gap lengths to skip) with the bytes from block-aligned
         ``start`` and verify their blocks; a range that was not cached is not left cached."""
         cached = self._cached_before()  # before this chunk's read fills the cache
-        views = [memoryview(bytearray(p)) if isinstance(p, int) else p for p in pieces]
+        views, scratch = [], _gap_buffer(gaps, sum(p for p in pieces if isinstance(p, int)))
+        for p in pieces:
+            if isinstance(p, int):
+                views.append(scratch[:p])
+                scratch = scratch[p:]
+            else:
+                views.append(p)
         self._preadv(views, start)
         self._sums.check_pieces(start, views)
         length = sum(len(v) for v in views)
-        if cached is not None and not _mostly_cached(cached, start, length):
+        if cached is not None and not self._keep_cached and not _mostly_cached(cached, start, length):
             os.posix_fadvise(self._file.fileno(), start, length, os.POSIX_FADV_DONTNEED)
 
     def _cached_before(self) -> bytes | None:
@@ -260,6 +255,18 @@ class ShardReader:
                 if isinstance(self._file, io.FileIO):
                     self._cached = _resident_pages(self._file.fileno(), self.size)
         return self._cached
+
+
+def _gap_buffer(gaps: threading.local | None, nbytes: int) -> memoryview:
+    """A buffer of at least ``nbytes`` for bytes read only to be checksummed: this thread's
+    in ``gaps`` (one read's), reused across its chunks, since a fresh one per chunk costs a
+    page fault per page."""
+    if gaps is None:
+        return memoryview(bytearray(nbytes))
+    buf = getattr(gaps, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        gaps.buf = buf = memoryview(bytearray(nbytes))
+    return buf
 
 
 def _mostly_cached(pages: bytes, start: int, length: int) -> bool:
@@ -397,10 +404,11 @@ class Chunk:
     def __init__(self, reader: ShardReader, start: int, layout: list[Any], touched: list[int]) -> None:
         self.reader, self.start, self.layout, self.touched = reader, start, layout, touched
 
-    def read(self) -> None:
-        """Read and verify (every whole block not yet verified: a chunk is block aligned)."""
+    def read(self, gaps: threading.local | None = None) -> None:
+        """Read and verify (every whole block not yet verified: a chunk is block aligned);
+        ``gaps`` keeps each thread's buffer for the bytes read only to be verified."""
         self.reader._read_chunk(self.start, [p[0].view()[p[1]:p[2]] if isinstance(p, tuple) else p
-                                             for p in self.layout])
+                                             for p in self.layout], gaps)
 
 
 def run_chunks(chunks: list[Chunk], *, threads: int | None = None,
@@ -414,13 +422,13 @@ def run_chunks(chunks: list[Chunk], *, threads: int | None = None,
     for c in chunks:
         for i in c.touched:
             left[id(c.reader), i] = left.get((id(c.reader), i), 0) + 1
-    guard, failed = threading.Lock(), threading.Event()
+    guard, failed, gaps = threading.Lock(), threading.Event(), threading.local()
 
     def run(c: Chunk) -> None:
         if failed.is_set():
             return
         try:
-            c.read()
+            c.read(gaps)
         except BaseException:
             failed.set()
             raise

@@ -3,8 +3,8 @@
 The Hugging Face and TF exporters write their files from a read-only map of the
 committed shard. They used to verify the shard with a full read that dropped the pages
 it had read from the cache (as a load does), and then the writes read every page from
-disk again through the map. ``ShardReader.map_verified`` checksums the mapped pages
-themselves, so the verified pages are the ones the writes then read from memory.
+disk again through the map. ``ShardReader.map_verified`` verifies with a read that
+leaves the pages in the cache, so the writes read the verified pages from memory.
 """
 
 import os
