@@ -149,8 +149,10 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results", "hf_trainer.json"))
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads of training (both runs); fewer than the cores leaves the saver a core")
     opts = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(opts.threads)
     work = tempfile.mkdtemp(prefix="flashckpt-bench-hf-")
     try:
         stock, stock_total, nbytes = run(os.path.join(work, "stock"), False, opts)
@@ -189,7 +191,8 @@ def main() -> None:
     print(f"whole train(): stock {stock_total:.1f}s, flash {flash_total:.1f}s (flash waits for the last folder)")
     result = {
         "benchmark": "hf_trainer", "model": "gpt2-small (GPT2Config())", "state_bytes": nbytes,
-        "steps": opts.steps, "save_steps": opts.save_steps, "seq": opts.seq, "median_step_seconds": step_time,
+        "steps": opts.steps, "save_steps": opts.save_steps, "seq": opts.seq, "threads": opts.threads,
+        "median_step_seconds": step_time,
         "median_step_seconds_flash_run": statistics.median(flash.step_times),
         "stall_seconds": {"stock": {str(s): stock.stalls[s] for s in steps},
                           "flash": {str(s): flash.stalls[s] for s in steps}},
