@@ -104,7 +104,8 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
             start = time.perf_counter()
             info = h.info if info is None else info
             storage = open_storage(info["directory"])
-            if isinstance(storage, LocalStorage) and storage.shard_written(h.step, info["storage_rank"], info["token"]):
+            if isinstance(storage, LocalStorage) and storage.shard_written(h.step, info["storage_rank"], info["token"],
+                                                                          h.image_len):
                 # an earlier persist of this slot (a saver that died, or the one waited for) wrote
                 # it and ended before its commit: commit, never write a durable shard again
                 log.info("rank %d of step %d is durable in %s already; committing it", info["storage_rank"], h.step,

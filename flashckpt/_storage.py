@@ -263,10 +263,19 @@ class LocalStorage:
                 except OSError:
                     pass
 
-    def shard_written(self, step: int, rank: int, token: str) -> bool:
-        """Whether rank ``rank``'s shard of ``step`` (run ``token``) is durable in its pending
-        directory, waiting for the other ranks."""
-        return self._read_marker(self._tmp_dir(step, token), rank, token) is not None
+    def shard_written(self, step: int, rank: int, token: str, size: int) -> bool:
+        """Whether rank ``rank``'s shard of ``step`` (run ``token``), ``size`` bytes, is durable
+        in its pending directory, waiting for the other ranks: its marker records that size
+        and the file has it."""
+        pending = self._tmp_dir(step, token)
+        marker = self._read_marker(pending, rank, token)
+        if marker is None or marker.get("size") != size:
+            return False
+        try:
+            st = os.lstat(os.path.join(pending, shard_name(rank)))
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == size
 
     def _read_marker(self, pending: str, rank: int, token: str) -> dict | None:
         where = os.path.join(pending, f"rank-{rank}.done")

@@ -38,6 +38,11 @@ def held_slot(tmp_path):
     fcntl.flock(fd, fcntl.LOCK_EX)
     yield slot, tok, fd
     os.close(fd)
+    _remove_slots()
+
+
+def _remove_slots() -> None:
+    """Remove the slot (and its lock) ``_one_slot`` made."""
     for path in glob.glob(_names.job_prefix(f"export-hold-{os.getpid()}") + ".*"):
         os.unlink(path)
 
@@ -111,8 +116,7 @@ def test_an_export_run_inline_runs_once_the_slot_is_let_go(tmp_path, monkeypatch
     try:
         result = _persist.persist_slot(slot, info=dict(_info(storage, tok), export={"name": "hf"}))
     finally:
-        for path in glob.glob(_names.job_prefix(f"export-hold-{os.getpid()}") + ".*"):
-            os.unlink(path)
+        _remove_slots()
     assert result.committed and free_then == [True]
 
 
@@ -136,7 +140,20 @@ def test_a_shard_durable_but_not_committed_is_committed_not_written_again(tmp_pa
         result = _persist.persist_slot(slot, info=info)
     finally:
         os.close(fd)
-        for path in glob.glob(_names.job_prefix(f"export-hold-{os.getpid()}") + ".*"):
-            os.unlink(path)
+        _remove_slots()
     assert result.committed and storage.verify(4) == []
     assert os.stat(os.path.join(storage.step_dir(4), "rank-0.safetensors")).st_ino == written
+
+
+def test_a_marked_shard_that_is_gone_is_written_again(tmp_path):
+    tok = token()
+    slot = _one_slot(tmp_path, 4, tok)
+    storage = _storage(tmp_path)
+    for rank in (0, 1):
+        storage.write_shard(4, rank, tok, image(4, tok))
+    os.unlink(os.path.join(storage.root, f"step-4.tmp-{tok}", "rank-0.safetensors"))  # its marker stays
+    try:
+        result = _persist.persist_slot(slot, info=dict(_info(storage, tok), storage_world=2))
+    finally:
+        _remove_slots()
+    assert result.committed and storage.verify(4) == []
