@@ -104,14 +104,17 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
             start = time.perf_counter()
             info = h.info if info is None else info
             storage = open_storage(info["directory"])
+            image = slot.image(h.image_len)
+            written = 0
             if isinstance(storage, LocalStorage) and storage.shard_written(h.step, info["storage_rank"], info["token"],
-                                                                          h.image_len):
-                # an earlier persist of this slot (a saver that died, or the one waited for) wrote
-                # it and ended before its commit: commit, never write a durable shard again
-                log.info("rank %d of step %d is durable in %s already; committing it", info["storage_rank"], h.step,
-                         storage.root)
+                                                                          image):
+                # an earlier persist of this save (a saver that died, or the one waited for) wrote
+                # it and ended before the step's commit: never write a durable shard again
+                log.info("rank %d of step %d is durable in %s already; not writing it again", info["storage_rank"],
+                         h.step, storage.root)
             else:
-                storage.write_shard(h.step, info["storage_rank"], info["token"], slot.image(h.image_len))
+                storage.write_shard(h.step, info["storage_rank"], info["token"], image)
+                written = h.image_len
             if exports is not None:
                 waited = time.perf_counter()
                 idle = exports.wait_idle(storage.root, EXPORT_WAIT_SECONDS)
@@ -130,9 +133,8 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
                                 keep_last=info.get("keep_last", 0), token=info["token"])
             seconds = time.perf_counter() - start
             log.info("persisted step %d rank %d: %.1f MiB in %.2fs (%.0f MiB/s)%s", h.step, info["storage_rank"],
-                     h.image_len / 2**20, seconds, h.image_len / 2**20 / max(seconds, 1e-9),
-                     ", committed" if committed else "")
-            return PersistResult(h.step, committed, seconds=seconds, nbytes=h.image_len, export=export)
+                     written / 2**20, seconds, written / 2**20 / max(seconds, 1e-9), ", committed" if committed else "")
+            return PersistResult(h.step, committed, seconds=seconds, nbytes=written, export=export)
         finally:
             with lock.held():
                 slot.set_reader(0)

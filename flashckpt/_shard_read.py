@@ -14,7 +14,8 @@ gaps into scratch), each thread checksumming its own blocks; the checksums and t
 release the GIL. A chunk of a local file that was not in the page cache (a restart's
 load: the saver wrote the file with ``O_DIRECT``) is dropped from the cache once read
 (``POSIX_FADV_DONTNEED``): the load leaves no copy of the checkpoint in memory that
-training needs. Reads go through the cache rather than around it (``O_DIRECT``): the
+training needs (an exporter's :meth:`~ShardReader.map_verified` keeps it: it reads the
+pages again through a map). Reads go through the cache rather than around it (``O_DIRECT``): the
 kernel's readahead fills the caller's buffers with no bounce buffer, which measured
 faster cold on this project's disk, with no more system time (a new process's load of
 357 MB: 0.19-0.24 s against 0.24-0.37 s, of 1.49 GB: 0.74-0.77 s against 0.70-1.28 s;
@@ -214,7 +215,8 @@ class ShardReader:
         """The whole local file mapped read-only, after a full read (:meth:`verify`) that
         leaves what it read in the page cache: the caller's reads of the map then come
         from memory, not from the disk a second time. A disk error is raised by the read
-        (as :class:`OSError`), not met through the map (which would be ``SIGBUS``).
+        (as :class:`OSError`) rather than met through the map (``SIGBUS``) while the pages
+        stay cached (a shard larger than free memory is partly read from disk again).
         Close the map when done."""
         self._keep_cached = True
         try:
@@ -231,7 +233,8 @@ class ShardReader:
 
     def _read_chunk(self, start: int, pieces: list[Any], gaps: threading.local | None = None) -> None:
         """Fill ``pieces`` (views, or gap lengths to skip) with the bytes from block-aligned
-        ``start`` and verify their blocks; a range that was not cached is not left cached."""
+        ``start`` and verify their blocks; a range that was not cached is not left cached
+        (unless :meth:`map_verified` reads it)."""
         cached = self._cached_before()  # before this chunk's read fills the cache
         views, scratch = [], _gap_buffer(gaps, sum(p for p in pieces if isinstance(p, int)))
         for p in pieces:

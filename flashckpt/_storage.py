@@ -161,21 +161,25 @@ class LocalStorage:
                 write_durable(part, image)
             finally:
                 summer.join()
-            os.replace(part, path)  # a shard already durable here stays whole until this one is
-            undo = [] if os.path.exists(marker) else [path]  # a durable shard stays; one without its marker goes
+            if os.path.lexists(marker):  # another save's shard: no marker may describe these bytes but theirs
+                os.unlink(marker)
+            os.replace(part, path)  # a shard already here stays whole until this one is
+            undo.append(path)
             record = ShardRecord(rank, len(image), crcs[0], BLOCK_SIZE)
             write_atomic(marker, json.dumps({**record.to_json(), "token": token}).encode())
             return record
         except OSError as exc:
-            self._undo_write(pending, undo, created)
+            self._undo_write(pending, undo, marker, created)
             raise CheckpointError(f"writing rank {rank} of step {step} to {self.root} failed: {exc.strerror or exc}"
                                   " (the previous committed step is intact)") from exc
         except BaseException:
-            self._undo_write(pending, undo, created)
+            self._undo_write(pending, undo, marker, created)
             raise
 
     @staticmethod
-    def _undo_write(pending: str, files: list[str], created: bool) -> None:
+    def _undo_write(pending: str, files: list[str], marker: str, created: bool) -> None:
+        if os.path.lexists(marker):  # renamed into place before the failure: the shard it describes stays
+            files = files[:1]
         for name in files:
             try:
                 os.unlink(name)
@@ -263,19 +267,22 @@ class LocalStorage:
                 except OSError:
                     pass
 
-    def shard_written(self, step: int, rank: int, token: str, size: int) -> bool:
-        """Whether rank ``rank``'s shard of ``step`` (run ``token``), ``size`` bytes, is durable
-        in its pending directory, waiting for the other ranks: its marker records that size
-        and the file has it."""
+    def shard_written(self, step: int, rank: int, token: str, image: memoryview) -> bool:
+        """Whether ``image``, rank ``rank``'s shard of ``step`` (run ``token``), is durable in
+        the step's pending directory, waiting for the other ranks: its marker records the
+        image's size and block checksums (not another save of that step), and the file has
+        that size."""
         pending = self._tmp_dir(step, token)
         marker = self._read_marker(pending, rank, token)
-        if marker is None or marker.get("size") != size:
+        if marker is None or marker.get("size") != len(image) or not isinstance(marker.get("block_size"), int):
             return False
         try:
             st = os.lstat(os.path.join(pending, shard_name(rank)))
         except OSError:
             return False
-        return stat.S_ISREG(st.st_mode) and st.st_size == size
+        if not stat.S_ISREG(st.st_mode) or st.st_size != len(image):
+            return False
+        return marker.get("block_crc32") == block_crcs(image, marker["block_size"])
 
     def _read_marker(self, pending: str, rank: int, token: str) -> dict | None:
         where = os.path.join(pending, f"rank-{rank}.done")

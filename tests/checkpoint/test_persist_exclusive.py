@@ -157,3 +157,21 @@ def test_a_marked_shard_that_is_gone_is_written_again(tmp_path):
     finally:
         _remove_slots()
     assert result.committed and storage.verify(4) == []
+
+
+def test_a_durable_shard_of_another_save_of_the_step_is_written_over(tmp_path):
+    """The step was saved twice in the run (same size, other bytes): the first save's
+    durable shard is not the one in the slot, so the persist writes the slot's."""
+    tok = token()
+    slot = _one_slot(tmp_path, 4, tok)
+    storage = _storage(tmp_path)
+    first = bytearray(image(4, tok))
+    first[-1] ^= 0xFF
+    storage.write_shard(4, 0, tok, memoryview(bytes(first)))
+    storage.write_shard(4, 1, tok, image(4, tok))
+    try:
+        result = _persist.persist_slot(slot, info=dict(_info(storage, tok), storage_world=2))
+    finally:
+        _remove_slots()
+    assert result.committed and storage.verify(4) == []
+    assert (tmp_path / "ckpt" / "step-4" / "rank-0.safetensors").read_bytes() == bytes(image(4, tok))

@@ -80,3 +80,21 @@ def test_a_first_write_whose_marker_fails_leaves_no_shard_behind(tmp_path, monke
     with pytest.raises(CheckpointError, match="No space left"):
         storage.write_shard(4, 0, tok, image(4, tok, 1 << 20))
     assert os.listdir(tmp_path) == []  # no shard without its marker holding the disk
+
+
+def test_a_rewrite_whose_marker_fails_leaves_no_marker_of_other_bytes(tmp_path, monkeypatch):
+    """A second save of the step (other bytes, same size) replaced the shard, then its marker
+    failed: the first save's marker must not stay to vouch for the second save's bytes."""
+    storage, tok = LocalStorage(tmp_path), token()
+    other = bytearray(image(4, tok))
+    other[-1] ^= 0xFF
+    storage.write_shard(4, 0, tok, memoryview(bytes(other)))
+
+    def full_disk(path: str, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("flashckpt._storage.write_atomic", full_disk)
+    with pytest.raises(CheckpointError, match="No space left"):
+        storage.write_shard(4, 0, tok, image(4, tok))
+    pending = tmp_path / f"step-4.tmp-{tok}"
+    assert not (pending / "rank-0.done").exists() and not (pending / "rank-0.safetensors").exists()
