@@ -168,9 +168,6 @@ class ShardReader:
         read and its blocks verified."""
         run_chunks(self.plan(parts, whole=True), threads=threads,
                    done=None if done is None else lambda _, i: done(i))
-        self._all_verified()
-
-    def _all_verified(self) -> None:
         if len(self._sums.verified) != len(self._sums.crcs):
             raise CorruptCheckpointError(f"{self.path}: {self.size} bytes read, the commit records "
                                          f"{len(self._sums.crcs)} checksum blocks")
@@ -231,7 +228,7 @@ class ShardReader:
     def _preadv(self, pieces: list[memoryview], offset: int) -> None:
         self._read_pieces([p for p in pieces if len(p)], offset)
 
-    def _read_chunk(self, start: int, pieces: list[Any], gaps: threading.local | None = None) -> None:
+    def _read_chunk(self, start: int, pieces: list[Any], gaps: threading.local) -> None:
         """Fill ``pieces`` (views, or gap lengths to skip) with the bytes from block-aligned
         ``start`` and verify their blocks; a range that was not cached is not left cached
         (unless :meth:`map_verified` reads it)."""
@@ -260,12 +257,10 @@ class ShardReader:
         return self._cached
 
 
-def _gap_buffer(gaps: threading.local | None, nbytes: int) -> memoryview:
+def _gap_buffer(gaps: threading.local, nbytes: int) -> memoryview:
     """A buffer of at least ``nbytes`` for bytes read only to be checksummed: this thread's
     in ``gaps`` (one read's), reused across its chunks, since a fresh one per chunk costs a
     page fault per page."""
-    if gaps is None:
-        return memoryview(bytearray(nbytes))
     buf = getattr(gaps, "buf", None)
     if buf is None or len(buf) < nbytes:
         gaps.buf = buf = memoryview(bytearray(nbytes))
@@ -407,7 +402,7 @@ class Chunk:
     def __init__(self, reader: ShardReader, start: int, layout: list[Any], touched: list[int]) -> None:
         self.reader, self.start, self.layout, self.touched = reader, start, layout, touched
 
-    def read(self, gaps: threading.local | None = None) -> None:
+    def read(self, gaps: threading.local) -> None:
         """Read and verify (every whole block not yet verified: a chunk is block aligned);
         ``gaps`` keeps each thread's buffer for the bytes read only to be verified."""
         self.reader._read_chunk(self.start, [p[0].view()[p[1]:p[2]] if isinstance(p, tuple) else p

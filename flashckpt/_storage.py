@@ -67,6 +67,11 @@ _PART = ".tmp-"  # a file being written: <name>.tmp-<pid>-<random>, renamed to <
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def _marker_path(pending: str, rank: int) -> str:
+    """Rank ``rank``'s done marker in a pending step directory: its shard is durable."""
+    return os.path.join(pending, f"rank-{rank}.done")
+
+
 class StepHold:
     """A committed step kept from retention (see :meth:`LocalStorage.hold_step`)."""
 
@@ -143,7 +148,7 @@ class LocalStorage:
         pending = self._tmp_dir(step, token)
         path = os.path.join(pending, shard_name(rank))
         part = f"{path}{_PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        marker = os.path.join(pending, f"rank-{rank}.done")
+        marker = _marker_path(pending, rank)
         undo = [part]  # what a failure removes
         created = False
         try:
@@ -285,7 +290,7 @@ class LocalStorage:
         return marker.get("block_crc32") == block_crcs(image, marker["block_size"])
 
     def _read_marker(self, pending: str, rank: int, token: str) -> dict | None:
-        where = os.path.join(pending, f"rank-{rank}.done")
+        where = _marker_path(pending, rank)
         try:
             fd = open_regular(where, where)
         except CheckpointNotFoundError:
