@@ -104,17 +104,7 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
             start = time.perf_counter()
             info = h.info if info is None else info
             storage = open_storage(info["directory"])
-            image = slot.image(h.image_len)
-            written = 0
-            if isinstance(storage, LocalStorage) and storage.shard_written(h.step, info["storage_rank"], info["token"],
-                                                                          image):
-                # an earlier persist of this save (a saver that died, or the one waited for) wrote
-                # it and ended before the step's commit: never write a durable shard again
-                log.info("rank %d of step %d is durable in %s already; not writing it again", info["storage_rank"],
-                         h.step, storage.root)
-            else:
-                storage.write_shard(h.step, info["storage_rank"], info["token"], image)
-                written = h.image_len
+            written = _write_unless_durable(storage, h.step, info, slot.image(h.image_len))
             if exports is not None:
                 waited = time.perf_counter()
                 idle = exports.wait_idle(storage.root, EXPORT_WAIT_SECONDS)
@@ -141,6 +131,23 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
     finally:
         slot.close()
         lock.close()
+
+
+def _write_unless_durable(storage: Any, step: int, info: dict[str, Any], image: memoryview) -> int:
+    """Write ``image`` as this rank's shard of ``step`` unless an earlier persist of this
+    save made it durable already; the bytes written. The view is released on return: a
+    frame kept alive below (an exception a library caught in a reference cycle) must not
+    keep the slot mapped, nor, through the mapping's copy of its descriptor, locked."""
+    with image:
+        if isinstance(storage, LocalStorage) and storage.shard_written(step, info["storage_rank"], info["token"],
+                                                                      image):
+            # an earlier persist of this save (a saver that died, or the one waited for) wrote
+            # it and ended before the step's commit: never write a durable shard again
+            log.info("rank %d of step %d is durable in %s already; not writing it again", info["storage_rank"],
+                     step, storage.root)
+            return 0
+        storage.write_shard(step, info["storage_rank"], info["token"], image)
+        return len(image)
 
 
 def _committed_already(info: dict[str, Any], step: int) -> bool:

@@ -218,6 +218,7 @@ class Slot:
         self.capacity = 0
         self._locker: PageLocker | None = None
         self._lock_handle: Any = None
+        self._persist_fd = -1
         self._map()
 
     @classmethod
@@ -235,11 +236,17 @@ class Slot:
     def lock_for_persist(self, seconds: float) -> bool:
         """Take this slot's persist lock, an ``flock`` on its file (two processes never
         write one slot to storage at once), waiting up to ``seconds``; False if another
-        holder kept it that long. Closing the slot releases it."""
+        holder kept it that long. Closing the slot releases it.
+
+        The lock is taken through a descriptor of its own: the mapping holds a copy of the
+        slot's (Python's ``mmap`` duplicates it), which would keep the lock for as long as
+        any view of the slot lives on."""
+        if self._persist_fd < 0:
+            self._persist_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
         deadline = time.monotonic() + seconds
         while True:
             try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(self._persist_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return True
             except BlockingIOError:
                 if time.monotonic() >= deadline:
@@ -350,9 +357,10 @@ class Slot:
         self._unlock_pages()
         self._locker = None
         self.mm = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for fd in (self._fd, self._persist_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._persist_fd = -1
 
 
 def _parse_header(buf: Any) -> SlotHeader:

@@ -47,6 +47,15 @@ def _remove_slots() -> None:
         os.unlink(path)
 
 
+def _assert_unlocked(slot: str) -> None:
+    """No process holds ``slot``'s persist lock (``flock`` raises if one does)."""
+    fd = os.open(slot, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+
+
 def _storage(tmp_path) -> LocalStorage:
     (tmp_path / "ckpt").mkdir()
     return LocalStorage(str(tmp_path / "ckpt"))
@@ -175,3 +184,53 @@ def test_a_durable_shard_of_another_save_of_the_step_is_written_over(tmp_path):
         _remove_slots()
     assert result.committed and storage.verify(4) == []
     assert (tmp_path / "ckpt" / "step-4" / "rank-0.safetensors").read_bytes() == bytes(image(4, tok))
+
+
+def test_a_persist_lets_the_slot_go_even_when_a_library_below_keeps_its_frames(tmp_path, monkeypatch):
+    """botocore and asyncio keep exceptions they caught in reference cycles until the cyclic
+    gc runs; such a traceback keeps every calling frame, the persist's included. The slot
+    is let go (its lock, its mapping) when the persist returns all the same: a second
+    persist of it (the saver's repeated request) once waited 300 s for the first."""
+    tok = token()
+    slot = _one_slot(tmp_path, 4, tok)
+    storage = _storage(tmp_path)
+    kept = []
+    commit = LocalStorage.try_commit
+
+    def commit_keeping_frames(self, *args, **kwargs):
+        try:
+            raise OSError("caught below the persist and kept")
+        except OSError as exc:
+            kept.append(exc)
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "try_commit", commit_keeping_frames)
+    try:
+        assert _persist.persist_slot(slot, info=_info(storage, tok)).committed
+        assert kept
+        assert not [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == slot]
+        _assert_unlocked(slot)
+    finally:
+        _remove_slots()
+
+
+def test_the_persist_lock_goes_with_the_slot_even_when_a_view_of_it_lives_on(tmp_path, monkeypatch):
+    """A storage backend that keeps a view of the image it wrote keeps the slot mapped; the
+    next persist of the slot still gets its lock."""
+    tok = token()
+    slot = _one_slot(tmp_path, 4, tok)
+    storage = _storage(tmp_path)
+    kept = []
+    write = LocalStorage.write_shard
+
+    def write_keeping_a_view(self, step, rank, tok, image):
+        kept.append(image[:16])
+        return write(self, step, rank, tok, image)
+
+    monkeypatch.setattr(LocalStorage, "write_shard", write_keeping_a_view)
+    try:
+        assert _persist.persist_slot(slot, info=_info(storage, tok)).committed
+        _assert_unlocked(slot)
+    finally:
+        kept.clear()
+        _remove_slots()
