@@ -155,16 +155,35 @@ def _job_alive(job: str, paths: list[str]) -> bool:
     return any(h is not None and pid_alive(h.writer_pid) for h in map(Slot.peek_header, _slot_paths(paths)))
 
 
+def _storage_unreachable(paths: list[str], exc: CheckpointError) -> str:
+    """Why a dead job's slots cannot be checked against their storage, in one line."""
+    where = sorted({h.info["directory"] for h in map(Slot.peek_header, _slot_paths(paths))
+                    if h is not None and "directory" in h.info})
+    return f"cannot tell what of it is on {', '.join(where) or 'its storage'}: {_one_line(exc)}"
+
+
+def _why_keep(job: str, paths: list[str]) -> str | None:
+    """Why gc must keep a dead job's objects: steps only its memory holds, or storage
+    that cannot be checked; None when they can go."""
+    try:
+        pending = unpersisted_slots(_slot_paths(paths))
+    except CheckpointError as exc:
+        return (f"{_storage_unreachable(paths, exc)} (run `flashckpt persist --job-id {job}` once it can be "
+                "reached, or gc --force)")
+    if not pending:
+        return None
+    steps = sorted({step for _, _, _, step in pending})
+    return f"steps {steps} are in memory only (run `flashckpt persist --job-id {job}` first, or gc --force)"
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     removed = kept = 0
     for job, paths in sorted(_segments().items()):
         if _job_alive(job, paths):
             continue
-        pending = unpersisted_slots(_slot_paths(paths))
-        if pending and not args.force:
-            steps = sorted({step for _, _, _, step in pending})
-            print(f"job {job}: keeping {len(paths)} objects, steps {steps} are in memory only "
-                  f"(run `flashckpt persist --job-id {job}` first, or gc --force)")
+        keep = None if args.force else _why_keep(job, paths)
+        if keep:
+            print(f"job {job}: keeping {len(paths)} objects, {keep}")
             kept += len(paths)
             continue
         for path in paths:
@@ -183,19 +202,30 @@ def cmd_persist(args: argparse.Namespace) -> int:
     jobs = _segments()
     if args.job_id:
         jobs = {args.job_id: jobs.get(args.job_id, [])}
-    done = 0
+    done = failed = 0
     for job, paths in sorted(jobs.items()):
         if _job_alive(job, paths) and not args.job_id:
             continue  # its own saver takes care of it
-        for path, generation, _, _ in unpersisted_slots(_slot_paths(paths)):
-            result = persist_slot(path, generation)
+        try:
+            pending = unpersisted_slots(_slot_paths(paths))
+        except CheckpointError as exc:
+            print(f"error: job {job}: {_storage_unreachable(paths, exc)}", file=sys.stderr)
+            failed += 1
+            continue
+        for path, generation, _, _ in pending:
+            try:
+                result = persist_slot(path, generation)
+            except CheckpointError as exc:
+                print(f"error: job {job}: {os.path.basename(path)}: {_one_line(exc)}", file=sys.stderr)
+                failed += 1
+                continue
             if not result.skipped:
                 print(f"job {job}: persisted step {result.step} from {os.path.basename(path)}"
                       f"{' and committed it' if result.committed else ' (other ranks still missing)'}")
                 done += 1
-    if not done:
+    if not done and not failed:
         print("nothing in shared memory needed persisting")
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -232,13 +262,15 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_verify)
     p = sub.add_parser("gc", help="remove stale shared memory of dead jobs", description=(
         "Remove this user's shared-memory objects of jobs with no live process. Jobs whose memory holds steps "
-        "not yet on storage are kept unless --force (run `flashckpt persist` first)."))
+        "not yet on storage, or whose storage cannot be reached to tell, are kept unless --force (run "
+        "`flashckpt persist` first)."))
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     p.add_argument("--force", action="store_true", help="also remove steps that exist only in memory")
     p.set_defaults(run=cmd_gc)
     p = sub.add_parser("persist", help="persist what dead jobs left in shared memory", description=(
         "Write the complete steps that dead jobs left in shared memory to their checkpoint directories, "
-        "and commit them when every rank's shard is there."))
+        "and commit them when every rank's shard is there. A job that fails is reported and the others are "
+        "still persisted (exit status 1)."))
     p.add_argument("--job-id", metavar="J", help="only this job (also when it still has live processes); "
                    "default: every job without a live process")
     p.set_defaults(run=cmd_persist)
