@@ -2,8 +2,9 @@
 counts, in a checkpointed variable, how often each record was trained.
 
 argv: ckpt_dir model_dir coordinator_url worker_name num_records pause_at_step(0: never) out_json
-      [hold_at_step path]: after that step, wait until path exists (so that a fast worker
-      cannot take every shard before a slow one got going on a loaded machine)
+      [hold_at_step path]: after that step, wait until path exists (so that the other
+      worker is killed while this one is mid-run)
+writes out_json + ".started" after its first step: it holds its first leases then
 """
 
 import json
@@ -43,12 +44,14 @@ def model_fn(features, labels, mode):
 
 
 class Pause(tf.estimator.SessionRunHook):
-    """After global step PAUSE: say so and wait to be killed."""
+    """Say when training started; after global step PAUSE, say so and wait to be killed."""
 
     def before_run(self, run_context):
         return tf.estimator.SessionRunArgs(tf.compat.v1.train.get_global_step())
 
     def after_run(self, run_context, run_values):
+        if not os.path.exists(out + ".started"):
+            open(out + ".started", "w").close()
         if HOLD and run_values.results + 1 == HOLD:
             deadline = time.monotonic() + 240
             while not os.path.exists(HOLD_UNTIL) and time.monotonic() < deadline:

@@ -26,16 +26,24 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 def spawn(script, *args, log):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, os.path.join(HERE, script), *map(str, args)],
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, script), *map(str, args)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    proc.log_path = log.name
+    return proc
 
 
 def wait_for(path, proc, timeout=240):
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
-        assert proc.poll() is None, f"worker exited with {proc.returncode} before {path}"
+        assert proc.poll() is None, f"worker exited with {proc.returncode} before {path}: {_log_tail(proc)}"
         assert time.monotonic() < deadline, f"no {path} after {timeout}s"
         time.sleep(0.1)
+
+
+def _log_tail(proc) -> str:
+    """The end of the log of a worker that :func:`spawn` started."""
+    with open(proc.log_path) as log:
+        return log.read()[-4000:]
 
 
 def finish(proc, log_path, timeout=240):
@@ -62,9 +70,13 @@ def test_estimator_two_workers_one_killed_every_record_once(tmp_path):
     logs = {w: open(tmp_path / f"{w}.log", "w") for w in ("w0", "w1", "w0b")}
     args = {w: (tmp_path / f"ckpt-{w[:2]}", tmp_path / f"model-{w[:2]}", url, w[:2], n) for w in logs}
     w0 = spawn("_estimator_worker.py", *args["w0"], 7, tmp_path / "w0.json", log=logs["w0"])
-    w1 = spawn("_estimator_worker.py", *args["w1"], 0, tmp_path / "w1.json", 8, tmp_path / "w0.json.paused",
-               log=logs["w1"])
+    w1 = None
     try:
+        # w0 holds its first lease round trip (8 shards, 20 batches) before w1 leases: w1's
+        # pipeline leases ahead, and on a loaded machine once left w0 less than its 7 steps
+        wait_for(tmp_path / "w0.json.started", w0)
+        w1 = spawn("_estimator_worker.py", *args["w1"], 0, tmp_path / "w1.json", 8, tmp_path / "w0.json.paused",
+                   log=logs["w1"])
         wait_for(tmp_path / "w0.json.paused", w0)
         w0.send_signal(signal.SIGKILL)
         w0.wait()
@@ -73,7 +85,7 @@ def test_estimator_two_workers_one_killed_every_record_once(tmp_path):
         finish(w1, tmp_path / "w1.log")
     finally:
         for p in (w0, w1):
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 p.kill()
     restarted = json.loads((tmp_path / "w0b.json").read_text())
     assert restarted["restored"] == 4  # saves every 4 steps; killed after step 7
