@@ -219,7 +219,11 @@ class Slot:
         self._locker: PageLocker | None = None
         self._lock_handle: Any = None
         self._persist_fd = -1
-        self._map()
+        try:
+            self._map()
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
     def open(cls, path: str, *, writable: bool = False, create: bool = False,

@@ -53,6 +53,11 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def _kind(exc: Exception) -> str:
+    """The exception's type as an error line's prefix; none for flashckpt's own errors."""
+    return "" if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: "
+
+
 def _storage(directory: str) -> Storage:
     """The storage of an existing checkpoint directory (or object-store URL), else a
     CheckpointNotFoundError."""
@@ -155,11 +160,14 @@ def _job_alive(job: str, paths: list[str]) -> bool:
     return any(h is not None and pid_alive(h.writer_pid) for h in map(Slot.peek_header, _slot_paths(paths)))
 
 
-def _storage_unreachable(paths: list[str], exc: CheckpointError) -> str:
+def _storage_unreachable(paths: list[str], exc: Exception) -> str:
     """Why a dead job's slots cannot be checked against their storage, in one line."""
-    where = sorted({h.info["directory"] for h in map(Slot.peek_header, _slot_paths(paths))
-                    if h is not None and "directory" in h.info})
-    return f"cannot tell what of it is on {', '.join(where) or 'its storage'}: {_one_line(exc)}"
+    try:
+        where = sorted({h.info["directory"] for h in map(Slot.peek_header, _slot_paths(paths))
+                        if h is not None and "directory" in h.info})
+    except (CheckpointError, OSError):  # the slots changed meanwhile
+        where = []
+    return f"cannot tell what of it is on {', '.join(where) or 'its storage'}: {_kind(exc)}{_one_line(exc)}"
 
 
 def _why_keep(job: str, paths: list[str]) -> str | None:
@@ -167,7 +175,7 @@ def _why_keep(job: str, paths: list[str]) -> str | None:
     that cannot be checked; None when they can go."""
     try:
         pending = unpersisted_slots(_slot_paths(paths))
-    except CheckpointError as exc:
+    except (CheckpointError, OSError) as exc:
         return (f"{_storage_unreachable(paths, exc)} (run `flashckpt persist --job-id {job}` once it can be "
                 "reached, or gc --force)")
     if not pending:
@@ -208,15 +216,15 @@ def cmd_persist(args: argparse.Namespace) -> int:
             continue  # its own saver takes care of it
         try:
             pending = unpersisted_slots(_slot_paths(paths))
-        except CheckpointError as exc:
+        except (CheckpointError, OSError) as exc:
             print(f"error: job {job}: {_storage_unreachable(paths, exc)}", file=sys.stderr)
             failed += 1
             continue
         for path, generation, _, _ in pending:
             try:
                 result = persist_slot(path, generation)
-            except CheckpointError as exc:
-                print(f"error: job {job}: {os.path.basename(path)}: {_one_line(exc)}", file=sys.stderr)
+            except (CheckpointError, OSError) as exc:
+                print(f"error: job {job}: {os.path.basename(path)}: {_kind(exc)}{_one_line(exc)}", file=sys.stderr)
                 failed += 1
                 continue
             if not result.skipped:
@@ -303,8 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # every error is one line unless --traceback
         if args.traceback:
             raise
-        kind = "" if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: "
-        print(f"error: {kind}{_one_line(exc)}", file=sys.stderr)
+        print(f"error: {_kind(exc)}{_one_line(exc)}", file=sys.stderr)
         return 2
 
 

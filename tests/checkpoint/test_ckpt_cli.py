@@ -62,7 +62,7 @@ def test_persist_rescues_a_dead_job_and_gc_cleans_up(tmp_path, job_id):
     assert not [p for p in shm_objects(job_id) if ".slot" in p or ".rank" in p]
 
 
-_DEAD_JOB_ON_A_BUCKET = textwrap.dedent("""
+_DEAD_JOB = textwrap.dedent("""
     import sys
     from flashckpt import _names
     from flashckpt._slot import Slot, SlotState, mark_writing
@@ -75,26 +75,31 @@ _DEAD_JOB_ON_A_BUCKET = textwrap.dedent("""
 """)
 
 
-def test_gc_and_persist_go_on_past_a_job_whose_storage_cannot_be_reached(job_id):
-    """A dead job's slot names a bucket this process cannot reach (its endpoint is down,
-    its credentials are gone): gc keeps that job's objects and says why, and still cleans
-    up the others; persist names the failure and goes on to the other jobs."""
-    unreachable = {**os.environ, "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3": json.dumps(
+@pytest.mark.parametrize("where", ["bucket", "directory"])
+def test_gc_and_persist_go_on_past_a_job_whose_storage_cannot_be_reached(tmp_path, job_id, where):
+    """A dead job's slot names storage this process cannot read (a bucket whose endpoint is
+    down or whose credentials are gone; a directory that cannot be listed, here a symlink
+    loop): gc keeps that job's objects and says why, and still cleans up the others;
+    persist names the failure and goes on to the other jobs."""
+    env = {**os.environ, "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3": json.dumps(
         {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s",
          "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})}
+    directory = "s3://gone/run" if where == "bucket" else str(tmp_path / "loop")
+    if where == "directory":
+        os.symlink(directory, directory)
     stuck, stale = job_id + "s", job_id + "d"
-    subprocess.run([sys.executable, "-c", _DEAD_JOB_ON_A_BUCKET, stuck, "s3://gone/run"], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", _DEAD_JOB, stuck, directory], check=True, timeout=60)
     log = os.path.join(os.path.dirname(shm_objects(stuck)[0]), f"{stale}-saver.log")
     open(log, "w").close()
     try:
         out = subprocess.run([sys.executable, "-m", "flashckpt.cli", "gc"], capture_output=True, text=True,
-                             timeout=120, env=unreachable)
+                             timeout=120, env=env)
         assert out.returncode == 0, out.stderr
-        assert f"job {stuck}: keeping" in out.stdout and "s3://gone/run" in out.stdout, out.stdout
+        assert f"job {stuck}: keeping" in out.stdout and directory in out.stdout, out.stdout
         assert shm_objects(stuck) and not os.path.exists(log)
         out = subprocess.run([sys.executable, "-m", "flashckpt.cli", "persist"], capture_output=True, text=True,
-                             timeout=120, env=unreachable)
-        assert out.returncode == 1 and f"job {stuck}" in out.stderr and "s3://gone/run" in out.stderr, out.stderr
+                             timeout=120, env=env)
+        assert out.returncode == 1 and f"job {stuck}" in out.stderr and directory in out.stderr, out.stderr
     finally:
         for path in shm_objects(stuck):
             os.unlink(path)
