@@ -95,8 +95,18 @@ def page_locking(enabled: bool) -> None:
     TorchKind.page_locker = _PAGE_LOCKER if enabled else (lambda self, objs: None)
 
 
+def child_write(argv: list[str]) -> None:
+    """A trainer that saves the GPU state to memory and dies (a crash: its slots stay)."""
+    size, directory, job = argv
+    from flashckpt.torch import Checkpointer
+    ck = Checkpointer(directory, job_id=job, persist_every=10**9)
+    ck.save(1, gpu_state(size), persist=False)
+    ck.wait()
+    os._exit(0)
+
+
 def child_load(argv: list[str]) -> None:
-    """A restarted trainer: build the GPU state, load it from the old process's memory."""
+    """A restarted trainer: build the GPU state, load it from the dead process's memory."""
     size, directory, job, lock, expect = argv[0], argv[1], argv[2], argv[3] == "1", float(argv[4])
     page_locking(lock)
     from flashckpt.torch import Checkpointer
@@ -107,7 +117,7 @@ def child_load(argv: list[str]) -> None:
     seconds = timed(lambda: ck.load(state))
     source = ck.last_load.source
     ok = abs(fingerprint(state) - expect) <= 1e-6 * max(1.0, abs(expect))
-    ck.close()  # frees nothing: the parent wrote the slots and is alive
+    ck.close()  # frees the slots
     print(json.dumps({"seconds": seconds, "source": source, "ok": ok}))
 
 
@@ -164,8 +174,14 @@ def main() -> None:
 
     def child(lock: bool) -> Callable[[], float]:
         def run() -> float:
-            out = subprocess.run([sys.executable, __file__, "--child", args.size, str(root / "flash"), job,
-                                  "1" if lock else "0", repr(expect)], capture_output=True, text=True, check=True)
+            # one process saves and dies, a new one loads (a run's directory has one live
+            # process per rank: the parent's own checkpointers cannot be loaded from)
+            restarted = job + f"r{uuid.uuid4().hex[:6]}"
+            for argv in (["--write", args.size, str(root / restarted), restarted],
+                         ["--child", args.size, str(root / restarted), restarted, "1" if lock else "0", repr(expect)]):
+                out = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise RuntimeError(f"{argv[0]} failed ({out.returncode}): {out.stderr[-3000:]}")
             result = json.loads(out.stdout.strip().splitlines()[-1])
             assert result["source"] == "memory" and result["ok"], result
             return result["seconds"]
@@ -254,7 +270,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:
+    if sys.argv[1:2] == ["--write"]:
+        child_write(sys.argv[2:])
+    elif sys.argv[1:2] == ["--child"]:
         child_load(sys.argv[2:])
     else:
         main()
