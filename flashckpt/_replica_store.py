@@ -59,7 +59,8 @@ def send_slot(sock: socket.socket, path: str, generation: int | None, header: di
                 after = slot.read_header()
             return after.state == SlotState.COMPLETE and after.generation == h.generation
 
-        return send_image(sock, slot.image(h.image_len), unchanged, crc=crc)
+        with slot.image(h.image_len) as image:  # released here, whatever frames a library keeps
+            return send_image(sock, image, unchanged, crc=crc)
     finally:
         slot.close()
         lock.close()
@@ -158,7 +159,8 @@ class ReplicaStore:
                 with lock.held():
                     header = mark_writing(slot, step, image_len, record)
                 try:
-                    crc = recv_image(sock, slot.image(image_len))
+                    with slot.image(image_len) as image:
+                        crc = recv_image(sock, image)
                 except BaseException:
                     with lock.held():
                         header.state = SlotState.EMPTY
