@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _names
 from ._errors import CheckpointError
@@ -22,6 +22,9 @@ from ._exporters import Export, ExportQueue
 from ._slot import RankLock, Slot, SlotState
 from ._storage import LocalStorage
 from ._storage_url import open_storage
+
+if TYPE_CHECKING:
+    from ._storage_url import Storage
 
 __all__ = ["PersistResult", "persist_slot", "unpersisted_slots"]
 
@@ -133,7 +136,7 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
         lock.close()
 
 
-def _write_unless_durable(storage: Any, step: int, info: dict[str, Any], image: memoryview) -> int:
+def _write_unless_durable(storage: Storage, step: int, info: dict[str, Any], image: memoryview) -> int:
     """Write ``image`` as this rank's shard of ``step`` unless an earlier persist of this
     save made it durable already; the bytes written. The view is released on return: a
     frame kept alive below (an exception a library caught in a reference cycle) must not

@@ -46,13 +46,13 @@ def _log_tail(proc) -> str:
         return log.read()[-4000:]
 
 
-def finish(proc, log_path, timeout=240):
+def finish(proc, timeout=240):
     try:
         rc = proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
-    assert rc == 0, open(log_path).read()[-4000:]
+    assert rc == 0, _log_tail(proc)
 
 
 def final_state(directory):
@@ -81,8 +81,8 @@ def test_estimator_two_workers_one_killed_every_record_once(tmp_path):
         w0.send_signal(signal.SIGKILL)
         w0.wait()
         w0b = spawn("_estimator_worker.py", *args["w0b"], 0, tmp_path / "w0b.json", log=logs["w0b"])
-        finish(w0b, tmp_path / "w0b.log")
-        finish(w1, tmp_path / "w1.log")
+        finish(w0b)
+        finish(w1)
     finally:
         for p in (w0, w1):
             if p is not None and p.poll() is None:
@@ -117,7 +117,7 @@ def test_keras_fit_killed_resumes_from_memory_with_saved_weights(tmp_path, mode)
         f.rename(tmp_path / "b" / f.name)
     with open(tmp_path / "b.log", "w") as log:
         second = spawn("_keras_worker.py", tmp_path / "ckpt", url, n, 0, tmp_path / "b", mode, log=log)
-        finish(second, tmp_path / "b.log")
+        finish(second)
     result = json.loads((tmp_path / "b" / "result.json").read_text())
     assert result["restored"] == 6  # saves every 3 batches; killed after batch 8
     assert result["loads"][0]["source"] == "memory"
