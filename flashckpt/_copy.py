@@ -1,16 +1,21 @@
-"""Large host copies of numpy arrays, split across a few threads.
+"""Large host copies, split across a few threads.
 
 A save blocks training for exactly one copy of the state, and one thread's memcpy does
 not reach the machine's memory bandwidth: on the 2-core development machine one thread
 copies TF variables into shared memory at 6-7 GiB/s, two or three threads at 8.5-9.5
 (``benchmarks/tf_save.py``). The bytes to copy are cut into equal contiguous ranges,
-one per thread; numpy releases the GIL while it copies. Small copies stay on the
-calling thread (a hand-off costs more than it saves).
+one per thread; the copies release the GIL. Small copies stay on the calling thread (a
+hand-off costs more than it saves).
+
+Two entry points: numpy array pairs (:func:`copy_arrays`), and plain address spans
+(:func:`copy_spans`), which is how host torch tensors come here
+(``flashckpt/torch/_tensors.py`` says why): building two numpy views of each tensor cost
+14 us a tensor, 8 ms of a 1.49 GB save's stall. Large contiguous copies of either kind
+use streaming stores (:mod:`flashckpt._stream_copy`), smaller ones ``memmove``, which
+aligns its stores whatever the offsets.
 
 ``FLASHCKPT_COPY_THREADS`` sets the number of threads (default: the CPUs this process
-may run on, at most 4; 1 copies on the calling thread only). Contiguous host torch
-tensors come here too, as byte arrays (``flashckpt/torch/_tensors.py`` says why); numpy
-copies contiguous bytes with ``memmove``, which aligns its stores whatever the offsets.
+may run on, at most 4; 1 copies on the calling thread only).
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PARALLEL_MIN_BYTES", "copy_arrays", "copy_threads", "split_ranges"]
+from ._stream_copy import STREAM_MIN_BYTES, stream_copy
+
+__all__ = ["PARALLEL_MIN_BYTES", "Span", "copy_arrays", "copy_spans", "copy_threads", "split_ranges", "split_spans"]
 
 PARALLEL_MIN_BYTES = 16 << 20
 """Below this many bytes in all, one thread copies."""
@@ -30,6 +38,8 @@ _helpers: list["queue.SimpleQueue[Any]"] = []  # one job queue per helper thread
 _helpers_lock = threading.Lock()
 
 Pair = tuple[Any, Any]
+Span = tuple[int, int, int]
+"""``(destination address, source address, bytes)`` of one contiguous copy."""
 
 
 def copy_threads() -> int:
@@ -78,18 +88,44 @@ def split_ranges(dsts: list[Any], srcs: list[Any], parts: int) -> list[list[Pair
     return [group for group in groups if group]
 
 
+def split_spans(spans: list[Span], parts: int) -> list[list[Span]]:
+    """``spans`` in at most ``parts`` groups of about equal bytes, in order; a span that
+    crosses a share's end is cut there."""
+    share = max(1, -(-sum(span[2] for span in spans) // max(1, parts)))
+    groups: list[list[Span]] = [[]]
+    room = share
+    for dst, src, size in spans:
+        while size:
+            if room <= 0 and len(groups) < parts:
+                groups.append([])
+                room = share
+            take = size if len(groups) == parts else min(size, room)
+            groups[-1].append((dst, src, take))
+            dst, src, size, room = dst + take, src + take, size - take, room - take
+    return [group for group in groups if group]
+
+
 def _copy_group(group: list[Pair]) -> None:
     import numpy as np
 
     for dst, src in group:
-        np.copyto(dst, src)
+        if (dst.nbytes >= STREAM_MIN_BYTES and dst.dtype == src.dtype and dst.shape == src.shape
+                and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
+            stream_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes)
+        else:
+            np.copyto(dst, src)
+
+
+def _copy_span_group(group: list[Span]) -> None:
+    for dst, src, size in group:
+        stream_copy(dst, src, size)
 
 
 def _help(jobs: "queue.SimpleQueue[Any]") -> None:
     while True:
-        group, finished = jobs.get()
+        copy_part, group, finished = jobs.get()
         try:
-            _copy_group(group)
+            copy_part(group)
         except BaseException as exc:  # the caller raises it
             finished.put(exc)
         else:
@@ -122,13 +158,29 @@ def copy_arrays(dsts: list[Any], srcs: list[Any]) -> None:
     threads = copy_threads()
     if threads == 1 or sum(dst.nbytes for dst in dsts) < PARALLEL_MIN_BYTES:
         _copy_group(list(zip(dsts, srcs)))
-        return
-    first, *rest = split_ranges(dsts, srcs, threads)
+    else:
+        _copy_parts(split_ranges(dsts, srcs, threads), _copy_group)
+
+
+def copy_spans(spans: list[Span]) -> None:
+    """Copy each span's bytes; large copies split across :func:`copy_threads` threads.
+    Every range must stay valid (mapped, its owner alive) until this returns."""
+    threads = copy_threads()
+    if threads == 1 or sum(span[2] for span in spans) < PARALLEL_MIN_BYTES:
+        _copy_span_group(spans)
+    else:
+        _copy_parts(split_spans(spans, threads), _copy_span_group)
+
+
+def _copy_parts(parts: list[list[Any]], copy_part: Callable[[list[Any]], None]) -> None:
+    """``copy_part`` over each part, the first on this thread and each other on a helper;
+    returns once all are done, raising the first error."""
+    first, *rest = parts
     finished: "queue.SimpleQueue[BaseException | None]" = queue.SimpleQueue()
     for jobs, group in zip(_helper_queues(len(rest)), rest):
-        jobs.put((group, finished))
+        jobs.put((copy_part, group, finished))
     try:
-        _copy_group(first)
+        copy_part(first)
     finally:
         errors = [finished.get() for _ in rest]  # waits: no helper writes after we return
     for error in errors:

@@ -1,8 +1,9 @@
 """torch tensors as checkpoint tensors: dtype names, zero-copy views of shared memory,
 batched copies, page-locked shared memory for CUDA copies.
 
-Host copies of contiguous tensors go through :func:`flashckpt._copy.copy_arrays` as
-plain bytes (``memmove`` on a few threads), not through ``Tensor.copy_``: a slot packs
+Host copies of contiguous tensors go through :func:`flashckpt._copy.copy_spans` as
+plain bytes (streaming stores or ``memmove``, on a few threads), not through
+``Tensor.copy_``: a slot packs
 tensors back to back, as safetensors requires, so after AdamW's 4-byte ``step`` scalars
 most tensors start off 64-byte alignment, and torch's vectorised copy then splits its
 stores across cache lines (a 150 MB copy into an address 4 bytes off alignment took 25%
@@ -22,7 +23,7 @@ from typing import Any, Hashable
 import torch
 from torch.autograd.graph import increment_version
 
-from .._copy import copy_arrays
+from .._copy import Span, copy_spans
 from .._errors import CheckpointError
 from .._format import Entry
 from .._tree import register_kind
@@ -121,18 +122,18 @@ class TorchKind:
         return [body[e.offset:e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape) for e in entries]
 
     def copy(self, dsts: list[Any], srcs: list[Any]) -> None:
-        byte_dsts, byte_srcs, written, rest_dsts, rest_srcs = [], [], [], [], []
+        spans: list[Span] = []
+        written, rest_dsts, rest_srcs = [], [], []
         for dst, src in zip(dsts, srcs):
-            pair = _host_byte_pair(dst, src)
-            if pair is None:
+            span = _host_span(dst, src)
+            if span is None:
                 rest_dsts.append(dst)
                 rest_srcs.append(src)
-            elif pair[0].size:
-                byte_dsts.append(pair[0])
-                byte_srcs.append(pair[1])
+            elif span[2]:
+                spans.append(span)
                 written.append(dst)
-        if byte_dsts:
-            copy_arrays(byte_dsts, byte_srcs)
+        if spans:
+            copy_spans(spans)  # dsts and srcs keep every tensor alive until it returns
             increment_version(written)  # an in-place write, as copy_ is, for autograd's checks
         if not rest_dsts:
             return
@@ -159,17 +160,17 @@ class TorchKind:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass (DTensor, ...) may mean more than its bytes
 
 
-def _host_byte_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[Any, Any] | None:
-    """Flat uint8 numpy views of ``dst`` and ``src`` when copying their bytes is the copy
+def _host_span(dst: torch.Tensor, src: torch.Tensor) -> Span | None:
+    """The address span copying ``src`` into ``dst`` when copying their bytes is the copy
     (both plain, dense, contiguous, in host memory, of one dtype and shape, with no lazy
     conjugate or negation); else None."""
     if dst.dtype != src.dtype or dst.shape != src.shape:
         return None
     for t in (dst, src):
-        if (type(t) not in _PLAIN or t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous()
+        if (type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided or not t.is_contiguous()
                 or t.is_conj() or t.is_neg()):
             return None
-    return tuple(t.detach().reshape(-1).view(torch.uint8).numpy() for t in (dst, src))
+    return dst.data_ptr(), src.data_ptr(), dst.nbytes
 
 
 register_kind(TorchKind())

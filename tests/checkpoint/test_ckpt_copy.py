@@ -62,13 +62,15 @@ def test_copy_arrays_copies_exactly(monkeypatch, threads):
 def spy_threads(monkeypatch) -> set[str]:
     """Names of the threads that run a part of a threaded copy (filled as they run)."""
     seen: set[str] = set()
-    real = _copy._copy_group
 
-    def spy(group):
-        seen.add(threading.current_thread().name)
-        real(group)
+    def spying(real):
+        def spy(group):
+            seen.add(threading.current_thread().name)
+            real(group)
+        return spy
 
-    monkeypatch.setattr(_copy, "_copy_group", spy)
+    for part in ("_copy_group", "_copy_span_group"):  # array pairs, address spans
+        monkeypatch.setattr(_copy, part, spying(getattr(_copy, part)))
     return seen
 
 
@@ -118,3 +120,34 @@ def test_a_forked_child_copies_with_its_own_threads(monkeypatch):
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung copying")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7])
+def test_split_spans_covers_every_byte_once_in_balanced_parts(parts):
+    sizes = [5, 1 << 20, 3, 0, 777_777, 64, 1]
+    spans = [((i + 1) << 40, (i + 1) << 32, n) for i, n in enumerate(sizes)]
+    groups = _copy.split_spans(spans, parts)
+    assert 1 <= len(groups) <= parts
+    pieces = [piece for group in groups for piece in group]
+    for dst, src, size in spans:
+        mine = sorted(p for p in pieces if dst <= p[0] < dst + max(size, 1))
+        assert sum(p[2] for p in mine) == size
+        at = dst
+        for p_dst, p_src, p_size in mine:  # in order, no gap, no overlap, source moved with destination
+            assert p_dst == at and p_src - src == p_dst - dst
+            at += p_size
+    total = sum(sizes)
+    sizes_of = [sum(p[2] for p in g) for g in groups]
+    assert sum(sizes_of) == total and max(sizes_of) <= -(-total // parts)
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_copy_spans_copies_exactly(monkeypatch, threads):
+    monkeypatch.setenv("FLASHCKPT_COPY_THREADS", threads)
+    rng = np.random.default_rng(1)
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (9_000_001, 7, 1_000_003, 0, 8_000_000)]
+    dsts = [np.zeros_like(s) for s in srcs]
+    assert sum(d.nbytes for d in dsts) >= _copy.PARALLEL_MIN_BYTES
+    _copy.copy_spans([(d.ctypes.data, s.ctypes.data, s.nbytes) for d, s in zip(dsts, srcs)])
+    for d, s in zip(dsts, srcs):
+        assert np.array_equal(d, s)
