@@ -33,13 +33,13 @@ import mmap
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
 from ._checksum import BlockSums
 from ._errors import CorruptCheckpointError
 from ._format import Entry, Image, header_length, parse_header
 from ._tree import Merge, kind_named
+from ._workers import run_each
 
 if TYPE_CHECKING:
     from ._storage import LocalStorage
@@ -437,17 +437,7 @@ def run_chunks(chunks: list[Chunk], *, threads: int | None = None,
             if finished and done is not None:
                 done(c.reader, i)
 
-    workers = max(1, min(threads or THREADS, len(chunks)))
-    if workers == 1:
-        for c in chunks:
-            run(c)
-        return
-    with ThreadPoolExecutor(workers, thread_name_prefix="flashckpt-read") as pool:
-        futures = [pool.submit(run, c) for c in chunks]
-        errors = [f.exception() for f in futures]
-    for error in errors:
-        if error is not None:
-            raise error
+    run_each(chunks, run, threads or THREADS)
 
 
 def open_shard(storage: LocalStorage, step: int, rank: int, *, whole: bool = False) -> ShardReader:
