@@ -26,7 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._stream_copy import STREAM_MIN_BYTES, stream_copy
+from . import _stream_copy
+from ._stream_copy import stream_copy
 
 __all__ = ["PARALLEL_MIN_BYTES", "Span", "copy_arrays", "copy_spans", "copy_threads", "split_ranges", "split_spans"]
 
@@ -109,8 +110,9 @@ def _copy_group(group: list[Pair]) -> None:
     import numpy as np
 
     for dst, src in group:
-        if (dst.nbytes >= STREAM_MIN_BYTES and dst.dtype == src.dtype and dst.shape == src.shape
-                and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
+        if (dst.nbytes >= _stream_copy.STREAM_MIN_BYTES and dst.dtype == src.dtype and dst.shape == src.shape
+                and not dst.dtype.hasobject and dst.flags.c_contiguous and src.flags.c_contiguous
+                and dst.flags.writeable):
             stream_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes)
         else:
             np.copyto(dst, src)
@@ -182,7 +184,23 @@ def _copy_parts(parts: list[list[Any]], copy_part: Callable[[list[Any]], None]) 
     try:
         copy_part(first)
     finally:
-        errors = [finished.get() for _ in rest]  # waits: no helper writes after we return
+        errors = _wait_for(finished, len(rest))
     for error in errors:
         if error is not None:
             raise error
+
+
+def _wait_for(finished: "queue.SimpleQueue[BaseException | None]", count: int) -> list[BaseException | None]:
+    """The results of ``count`` helper parts, waiting for every one even through Ctrl-C
+    (raised once they are all done): a helper copies between raw addresses, and the
+    caller's frame is what keeps that memory alive and mapped."""
+    results: list[BaseException | None] = []
+    interrupted: BaseException | None = None
+    while len(results) < count:
+        try:
+            results.append(finished.get())
+        except BaseException as exc:  # KeyboardInterrupt from a signal handler
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
+    return results

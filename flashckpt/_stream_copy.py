@@ -12,9 +12,10 @@ Neither Python, numpy nor torch has such a copy, so on x86-64 Linux this module 
 small SSE2 loop (``movdqu`` loads, ``movntdq`` stores, then ``sfence``, so the copy is
 visible to other processes once it returns) in a page of its own: the page is written
 while it is read-write, then made read+execute, never both at once. ctypes calls it with
-the GIL released. Elsewhere, where that page cannot be made executable (an SELinux
-``execmem`` policy), for overlapping ranges, or with ``FLASHCKPT_STREAMING_COPY=0``, the
-copy is ``memmove``.
+the GIL released. On other CPUs or systems, where that page cannot be made executable
+(an SELinux ``execmem`` policy), for overlapping ranges, or with
+``FLASHCKPT_STREAMING_COPY=0``, the copy is ``memmove``. Loads from memory stream too:
+their targets are about to be read, but a state that size does not stay cached anyway.
 """
 
 from __future__ import annotations
@@ -66,8 +67,17 @@ def _load_body() -> _Body | None:
     """The streaming loop, callable through ctypes; None where it cannot run here."""
     if os.environ.get("FLASHCKPT_STREAMING_COPY", "1").strip() == "0":
         return None
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+    if (not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64")
+            or ctypes.sizeof(ctypes.c_void_p) != 8):  # a 32-bit Python on a 64-bit kernel runs no 64-bit code
         return None
+    try:
+        return _map_body()
+    except (OSError, AttributeError) as exc:  # no libc, or no mmap/mprotect in it
+        log.debug("streaming copy unavailable: %s", exc)
+        return None
+
+
+def _map_body() -> _Body | None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -88,6 +98,15 @@ def _load_body() -> _Body | None:
 
 _loaded: list[_Body | None] = []  # the loop once loaded (or None), mapped at the first large copy
 _loading = threading.Lock()
+
+
+def _forget_lock() -> None:
+    """A child forked while another thread held the lock would wait on it forever."""
+    global _loading
+    _loading = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_lock)
 
 
 def _stream_body() -> _Body | None:

@@ -50,35 +50,51 @@ os.register_at_fork(after_in_child=_forget_helpers)
 def run_each(items: Sequence[T], fn: Callable[[T], Any], threads: int) -> None:
     """``fn(item)`` for every item, taken in order by this thread and up to ``threads - 1``
     long-lived helpers. Returns once every call returned; then raises the first error
-    (the other items still run: ``fn`` decides whether to skip work after a failure)."""
+    (the other items still run: ``fn`` decides whether to skip work after a failure).
+    Interrupted (Ctrl-C), it drops the items not yet started and waits for the running
+    ones before it raises: no helper writes into the caller's buffers after it returns."""
     todo = collections.deque(items)
-    if not todo:
-        return
-    left = [len(todo)]
     errors: list[BaseException] = []
-    guard, finished = threading.Lock(), threading.Event()
+    running = [0]  # threads inside drain(): a helper that starts later finds nothing to do
+    idle = threading.Condition()
 
     def drain() -> None:
-        while True:
-            try:
-                item = todo.popleft()
-            except IndexError:
-                return
-            try:
-                fn(item)
-            except BaseException as exc:  # raised by the caller, once every item ran
-                with guard:
+        with idle:
+            running[0] += 1
+        try:
+            while True:
+                try:
+                    item = todo.popleft()
+                except IndexError:
+                    return
+                try:
+                    fn(item)
+                except BaseException as exc:  # raised by the caller, once every item ran
                     errors.append(exc)
-            with guard:
-                left[0] -= 1
-                if left[0] == 0:
-                    finished.set()
+                    if isinstance(exc, KeyboardInterrupt):  # the calling thread's Ctrl-C: stop early
+                        raise
+        finally:
+            with idle:
+                running[0] -= 1
+                idle.notify_all()
 
     helpers = min(threads, len(todo)) - 1
     _ensure_helpers(helpers)
     for _ in range(helpers):
         _work.put(drain)
-    drain()
-    finished.wait()
+    interrupted: BaseException | None = None
+    try:
+        drain()
+    except BaseException as exc:  # KeyboardInterrupt from a signal handler
+        interrupted = exc
+    todo.clear()
+    with idle:
+        while running[0]:
+            try:
+                idle.wait()
+            except BaseException as exc:
+                interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
     if errors:
         raise errors[0]

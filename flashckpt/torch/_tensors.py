@@ -163,14 +163,31 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass (DTensor, ...) may mea
 def _host_span(dst: torch.Tensor, src: torch.Tensor) -> Span | None:
     """The address span copying ``src`` into ``dst`` when copying their bytes is the copy
     (both plain, dense, contiguous, in host memory, of one dtype and shape, with no lazy
-    conjugate or negation); else None."""
+    conjugate or negation, each with memory behind it); else None."""
     if dst.dtype != src.dtype or dst.shape != src.shape:
         return None
     for t in (dst, src):
         if (type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided or not t.is_contiguous()
-                or t.is_conj() or t.is_neg()):
+                or t.is_conj() or t.is_neg() or not _has_storage(t)):
             return None
     return dst.data_ptr(), src.data_ptr(), dst.nbytes
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` has a storage of its own (a zero tensor or a functional wrapper has
+    none: torch copies those); raises for a storage with no memory behind the tensor's
+    bytes, such as a parameter FSDP freed by resizing its storage to 0, whose copy would
+    read or write out of bounds (torch's own copy crashes the process on it)."""
+    if not t.nbytes:
+        return True
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    if storage.data_ptr() == 0 or storage.nbytes() < t.storage_offset() * t.element_size() + t.nbytes:
+        raise CheckpointError(f"a {tuple(t.shape)} {t.dtype} tensor's storage holds {storage.nbytes()} bytes, "
+                              f"fewer than the tensor spans (was its storage freed or resized?)")
+    return True
 
 
 register_kind(TorchKind())

@@ -1,7 +1,9 @@
 """Large numpy copies split across threads: every byte lands once, in order, errors surface."""
 
 import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -151,3 +153,27 @@ def test_copy_spans_copies_exactly(monkeypatch, threads):
     _copy.copy_spans([(d.ctypes.data, s.ctypes.data, s.nbytes) for d, s in zip(dsts, srcs)])
     for d, s in zip(dsts, srcs):
         assert np.array_equal(d, s)
+
+
+def test_ctrl_c_during_a_copy_waits_for_the_helpers(monkeypatch):
+    monkeypatch.setenv("FLASHCKPT_COPY_THREADS", "2")
+    finished = []
+    real = _copy._copy_span_group
+
+    def slow_helper(group):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.5)  # a helper still copying when Ctrl-C comes
+            real(group)
+            finished.append(True)
+        else:
+            real(group)
+
+    monkeypatch.setattr(_copy, "_copy_span_group", slow_helper)
+    src = np.ones(_copy.PARALLEL_MIN_BYTES, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    interrupt = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    interrupt.start()
+    with pytest.raises(KeyboardInterrupt):
+        _copy.copy_spans([(dst.ctypes.data, src.ctypes.data, src.nbytes)])
+    assert finished == [True] and dst.all()  # the caller's memory was in use until the helper ended
+    interrupt.join()

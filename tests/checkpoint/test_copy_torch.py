@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from flashckpt import _copy
+from flashckpt import CheckpointError, _copy
 from flashckpt._format import Entry
 from flashckpt.torch._tensors import TorchKind
 
@@ -87,3 +87,17 @@ def test_a_copy_counts_as_an_in_place_write_for_autograd(monkeypatch):
     KIND.copy([weight], [view])  # a load into the parameter, as the engine does
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_tensor_whose_storage_was_freed_is_a_clear_error_not_a_crash():
+    freed = torch.randn(1 << 20)
+    freed.untyped_storage().resize_(0)  # as FSDP frees an unsharded parameter
+    mm, (view,) = slot_views([torch.empty(1 << 20)])
+    with pytest.raises(CheckpointError, match="storage holds 0 bytes"):
+        KIND.copy([view], [freed])  # save: a raw copy would read out of bounds
+    with pytest.raises(CheckpointError, match="storage holds 0 bytes"):
+        KIND.copy([freed], [view])  # load: it would write out of bounds
+    with pytest.raises(RuntimeError):
+        KIND.copy([view], [torch._efficientzerotensor(1 << 20)])  # no storage: torch's copy decides
+    del view
+    mm.close()

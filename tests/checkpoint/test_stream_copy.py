@@ -10,7 +10,8 @@ import pytest
 
 from flashckpt import _stream_copy
 
-_X86_LINUX = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
+_X86_LINUX = (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
+              and os.environ.get("FLASHCKPT_STREAMING_COPY", "1").strip() != "0")  # where the loop must load
 
 
 def test_the_streaming_loop_loads_where_it_can_run():
@@ -46,3 +47,35 @@ def test_the_setting_turns_streaming_off():
     env = {**os.environ, "FLASHCKPT_STREAMING_COPY": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_loop_stores_around_the_caches_and_fences_before_it_returns():
+    code = _stream_copy._CODE
+    assert code.count(bytes.fromhex("660fe7")) == 4  # movntdq: the four stores stream
+    assert code.endswith(bytes.fromhex("0faef8c3"))  # sfence; ret: visible to other processes on return
+
+
+def test_large_copies_of_every_kind_go_through_the_loop(monkeypatch):
+    import torch
+
+    from flashckpt import _copy
+    from flashckpt.torch._tensors import TorchKind
+
+    assert _stream_copy.streaming() is _X86_LINUX
+    if not _X86_LINUX:
+        return
+    calls = []
+    real = _stream_copy._loaded[0]
+    monkeypatch.setattr(_stream_copy, "_loaded", [lambda d, s, n: (calls.append(n), real(d, s, n))])
+    size = _stream_copy.STREAM_MIN_BYTES * 4
+    src, dst = np.ones(size, np.uint8), np.zeros(size, np.uint8)
+    _copy.copy_spans([(dst.ctypes.data, src.ctypes.data, size)])
+    assert calls and dst.all()
+    calls.clear()
+    dst[:] = 0
+    _copy.copy_arrays([dst], [src])
+    assert calls and dst.all()
+    calls.clear()
+    t_src, t_dst = torch.ones(size // 4), torch.zeros(size // 4)
+    TorchKind().copy([t_dst], [t_src])
+    assert calls and bool(t_dst.all())

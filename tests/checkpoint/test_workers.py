@@ -2,6 +2,7 @@
 are started once per process (and again in a forked child), a nested call cannot hang."""
 
 import os
+import signal
 import threading
 import time
 
@@ -89,3 +90,26 @@ def test_a_forked_child_runs_with_threads_of_its_own():
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_ctrl_c_drops_the_items_not_started_and_waits_for_the_running_ones():
+    ran, helper_started, helper_finished = [], [], []
+
+    def work(i):
+        ran.append(i)
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.05)
+            return
+        helper_started.append(i)
+        time.sleep(0.5)
+        helper_finished.append(i)
+
+    interrupt = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    interrupt.start()
+    with pytest.raises(KeyboardInterrupt):
+        _workers.run_each(range(100), work, 3)
+    assert helper_started and sorted(helper_finished) == sorted(helper_started)  # waited for them
+    interrupt.join()
+    started = len(ran)
+    time.sleep(0.6)
+    assert len(ran) == started < 100  # the rest was dropped: nothing runs after it raised
