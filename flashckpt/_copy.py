@@ -125,13 +125,13 @@ def _copy_span_group(group: list[Span]) -> None:
 
 def _help(jobs: "queue.SimpleQueue[Any]") -> None:
     while True:
-        copy_part, group, finished = jobs.get()
+        copy_part, group, finish = jobs.get()
         try:
             copy_part(group)
         except BaseException as exc:  # the caller raises it
-            finished.put(exc)
+            finish(exc)
         else:
-            finished.put(None)
+            finish(None)
 
 
 def _helper_queues(count: int) -> list["queue.SimpleQueue[Any]"]:
@@ -176,31 +176,41 @@ def copy_spans(spans: list[Span]) -> None:
 
 def _copy_parts(parts: list[list[Any]], copy_part: Callable[[list[Any]], None]) -> None:
     """``copy_part`` over each part, the first on this thread and each other on a helper;
-    returns once all are done, raising the first error."""
+    returns once all are done, raising the first error. A helper copies between raw
+    addresses, which only the caller's frame keeps alive and mapped, so the caller waits
+    for every helper's part even through Ctrl-C (raised once they are all done)."""
     first, *rest = parts
-    finished: "queue.SimpleQueue[BaseException | None]" = queue.SimpleQueue()
-    for jobs, group in zip(_helper_queues(len(rest)), rest):
-        jobs.put((copy_part, group, finished))
-    try:
-        copy_part(first)
-    finally:
-        errors = _wait_for(finished, len(rest))
-    for error in errors:
-        if error is not None:
-            raise error
+    left = [len(rest)]
+    errors: list[BaseException] = []
+    done = threading.Condition(threading.Lock())
 
+    def finish(error: BaseException | None) -> None:
+        with done:
+            if error is not None:
+                errors.append(error)
+            left[0] -= 1
+            done.notify_all()
 
-def _wait_for(finished: "queue.SimpleQueue[BaseException | None]", count: int) -> list[BaseException | None]:
-    """The results of ``count`` helper parts, waiting for every one even through Ctrl-C
-    (raised once they are all done): a helper copies between raw addresses, and the
-    caller's frame is what keeps that memory alive and mapped."""
-    results: list[BaseException | None] = []
     interrupted: BaseException | None = None
-    while len(results) < count:
+    queued = 0
+    try:
+        for jobs, group in zip(_helper_queues(len(rest)), rest):
+            jobs.put((copy_part, group, finish))
+            queued += 1
+        copy_part(first)
+    except BaseException as exc:
+        interrupted = exc
+    while True:
         try:
-            results.append(finished.get())
-        except BaseException as exc:  # KeyboardInterrupt from a signal handler
+            with done:
+                left[0] -= len(rest) - queued  # parts never handed over (Ctrl-C while handing over)
+                queued = len(rest)
+                while left[0] > 0:
+                    done.wait()
+            break
+        except BaseException as exc:
             interrupted = interrupted or exc
     if interrupted is not None:
         raise interrupted
-    return results
+    if errors:
+        raise errors[0]

@@ -4,13 +4,15 @@ A load reads its chunks on several threads. Starting a thread waits until the ne
 runs, which on a busy 2-core machine cost ~1.5 ms a thread: 13 ms of a 0.4 s resharded
 FSDP load went to starting 8 readers. The helpers here start once per process (again in
 a forked child, which has none of its parent's threads) and wait on one queue of work.
-The calling thread works through the items too, so it never waits on a helper that is
-busy for another caller, and a call made from a helper cannot deadlock.
+The calling thread works through the items too, so a call made from a helper cannot
+deadlock; a helper takes one item at a time and then queues up again behind other
+callers' work, so callers that run at once share the helpers.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import queue
 import threading
@@ -18,6 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 __all__ = ["run_each"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -28,7 +32,11 @@ _starting = threading.Lock()
 
 def _serve(work: "queue.SimpleQueue[Callable[[], None]]") -> None:
     while True:
-        work.get()()
+        task = work.get()
+        try:
+            task()
+        except BaseException:  # a task keeps its own errors: this only keeps the helper alive
+            log.exception("a flashckpt worker task failed")
 
 
 def _ensure_helpers(count: int) -> None:
@@ -55,45 +63,56 @@ def run_each(items: Sequence[T], fn: Callable[[T], Any], threads: int) -> None:
     ones before it raises: no helper writes into the caller's buffers after it returns."""
     todo = collections.deque(items)
     errors: list[BaseException] = []
-    running = [0]  # threads inside drain(): a helper that starts later finds nothing to do
-    idle = threading.Condition()
+    running = [0]  # helpers inside an item of this call (signals reach only the caller)
+    idle = threading.Condition(threading.Lock())
 
-    def drain() -> None:
+    def take() -> None:
+        """A helper's turn: one item, then back in line behind other callers' work."""
         with idle:
-            running[0] += 1
+            try:
+                item = todo.popleft()
+            except IndexError:
+                return
+            running[0] += 1  # with the pop, under the lock the caller waits with
         try:
-            while True:
-                try:
-                    item = todo.popleft()
-                except IndexError:
-                    return
-                try:
-                    fn(item)
-                except BaseException as exc:  # raised by the caller, once every item ran
-                    errors.append(exc)
-                    if isinstance(exc, KeyboardInterrupt):  # the calling thread's Ctrl-C: stop early
-                        raise
+            fn(item)
+        except BaseException as exc:  # raised by the caller, once every item ran
+            errors.append(exc)
         finally:
             with idle:
                 running[0] -= 1
                 idle.notify_all()
+        if todo:
+            _work.put(take)
 
-    helpers = min(threads, len(todo)) - 1
-    _ensure_helpers(helpers)
-    for _ in range(helpers):
-        _work.put(drain)
     interrupted: BaseException | None = None
     try:
-        drain()
-    except BaseException as exc:  # KeyboardInterrupt from a signal handler
-        interrupted = exc
-    todo.clear()
-    with idle:
-        while running[0]:
+        helpers = min(threads, len(todo)) - 1
+        _ensure_helpers(helpers)
+        for _ in range(helpers):
+            _work.put(take)
+        while True:
             try:
-                idle.wait()
-            except BaseException as exc:
-                interrupted = interrupted or exc
+                item = todo.popleft()
+            except IndexError:
+                break
+            try:
+                fn(item)
+            except Exception as exc:
+                errors.append(exc)
+    except BaseException as exc:  # Ctrl-C: the items not yet started are dropped
+        interrupted = exc
+    while True:
+        try:
+            todo.clear()
+            with idle:
+                if interrupted is not None and running[0]:
+                    log.info("waiting for %d running reads before raising %s", running[0], type(interrupted).__name__)
+                while running[0]:
+                    idle.wait()
+            break
+        except BaseException as exc:
+            interrupted = interrupted or exc
     if interrupted is not None:
         raise interrupted
     if errors:
