@@ -28,6 +28,7 @@ from typing import Any
 
 from . import _stream_copy
 from ._stream_copy import stream_copy
+from ._workers import wait_then_raise
 
 __all__ = ["PARALLEL_MIN_BYTES", "Span", "copy_arrays", "copy_spans", "copy_threads", "split_ranges", "split_spans"]
 
@@ -180,7 +181,7 @@ def _copy_parts(parts: list[list[Any]], copy_part: Callable[[list[Any]], None]) 
     addresses, which only the caller's frame keeps alive and mapped, so the caller waits
     for every helper's part even through Ctrl-C (raised once they are all done)."""
     first, *rest = parts
-    left = [len(rest)]
+    finished = [0]
     errors: list[BaseException] = []
     done = threading.Condition(threading.Lock())
 
@@ -188,7 +189,7 @@ def _copy_parts(parts: list[list[Any]], copy_part: Callable[[list[Any]], None]) 
         with done:
             if error is not None:
                 errors.append(error)
-            left[0] -= 1
+            finished[0] += 1
             done.notify_all()
 
     interrupted: BaseException | None = None
@@ -200,17 +201,4 @@ def _copy_parts(parts: list[list[Any]], copy_part: Callable[[list[Any]], None]) 
         copy_part(first)
     except BaseException as exc:
         interrupted = exc
-    while True:
-        try:
-            with done:
-                left[0] -= len(rest) - queued  # parts never handed over (Ctrl-C while handing over)
-                queued = len(rest)
-                while left[0] > 0:
-                    done.wait()
-            break
-        except BaseException as exc:
-            interrupted = interrupted or exc
-    if interrupted is not None:
-        raise interrupted
-    if errors:
-        raise errors[0]
+    wait_then_raise(done, lambda: finished[0] < queued, interrupted, errors, "copies")

@@ -21,13 +21,13 @@ their targets are about to be read, but a state that size does not stay cached a
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
 import platform
 import struct
 import sys
-import threading
 from collections.abc import Callable
 
 __all__ = ["STREAM_MIN_BYTES", "stream_copy", "streaming"]
@@ -96,25 +96,11 @@ def _map_body() -> _Body | None:
     return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(page)
 
 
-_loaded: list[_Body | None] = []  # the loop once loaded (or None), mapped at the first large copy
-_loading = threading.Lock()
-
-
-def _forget_lock() -> None:
-    """A child forked while another thread held the lock would wait on it forever."""
-    global _loading
-    _loading = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_lock)
-
-
+@functools.cache
 def _stream_body() -> _Body | None:
-    if not _loaded:
-        with _loading:
-            if not _loaded:
-                _loaded.append(_load_body())
-    return _loaded[0]
+    """The loop, mapped at the first large copy (two threads that race there map a page
+    each, and one is kept: harmless)."""
+    return _load_body()
 
 
 def streaming() -> bool:

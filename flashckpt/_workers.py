@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["run_each"]
+__all__ = ["run_each", "wait_then_raise"]
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +102,25 @@ def run_each(items: Sequence[T], fn: Callable[[T], Any], threads: int) -> None:
                 errors.append(exc)
     except BaseException as exc:  # Ctrl-C: the items not yet started are dropped
         interrupted = exc
+
+    def busy() -> bool:
+        todo.clear()
+        return running[0] > 0
+
+    wait_then_raise(idle, busy, interrupted, errors, "reads")
+
+
+def wait_then_raise(idle: threading.Condition, busy: Callable[[], bool], interrupted: BaseException | None,
+                    errors: list[BaseException], what: str) -> None:
+    """Wait on ``idle`` (whose lock guards what ``busy`` reads) until ``busy()`` is false,
+    also through Ctrl-C, for helpers that use the caller's memory; then raise
+    ``interrupted`` (or a Ctrl-C that came while waiting), else the first of ``errors``."""
     while True:
         try:
-            todo.clear()
             with idle:
-                if interrupted is not None and running[0]:
-                    log.info("waiting for %d running reads before raising %s", running[0], type(interrupted).__name__)
-                while running[0]:
+                if interrupted is not None and busy():
+                    log.info("waiting for running %s before raising %s", what, type(interrupted).__name__)
+                while busy():
                     idle.wait()
             break
         except BaseException as exc:

@@ -65,8 +65,8 @@ def test_large_copies_of_every_kind_go_through_the_loop(monkeypatch):
     if not _X86_LINUX:
         return
     calls = []
-    real = _stream_copy._loaded[0]
-    monkeypatch.setattr(_stream_copy, "_loaded", [lambda d, s, n: (calls.append(n), real(d, s, n))])
+    real = _stream_copy._stream_body()
+    monkeypatch.setattr(_stream_copy, "_stream_body", lambda: lambda d, s, n: (calls.append(n), real(d, s, n)))
     size = _stream_copy.STREAM_MIN_BYTES * 4
     src, dst = np.ones(size, np.uint8), np.zeros(size, np.uint8)
     _copy.copy_spans([(dst.ctypes.data, src.ctypes.data, size)])
