@@ -23,6 +23,7 @@ from typing import Any
 
 from . import _names
 from ._errors import CheckpointTimeoutError, SaverError
+from ._options import env_count
 from ._slot import pid_alive
 
 __all__ = ["SaverClient", "persist_threads", "saver_timeout"]
@@ -58,15 +59,7 @@ def persist_threads() -> int:
     On a loaded 2-core machine whose disk one O_DIRECT stream nearly fills, 4 threads over
     1 with 4 ranks measured 0.73x-1.52x (median 1.13x, 11 repeats; ``benchmarks/persist.py``),
     no clear gain; parallel and network file systems want several streams."""
-    default = min(_THREADS_MAX_DEFAULT, max(1, (os.cpu_count() or 1) // _CORES_PER_THREAD))
-    raw = os.environ.get(_THREADS_ENV, str(default))
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{_THREADS_ENV} must be a whole number of threads, got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"{_THREADS_ENV} must be at least 1, got {raw!r}")
-    return value
+    return env_count(_THREADS_ENV, min(_THREADS_MAX_DEFAULT, max(1, (os.cpu_count() or 1) // _CORES_PER_THREAD)))
 
 
 def peer_uid(sock: socket.socket) -> int:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _stream_copy
+from ._options import env_count
 from ._stream_copy import stream_copy
 from ._workers import wait_then_raise
 
@@ -46,12 +47,7 @@ Span = tuple[int, int, int]
 
 def copy_threads() -> int:
     """Threads a large copy uses: ``FLASHCKPT_COPY_THREADS``, else the usable CPUs (at most 4)."""
-    setting = os.environ.get("FLASHCKPT_COPY_THREADS", "").strip()
-    if setting:
-        if not setting.isdigit() or int(setting) < 1:
-            raise ValueError(f"FLASHCKPT_COPY_THREADS must be an integer >= 1, got {setting!r}")
-        return int(setting)
-    return max(1, min(_MAX_DEFAULT_THREADS, len(os.sched_getaffinity(0))))
+    return env_count("FLASHCKPT_COPY_THREADS", max(1, min(_MAX_DEFAULT_THREADS, len(os.sched_getaffinity(0)))))
 
 
 def split_ranges(dsts: list[Any], srcs: list[Any], parts: int) -> list[list[Pair]]:

@@ -1,11 +1,12 @@
-"""The options every checkpointer takes, checked when they are given."""
+"""The options every checkpointer takes, and the counts set in the environment, checked when they are given."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Options", "check_memory_slots"]
+__all__ = ["Options", "check_memory_slots", "env_count"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,3 +46,14 @@ def check_memory_slots(memory_slots: Any) -> None:
     """``memory_slots`` is 1 or 2, else a ValueError (for adapters that open their engine later)."""
     if memory_slots not in (1, 2):
         raise ValueError(f"memory_slots must be 1 or 2, got {memory_slots!r}")
+
+
+def env_count(name: str, default: int) -> int:
+    """The whole number >= 1 set in environment variable ``name``, else ``default``; a
+    ValueError naming the variable for anything else."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name} must be a whole number >= 1, got {raw!r}")
+    return int(raw)

@@ -9,7 +9,7 @@ edge block outside the range are read alongside, once, and never again).
 
 A full read (:meth:`~ShardReader.read_all`; the engine's load is :func:`read_shard_into`)
 splits the file into block-aligned chunks of :data:`CHUNK_BYTES` that several threads
-read, each chunk with one ``preadv`` straight into the caller's buffers (the header and
+read (:func:`read_streams`: one on a rotational disk), each chunk with one ``preadv`` straight into the caller's buffers (the header and
 gaps into scratch), each thread checksumming its own blocks; the checksums and the reads
 release the GIL. A chunk of a local file that was not in the page cache (a restart's
 load: the saver wrote the file with ``O_DIRECT``) is dropped from the cache once read
@@ -28,6 +28,7 @@ overwrites in turn. Plain (non-tensor) leaves are applied only after every block
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import mmap
 import os
@@ -38,18 +39,21 @@ from typing import TYPE_CHECKING, Any, Callable
 from ._checksum import BlockSums
 from ._errors import CorruptCheckpointError
 from ._format import Entry, Image, header_length, parse_header
+from ._options import env_count
 from ._tree import Merge, kind_named
 from ._workers import run_each
 
 if TYPE_CHECKING:
     from ._storage import LocalStorage
 
-__all__ = ["CHUNK_BYTES", "Chunk", "Scratch", "ShardReader", "file_header", "open_shard", "read_header", "read_shard_into", "read_tensors", "run_chunks", "unflatten"]
+__all__ = ["CHUNK_BYTES", "Chunk", "Scratch", "ShardReader", "file_header", "open_shard", "read_header", "read_shard_into", "read_streams", "read_tensors", "run_chunks", "unflatten"]
 
 CHUNK_BYTES = 32 << 20
 """Bytes per read of a full read (rounded down to whole checksum blocks, at least one)."""
 THREADS = 8
-"""Threads of a full read: enough outstanding reads to keep a fast device busy."""
+"""Threads of a full read from storage other than a rotational disk: enough outstanding
+reads to keep a fast device (or an object store) busy."""
+READ_THREADS_ENV = "FLASHCKPT_READ_THREADS"
 _FIRST_READ = 64 << 10
 _IOV_MAX = 1024
 _LOW_BIT = bytes(b & 1 for b in range(256))
@@ -58,6 +62,29 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def read_streams(device: int, sys_root: str = "/sys") -> int:
+    """How many reads of a local file on ``device`` (``st_dev``) a rank runs at once:
+    ``FLASHCKPT_READ_THREADS``, else 1 on a disk the kernel marks rotational, else
+    :data:`THREADS`. On a rotational disk (or a virtual one that says so) streams seek
+    against each other: a resharded FSDP load 4 -> 2 measured 0.28 s with one read per
+    rank against 0.35 s with eight, and a one-process load as fast with one as with eight."""
+    return env_count(READ_THREADS_ENV, 1 if _rotational(device, sys_root) else THREADS)
+
+
+@functools.lru_cache(maxsize=64)
+def _rotational(device: int, sys_root: str) -> bool:
+    """Whether block device ``device`` (a partition: its disk) is rotational; False where
+    there is no block device (tmpfs, NFS, overlay) or sysfs would not say."""
+    node = os.path.realpath(os.path.join(sys_root, "dev", "block", f"{os.major(device)}:{os.minor(device)}"))
+    if os.path.exists(os.path.join(node, "partition")):
+        node = os.path.dirname(node)
+    try:
+        with open(os.path.join(node, "queue", "rotational")) as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
 
 
 def read_header(fd: int, where: str, size: int, at: int = 0) -> Image:
@@ -93,6 +120,9 @@ class ShardReader:
         """Whether a full read leaves what it read in the cache (:meth:`map_verified`)."""
         try:
             self.size = int(record["size"])
+            self.streams = (read_streams(os.fstat(file.fileno()).st_dev) if isinstance(file, io.FileIO)
+                            else env_count(READ_THREADS_ENV, THREADS))
+            """Reads of this shard that suit its storage at once (:func:`read_streams`)."""
             self._read_pieces = _pieces_reader(file, self.path, self.size)
             self._sums = BlockSums(record, self.path)
             self.image = self._header()
@@ -411,8 +441,8 @@ class Chunk:
 
 def run_chunks(chunks: list[Chunk], *, threads: int | None = None,
                done: Callable[[ShardReader, int], None] | None = None) -> None:
-    """Read ``chunks`` (of one or many readers) on ``threads`` threads (default
-    :data:`THREADS`). ``done(reader, i)`` runs on a reading thread once every chunk
+    """Read ``chunks`` (of one or many readers) on ``threads`` threads (default: the
+    most :attr:`ShardReader.streams` of their readers). ``done(reader, i)`` runs on a reading thread once every chunk
     touching part ``i`` of that reader's plan is read and verified. The first error
     (a :class:`CorruptCheckpointError` naming the file and bytes) stops the reads not yet
     started and is raised once the others end."""
@@ -437,7 +467,7 @@ def run_chunks(chunks: list[Chunk], *, threads: int | None = None,
             if finished and done is not None:
                 done(c.reader, i)
 
-    run_each(chunks, run, threads or THREADS)
+    run_each(chunks, run, threads or max((c.reader.streams for c in chunks), default=1))
 
 
 def open_shard(storage: LocalStorage, step: int, rank: int, *, whole: bool = False) -> ShardReader:
@@ -453,7 +483,7 @@ def open_shard(storage: LocalStorage, step: int, rank: int, *, whole: bool = Fal
 def read_shard_into(storage: LocalStorage, step: int, rank: int, merge: Callable[[Image], Merge], *,
                     threads: int | None = None) -> None:
     """Read shard ``rank`` of committed ``step`` into the tensors ``merge`` picks for the
-    shard's entries, on ``threads`` threads (default :data:`THREADS`), straight into the
+    shard's entries, on ``threads`` threads (default: :func:`read_streams`), straight into the
     tensors whose host bytes are at hand (else through a scratch buffer per tensor, copied
     once its blocks verified); plain leaves are applied only once every block verified."""
     with open_shard(storage, step, rank, whole=True) as reader:
