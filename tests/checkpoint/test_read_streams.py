@@ -94,3 +94,30 @@ def test_a_load_reads_with_as_many_threads_as_its_shards_suit():
     slow, fast = _Reader(1), _Reader(3)
     run_chunks([_Chunk(slow if i % 2 else fast, seen, meet if i < 3 else None) for i in range(12)])
     assert len(seen) == 3
+
+
+def test_a_read_that_keeps_the_shard_cached_reads_on_two_threads_even_on_a_rotational_disk(tmp_path, monkeypatch):
+    """Filling the page cache costs the kernel about as much CPU as the disk takes time
+    (exporters map the verified shard): one thread would do the two one after the other."""
+    from flashckpt._storage import LocalStorage
+
+    from .test_shard_reader import commit_state
+    import torch
+    monkeypatch.setattr(shard_read, "read_streams", lambda device: 1)
+    monkeypatch.setattr(shard_read, "CHUNK_BYTES", 4 << 20)  # one checksum block a read: 3 reads
+    storage = LocalStorage(tmp_path / "ck")
+    storage.check_writable()
+    commit_state(storage, 1, {"big": torch.randn(3_000_000, generator=torch.Generator().manual_seed(0))})
+    meet, read_chunk = threading.Barrier(2, timeout=10), shard_read.ShardReader._read_chunk
+    first_two = iter(range(2))
+
+    def read_meeting(self, start, pieces, gaps):
+        if next(first_two, None) is not None:
+            meet.wait()  # the first two reads must run at once
+        read_chunk(self, start, pieces, gaps)
+
+    monkeypatch.setattr(shard_read.ShardReader, "_read_chunk", read_meeting)
+    with shard_read.open_shard(storage, 1, 0) as reader:
+        assert reader.streams == 1
+        mm = reader.map_verified()
+        mm.close()
