@@ -1,5 +1,6 @@
 import glob
 import os
+import signal
 import subprocess
 from contextlib import contextmanager
 
@@ -22,3 +23,12 @@ def small_tmpfs(where, size: str):
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture
+def ctrl_c():
+    """SIGINT raises KeyboardInterrupt during the test, as in a terminal, even where the
+    suite was started with SIGINT ignored (a shell's background job)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

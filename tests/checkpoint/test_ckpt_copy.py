@@ -155,19 +155,21 @@ def test_copy_spans_copies_exactly(monkeypatch, threads):
         assert np.array_equal(d, s)
 
 
-def test_ctrl_c_during_a_copy_waits_for_the_helpers(monkeypatch):
+def test_ctrl_c_during_a_copy_waits_for_the_helpers(monkeypatch, ctrl_c):
     monkeypatch.setenv("FLASHCKPT_COPY_THREADS", "2")
-    finished = []
+    finished, caller_copied = [], threading.Event()
     real = _copy._copy_span_group
 
     def slow_helper(group):
         if threading.current_thread() is not threading.main_thread():
+            assert caller_copied.wait(30)  # the caller then waits for this part
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # while this part copies
             time.sleep(0.3)
             real(group)
             finished.append(True)
         else:
             real(group)
+            caller_copied.set()
 
     monkeypatch.setattr(_copy, "_copy_span_group", slow_helper)
     src = np.ones(_copy.PARALLEL_MIN_BYTES, dtype=np.uint8)

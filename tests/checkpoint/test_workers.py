@@ -141,7 +141,7 @@ def test_a_forked_child_runs_with_threads_of_its_own():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_ctrl_c_drops_the_items_not_started_and_waits_for_the_running_ones():
+def test_ctrl_c_drops_the_items_not_started_and_waits_for_the_running_ones(ctrl_c):
     ran, helper_started, helper_finished = [], [], []
 
     def work(i):
