@@ -7,9 +7,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 import flashckpt._shard_read as shard_read
 from flashckpt._shard_read import read_streams, run_chunks
+from flashckpt._storage import LocalStorage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,7 +53,6 @@ def test_the_setting_overrides_the_disk_and_a_bad_one_is_a_clear_error(sysfs, mo
 def test_an_open_shard_reads_with_the_streams_of_its_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHCKPT_READ_THREADS", "5")
     from .test_shard_reader import commit_state, odd_state
-    from flashckpt._storage import LocalStorage
     storage = LocalStorage(tmp_path / "ck")
     storage.check_writable()
     commit_state(storage, 1, odd_state())
@@ -99,10 +100,7 @@ def test_a_load_reads_with_as_many_threads_as_its_shards_suit():
 def test_a_read_that_keeps_the_shard_cached_reads_on_two_threads_even_on_a_rotational_disk(tmp_path, monkeypatch):
     """Filling the page cache costs the kernel about as much CPU as the disk takes time
     (exporters map the verified shard): one thread would do the two one after the other."""
-    from flashckpt._storage import LocalStorage
-
     from .test_shard_reader import commit_state
-    import torch
     monkeypatch.setattr(shard_read, "read_streams", lambda device: 1)
     monkeypatch.setattr(shard_read, "CHUNK_BYTES", 4 << 20)  # one checksum block a read: 3 reads
     storage = LocalStorage(tmp_path / "ck")
@@ -119,5 +117,4 @@ def test_a_read_that_keeps_the_shard_cached_reads_on_two_threads_even_on_a_rotat
     monkeypatch.setattr(shard_read.ShardReader, "_read_chunk", read_meeting)
     with shard_read.open_shard(storage, 1, 0) as reader:
         assert reader.streams == 1
-        mm = reader.map_verified()
-        mm.close()
+        reader.map_verified().close()
