@@ -188,6 +188,10 @@ class Source:
     layout: dict[str, Any]
     names: dict[str, str]
     entries: dict[str, Entry] = field(default_factory=dict)
+    blocks: dict[str, list[tuple[Piece, str]]] | None = None
+    """Instead of the layout's one piece per tensor: any number of saved blocks per
+    tensor key, ``(piece, entry name)`` each (megatron keeps a layer stack's blocks under
+    one key); a key this shard does not hold has none."""
 
     @property
     def path(self) -> str:
@@ -197,12 +201,13 @@ class Source:
     def image(self) -> Image:
         return self.reader.image
 
-    def piece(self, key: str) -> Piece | None:
+    def pieces(self, key: str) -> list[tuple[Piece, str]] | None:
+        """``(piece, entry name)`` of every block of tensor ``key`` in this shard; None
+        when its layout does not name ``key``."""
+        if self.blocks is not None:
+            return self.blocks.get(key, [])
         rec = self.layout["tensors"].get(key)
-        return Piece.from_json(rec) if rec is not None else None
-
-    def entry(self, key: str) -> Entry:
-        return self.entries[self.names[key]]
+        return None if rec is None else [(Piece.from_json(rec), self.names[key])]
 
     def file_offset(self, entry: Entry) -> int:
         return self.reader.body_start + entry.offset
@@ -228,21 +233,22 @@ def read_header(f: Any, expected_size: int) -> tuple[Image, int]:
     return file_header(f, size), size
 
 
-def read_sources(storage: Storage, step: int, *, verify_headers: bool = True) -> list[Source]:
+def read_sources(storage: Storage, step: int, *, verify_headers: bool = True, layout: bool = True) -> list[Source]:
     """Readers and layouts of every rank's shard of a committed step (by rank), each
     shard opened once with :func:`open_shard` and its header blocks verified (give them
     to a :class:`RangeReader`, which closes them, or call :func:`close_sources`).
     ``verify_headers=False`` leaves the header blocks to the :class:`RangeReader`, which
     verifies those of every shard it reads from along with its reads (the layouts only
     choose which shards to read; a caller that uses a shard's header otherwise verifies
-    it with ``reader.verify_header()``). On a
+    it with ``reader.verify_header()``). ``layout=False``: shards without a sharded
+    layout (the caller places their blocks itself, as megatron's reader does). On a
     local disk one after another (threads were no faster); on an object store, where each
     opening is a round trip, at once on threads. The first error is raised once every
     opened shard is closed."""
     world = int(storage.metadata(step)["world_size"])
 
     def one(rank: int) -> Source:
-        return source_of(rank, open_shard(storage, step, rank), layout=True, verify=verify_headers)
+        return source_of(rank, open_shard(storage, step, rank), layout=layout, verify=verify_headers)
 
     if isinstance(storage, LocalStorage) or world <= 1:
         sources: list[Source] = []
@@ -328,25 +334,26 @@ class RangeReader:
         seen: set[Piece] = set()
         plan, covered = [], 0
         for src in order:
-            piece = src.piece(key)
-            if piece is None:
+            blocks = src.pieces(key)
+            if blocks is None:
                 src.reader.verify_header()  # a damaged header is reported as such, not as a mismatch
                 raise StateMismatchError(f"{src.path} has no entry {key!r} in its layout")
-            if piece in seen:
-                continue
-            seen.add(piece)
-            box = piece.intersect(want)
-            if box is None or box.numel == 0:
-                continue
-            entry = src.entry(key)
-            if entry.dtype != dtype:
-                src.reader.verify_header()
-                raise StateMismatchError(f"{key}: checkpoint has {entry.dtype}, state has {dtype}")
-            if tuple(entry.shape) != piece.lengths:
-                raise CorruptCheckpointError(f"{src.path}: entry {key!r} has shape {list(entry.shape)} "
-                                             f"but its layout says {list(piece.lengths)}")
-            plan.append((src, entry, piece, box))
-            covered += box.numel
+            for piece, name in blocks:
+                if piece in seen:
+                    continue
+                seen.add(piece)
+                box = piece.intersect(want)
+                if box is None or box.numel == 0:
+                    continue
+                entry = src.entries[name]
+                if entry.dtype != dtype:
+                    src.reader.verify_header()
+                    raise StateMismatchError(f"{key}: checkpoint has {entry.dtype}, state has {dtype}")
+                if not _same_extent(tuple(entry.shape), piece.lengths):
+                    raise CorruptCheckpointError(f"{src.path}: entry {key!r} has shape {list(entry.shape)} "
+                                                 f"but its layout says {list(piece.lengths)}")
+                plan.append((src, entry, piece, box))
+                covered += box.numel
         if covered != want.numel:
             raise CorruptCheckpointError(
                 f"{key}: the shards cover {covered} of the {want.numel} elements needed at offsets "
@@ -448,6 +455,13 @@ class RangeReader:
                 first, span, copy = _strided(spiece, s_start, d_start, box, dst)
                 scratch = Scratch(span)
                 yield src, base + first, scratch, lambda s=scratch, c=copy: c(np.frombuffer(s.take(), np.uint8)), box.numel
+
+
+def _same_extent(shape: tuple[int, ...], lengths: tuple[int, ...]) -> bool:
+    """Whether an entry of ``shape`` holds a piece of ``lengths`` in C order: the same
+    shape, or one without leading axes of extent 1 (megatron's prepended axes)."""
+    extra = len(lengths) - len(shape)
+    return extra >= 0 and lengths[extra:] == shape and all(n == 1 for n in lengths[:extra])
 
 
 def _read_range(src: Source, at: int, view: Any, finish: Any) -> None:

@@ -36,6 +36,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
+
 from ._checksum import BlockSums
 from ._errors import CorruptCheckpointError
 from ._format import Entry, Image, header_length, parse_header
@@ -46,7 +48,7 @@ from ._workers import run_each
 if TYPE_CHECKING:
     from ._storage import LocalStorage
 
-__all__ = ["CHUNK_BYTES", "Chunk", "Scratch", "ShardReader", "file_header", "open_shard", "read_header", "read_shard_into", "read_streams", "read_tensors", "run_chunks", "unflatten"]
+__all__ = ["CHUNK_BYTES", "Chunk", "MemoryImage", "Scratch", "ShardReader", "file_header", "open_shard", "read_header", "read_shard_into", "read_streams", "read_tensors", "run_chunks", "unflatten"]
 
 CHUNK_BYTES = 32 << 20
 """Bytes per read of a full read (rounded down to whole checksum blocks, at least one)."""
@@ -108,10 +110,12 @@ class ShardReader:
     """One committed shard opened for reading: ``size``, ``image`` (the parsed header),
     ranged :meth:`readinto` and full :meth:`read_all`, each verifying what it reads.
     Owns the file it is given: a local file (``io.FileIO``), or any object with ``name``,
-    ``close()`` and positional ``preadv(pieces, offset)`` (an object store's shard).
+    ``close()`` and positional ``preadv(pieces, offset)`` (an object store's shard, a
+    :class:`MemoryImage`). ``record`` is the commit's record of the shard (its size and
+    block checksums); a :class:`MemoryImage` has none and nothing is verified.
     A context manager; thread safe for disjoint ranges."""
 
-    def __init__(self, file: Any, record: dict[str, Any]) -> None:
+    def __init__(self, file: Any, record: dict[str, Any] | None) -> None:
         self.path = str(file.name)
         self._file = file
         self._cached: bytes | None = None
@@ -121,12 +125,12 @@ class ShardReader:
         self._keep_cached = False
         """Whether a full read leaves what it read in the cache (:meth:`map_verified`)."""
         try:
-            self.size = int(record["size"])
+            self.size = int(record["size"]) if record is not None else file.size
             self.streams = (read_streams(os.fstat(file.fileno()).st_dev) if isinstance(file, io.FileIO)
                             else env_count(READ_THREADS_ENV, THREADS))
             """Reads of this shard that suit its storage at once (:func:`read_streams`)."""
             self._read_pieces = _pieces_reader(file, self.path, self.size)
-            self._sums = BlockSums(record, self.path)
+            self._sums = BlockSums(record, self.path) if record is not None else _UNRECORDED
             self.image = self._header()
         except BaseException:
             file.close()
@@ -290,6 +294,53 @@ class ShardReader:
                 if isinstance(self._file, io.FileIO):
                     self._cached = _resident_pages(self._file.fileno(), self.size)
         return self._cached
+
+
+class MemoryImage:
+    """A shard image in this host's memory (a shared-memory slot's), read like a file
+    by a :class:`ShardReader`: positional copies that release the GIL, so that a ranged
+    read's threads copy at once. ``close`` runs when the reader closes."""
+
+    def __init__(self, buffer: Any, name: str, close: Callable[[], None]) -> None:
+        self.name, self._close = name, close
+        self._bytes = np.frombuffer(buffer, np.uint8)
+        self.size = len(self._bytes)
+
+    def preadv(self, pieces: list[memoryview], offset: int) -> None:
+        for piece in pieces:
+            if offset + len(piece) > self.size:
+                raise CorruptCheckpointError(f"{self.name}: bytes {offset}-{offset + len(piece)} lie outside "
+                                             f"its {self.size} bytes")
+            np.copyto(np.frombuffer(piece, np.uint8), self._bytes[offset:offset + len(piece)])
+            offset += len(piece)
+
+    def close(self) -> None:
+        self._bytes = np.empty(0, np.uint8)  # no export of the buffer outlives the reader
+        self._close()
+
+
+class _EveryBlock:
+    def __contains__(self, block: object) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return 0
+
+
+class _Unrecorded:
+    """The block checksums of a :class:`MemoryImage`: none. A slot is written by this
+    job's own processes and trusted as the engine's load from memory trusts it; every
+    block counts as verified, so reads never widen to whole blocks."""
+
+    block_size = mmap.PAGESIZE
+    crcs: list[int] = []
+    verified = _EveryBlock()
+
+    def check_pieces(self, start: int, pieces: list[memoryview]) -> None:
+        return None
+
+
+_UNRECORDED = _Unrecorded()
 
 
 def _gap_buffer(gaps: threading.local, nbytes: int) -> memoryview:

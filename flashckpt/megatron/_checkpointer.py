@@ -15,10 +15,12 @@ import torch
 from .. import _events, _names
 from .._agreement import Source
 from .._errors import CheckpointError, StateMismatchError
+from .._reshard import Fill, Piece, Source as SavedShard, byte_shape, close_sources, read_sources, source_of
+from .._shard_read import MemoryImage, ShardReader
 from .._slot import HEADER_SIZE, Slot, SlotState
 from ..torch import Checkpointer
-from ._layout import Box
-from ._reader import BYTESIO, FileSource, MemorySource, StepReader
+from ..torch._tensors import DTYPE_NAMES, host_byte_array
+from ._reader import BYTESIO, StepReader
 
 __all__ = ["MegatronCheckpointer"]
 
@@ -30,8 +32,9 @@ def _is_main(replica_id: Any) -> bool:
     return is_main_replica(replica_id)
 
 
-def _box(sh: Any) -> Box:
-    return Box(tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+def _piece(sh: Any) -> Piece:
+    """A ``ShardedTensor``'s block in global coordinates (its prepended axes of extent 1)."""
+    return Piece(tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape))
 
 
 def _encode_object(data: Any) -> Any:
@@ -98,8 +101,8 @@ class MegatronCheckpointer:
                 if value.data is None:
                     raise CheckpointError(f"{value.key}: ShardedTensor without data cannot be saved")
                 if _is_main(value.replica_id):
-                    box = _box(value)
-                    layout.append([value.key, list(box.offset), list(box.shape), list(value.global_shape)])
+                    piece = _piece(value)
+                    layout.append([value.key, list(piece.offsets), list(piece.lengths), list(value.global_shape)])
                     data.append(value.data)
             elif isinstance(value, ShardedObject):
                 if _is_main(value.replica_id):
@@ -153,25 +156,32 @@ class MegatronCheckpointer:
             flash.collective.all_gather(None)
         return chosen, "storage"
 
-    def _memory_sources(self, step: int) -> list[MemorySource]:
+    def _memory_sources(self, step: int) -> list[SavedShard]:
         """Every saved rank's image of ``step`` in this node's shared memory (one per rank).
 
         A rank reads the blocks it asks for from any local rank's slot: replicated blocks
         (written by replica 0 only) come from the slot of the rank that wrote them.
         """
         p = self._flash.placement
-        found: dict[int, MemorySource] = {}
-        for path in sorted(glob.glob(glob.escape(_names.job_prefix(self._flash.job_id)) + ".rank*.slot*")):
-            slot = Slot.open(path)
-            if slot is None:
-                continue
-            h = slot.read_header()
-            info = h.info
-            if (h.state == SlotState.COMPLETE and h.step == step and info.get("storage_world") == p.storage_world
-                    and info.get("directory") == self._flash.storage.root and info.get("storage_rank") not in found):
-                found[info["storage_rank"]] = MemorySource(slot, HEADER_SIZE, path)
-            else:
-                slot.close()
+        found: dict[int, SavedShard] = {}
+        try:
+            for path in sorted(glob.glob(glob.escape(_names.job_prefix(self._flash.job_id)) + ".rank*.slot*")):
+                slot = Slot.open(path, populate=False)  # read once: mapping every page up front costs more
+                if slot is None:
+                    continue
+                h = slot.read_header()
+                info = h.info
+                if (h.state == SlotState.COMPLETE and h.step == step and info.get("storage_world") == p.storage_world
+                        and info.get("directory") == self._flash.storage.root
+                        and info.get("storage_rank") not in found):
+                    image = MemoryImage(memoryview(slot.mm)[HEADER_SIZE:HEADER_SIZE + h.image_len], path, slot.close)
+                    found[info["storage_rank"]] = source_of(info["storage_rank"], ShardReader(image, None),
+                                                            layout=False)
+                else:
+                    slot.close()
+        except BaseException:
+            close_sources(list(found.values()))
+            raise
         return [found[r] for r in sorted(found)]
 
     def _memory_covers(self, sharded_state_dict: dict, step: int) -> bool:
@@ -180,12 +190,11 @@ class MegatronCheckpointer:
         try:
             reader = StepReader(sources, allow_pickle=self._flash.options.allow_pickle)
         except CheckpointError:
-            for s in sources:
-                s.close()
+            close_sources(sources)
             return False
         try:
             requested = self._requested(sharded_state_dict)
-            return (all(reader.covers_locally(sh.key, _box(sh)) for sh in requested["tensors"])
+            return (all(reader.covers(sh.key, _piece(sh)) for sh in requested["tensors"])
                     and all(o.unique_key in reader.objects for o in requested["objects"]))
         finally:
             reader.close()
@@ -202,19 +211,12 @@ class MegatronCheckpointer:
                 "objects": [v for v in values if isinstance(v, ShardedObject)]}
 
     def _reader(self, step: int, source: str) -> StepReader:
-        allow = self._flash.options.allow_pickle
-        if source == "memory":
-            return StepReader(self._memory_sources(step), allow_pickle=allow)
-        storage = self._flash.storage
-        meta = storage.metadata(step)
-        sources = []
+        sources = (self._memory_sources(step) if source == "memory"
+                   else read_sources(self._flash.storage, step, layout=False))
         try:
-            for rank in range(meta["world_size"]):
-                sources.append(FileSource(*storage.open_shard(step, rank)))
-            return StepReader(sources, allow_pickle=allow)
+            return StepReader(sources, allow_pickle=self._flash.options.allow_pickle)
         except BaseException:
-            for s in sources:
-                s.close()
+            close_sources(sources)
             raise
 
     def _load_step(self, sharded_state_dict: dict, step: int, source: str) -> dict:
@@ -236,34 +238,53 @@ class MegatronCheckpointer:
 
     @staticmethod
     def read_sharded(reader: StepReader, sharded: Any) -> Any:
-        """Replace every ShardedTensor / ShardedObject of ``sharded`` by its loaded value."""
-        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
+        """Replace every ShardedTensor / ShardedObject of ``sharded`` by its loaded value:
+        the tensors' blocks read at once, in place into ``ShardedTensor`` data that is a
+        contiguous CPU tensor of the block's shape, else into a new host tensor (copied
+        into the data where it has that shape: a GPU parameter, one host-to-device copy)."""
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
         problems: list[str] = []
+        loaded: dict[int, torch.Tensor] = {}  # id(ShardedTensor) -> its tensor
+        fills: list[Fill] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for value in nested_values(sharded):
+            if not isinstance(value, ShardedTensor) or id(value) in loaded:
+                continue
+            piece, shape = _piece(value), tuple(value.local_shape)
+            problem = reader.mismatch(value.key, piece, tuple(value.global_shape), value.dtype,
+                                      value.allow_shape_mismatch)
+            if problem is not None:
+                problems.append(problem)
+                continue
+            data = value.data
+            in_place = (data is not None and data.device.type == "cpu" and data.is_contiguous()
+                        and data.dtype == value.dtype and tuple(data.shape) == shape)
+            dest = data if in_place else torch.empty(shape, dtype=value.dtype)
+            loaded[id(value)] = dest
+            if data is not None and not in_place and tuple(data.shape) == shape:
+                copies.append((data, dest))
+                loaded[id(value)] = data
+            if dest.numel():
+                fills.append(Fill(host_byte_array(dest).reshape(byte_shape(piece.lengths, dest.element_size())),
+                                  key=value.key, want=piece, dtype=DTYPE_NAMES[value.dtype],
+                                  global_shape=tuple(value.global_shape)))
+        if not problems:
+            with torch.no_grad():
+                reader.fill_many(fills)
+                for data, dest in copies:
+                    data.copy_(dest)
 
         def one(value: Any) -> Any:
-            try:
-                return load_one(value)
-            except StateMismatchError as exc:
-                problems.append(str(exc))
-                return None
-
-        def load_one(value: Any) -> Any:
             if isinstance(value, ShardedTensor):
-                box = _box(value)
-                data = value.data
-                in_place = (data is not None and data.device.type == "cpu" and data.is_contiguous()
-                            and data.dtype == value.dtype and tuple(data.shape) == tuple(value.local_shape))
-                dest = data if in_place else torch.empty(tuple(value.local_shape), dtype=value.dtype)
-                with torch.no_grad():
-                    reader.fill(value.key, box, tuple(value.global_shape), dest, value.allow_shape_mismatch)
-                    if data is not None and not in_place and tuple(data.shape) == tuple(value.local_shape):
-                        data.copy_(dest)  # e.g. a GPU parameter: one host-to-device copy
-                        return data
-                return dest
+                return loaded.get(id(value))
             if isinstance(value, ShardedObject):
-                return reader.sharded_object(value.unique_key)
+                try:
+                    return reader.sharded_object(value.unique_key)
+                except StateMismatchError as exc:
+                    problems.append(str(exc))
+                    return None
             return value
 
         out = dict_list_map_outplace(one, sharded)

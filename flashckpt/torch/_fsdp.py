@@ -41,7 +41,7 @@ from .._errors import CheckpointError, StateMismatchError
 from .._reshard import LAYOUT_KEY, Fill, Piece, RangeReader, path_key, read_header, read_layout, read_sources
 from .._tree import merge_into
 from ._checkpointer import collective_for
-from ._tensors import DTYPE_NAMES
+from ._tensors import DTYPE_NAMES, host_byte_array
 
 __all__ = ["FsdpCheckpointer"]
 
@@ -136,14 +136,6 @@ def _local_piece(value: Any, key: str) -> tuple[torch.Tensor, dict[str, Any]]:
         return shards[0].tensor, {"shape": shape, "offsets": list(md.shard_offsets), "lengths": list(md.shard_sizes)}
     shape = list(value.shape)
     return value, {"shape": shape, "offsets": [0] * len(shape), "lengths": shape, "replicated": True}
-
-
-def _host_bytes(t: torch.Tensor):
-    """``t`` as a writable numpy uint8 array (last dimension in bytes), or None."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        return None
-    flat = t.detach().reshape(1) if t.dim() == 0 else t.detach()
-    return flat.view(torch.uint8).numpy()
 
 
 def _local(t: Any) -> Any:
@@ -376,10 +368,10 @@ class FsdpCheckpointer(EngineCheckpointer):
         for name, obj in merge.fills:
             if obj.numel() == 0:
                 continue
-            dst = _host_bytes(obj)
+            dst = host_byte_array(obj)
             if dst is None:  # no host bytes (an accelerator): through a host tensor, copied once read
                 copies.append((obj, torch.empty(obj.shape, dtype=obj.dtype)))
-                dst = _host_bytes(copies[-1][1])
+                dst = host_byte_array(copies[-1][1])
             key = keys_by_name.get(name)
             if key is not None and target.locals.get(key) is obj:
                 rec = mine[key]

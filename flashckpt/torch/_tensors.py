@@ -28,7 +28,7 @@ from .._errors import CheckpointError
 from .._format import Entry
 from .._tree import register_kind
 
-__all__ = ["TorchKind", "DTYPE_NAMES"]
+__all__ = ["TorchKind", "DTYPE_NAMES", "host_byte_array"]
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -155,6 +155,16 @@ class TorchKind:
         if flat.numel() == 0:
             return memoryview(bytearray(0))
         return memoryview(flat.view(torch.uint8).numpy())
+
+
+def host_byte_array(t: torch.Tensor) -> Any:
+    """``t`` as a writable numpy uint8 array (last dimension in bytes: a target of the
+    resharding reader), or None when it has no contiguous host bytes."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    shape = (*t.shape[:-1], t.shape[-1] * t.element_size()) if t.dim() else (t.element_size(),)
+    # through the flat view: a contiguous tensor's axes of extent 1 may have any stride
+    return t.detach().reshape(-1).view(torch.uint8).numpy().reshape(shape)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass (DTensor, ...) may mean more than its bytes

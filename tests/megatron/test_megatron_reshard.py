@@ -176,20 +176,21 @@ def test_a_flipped_byte_in_a_saved_block_is_a_checksum_error(saved, tmp_path):
     import shutil
 
     from flashckpt import CorruptCheckpointError
+    from flashckpt._shard_read import open_shard
     from flashckpt._storage import LocalStorage
-    from flashckpt.megatron._reader import FileSource
 
     shutil.copytree(saved["tp"]["flash"], tmp_path / "ck")
-    path, record = LocalStorage(str(tmp_path / "ck")).shard_path(STEP, 0)
-    source = FileSource(path, record)
-    entry = max(source.image.entries, key=lambda e: e.nbytes)
-    at = len(source.image.header) + entry.offset
-    source.close()
+    storage = LocalStorage(str(tmp_path / "ck"))
+    path, _ = storage.shard_path(STEP, 0)
+    with open_shard(storage, STEP, 0) as reader:
+        entry = max(reader.image.entries, key=lambda e: e.nbytes)
+        at = reader.body_start + entry.offset
     with open(path, "r+b") as f:
         f.seek(at)
         byte = f.read(1)[0]
         f.seek(at)
         f.write(bytes([byte ^ 0xFF]))
     with pytest.raises(CorruptCheckpointError, match=r"rank-0\.safetensors: checksum"):
-        source = FileSource(path, record)  # the file is one block: the header's check already reads it
-        source.readinto(memoryview(bytearray(entry.nbytes)), entry.offset)
+        with open_shard(storage, STEP, 0) as reader:  # the file is one block: the header's check reads it
+            reader.verify_header()
+            reader.readinto(memoryview(bytearray(entry.nbytes)), at)
