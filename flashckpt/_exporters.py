@@ -6,7 +6,10 @@ runs it in the background once the step is committed, reading the committed
 safetensors shards. The saver runs exports on an :class:`ExportQueue`, off the threads
 that persist, so a slow export never holds up the next step's write. Exporters are looked up in this allow-list of flashckpt's own
 modules, never by a module path taken from a message. Each module defines
-``export(directory: str, step: int, params: dict) -> None``.
+``export(directory: str, step: int, params: dict) -> None``; one named in
+:data:`MEMORY_EXPORTERS` also takes ``memory=`` (an :class:`ImageHold`): the image of
+the shard just persisted, still held in shared memory, which it reads instead of
+reading that shard back from storage, and lets go (``release()``) once it has read it.
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 from ._errors import CheckpointError, CheckpointNotFoundError
 from ._storage import LocalStorage, StepHold
 from ._storage_url import open_storage
 
-__all__ = ["EXPORTERS", "Export", "ExportQueue", "run_exporter"]
+__all__ = ["EXPORTERS", "MEMORY_EXPORTERS", "Export", "ExportQueue", "ImageHold", "reads_memory", "run_exporter"]
 
 log = logging.getLogger(__name__)
 
@@ -36,20 +39,48 @@ EXPORTERS = {
     "tf": "flashckpt.tf._export",
 }
 
+MEMORY_EXPORTERS = frozenset({"hf"})
+"""Exporters that read the persisted image from shared memory when given it (``memory=``)."""
 
-def run_exporter(spec: dict[str, Any], directory: str, step: int, *, allow_pickle: bool = False) -> None:
+
+class ImageHold(Protocol):
+    """One rank's persisted image, held in shared memory for an export (``flashckpt._persist.SlotHold``)."""
+
+    rank: int
+    """The storage rank whose shard the image is."""
+
+    def image(self) -> memoryview:
+        """The image, read-only (the bytes of the shard on storage)."""
+
+    def release(self) -> None:
+        """Let the memory go (idempotent); no view of :meth:`image` may be used after."""
+
+
+def reads_memory(spec: Any) -> bool:
+    """Whether the exporter ``spec`` names reads a held image (:data:`MEMORY_EXPORTERS`)."""
+    return isinstance(spec, dict) and spec.get("name") in MEMORY_EXPORTERS
+
+
+def run_exporter(spec: dict[str, Any], directory: str, step: int, *, allow_pickle: bool = False,
+                 memory: ImageHold | None = None) -> None:
     """Run the exporter ``spec["name"]`` with ``spec.get("params", {})`` for a committed step.
 
     ``allow_pickle`` is the job's own option: the exporter may unpickle only when the job
-    passed ``allow_pickle=True``, whatever its params say."""
+    passed ``allow_pickle=True``, whatever its params say. ``memory`` (exporters of
+    :data:`MEMORY_EXPORTERS` only) is a rank's image to read instead of its shard."""
     name = spec.get("name")
     if name not in EXPORTERS:
         raise CheckpointError(f"unknown exporter {name!r}; known: {sorted(EXPORTERS)}")
     params = dict(spec.get("params") or {})
     params["allow_pickle"] = allow_pickle and bool(params.get("allow_pickle", True))
     start = time.perf_counter()
-    importlib.import_module(EXPORTERS[name]).export(directory, step, params)
-    log.info("exported step %d of %s as %s in %.2fs", step, directory, name, time.perf_counter() - start)
+    exporter = importlib.import_module(EXPORTERS[name]).export
+    if memory is not None and name in MEMORY_EXPORTERS:
+        exporter(directory, step, params, memory=memory)
+    else:
+        exporter(directory, step, params)
+    log.info("exported step %d of %s as %s in %.2fs%s", step, directory, name, time.perf_counter() - start,
+             f" (rank {memory.rank} from memory)" if memory is not None else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +95,20 @@ class Export:
     """The retention of the run that committed the step (``token``), applied again once
     the export ran if that run still made the newest commit (0: keep every step)."""
     token: str = ""
+    memory: ImageHold | None = field(default=None, compare=False, repr=False)
+    """The committed image, held in shared memory for the exporter to read (see
+    :func:`reads_memory`); whoever runs the export calls :meth:`release` after it."""
 
     def run(self) -> None:
-        run_exporter(self.spec, self.directory, self.step, allow_pickle=self.allow_pickle)
+        if self.memory is None:
+            run_exporter(self.spec, self.directory, self.step, allow_pickle=self.allow_pickle)
+        else:
+            run_exporter(self.spec, self.directory, self.step, allow_pickle=self.allow_pickle, memory=self.memory)
+
+    def release(self) -> None:
+        """Let the held image go, if any (idempotent; the exporter may have already)."""
+        if self.memory is not None:
+            self.memory.release()
 
 
 @dataclass(eq=False, slots=True)
@@ -118,12 +160,16 @@ class ExportQueue:
         """Queue ``export``, holding its step from now on; ``done(error)`` is called on its
         thread once it ran (``error`` None) or failed."""
         queued = _Queued(export, done)
-        storage = open_storage(export.directory)
-        if isinstance(storage, LocalStorage):
-            try:
-                queued.hold = storage.hold_step(export.step)
-            except CheckpointNotFoundError as exc:  # _run says why
-                queued.missing = exc
+        try:
+            storage = open_storage(export.directory)
+            if isinstance(storage, LocalStorage):
+                try:
+                    queued.hold = storage.hold_step(export.step)
+                except CheckpointNotFoundError as exc:  # _run says why
+                    queued.missing = exc
+        except BaseException:
+            export.release()
+            raise
         with self._cond:
             queue = self._queues.get(export.directory)
             if queue is None:
@@ -147,6 +193,7 @@ class ExportQueue:
                 log.exception("exporting step %d of %s failed", queued.export.step, directory)
                 error = exc
             finally:
+                queued.export.release()  # a save may use its slot again
                 if queued.hold is not None:
                     queued.hold.close()
                     _retire_released(queued.export)

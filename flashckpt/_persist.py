@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _names
 from ._errors import CheckpointError
-from ._exporters import Export, ExportQueue
+from ._exporters import Export, ExportQueue, reads_memory
 from ._slot import RankLock, Slot, SlotState
 from ._storage import LocalStorage
 from ._storage_url import open_storage
@@ -26,7 +27,7 @@ from ._storage_url import open_storage
 if TYPE_CHECKING:
     from ._storage_url import Storage
 
-__all__ = ["PersistResult", "persist_slot", "unpersisted_slots"]
+__all__ = ["PersistResult", "SlotHold", "persist_slot", "unpersisted_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,13 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
     A shard that is durable already (its done marker is there) is committed, not written again.
 
     A step this call commits is exported (if its ``info`` names an exporter) before it
-    returns, once the slot is let go; with ``exports`` given, the export is returned in the result for the caller
-    to queue there instead, and the commit first waits for the exports queued there for
-    this directory, at most :data:`EXPORT_WAIT_SECONDS` (they hold their steps: retention
-    retires them at a later commit).
+    returns, once the slot is let go (a second persist of the slot waits for the write
+    and commit only); with ``exports`` given, the export is returned in the result for
+    the caller to queue there instead (an exporter that reads the image from memory,
+    ``reads_memory``, gets the slot still held, :class:`SlotHold`, until it has read
+    it), and the commit first waits for the exports queued there for this directory,
+    at most :data:`EXPORT_WAIT_SECONDS` (they hold their steps: retention retires them
+    at a later commit).
     """
     result = _persist_held(slot_path, generation, info, already_persisted=already_persisted, exports=exports)
     if exports is None and result.export is not None:  # after the slot is let go: it reads storage only
@@ -81,11 +85,13 @@ def persist_slot(slot_path: str, generation: int | None = None, info: dict[str, 
 def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] | None, *,
                   already_persisted: bool, exports: ExportQueue | None) -> PersistResult:
     """:func:`persist_slot` with the slot held (its ``flock``, and marked as being read);
-    the committed step's export is left in the result."""
+    the committed step's export is left in the result, holding the slot on if it reads
+    the image from memory (:class:`SlotHold`)."""
     slot = Slot.open(slot_path, writable=True, populate=False)
     if slot is None:
         return PersistResult(-1, False, skipped=True)
     lock = RankLock(_names.lock_path(slot_path))
+    hold: SlotHold | None = None
     try:
         contended = not slot.lock_for_persist(0.0)
         if contended and not slot.lock_for_persist(BUSY_WAIT_SECONDS):
@@ -122,18 +128,66 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
                                            branch=info.get("branch"))
             export = None
             if committed and info.get("export"):
+                if exports is not None and reads_memory(info["export"]):
+                    hold = SlotHold(slot, lock, info["storage_rank"], h.image_len)
                 export = Export(info["export"], storage.root, h.step, allow_pickle=bool(info.get("allow_pickle")),
-                                keep_last=info.get("keep_last", 0), token=info["token"])
+                                keep_last=info.get("keep_last", 0), token=info["token"], memory=hold)
             seconds = time.perf_counter() - start
             log.info("persisted step %d rank %d: %.1f MiB in %.2fs (%.0f MiB/s)%s", h.step, info["storage_rank"],
                      written / 2**20, seconds, written / 2**20 / max(seconds, 1e-9), ", committed" if committed else "")
             return PersistResult(h.step, committed, seconds=seconds, nbytes=written, export=export)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
         finally:
-            with lock.held():
-                slot.set_reader(0)
+            if hold is None:
+                with lock.held():
+                    slot.set_reader(0)
     finally:
-        slot.close()
-        lock.close()
+        if hold is None:  # otherwise the export lets them go (SlotHold.release)
+            slot.close()
+            lock.close()
+
+
+class SlotHold:
+    """A persisted slot held on for its step's export, which reads the image from this
+    memory instead of reading the shard just written back from disk (the bytes are
+    the same: the shard is a byte copy of the image).
+
+    Held as the persist held it: the slot's persist ``flock`` (another process's persist
+    of it waits), and this saver named as its reader, so the trainer's slot choice
+    passes it over (``Engine._choose_slot``: a live reader) and no save writes into it
+    until :meth:`release`. A saver killed meanwhile lets it go with its death: the kernel
+    drops the ``flock``, and a reader that is not alive holds nothing."""
+
+    def __init__(self, slot: Slot, lock: RankLock, rank: int, image_len: int) -> None:
+        self.rank = rank
+        """The storage rank whose shard the image is."""
+        self._slot: Slot | None = slot
+        self._lock = lock
+        self._len = image_len
+        self._guard = threading.Lock()
+
+    def image(self) -> memoryview:
+        """The image, read-only; drop every view of it before :meth:`release`."""
+        with self._guard:
+            if self._slot is None:
+                raise CheckpointError("the slot of this export was let go already")
+            return self._slot.image(self._len).toreadonly()
+
+    def release(self) -> None:
+        """Let the slot go (idempotent): a save may write into it again."""
+        with self._guard:
+            slot, self._slot = self._slot, None
+        if slot is None:
+            return
+        try:
+            with self._lock.held():
+                slot.set_reader(0)
+        finally:
+            slot.close()
+            self._lock.close()
 
 
 def _write_unless_durable(storage: Storage, step: int, info: dict[str, Any], image: memoryview) -> int:

@@ -1,9 +1,12 @@
 """The Hugging Face exporter: a committed flashckpt step -> ``checkpoint-<N>``.
 
 Runs in the saver process (``flashckpt._exporters`` calls :func:`export` after the
-step commits), never in the trainer. It reads the committed safetensors shards
-(opened and verified by the one shard reader) without copying them (every tensor is a view of the mapped file with a storage of its
-own, so ``torch.save`` and ``safetensors`` write exactly the original bytes), writes
+step commits), never in the trainer. It reads the state without copying it (every
+tensor is a view with a storage of its own, so ``torch.save`` and ``safetensors``
+write exactly the original bytes): the image the saver just persisted, still held in
+shared memory (a single-rank job's whole state; the committing rank's otherwise),
+and the other ranks' committed safetensors shards (opened and verified by the one
+shard reader, mapped). It writes
 the stock Trainer files into ``<run_dir>/.checkpoint-<N>.tmp-<pid>``, fsyncs them and
 renames the folder to ``checkpoint-<N>``, then rotates folders the way the Trainer
 does (``save_total_limit``, the best checkpoint kept). A crash leaves only a hidden
@@ -27,7 +30,9 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointError
+from .._exporters import ImageHold
 from .._files import fsync_dir
+from .._format import Image, parse_header
 from .._shard_read import ShardReader, open_shard, unflatten
 from .._storage import LocalStorage
 from ..torch._tensors import DTYPE_NAMES
@@ -51,7 +56,12 @@ def read_shard(reader: ShardReader) -> tuple[Any, mmap.mmap]:
     """The state tree of one shard, once every block verified, its tensors viewing the
     mapped file (keep the map open)."""
     mm = reader.map_verified()
-    image, base = reader.image, reader.body_start
+    return _tree(mm, reader.image, reader.body_start), mm
+
+
+def _tree(buf: Any, image: Image, base: int) -> Any:
+    """The state tree of the shard image whose body starts at byte ``base`` of ``buf``,
+    its tensors viewing ``buf`` (each with a storage of its own over exactly its bytes)."""
     kinds = image.meta["kinds"]
     leaves: dict[str, Any] = {}
     with warnings.catch_warnings():
@@ -61,14 +71,22 @@ def read_shard(reader: ShardReader) -> tuple[Any, mmap.mmap]:
             for d in e.shape:
                 count *= d
             if kinds[e.name] == "numpy":
-                leaves[e.name] = np.frombuffer(mm, dtype=_NUMPY_DTYPES[e.dtype], count=count,
+                leaves[e.name] = np.frombuffer(buf, dtype=_NUMPY_DTYPES[e.dtype], count=count,
                                                offset=base + e.offset).reshape(e.shape)
             elif count == 0:
                 leaves[e.name] = torch.empty(e.shape, dtype=_TORCH_DTYPES[e.dtype])
             else:  # its own storage over exactly these bytes, as the saved tensor had
-                leaves[e.name] = torch.frombuffer(mm, dtype=_TORCH_DTYPES[e.dtype], count=count,
+                leaves[e.name] = torch.frombuffer(buf, dtype=_TORCH_DTYPES[e.dtype], count=count,
                                                   offset=base + e.offset).view(e.shape)
-    return unflatten(image.meta["tree"], leaves.__getitem__, _no_pickle), mm
+    return unflatten(image.meta["tree"], leaves.__getitem__, _no_pickle)
+
+
+def _memory_tree(memory: ImageHold) -> Any:
+    """The state tree of the image ``memory`` holds, its tensors viewing that memory: the
+    same bytes as its shard on storage, which the persist just wrote from it."""
+    view = memory.image()
+    image = parse_header(view, f"the image of rank {memory.rank} in shared memory", len(view))
+    return _tree(view, image, len(image.header))
 
 
 def _no_pickle(blob: str) -> Any:
@@ -146,13 +164,19 @@ def write_folder(ranks: list[Any], folder: str, static: str | None) -> None:
         f.write(main["trainer_state"])
 
 
-def _write_pending(storage: LocalStorage, step: int, pending: str, static: str | None) -> str | None:
-    """Write the step's folder into ``pending``; returns the best checkpoint it records."""
+def _write_pending(storage: LocalStorage, step: int, pending: str, static: str | None,
+                   memory: ImageHold | None) -> str | None:
+    """Write the step's folder into ``pending``, rank ``memory.rank``'s state read from
+    the held image (then let go), the other ranks' from their shards; returns the best
+    checkpoint it records."""
     meta = storage.metadata(step)
     maps: list[mmap.mmap] = []
     try:
         ranks = []
         for rank in range(meta["world_size"]):
+            if memory is not None and memory.rank == rank:
+                ranks.append(_memory_tree(memory))
+                continue
             with open_shard(storage, step, rank) as reader:
                 tree, mm = read_shard(reader)
             ranks.append(tree)
@@ -162,16 +186,20 @@ def _write_pending(storage: LocalStorage, step: int, pending: str, static: str |
         write_folder(ranks, pending, static)
         return json.loads(ranks[0]["hf"]["trainer_state"]).get("best_model_checkpoint")
     finally:
-        ranks = tree = None  # the views must go before their maps can close
+        ranks = tree = None  # the views must go before their maps can close and the slot be let go
         for mm in maps:
             try:
                 mm.close()
             except BufferError:  # a view still alive somewhere: the map closes with it
                 pass
+        if memory is not None:  # the files are written (not yet durable): a save may use the slot again
+            memory.release()
 
 
-def export(directory: str, step: int, params: dict[str, Any]) -> None:
-    """Write ``<run_dir>/checkpoint-<step>`` from the committed flashckpt ``step``."""
+def export(directory: str, step: int, params: dict[str, Any], *, memory: ImageHold | None = None) -> None:
+    """Write ``<run_dir>/checkpoint-<step>`` from the committed flashckpt ``step``; rank
+    ``memory.rank``'s state from ``memory``, the image the saver just persisted (held in
+    shared memory, let go once read), instead of reading its shard back from storage."""
     from transformers.trainer_utils import rotate_checkpoints
 
     storage = LocalStorage(directory)
@@ -181,7 +209,7 @@ def export(directory: str, step: int, params: dict[str, Any]) -> None:
     shutil.rmtree(pending, ignore_errors=True)
     os.makedirs(pending)
     try:
-        best = _write_pending(storage, step, pending, params.get("static"))
+        best = _write_pending(storage, step, pending, params.get("static"), memory)
         for name in os.listdir(pending):
             _fsync(os.path.join(pending, name))
         fsync_dir(pending)

@@ -1,0 +1,185 @@
+"""The saver exports ``checkpoint-N`` from the slot it just persisted, not from the shard
+read back from disk: the same bytes, the slot held (never reused by a save) until the
+export has read it, and a failed or killed export leaves no folder that looks complete."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from flashckpt import _names, _persist
+from flashckpt._exporters import ExportQueue
+from flashckpt._slot import Slot, SlotState, pid_alive
+from flashckpt._storage import LocalStorage
+from flashckpt.hf import FlashCheckpointCallback, _callback, _export
+
+from ..checkpoint import test_export_hold
+from ._hf import make_trainer
+
+_BOUND = 60.0
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory):
+    """A Trainer run's committed flashckpt step (its scratch kept) and the folder the
+    saver exported from it by reading the shard back: (storage, step, params, folder)."""
+    out = str(tmp_path_factory.mktemp("run") / "out")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(FlashCheckpointCallback, "_remove_state_dir", lambda self: None)
+    try:
+        make_trainer(out, [FlashCheckpointCallback()], max_steps=3, save_steps=3).train()
+    finally:
+        mp.undo()
+    storage = LocalStorage(os.path.join(out, _callback.STATE_DIR))
+    step = storage.committed_steps()[-1]
+    with open(os.path.join(storage.root, _callback.PARAMS_FILE)) as f:
+        params = json.load(f)
+    return storage, step, params, os.path.join(out, _export.folder_name(step))
+
+
+def _slot_holding(storage: LocalStorage, step: int, monkeypatch) -> str:
+    """A complete shared-memory slot whose image is ``step``'s committed shard (what the
+    trainer's slot held when the saver persisted it)."""
+    with open(storage.shard_path(step, 0)[0], "rb") as f:
+        data = f.read()
+    monkeypatch.setattr(test_export_hold, "image", lambda step, tok: data)
+    return test_export_hold._one_slot(None, step, "")
+
+
+def _info(storage: LocalStorage, step: int, params: dict, directory: str, run_dir: str) -> dict:
+    os.makedirs(directory, exist_ok=True)
+    return {"directory": directory, "storage_rank": 0, "storage_world": 1, "keep_last": 1, "branch": -1,
+            "token": storage.metadata(step)["token"], "allow_pickle": False,
+            "export": {"name": "hf", "params": dict(params, run_dir=run_dir)}}
+
+
+@pytest.fixture(autouse=True)
+def _slots():
+    yield
+    for path in glob.glob(_names.job_prefix(f"export-hold-{os.getpid()}") + ".*"):
+        os.unlink(path)
+
+
+def _no_read_back(*args, **kwargs):
+    raise AssertionError("the exporter read the shard back from storage")
+
+
+def _same_bytes(expected: str, actual: str) -> None:
+    names = sorted(os.listdir(expected))
+    assert sorted(os.listdir(actual)) == names
+    for name in names:
+        with open(os.path.join(expected, name), "rb") as a, open(os.path.join(actual, name), "rb") as b:
+            assert a.read() == b.read(), f"{name} differs from the export read back from storage"
+
+
+def test_the_export_reads_the_held_slot_and_writes_the_same_bytes(committed, tmp_path, monkeypatch):
+    storage, step, params, expected = committed
+    path = _slot_holding(storage, step, monkeypatch)
+    seen: list[int] = []
+    write_folder = _export.write_folder
+
+    def watched(ranks, folder, static):
+        seen.append(Slot.peek_header(path).reader_pid)  # while it reads the image
+        write_folder(ranks, folder, static)
+
+    monkeypatch.setattr(_export, "open_shard", _no_read_back)
+    monkeypatch.setattr(_export, "write_folder", watched)
+    run_dir = str(tmp_path / "run")
+    queue = ExportQueue()  # as the saver runs it: on the queue's thread, after persist_slot returned
+    result = _persist.persist_slot(path, info=_info(storage, step, params, str(tmp_path / "scratch"), run_dir),
+                                   exports=queue)
+    errors: list[Exception | None] = []
+    queue.submit(result.export, errors.append)
+    queue.close()
+    assert errors == [None]
+    assert seen == [os.getpid()], "the slot was not held for the saver while the export read it"
+    assert Slot.peek_header(path).reader_pid == 0, "the slot was not let go after the export"
+    _same_bytes(expected, os.path.join(run_dir, _export.folder_name(step)))
+
+
+def test_a_failed_export_from_memory_leaves_no_folder_and_lets_the_slot_go(committed, tmp_path, monkeypatch):
+    storage, step, params, _ = committed
+    path = _slot_holding(storage, step, monkeypatch)
+    monkeypatch.setattr(_export, "open_shard", _no_read_back)
+
+    def broken(ranks, folder, static):
+        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+            f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_export, "write_folder", broken)
+    run_dir = tmp_path / "run"
+    queue = ExportQueue()
+    result = _persist.persist_slot(path, info=_info(storage, step, params, str(tmp_path / "scratch"), str(run_dir)),
+                                   exports=queue)
+    errors: list[Exception | None] = []
+    queue.submit(result.export, errors.append)
+    queue.close()
+    assert len(errors) == 1 and "No space left" in str(errors[0])
+    assert os.listdir(run_dir) == []
+    assert Slot.peek_header(path).reader_pid == 0
+
+
+_KILLED_MID_EXPORT = """
+import json, os, signal, sys
+from flashckpt import _persist
+from flashckpt._exporters import ExportQueue
+from flashckpt.hf import _export
+def killed(ranks, folder, static):
+    with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+        f.write(b"half")
+    os.kill(os.getpid(), signal.SIGKILL)
+_export.write_folder = killed
+queue = ExportQueue()
+queue.submit(_persist.persist_slot(sys.argv[1], info=json.loads(sys.argv[2]), exports=queue).export, print)
+queue.close()
+"""
+
+
+def test_a_saver_killed_mid_export_leaves_no_complete_looking_folder_and_a_free_slot(committed, tmp_path, monkeypatch):
+    storage, step, params, _ = committed
+    path = _slot_holding(storage, step, monkeypatch)
+    run_dir = tmp_path / "run"
+    info = _info(storage, step, params, str(tmp_path / "scratch"), str(run_dir))
+    proc = subprocess.run([sys.executable, "-c", _KILLED_MID_EXPORT, path, json.dumps(info)], timeout=_BOUND,
+                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert LocalStorage(str(tmp_path / "scratch")).committed_steps() == [step]
+    left = os.listdir(run_dir)
+    assert len(left) == 1 and left[0].startswith(f".{_export.folder_name(step)}.tmp-"), left
+    header = Slot.peek_header(path)
+    assert header.state == SlotState.COMPLETE and not pid_alive(header.reader_pid)  # a save may take it
+
+
+def test_the_held_slot_is_not_taken_by_the_next_saves(committed, tmp_path, monkeypatch):
+    """While its export reads the slot, the trainer's slot choice passes it over (it waits
+    for it instead, bounded, when the other slot is held as well)."""
+    storage, step, params, _ = committed
+    path = _slot_holding(storage, step, monkeypatch)
+    monkeypatch.setattr(_export, "open_shard", _no_read_back)
+    reading, go_on = threading.Event(), threading.Event()
+    write_folder = _export.write_folder
+
+    def slow(ranks, folder, static):
+        reading.set()
+        assert go_on.wait(_BOUND)
+        write_folder(ranks, folder, static)
+
+    monkeypatch.setattr(_export, "write_folder", slow)
+    queue = ExportQueue()
+    result = _persist.persist_slot(path, info=_info(storage, step, params, str(tmp_path / "scratch"),
+                                                    str(tmp_path / "run")), exports=queue)
+    queue.submit(result.export, lambda error: None)
+    try:
+        assert reading.wait(_BOUND)
+        header = Slot.peek_header(path)
+        assert header.reader_pid == os.getpid() and pid_alive(header.reader_pid)  # what _choose_slot skips
+    finally:
+        go_on.set()
+        queue.close()
+    assert Slot.peek_header(path).reader_pid == 0
