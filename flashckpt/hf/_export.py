@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import shutil
+import threading
 import warnings
 from typing import Any
 
@@ -114,38 +115,78 @@ def _unalias(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_model(main: dict[str, Any], folder: str) -> None:
+def _write_model(main: dict[str, Any], folder: str) -> list[str]:
+    """Write the model's files (as ``save_pretrained`` does); their names."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     tensors = _unalias(main["model"])
     if not main.get("pretrained"):
-        if tensors:  # an empty one is ZeRO-3 without gathered weights: the stock save leaves none
-            save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        return
+        if not tensors:  # ZeRO-3 without gathered weights: the stock save leaves none
+            return []
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    written = ["config.json"]
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
         f.write(main["config"])
     if main.get("generation_config") is not None:
+        written.append("generation_config.json")
         with open(os.path.join(folder, "generation_config.json"), "w", encoding="utf-8") as f:
             f.write(main["generation_config"])
     if not main.get("weights", True):  # ZeRO-3 without gathered weights: the stock save writes none
-        return
+        return written
     split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size="50GB")  # what the Trainer's save_pretrained uses
     for filename, names in split.filename_to_tensors.items():
+        written.append(filename)
         save_file({name: tensors[name] for name in names}, os.path.join(folder, filename), metadata={"format": "pt"})
     if split.is_sharded:
         index = {"metadata": {"total_parameters": main["num_parameters"], **split.metadata},
                  "weight_map": split.tensor_to_filename}
+        written.append("model.safetensors.index.json")
         with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return written
+
+
+class _ModelWriter(threading.Thread):
+    """Writes the model's files and then fsyncs them, while the caller writes the
+    optimizer's and the rest: safetensors and ``torch.save`` both write without the GIL,
+    and the disk takes the model's bytes while the optimizer's are still being copied
+    (a 1.49 GB state: model 0.5 GB, optimizer 1 GB)."""
+
+    def __init__(self, main: dict[str, Any], folder: str) -> None:
+        super().__init__(name="flashckpt-export-model", daemon=True)
+        self._main, self._folder = main, folder
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for name in _write_model(self._main, self._folder):
+                _fsync(os.path.join(self._folder, name))
+        except BaseException as exc:  # noqa: BLE001 -- raised by write_folder on the caller's thread
+            self.error = exc
+        finally:
+            self._main = None
 
 
 def write_folder(ranks: list[Any], folder: str, static: str | None) -> None:
     """Write the stock Trainer files of one step into ``folder`` (which must exist).
-    ``ranks[r]`` is rank r's state tree; rank 0's holds the model and the rest."""
+    ``ranks[r]`` is rank r's state tree; rank 0's holds the model and the rest.
+    Returns once every file is written (the model's fsynced already, see :class:`_ModelWriter`)."""
     main = ranks[0]["hf"]
-    _write_model(main, folder)
+    model = _ModelWriter(main, folder)
+    model.start()
+    try:
+        _write_rest(ranks, main, folder, static)
+    finally:
+        model.join()  # nothing writes into the folder once this returns or raises
+    if model.error is not None:
+        raise model.error
+
+
+def _write_rest(ranks: list[Any], main: dict[str, Any], folder: str, static: str | None) -> None:
+    """Every file of :func:`write_folder` but the model's."""
     if static is not None:
         for name in sorted(os.listdir(static)):
             shutil.copyfile(os.path.join(static, name), os.path.join(folder, name))
