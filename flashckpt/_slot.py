@@ -12,9 +12,11 @@ The header names one reader (``reader_pid``), not a count of readers, because on
 is all the design has: the trainer hands a slot due for storage to its saver (the saver's
 pid, set with COMPLETE), and the saver persists a rank's slots one job at a time (its
 threads take different ranks, see ``flashckpt._saver_jobs``), so at most one persist
-reads a slot at once. Peer replication never holds a slot: it reads seqlock-style
-(COMPLETE and the same generation before and after), and a save that overwrites the slot
-meanwhile just withdraws that copy. A pid also survives its holder's death honestly
+reads a slot at once; a persist whose step the saver exports from memory keeps its hold
+until that export has read the image (``flashckpt._persist.SlotHold``). Peer
+replication never holds a slot: it reads seqlock-style (COMPLETE and the same
+generation before and after), and a save that overwrites the slot meanwhile just
+withdraws that copy. A pid also survives its holder's death honestly
 (``pid_alive``), where a count left raised by a killed reader would pin the slot.
 """
 
