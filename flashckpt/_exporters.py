@@ -14,6 +14,7 @@ reading that shard back from storage, and lets go (``release()``) once it has re
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import threading
@@ -158,7 +159,12 @@ class ExportQueue:
 
     def submit(self, export: Export, done: Callable[[Exception | None], None]) -> None:
         """Queue ``export``, holding its step from now on; ``done(error)`` is called on its
-        thread once it ran (``error`` None) or failed."""
+        thread once it ran (``error`` None) or failed.
+
+        Only an export that runs at once keeps the image it was given held: one that must
+        wait behind another of its directory lets it go now and reads storage instead, so
+        a slow or stuck exporter holds at most one slot of a rank, never both, and saves go
+        on into the other."""
         queued = _Queued(export, done)
         try:
             storage = open_storage(export.directory)
@@ -176,6 +182,9 @@ class ExportQueue:
                 queue = self._queues[export.directory] = deque()
                 threading.Thread(target=self._drain, args=(export.directory, queue), name="flashckpt-export",
                                  daemon=True).start()
+            elif export.memory is not None:
+                export.release()
+                queued.export = dataclasses.replace(export, memory=None)
             queue.append(queued)
 
     def _drain(self, directory: str, queue: deque[_Queued]) -> None:

@@ -183,3 +183,49 @@ def test_the_held_slot_is_not_taken_by_the_next_saves(committed, tmp_path, monke
         go_on.set()
         queue.close()
     assert Slot.peek_header(path).reader_pid == 0
+
+
+class _Hold:
+    """An image held for an export (``flashckpt._persist.SlotHold``), as the queue sees it."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank, self.released = rank, threading.Event()
+
+    def image(self) -> memoryview:
+        assert not self.released.is_set()
+        return memoryview(b"")
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def test_only_the_running_export_holds_a_slot(tmp_path, monkeypatch):
+    """An export queued behind another of its directory lets its slot go at once and reads
+    its shard back: a stuck exporter never holds both of a rank's slots (the trainer's
+    next save would wait for it, where it now writes into the other slot)."""
+    from flashckpt import _exporters
+
+    storage = LocalStorage(str(tmp_path))
+    tok = test_export_hold.token()
+    first_runs, go_on = threading.Event(), threading.Event()
+    given: list[tuple[int, bool]] = []
+
+    def exporter(spec, directory, step, *, allow_pickle=False, memory=None):
+        given.append((step, memory is not None))
+        if step == 2:
+            first_runs.set()
+            assert go_on.wait(_BOUND)
+
+    monkeypatch.setattr(_exporters, "run_exporter", exporter)
+    queue = ExportQueue()
+    holds = {2: _Hold(), 4: _Hold()}
+    try:
+        for step in (2, 4):
+            assert test_export_hold.commit(storage, step, tok, branch=-1)
+            queue.submit(_exporters.Export({"name": "hf"}, storage.root, step, memory=holds[step]), lambda e: None)
+        assert first_runs.wait(_BOUND)
+        assert holds[4].released.is_set() and not holds[2].released.is_set()
+    finally:
+        go_on.set()
+        queue.close()
+    assert given == [(2, True), (4, False)] and holds[2].released.is_set()
