@@ -24,6 +24,7 @@ import mmap
 import os
 import shutil
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -249,8 +250,10 @@ def export(directory: str, step: int, params: dict[str, Any], *, memory: ImageHo
     pending = os.path.join(run_dir, f".{folder_name(step)}.tmp-{os.getpid()}")
     shutil.rmtree(pending, ignore_errors=True)
     os.makedirs(pending)
+    start = time.perf_counter()
     try:
         best = _write_pending(storage, step, pending, params.get("static"), memory)
+        written = time.perf_counter()
         for name in os.listdir(pending):
             _fsync(os.path.join(pending, name))
         fsync_dir(pending)
@@ -259,12 +262,17 @@ def export(directory: str, step: int, params: dict[str, Any], *, memory: ImageHo
         if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
             raise CheckpointError(f"writing {final} failed: {type(exc).__name__}: {exc}") from exc
         raise
+    synced = time.perf_counter()
+    aside = None
     if os.path.exists(final):  # the same step saved again after a rollback
         aside = os.path.join(run_dir, f".{folder_name(step)}.old-{os.getpid()}")
         os.replace(final, aside)
-        shutil.rmtree(aside, ignore_errors=True)
     os.replace(pending, final)
     fsync_dir(run_dir)
-    log.info("wrote %s", final)
+    source = "shards read back" if memory is None else f"rank {memory.rank} from memory, any other read back"
+    log.info("wrote %s in %.2fs (%s and files %.2fs, fsync %.2fs)", final, time.perf_counter() - start, source,
+             written - start, synced - written)
+    if aside is not None:  # hidden: neither the Trainer nor the rotation sees it
+        shutil.rmtree(aside, ignore_errors=True)
     rotate_checkpoints(output_dir=run_dir, save_total_limit=params.get("limit"), best_model_checkpoint=best,
                        use_mtime=True)
