@@ -1,12 +1,14 @@
-"""Run a function on N ranks of a real gloo process group (spawned processes)."""
+"""Run a function on N ranks of a real gloo process group (fresh processes, forked from a
+server that imported torch once: ``tests._fork``)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 import traceback
 from typing import Any, Callable
+
+from .._fork import Inherit, context
 
 
 def free_port() -> int:
@@ -15,7 +17,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out: Any, backend: str) -> None:
+def _entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out: Any, backend: str,
+           inherit: Inherit) -> None:
+    inherit.apply()
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     try:
@@ -31,10 +35,11 @@ def _entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out: Any
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0, backend: str = "gloo") -> list[Any]:
     """``fn(rank, world, *args)`` on every rank of a ``backend`` process group; returns the
     results by rank, or raises with every failing rank's traceback."""
-    ctx = mp.get_context("spawn")
+    ctx = context()
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out, backend)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out, backend, Inherit()))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

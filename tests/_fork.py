@@ -1,0 +1,112 @@
+"""Worker processes forked from a server that imported torch once.
+
+A fresh interpreter spends seconds of CPU importing torch, and more for DeepSpeed and
+``torch._dynamo`` (which every torch optimizer imports on construction): on a 2-core CI
+machine that was most of what several multi-process tests took. ``context()`` is a
+``multiprocessing`` fork-server context whose server preloads those modules, once per
+test session; each worker is still a new process, forked from that clean server (no
+test code ran in it, no process group, no CUDA).
+
+A forked worker does not inherit the caller's environment or standard streams (it gets
+the server's); ``Inherit`` carries them, so a worker starts as a spawned one would.
+``Forked`` runs a function in such a worker behind the part of ``subprocess.Popen``'s
+interface the crash tests use.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from multiprocessing.reduction import DupFd
+from typing import Any, Callable
+
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def context() -> Any:
+    """The fork-server context (the server starts with the first worker)."""
+    ctx = mp.get_context("forkserver")
+    # DeepSpeed picks its accelerator on import: preloaded only where the tests chose one
+    # (tests/deepspeed/conftest.py sets DS_ACCELERATOR before any test runs)
+    ctx.set_forkserver_preload(PRELOAD + (["deepspeed"] if os.environ.get("DS_ACCELERATOR") else []))
+    return ctx
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+class _Fd:
+    """One of this process's file descriptors, pickled for the worker being started as a
+    duplicate the fork server hands over (``.detach()`` there gives the number)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _same, (DupFd(self.fd),)
+
+
+class Inherit:
+    """What a spawned worker would inherit from its caller: the environment, the current
+    directory and the standard output and error, as they are when it is created."""
+
+    def __init__(self, stdout: int = 1, stderr: int = 2, **env: str) -> None:
+        self.env = dict(os.environ, **env)
+        self.cwd = os.getcwd()
+        self.stdio = (_Fd(stdout), _Fd(stderr))
+
+    def apply(self) -> None:
+        """In the worker, first thing."""
+        for fd, dup in zip((1, 2), self.stdio):
+            os.dup2(dup.detach(), fd)
+        os.environ.clear()
+        os.environ.update(self.env)
+        os.chdir(self.cwd)
+
+
+def _run(inherit: Inherit, target: Callable[..., Any], args: tuple) -> None:
+    inherit.apply()
+    target(*args)
+
+
+class Forked:
+    """``target(*args)`` in a forked worker with its stdout and stderr piped to this
+    process (text, ``.stdout`` / ``.stderr``) and ``env`` added to its environment: ``pid``,
+    ``returncode``, ``poll()``, ``wait(timeout)``, ``kill()`` and ``send_signal()`` behave as
+    ``subprocess.Popen``'s (a worker ended by a signal returns minus its number)."""
+
+    def __init__(self, target: Callable[..., Any], *args: Any, env: dict[str, str] | None = None) -> None:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            self._proc = context().Process(target=_run, args=(Inherit(out_w, err_w, **(env or {})), target, args))
+            self._proc.start()
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        self.pid = self._proc.pid
+        self.stdout = open(out_r, encoding="utf-8", errors="replace")
+        self.stderr = open(err_r, encoding="utf-8", errors="replace")
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            import subprocess
+            raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout)
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never a pid the worker no longer holds
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
