@@ -1,4 +1,5 @@
-"""One rank of the crash campaign's stand-in job, run as a subprocess.
+"""One rank of the crash campaign's stand-in job, a process of its own (the driver forks it
+from a server that imported torch already, ``tests._fork``; ``python -m`` runs it alike).
 
     python -m tests.checkpoint._campaign_trainer train DIR JOB --rank R --world W --store PATH ...
     python -m tests.checkpoint._campaign_trainer load  DIR JOB --rank R --world W --store PATH ...
