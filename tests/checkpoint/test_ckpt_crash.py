@@ -14,18 +14,24 @@ import torch
 from flashckpt._storage import LocalStorage
 from flashckpt.torch import Checkpointer
 
-from ._trainer import check, make_state
+from .._fork import Forked
+from ._trainer import check, make_state, main as _trainer_main
 from flashckpt._names import job_prefix
 
 TRAINER = os.path.join(os.path.dirname(__file__), "_trainer.py")
 
 
-def start_trainer(directory, job, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, TRAINER, str(directory), job, *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _trainer(args: list[str]) -> None:
+    sys.argv = [TRAINER, *args]
+    _trainer_main()
 
 
-def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 60.0) -> str:
+def start_trainer(directory, job, *args) -> Forked:
+    """``_trainer.py`` in a process of its own, forked with torch imported (``tests._fork``)."""
+    return Forked(_trainer, [str(directory), job, *map(str, args)])
+
+
+def wait_for_line(proc: Forked, prefix: str, timeout: float = 60.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
