@@ -269,9 +269,9 @@ def export(directory: str, step: int, params: dict[str, Any], *, memory: ImageHo
         os.replace(final, aside)
     os.replace(pending, final)
     fsync_dir(run_dir)
-    source = "shards read back" if memory is None else f"rank {memory.rank} from memory, any other read back"
-    log.info("wrote %s in %.2fs (%s and files %.2fs, fsync %.2fs)", final, time.perf_counter() - start, source,
-             written - start, synced - written)
+    source = "shards read back" if memory is None else f"rank {memory.rank} read from memory"
+    log.info("wrote %s in %.2fs (state read and files written %.2fs, %s; fsync %.2fs)", final,
+             time.perf_counter() - start, written - start, source, synced - written)
     if aside is not None:  # hidden: neither the Trainer nor the rotation sees it
         shutil.rmtree(aside, ignore_errors=True)
     rotate_checkpoints(output_dir=run_dir, save_total_limit=params.get("limit"), best_model_checkpoint=best,
