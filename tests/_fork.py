@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import runpy
 import signal
+import sys
 from multiprocessing.reduction import DupFd
 from typing import Any, Callable
 
@@ -71,23 +73,34 @@ def _run(inherit: Inherit, target: Callable[..., Any], args: tuple) -> None:
     target(*args)
 
 
-class Forked:
-    """``target(*args)`` in a forked worker with its stdout and stderr piped to this
-    process (text, ``.stdout`` / ``.stderr``) and ``env`` added to its environment: ``pid``,
-    ``returncode``, ``poll()``, ``wait(timeout)``, ``kill()`` and ``send_signal()`` behave as
-    ``subprocess.Popen``'s (a worker ended by a signal returns minus its number)."""
+def run_script(path: str, args: list[str]) -> None:
+    """A ``Forked`` target: what ``python PATH ARGS...`` runs (the script's folder first on
+    the path, ``__name__ == "__main__"``)."""
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(path))
+    runpy.run_path(path, run_name="__main__")
 
-    def __init__(self, target: Callable[..., Any], *args: Any, env: dict[str, str] | None = None) -> None:
-        out_r, out_w = os.pipe()
+
+class Forked:
+    """``target(*args)`` in a forked worker with its stderr (and unless ``pipe_stdout`` is
+    false, its stdout) piped to this process (text, ``.stderr`` / ``.stdout``) and ``env``
+    added to its environment: ``pid``, ``returncode``, ``poll()``, ``wait(timeout)``,
+    ``kill()`` and ``send_signal()`` behave as ``subprocess.Popen``'s (a worker ended by a
+    signal returns minus its number)."""
+
+    def __init__(self, target: Callable[..., Any], *args: Any, env: dict[str, str] | None = None,
+                 pipe_stdout: bool = True) -> None:
+        out_r, out_w = os.pipe() if pipe_stdout else (None, 1)
         err_r, err_w = os.pipe()
         try:
             self._proc = context().Process(target=_run, args=(Inherit(out_w, err_w, **(env or {})), target, args))
             self._proc.start()
         finally:
-            os.close(out_w)
+            if pipe_stdout:
+                os.close(out_w)
             os.close(err_w)
         self.pid = self._proc.pid
-        self.stdout = open(out_r, encoding="utf-8", errors="replace")
+        self.stdout = open(out_r, encoding="utf-8", errors="replace") if pipe_stdout else None
         self.stderr = open(err_r, encoding="utf-8", errors="replace")
 
     @property

@@ -11,10 +11,10 @@ replica; with ``replicas=0``, step 2 from storage.
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
+from .._fork import Forked, run_script
 from ._dist import free_port
 from ._replica_node import reports
 
@@ -35,16 +35,16 @@ def shms(tmp_path):
         subprocess.run(["umount", "-l", str(d)], check=False)
 
 
-def run_round(tmp_path, shms, replicas: str, mode: str, kind: str = "own"
-              ) -> tuple[list[dict], list[subprocess.Popen]]:
+def run_round(tmp_path, shms, replicas: str, mode: str, kind: str = "own") -> tuple[list[dict], list[Forked]]:
+    """``python WORKER ...`` on each node, forked with torch imported (``tests._fork``)."""
     port = free_port()
     procs, outs = [], []
     for rank in range(2):
         out = tmp_path / f"{mode}-{rank}.json"
-        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": str(shms[rank]),
+        env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": str(shms[rank]),
                "FLASHCKPT_REPLICA_ADDR": "127.0.0.1"}
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(rank), str(port), str(tmp_path / "ck"), replicas,
-                                       str(out), mode, kind], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True))
+        args = [str(rank), str(port), str(tmp_path / "ck"), replicas, str(out), mode, kind]
+        procs.append(Forked(run_script, WORKER, args, env=env, pipe_stdout=False))
         outs.append(out)
     return reports(procs, outs, mode), procs
 
