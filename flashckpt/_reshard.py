@@ -201,13 +201,22 @@ class Source:
     def image(self) -> Image:
         return self.reader.image
 
+    def piece(self, key: str) -> Piece | None:
+        """The layout's piece of tensor ``key`` (a one-piece-per-tensor layout), or None."""
+        rec = self.layout["tensors"].get(key)
+        return Piece.from_json(rec) if rec is not None else None
+
+    def entry(self, key: str) -> Entry:
+        """The entry of tensor ``key`` in a one-piece-per-tensor layout."""
+        return self.entries[self.names[key]]
+
     def pieces(self, key: str) -> list[tuple[Piece, str]] | None:
         """``(piece, entry name)`` of every block of tensor ``key`` in this shard; None
         when its layout does not name ``key``."""
         if self.blocks is not None:
             return self.blocks.get(key, [])
-        rec = self.layout["tensors"].get(key)
-        return None if rec is None else [(Piece.from_json(rec), self.names[key])]
+        piece = self.piece(key)
+        return None if piece is None else [(piece, self.names[key])]
 
     def file_offset(self, entry: Entry) -> int:
         return self.reader.body_start + entry.offset

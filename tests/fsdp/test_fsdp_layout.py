@@ -15,7 +15,7 @@ from flashckpt._reshard import (LAYOUT_KEY, Piece, RangeReader, _contiguous_rang
 from flashckpt._storage import LocalStorage
 from flashckpt._tree import flatten
 from flashckpt.torch import _tensors  # noqa: F401
-from flashckpt.torch._fsdp import _host_bytes
+from flashckpt.torch._tensors import host_byte_array as _host_bytes
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 7, 8, 13, 64, 1001])

@@ -12,7 +12,7 @@ import flashckpt._shard_read as shard_read
 from flashckpt import CorruptCheckpointError
 from flashckpt._reshard import Fill, Piece, RangeReader, chunk_pieces, path_key, read_sources
 from flashckpt.torch import _tensors
-from flashckpt.torch._fsdp import _host_bytes
+from flashckpt.torch._tensors import host_byte_array as _host_bytes
 
 from .test_fsdp_layout import _write_step
 
