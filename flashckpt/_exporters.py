@@ -76,10 +76,12 @@ def run_exporter(spec: dict[str, Any], directory: str, step: int, *, allow_pickl
     params["allow_pickle"] = allow_pickle and bool(params.get("allow_pickle", True))
     start = time.perf_counter()
     exporter = importlib.import_module(EXPORTERS[name]).export
-    if memory is not None and name in MEMORY_EXPORTERS:
-        exporter(directory, step, params, memory=memory)
-    else:
+    if name not in MEMORY_EXPORTERS:
+        memory = None
+    if memory is None:
         exporter(directory, step, params)
+    else:
+        exporter(directory, step, params, memory=memory)
     log.info("exported step %d of %s as %s in %.2fs%s", step, directory, name, time.perf_counter() - start,
              f" (rank {memory.rank} from memory)" if memory is not None else "")
 
@@ -101,10 +103,7 @@ class Export:
     :func:`reads_memory`); whoever runs the export calls :meth:`release` after it."""
 
     def run(self) -> None:
-        if self.memory is None:
-            run_exporter(self.spec, self.directory, self.step, allow_pickle=self.allow_pickle)
-        else:
-            run_exporter(self.spec, self.directory, self.step, allow_pickle=self.allow_pickle, memory=self.memory)
+        run_exporter(self.spec, self.directory, self.step, allow_pickle=self.allow_pickle, memory=self.memory)
 
     def release(self) -> None:
         """Let the held image go, if any (idempotent; the exporter may have already)."""

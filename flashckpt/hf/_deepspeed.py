@@ -91,11 +91,11 @@ def capture_files(trainer: Any, scratch: str) -> dict[str, Any]:
 
 def write_files(ranks: list[Any], folder: str) -> None:
     """Exporter side: the DeepSpeed tag, ``latest`` and recovery scripts into ``folder``."""
-    from ..deepspeed._export import write_tag
-
     parts = [tree["deepspeed"] for tree in ranks if "deepspeed" in tree]
     if not parts:
         return
+    from ..deepspeed._export import write_tag
+
     tag = parts[0]["tag"]
     write_tag((part["files"] for part in parts), tag, os.path.join(folder, tag))
     with open(os.path.join(folder, "latest"), "w") as f:

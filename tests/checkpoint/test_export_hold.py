@@ -26,7 +26,7 @@ def test_a_queued_export_keeps_its_step_from_a_newer_commits_retention(tmp_path,
     go_on = threading.Event()
     ran: list[tuple[int, bool]] = []
 
-    def exporter(spec, directory, step, *, allow_pickle=False):
+    def exporter(spec, directory, step, *, allow_pickle=False, memory=None):
         ran.append((step, storage.step_dir(step) in {storage.step_dir(s) for s in storage.committed_steps()}))
         if step == 2:
             first_runs.set()
@@ -125,9 +125,13 @@ def test_a_stuck_export_delays_the_next_commit_by_the_bound_only(tmp_path, monke
 
 def _one_slot(tmp_path, step: int, tok: str) -> str:
     """A complete shared-memory slot holding a small image of ``step``."""
-    job_id = f"export-hold-{os.getpid()}"
-    path = _names.slot_path(job_id, 0, 0)
-    data = image(step, tok)
+    return write_slot(step, image(step, tok))
+
+
+def write_slot(step: int, data: bytes) -> str:
+    """A complete shared-memory slot of this test process's job whose image is ``data``
+    (``step``'s); the caller removes it."""
+    path = _names.slot_path(f"export-hold-{os.getpid()}", 0, 0)
     slot = Slot.open(path, writable=True, create=True)
     try:
         slot.ensure_capacity(len(data))

@@ -42,13 +42,11 @@ def committed(tmp_path_factory):
     return storage, step, params, os.path.join(out, _export.folder_name(step))
 
 
-def _slot_holding(storage: LocalStorage, step: int, monkeypatch) -> str:
+def _slot_holding(storage: LocalStorage, step: int) -> str:
     """A complete shared-memory slot whose image is ``step``'s committed shard (what the
     trainer's slot held when the saver persisted it)."""
     with open(storage.shard_path(step, 0)[0], "rb") as f:
-        data = f.read()
-    monkeypatch.setattr(test_export_hold, "image", lambda step, tok: data)
-    return test_export_hold._one_slot(None, step, "")
+        return test_export_hold.write_slot(step, f.read())
 
 
 def _info(storage: LocalStorage, step: int, params: dict, directory: str, run_dir: str) -> dict:
@@ -79,7 +77,7 @@ def _same_bytes(expected: str, actual: str) -> None:
 
 def test_the_export_reads_the_held_slot_and_writes_the_same_bytes(committed, tmp_path, monkeypatch):
     storage, step, params, expected = committed
-    path = _slot_holding(storage, step, monkeypatch)
+    path = _slot_holding(storage, step)
     seen: list[int] = []
     write_folder = _export.write_folder
 
@@ -104,7 +102,7 @@ def test_the_export_reads_the_held_slot_and_writes_the_same_bytes(committed, tmp
 
 def test_a_failed_export_from_memory_leaves_no_folder_and_lets_the_slot_go(committed, tmp_path, monkeypatch):
     storage, step, params, _ = committed
-    path = _slot_holding(storage, step, monkeypatch)
+    path = _slot_holding(storage, step)
     monkeypatch.setattr(_export, "open_shard", _no_read_back)
 
     def broken(ranks, folder, static):
@@ -141,9 +139,9 @@ queue.close()
 """
 
 
-def test_a_saver_killed_mid_export_leaves_no_complete_looking_folder_and_a_free_slot(committed, tmp_path, monkeypatch):
+def test_a_saver_killed_mid_export_leaves_no_complete_looking_folder_and_a_free_slot(committed, tmp_path):
     storage, step, params, _ = committed
-    path = _slot_holding(storage, step, monkeypatch)
+    path = _slot_holding(storage, step)
     run_dir = tmp_path / "run"
     info = _info(storage, step, params, str(tmp_path / "scratch"), str(run_dir))
     proc = subprocess.run([sys.executable, "-c", _KILLED_MID_EXPORT, path, json.dumps(info)], timeout=_BOUND,
@@ -160,7 +158,7 @@ def test_the_held_slot_is_not_taken_by_the_next_saves(committed, tmp_path, monke
     """While its export reads the slot, the trainer's slot choice passes it over (it waits
     for it instead, bounded, when the other slot is held as well)."""
     storage, step, params, _ = committed
-    path = _slot_holding(storage, step, monkeypatch)
+    path = _slot_holding(storage, step)
     monkeypatch.setattr(_export, "open_shard", _no_read_back)
     reading, go_on = threading.Event(), threading.Event()
     write_folder = _export.write_folder
@@ -229,3 +227,30 @@ def test_only_the_running_export_holds_a_slot(tmp_path, monkeypatch):
         go_on.set()
         queue.close()
     assert given == [(2, True), (4, False)] and holds[2].released.is_set()
+
+
+_EXPORT_IN_A_NEW_SAVER = """
+import json, sys
+from flashckpt import _exporters
+_exporters.run_exporter({"name": "hf", "params": json.loads(sys.argv[3])}, sys.argv[1], int(sys.argv[2]))
+print(json.dumps(sorted(m for m in ("deepspeed", "transformers") if m in sys.modules)))
+"""
+
+
+def test_a_new_saver_exports_a_trainer_step_without_importing_deepspeed(committed, tmp_path):
+    """The saver loads an exporter before its first export, while training waits for that
+    folder: the Trainer's exporter imports no DeepSpeed for a job without it (5 s of a
+    2-core machine's CPU), and its module imports no framework until the export runs."""
+    storage, step, params, expected = committed
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _EXPORT_IN_A_NEW_SAVER, storage.root, str(step),
+                           json.dumps(dict(params, run_dir=str(run_dir)))],
+                          timeout=_BOUND, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["transformers"]  # its checkpoint rotation, after the files
+    _same_bytes(expected, str(run_dir / _export.folder_name(step)))
+    proc = subprocess.run([sys.executable, "-c", "import sys, flashckpt.hf._export, flashckpt.deepspeed._export; "
+                           "print(sorted(m for m in ('deepspeed', 'transformers') if m in sys.modules))"],
+                          timeout=_BOUND, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
