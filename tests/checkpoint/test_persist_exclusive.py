@@ -110,7 +110,7 @@ def test_an_export_run_inline_runs_once_the_slot_is_let_go(tmp_path, monkeypatch
     slot = _one_slot(tmp_path, 4, tok)
     free_then = []
 
-    def exporter(spec, directory, step, *, allow_pickle=False):
+    def exporter(spec, directory, step, *, allow_pickle=False, memory=None):
         fd = os.open(slot, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
