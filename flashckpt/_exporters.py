@@ -76,14 +76,10 @@ def run_exporter(spec: dict[str, Any], directory: str, step: int, *, allow_pickl
     params["allow_pickle"] = allow_pickle and bool(params.get("allow_pickle", True))
     start = time.perf_counter()
     exporter = importlib.import_module(EXPORTERS[name]).export
-    if name not in MEMORY_EXPORTERS:
-        memory = None
-    if memory is None:
-        exporter(directory, step, params)
-    else:
-        exporter(directory, step, params, memory=memory)
+    from_memory = memory if name in MEMORY_EXPORTERS else None
+    exporter(directory, step, params, **({} if from_memory is None else {"memory": from_memory}))
     log.info("exported step %d of %s as %s in %.2fs%s", step, directory, name, time.perf_counter() - start,
-             f" (rank {memory.rank} from memory)" if memory is not None else "")
+             "" if from_memory is None else f" (rank {from_memory.rank} from memory)")
 
 
 @dataclass(frozen=True, slots=True)
