@@ -6,7 +6,8 @@ runs it in the background once the step is committed, reading the committed
 safetensors shards. The saver runs exports on an :class:`ExportQueue`, off the threads
 that persist, so a slow export never holds up the next step's write. Exporters are looked up in this allow-list of flashckpt's own
 modules, never by a module path taken from a message. Each module defines
-``export(directory: str, step: int, params: dict) -> None``; one named in
+``export(directory: str, step: int, params: dict) -> None`` and may define ``warm() -> None``,
+which imports what an export needs (run once, ahead of the first export); one named in
 :data:`MEMORY_EXPORTERS` also takes ``memory=`` (an :class:`ImageHold`): the image of
 the shard just persisted, still held in shared memory, which it reads instead of
 reading that shard back from storage, and lets go (``release()``) once it has read it.
@@ -142,7 +143,7 @@ class ExportQueue:
         self._warmed: set[str] = set()
 
     def warm(self, spec: Any) -> None:
-        """Import the exporter ``spec`` names, once, on a thread of its own: its imports
+        """Import the exporter ``spec`` names (and run its ``warm``), once, on a thread of its own: its imports
         (torch, transformers, DeepSpeed: seconds) then overlap the step's write instead of
         delaying its first export. An exporter that cannot load fails at its export."""
         name = spec.get("name") if isinstance(spec, dict) else None
@@ -257,7 +258,9 @@ def _retire_released(export: Export) -> None:
 def _import(module: str) -> None:
     start = time.perf_counter()
     try:
-        importlib.import_module(module)
+        warm = getattr(importlib.import_module(module), "warm", None)
+        if warm is not None:
+            warm()
     except Exception:  # noqa: BLE001 -- the export itself raises it to the trainer
         log.debug("importing %s ahead of its first export failed", module, exc_info=True)
         return

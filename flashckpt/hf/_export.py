@@ -40,7 +40,7 @@ from .._storage import LocalStorage
 from ..torch._tensors import DTYPE_NAMES
 from . import _deepspeed
 
-__all__ = ["export", "write_folder", "read_shard", "folder_name"]
+__all__ = ["export", "warm", "write_folder", "read_shard", "folder_name"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,15 @@ _TORCH_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 _NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
                  "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
                  "U8": np.uint8, "BOOL": np.bool_, "C64": np.complex64}
+
+
+def warm() -> None:
+    """Import what an export needs beyond this module (the saver runs this ahead of its
+    first export, see ``ExportQueue.warm``): the model file writers and the Trainer's
+    checkpoint rotation, half a second of a first export otherwise."""
+    from huggingface_hub import split_torch_state_dict_into_shards  # noqa: F401
+    from safetensors.torch import save_file  # noqa: F401
+    from transformers.trainer_utils import rotate_checkpoints  # noqa: F401
 
 
 def folder_name(step: int) -> str:

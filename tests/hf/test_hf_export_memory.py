@@ -254,3 +254,25 @@ def test_a_new_saver_exports_a_trainer_step_without_importing_deepspeed(committe
                            "print(sorted(m for m in ('deepspeed', 'transformers') if m in sys.modules))"],
                           timeout=_BOUND, capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+_WARM_A_NEW_SAVER = """
+import sys, time
+from flashckpt._exporters import ExportQueue
+ExportQueue().warm({"name": "hf"})
+end = time.monotonic() + 30
+while "transformers.trainer_utils" not in sys.modules and time.monotonic() < end:
+    time.sleep(0.05)
+time.sleep(0.5)  # the rest of warm(), if it is still importing
+print(sorted(m for m in ("safetensors.torch", "transformers.trainer_utils") if m in sys.modules))
+"""
+
+
+def test_warming_the_exporter_imports_what_its_first_export_needs():
+    """The saver warms the Trainer's exporter when a trainer connects, ahead of the first
+    save: the checkpoint rotation and the model writers are imported then, not inside the
+    first export, while training waits for that folder."""
+    proc = subprocess.run([sys.executable, "-c", _WARM_A_NEW_SAVER], timeout=_BOUND, capture_output=True, text=True,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "['safetensors.torch', 'transformers.trainer_utils']"
