@@ -21,15 +21,12 @@ may run on, at most 4; 1 copies on the calling thread only).
 from __future__ import annotations
 
 import os
-import queue
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from . import _stream_copy
 from ._options import env_count
 from ._stream_copy import stream_copy
-from ._workers import wait_then_raise
+from ._workers import run_each
 
 __all__ = ["PARALLEL_MIN_BYTES", "Span", "copy_arrays", "copy_spans", "copy_threads", "split_ranges", "split_spans"]
 
@@ -37,8 +34,6 @@ PARALLEL_MIN_BYTES = 16 << 20
 """Below this many bytes in all, one thread copies."""
 
 _MAX_DEFAULT_THREADS = 4
-_helpers: list["queue.SimpleQueue[Any]"] = []  # one job queue per helper thread
-_helpers_lock = threading.Lock()
 
 Pair = tuple[Any, Any]
 Span = tuple[int, int, int]
@@ -120,37 +115,6 @@ def _copy_span_group(group: list[Span]) -> None:
         stream_copy(dst, src, size)
 
 
-def _help(jobs: "queue.SimpleQueue[Any]") -> None:
-    while True:
-        copy_part, group, finish = jobs.get()
-        try:
-            copy_part(group)
-        except BaseException as exc:  # the caller raises it
-            finish(exc)
-        else:
-            finish(None)
-
-
-def _helper_queues(count: int) -> list["queue.SimpleQueue[Any]"]:
-    """``count`` helper threads' job queues (each helper copies the groups put on its own
-    queue, so the parts run at once rather than queue behind one another)."""
-    with _helpers_lock:
-        while len(_helpers) < count:
-            jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-            threading.Thread(target=_help, args=(jobs,), name=f"flashckpt-copy-{len(_helpers)}", daemon=True).start()
-            _helpers.append(jobs)
-        return _helpers[:count]
-
-
-def _forget_helpers() -> None:
-    """A forked child has none of the parent's threads: it starts its own helpers."""
-    global _helpers, _helpers_lock
-    _helpers, _helpers_lock = [], threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_helpers)
-
-
 def copy_arrays(dsts: list[Any], srcs: list[Any]) -> None:
     """``np.copyto(dst, src)`` for each pair; large copies split across :func:`copy_threads`
     threads. Returns once every byte is copied (also when one part raised: then raises)."""
@@ -158,7 +122,8 @@ def copy_arrays(dsts: list[Any], srcs: list[Any]) -> None:
     if threads == 1 or sum(dst.nbytes for dst in dsts) < PARALLEL_MIN_BYTES:
         _copy_group(list(zip(dsts, srcs)))
     else:
-        _copy_parts(split_ranges(dsts, srcs, threads), _copy_group)
+        parts = split_ranges(dsts, srcs, threads)
+        run_each(parts, _copy_group, len(parts))
 
 
 def copy_spans(spans: list[Span]) -> None:
@@ -168,33 +133,5 @@ def copy_spans(spans: list[Span]) -> None:
     if threads == 1 or sum(span[2] for span in spans) < PARALLEL_MIN_BYTES:
         _copy_span_group(spans)
     else:
-        _copy_parts(split_spans(spans, threads), _copy_span_group)
-
-
-def _copy_parts(parts: list[list[Any]], copy_part: Callable[[list[Any]], None]) -> None:
-    """``copy_part`` over each part, the first on this thread and each other on a helper;
-    returns once all are done, raising the first error. A helper copies between raw
-    addresses, which only the caller's frame keeps alive and mapped, so the caller waits
-    for every helper's part even through Ctrl-C (raised once they are all done)."""
-    first, *rest = parts
-    finished = [0]
-    errors: list[BaseException] = []
-    done = threading.Condition(threading.Lock())
-
-    def finish(error: BaseException | None) -> None:
-        with done:
-            if error is not None:
-                errors.append(error)
-            finished[0] += 1
-            done.notify_all()
-
-    interrupted: BaseException | None = None
-    queued = 0
-    try:
-        for jobs, group in zip(_helper_queues(len(rest)), rest):
-            jobs.put((copy_part, group, finish))
-            queued += 1
-        copy_part(first)
-    except BaseException as exc:
-        interrupted = exc
-    wait_then_raise(done, lambda: finished[0] < queued, interrupted, errors, "copies")
+        parts = split_spans(spans, threads)
+        run_each(parts, _copy_span_group, len(parts))

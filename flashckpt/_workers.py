@@ -1,8 +1,9 @@
 """Threads that stay: run a function over many items on a few long-lived threads.
 
-A load reads its chunks on several threads. Starting a thread waits until the new thread
-runs, which on a busy 2-core machine cost ~1.5 ms a thread: 13 ms of a 0.4 s resharded
-FSDP load went to starting 8 readers. The helpers here start once per process (again in
+A load reads its chunks on several threads, and a save's large copy runs in parts on
+several threads (:mod:`flashckpt._copy`): both on these helpers. Starting a thread waits
+until the new thread runs, which on a busy 2-core machine cost ~1.5 ms a thread: 13 ms of
+a 0.4 s resharded FSDP load went to starting 8 readers. The helpers here start once per process (again in
 a forked child, which has none of its parent's threads) and wait on one queue of work.
 The calling thread works through the items too, so a call made from a helper cannot
 deadlock; a helper takes one item at a time and then queues up again behind other
@@ -19,7 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["run_each", "wait_then_raise"]
+__all__ = ["run_each"]
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +108,11 @@ def run_each(items: Sequence[T], fn: Callable[[T], Any], threads: int) -> None:
         todo.clear()
         return running[0] > 0
 
-    wait_then_raise(idle, busy, interrupted, errors, "reads")
+    _wait_then_raise(idle, busy, interrupted, errors)
 
 
-def wait_then_raise(idle: threading.Condition, busy: Callable[[], bool], interrupted: BaseException | None,
-                    errors: list[BaseException], what: str) -> None:
+def _wait_then_raise(idle: threading.Condition, busy: Callable[[], bool], interrupted: BaseException | None,
+                     errors: list[BaseException]) -> None:
     """Wait on ``idle`` (whose lock guards what ``busy`` reads) until ``busy()`` is false,
     also through Ctrl-C, for helpers that use the caller's memory; then raise
     ``interrupted`` (or a Ctrl-C that came while waiting), else the first of ``errors``."""
@@ -119,7 +120,7 @@ def wait_then_raise(idle: threading.Condition, busy: Callable[[], bool], interru
         try:
             with idle:
                 if interrupted is not None and busy():
-                    log.info("waiting for running %s before raising %s", what, type(interrupted).__name__)
+                    log.info("waiting for running work before raising %s", type(interrupted).__name__)
                 while busy():
                     idle.wait()
             break

@@ -61,13 +61,17 @@ def test_copy_arrays_copies_exactly(monkeypatch, threads):
         assert np.array_equal(d, s)
 
 
-def spy_threads(monkeypatch) -> set[str]:
-    """Names of the threads that run a part of a threaded copy (filled as they run)."""
+def spy_threads(monkeypatch, parts: int) -> set[str]:
+    """Names of the threads that run a part of a threaded copy (filled as they run).
+    Each part waits (10 s at most) until ``parts`` of them run at once: a copy whose parts
+    can only run one after another on one thread fails instead of passing by timing."""
     seen: set[str] = set()
+    together = threading.Barrier(parts, timeout=10)
 
     def spying(real):
         def spy(group):
             seen.add(threading.current_thread().name)
+            together.wait()
             real(group)
         return spy
 
@@ -78,7 +82,7 @@ def spy_threads(monkeypatch) -> set[str]:
 
 def test_copy_arrays_uses_the_threads(monkeypatch):
     monkeypatch.setenv("FLASHCKPT_COPY_THREADS", "3")
-    seen = spy_threads(monkeypatch)
+    seen = spy_threads(monkeypatch, 3)
     src = np.ones(_copy.PARALLEL_MIN_BYTES, dtype=np.uint8)
     dst = np.zeros_like(src)
     _copy.copy_arrays([dst], [src])

@@ -32,7 +32,7 @@ def slot_views(tensors: list[torch.Tensor]) -> tuple[mmap.mmap, list[torch.Tenso
 
 def test_large_cpu_copies_run_on_the_copy_threads(monkeypatch):
     monkeypatch.setenv("FLASHCKPT_COPY_THREADS", "2")
-    seen = spy_threads(monkeypatch)
+    seen = spy_threads(monkeypatch, 2)
     src = torch.arange(_copy.PARALLEL_MIN_BYTES // 4, dtype=torch.float32)
     _, (dst,) = slot_views([src])
     KIND.copy([dst], [src])
