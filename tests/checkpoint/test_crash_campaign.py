@@ -31,7 +31,7 @@ def test_random_kills_never_lose_a_returned_save_tear_or_hang(tmp_path, capsys):
     summary = run_campaign(seed=seed, workdir=str(tmp_path), rounds=ROUNDS, seconds=BUDGET_SECONDS,
                            log=lines.append)
     with capsys.disabled():
-        print("\n" + "\n".join(lines))
+        print("\n" + "\n".join(lines + [summary.report().splitlines()[0]]))
     assert summary.counts()["rounds"] >= min(ROUNDS, 5), summary.report()
     assert not summary.failed(), summary.report()
 
