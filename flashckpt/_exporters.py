@@ -41,7 +41,7 @@ EXPORTERS = {
     "tf": "flashckpt.tf._export",
 }
 
-MEMORY_EXPORTERS = frozenset({"hf"})
+MEMORY_EXPORTERS = frozenset({"hf", "deepspeed"})
 """Exporters that read the persisted image from shared memory when given it (``memory=``)."""
 
 

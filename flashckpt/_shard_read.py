@@ -48,7 +48,7 @@ from ._workers import run_each
 if TYPE_CHECKING:
     from ._storage import LocalStorage
 
-__all__ = ["CHUNK_BYTES", "Chunk", "MemoryImage", "Scratch", "ShardReader", "file_header", "open_shard", "read_header", "read_shard_into", "read_streams", "read_tensors", "run_chunks", "unflatten"]
+__all__ = ["CHUNK_BYTES", "Chunk", "MemoryImage", "Scratch", "ShardReader", "file_header", "open_shard", "read_header", "read_shard_into", "read_streams", "run_chunks", "unflatten"]
 
 CHUNK_BYTES = 32 << 20
 """Bytes per read of a full read (rounded down to whole checksum blocks, at least one)."""
@@ -576,21 +576,6 @@ def _finisher(kind: Any, objs: list[Any], entry: Entry, scratch: Scratch | None)
         kind.copy(ties, [target] * len(ties))
 
     return run
-
-
-def read_tensors(reader: ShardReader, *, threads: int | None = None) -> dict[str, Any]:
-    """Every tensor of the shard as a new host tensor of its kind, by entry name, read by
-    :meth:`ShardReader.read_all` (every block verified)."""
-    kinds = reader.image.meta["kinds"]
-    out: dict[str, Any] = {}
-    parts: list[tuple[int, memoryview]] = []
-    for entry in reader.image.entries:
-        kind = kind_named(kinds[entry.name])
-        out[entry.name] = obj = kind.empty(entry.dtype, entry.shape)
-        if entry.nbytes:
-            parts.append((reader.body_start + entry.offset, _flat(kind.host_bytes(obj))))
-    reader.read_all(parts, threads=threads)
-    return out
 
 
 def unflatten(node: Any, leaf: Callable[[str], Any], pickled: Callable[[str], Any]) -> Any:

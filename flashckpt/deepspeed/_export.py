@@ -4,7 +4,9 @@ Runs in the node's saver process after the step commits (see ``flashckpt._export
 never in the trainer. Each rank's committed shard holds
 ``{"deepspeed": {"tag", "save_dir", "files": {relative path: state dict}}}``; every
 state dict is written with ``torch.save`` to ``<save_dir>/<relative path>`` exactly as
-DeepSpeed's default ``TorchCheckpointEngine`` would. The tag is written to
+DeepSpeed's default ``TorchCheckpointEngine`` would, its tensors viewing the image the
+saver just persisted (still held in shared memory) or the other ranks' mapped shards:
+nothing is read back or copied first. The tag is written to
 ``<save_dir>/<tag>.tmp-flashckpt`` and renamed into place, and only then is
 ``<save_dir>/latest`` replaced (atomically), so stock ``engine.load_checkpoint`` and
 ``zero_to_fp32.py`` never see a half-written tag.
@@ -12,39 +14,24 @@ DeepSpeed's default ``TorchCheckpointEngine`` would. The tag is written to
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
-import pickle
 import shutil
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from .._errors import CheckpointError
+from .._exporters import ImageHold
 from .._files import fsync_dir, write_atomic
-from .._shard_read import ShardReader, open_shard, read_tensors, unflatten
 from .._storage import LocalStorage
+from ..torch._image_views import step_trees, unpickler
 from . import _objects
 
-__all__ = ["export", "read_shard_tree", "write_tag"]
+__all__ = ["export", "write_tag"]
 
 log = logging.getLogger(__name__)
 
 _MANIFEST = ".flashckpt-tags.json"
-
-
-def read_shard_tree(reader: ShardReader, *, allow_pickle: bool = False) -> Any:
-    """The state a committed shard holds, with new tensors, every block verified."""
-    from ..torch import _tensors  # noqa: F401  (registers the torch tensor kind)
-
-    tensors = read_tensors(reader)
-
-    def pickled(blob: str) -> Any:
-        if not allow_pickle:
-            raise CheckpointError(f"{reader.path} holds pickled entries; the checkpointer had allow_pickle=False")
-        return pickle.loads(base64.b64decode(blob))
-
-    return unflatten(reader.image.meta["tree"], tensors.__getitem__, pickled)
 
 
 def write_tag(files_by_rank: Iterable[dict[str, Any]], tag: str, tag_dir: str) -> int:
@@ -70,8 +57,10 @@ def write_tag(files_by_rank: Iterable[dict[str, Any]], tag: str, tag_dir: str) -
     return len(written)
 
 
-def export(directory: str, step: int, params: dict[str, Any]) -> None:
-    """Write the DeepSpeed tag of committed ``step`` of ``directory`` (see module doc)."""
+def export(directory: str, step: int, params: dict[str, Any], *, memory: ImageHold | None = None) -> None:
+    """Write the DeepSpeed tag of committed ``step`` of ``directory`` (see module doc);
+    rank ``memory.rank``'s files from ``memory``, the image the saver just persisted (let
+    go once the files are written), instead of its shard."""
     storage = LocalStorage(directory)
     meta = storage.metadata(step)
     save_dir, tag = params["save_dir"], params["tag"]
@@ -79,14 +68,14 @@ def export(directory: str, step: int, params: dict[str, Any]) -> None:
     pending = f"{final}.tmp-flashckpt"
     shutil.rmtree(pending, ignore_errors=True)
     os.makedirs(pending)
-
-    def files() -> Iterator[dict[str, Any]]:
-        for rank in range(meta["world_size"]):
-            with open_shard(storage, step, rank) as reader:
-                tree = read_shard_tree(reader, allow_pickle=params.get("allow_pickle", False))
-            yield tree["deepspeed"]["files"]
-
-    count = write_tag(files(), tag, pending)
+    unpickle = unpickler(bool(params.get("allow_pickle", False)),
+                         "the shard holds pickled entries; the checkpointer had allow_pickle=False")
+    try:
+        with step_trees(storage, step, meta["world_size"], memory, unpickle) as ranks:
+            count = write_tag((tree["deepspeed"]["files"] for tree in ranks), tag, pending)
+    except BaseException:
+        shutil.rmtree(pending, ignore_errors=True)
+        raise
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(pending, final)

@@ -20,34 +20,26 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import shutil
 import threading
 import time
-import warnings
 from typing import Any
 
-import numpy as np
 import torch
 
 from .._errors import CheckpointError
 from .._exporters import ImageHold
 from .._files import fsync_dir
-from .._format import Image, parse_header
-from .._shard_read import ShardReader, open_shard, unflatten
 from .._storage import LocalStorage
-from ..torch._tensors import DTYPE_NAMES
+from ..torch._image_views import step_trees, unpickler
 from . import _deepspeed
 
-__all__ = ["export", "warm", "write_folder", "read_shard", "folder_name"]
+__all__ = ["export", "warm", "write_folder", "folder_name"]
 
 log = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
-_NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-                 "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
-                 "U8": np.uint8, "BOOL": np.bool_, "C64": np.complex64}
+_NO_PICKLE = unpickler(False, "the Hugging Face exporter does not unpickle state entries")
 
 
 def warm() -> None:
@@ -61,47 +53,6 @@ def warm() -> None:
 
 def folder_name(step: int) -> str:
     return f"checkpoint-{step}"
-
-
-def read_shard(reader: ShardReader) -> tuple[Any, mmap.mmap]:
-    """The state tree of one shard, once every block verified, its tensors viewing the
-    mapped file (keep the map open)."""
-    mm = reader.map_verified()
-    return _tree(mm, reader.image, reader.body_start), mm
-
-
-def _tree(buf: Any, image: Image, base: int) -> Any:
-    """The state tree of the shard image whose body starts at byte ``base`` of ``buf``,
-    its tensors viewing ``buf`` (each with a storage of its own over exactly its bytes)."""
-    kinds = image.meta["kinds"]
-    leaves: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only views: only ever read
-        for e in image.entries:
-            count = 1
-            for d in e.shape:
-                count *= d
-            if kinds[e.name] == "numpy":
-                leaves[e.name] = np.frombuffer(buf, dtype=_NUMPY_DTYPES[e.dtype], count=count,
-                                               offset=base + e.offset).reshape(e.shape)
-            elif count == 0:
-                leaves[e.name] = torch.empty(e.shape, dtype=_TORCH_DTYPES[e.dtype])
-            else:  # its own storage over exactly these bytes, as the saved tensor had
-                leaves[e.name] = torch.frombuffer(buf, dtype=_TORCH_DTYPES[e.dtype], count=count,
-                                                  offset=base + e.offset).view(e.shape)
-    return unflatten(image.meta["tree"], leaves.__getitem__, _no_pickle)
-
-
-def _memory_tree(memory: ImageHold) -> Any:
-    """The state tree of the image ``memory`` holds, its tensors viewing that memory: the
-    same bytes as its shard on storage, which the persist just wrote from it."""
-    view = memory.image()
-    image = parse_header(view, f"the image of rank {memory.rank} in shared memory", len(view))
-    return _tree(view, image, len(image.header))
-
-
-def _no_pickle(blob: str) -> Any:
-    raise CheckpointError("the Hugging Face exporter does not unpickle state entries")
 
 
 def _fsync(path: str) -> None:
@@ -218,33 +169,14 @@ def _write_rest(ranks: list[Any], main: dict[str, Any], folder: str, static: str
 def _write_pending(storage: LocalStorage, step: int, pending: str, static: str | None,
                    memory: ImageHold | None) -> str | None:
     """Write the step's folder into ``pending``, rank ``memory.rank``'s state read from
-    the held image (then let go), the other ranks' from their shards; returns the best
-    checkpoint it records."""
-    meta = storage.metadata(step)
-    maps: list[mmap.mmap] = []
-    try:
-        ranks = []
-        for rank in range(meta["world_size"]):
-            if memory is not None and memory.rank == rank:
-                ranks.append(_memory_tree(memory))
-                continue
-            with open_shard(storage, step, rank) as reader:
-                tree, mm = read_shard(reader)
-            ranks.append(tree)
-            maps.append(mm)
+    the held image (let go once the files are written, before they are durable), the
+    other ranks' from their shards; returns the best checkpoint it records."""
+    world_size = storage.metadata(step)["world_size"]
+    with step_trees(storage, step, world_size, memory, _NO_PICKLE) as ranks:
         if not isinstance(ranks[0], dict) or "hf" not in ranks[0]:
             raise CheckpointError(f"step {step} in {storage.root} holds no Trainer state on rank 0")
         write_folder(ranks, pending, static)
         return json.loads(ranks[0]["hf"]["trainer_state"]).get("best_model_checkpoint")
-    finally:
-        ranks = tree = None  # the views must go before their maps can close and the slot be let go
-        for mm in maps:
-            try:
-                mm.close()
-            except BufferError:  # a view still alive somewhere: the map closes with it
-                pass
-        if memory is not None:  # the files are written (not yet durable): a save may use the slot again
-            memory.release()
 
 
 def export(directory: str, step: int, params: dict[str, Any], *, memory: ImageHold | None = None) -> None:

@@ -15,7 +15,7 @@ import pytest
 from flashckpt._errors import CorruptCheckpointError
 from flashckpt._shard_read import _resident_pages, open_shard
 from flashckpt._storage import LocalStorage
-from flashckpt.hf._export import read_shard
+from flashckpt.torch._image_views import read_shard, unpickler
 
 from .test_storage_lineage import image, token
 
@@ -37,7 +37,7 @@ def _committed(tmp_path) -> tuple[LocalStorage, str]:
 def test_the_hf_exporter_leaves_the_pages_it_verified_in_memory_for_its_writes(tmp_path):
     storage, _ = _committed(tmp_path)
     with open_shard(storage, 4, 0) as reader:
-        tree, mm = read_shard(reader)
+        tree, mm = read_shard(reader, unpickler(False, "no pickles here"))
         resident = _resident_pages(reader.fileno(), reader.size)
     assert np.all(tree["w"] == 4) and tree["w"].nbytes == NBYTES
     assert resident.count(1) >= 0.9 * len(resident), f"{resident.count(1)} of {len(resident)} pages cached"

@@ -17,6 +17,7 @@ from flashckpt._exporters import ExportQueue
 from flashckpt._slot import Slot, SlotState, pid_alive
 from flashckpt._storage import LocalStorage
 from flashckpt.hf import FlashCheckpointCallback, _callback, _export
+from flashckpt.torch import _image_views
 
 from ..checkpoint import test_export_hold
 from ._hf import make_trainer
@@ -85,7 +86,7 @@ def test_the_export_reads_the_held_slot_and_writes_the_same_bytes(committed, tmp
         seen.append(Slot.peek_header(path).reader_pid)  # while it reads the image
         write_folder(ranks, folder, static)
 
-    monkeypatch.setattr(_export, "open_shard", _no_read_back)
+    monkeypatch.setattr(_image_views, "open_shard", _no_read_back)
     monkeypatch.setattr(_export, "write_folder", watched)
     run_dir = str(tmp_path / "run")
     queue = ExportQueue()  # as the saver runs it: on the queue's thread, after persist_slot returned
@@ -103,7 +104,7 @@ def test_the_export_reads_the_held_slot_and_writes_the_same_bytes(committed, tmp
 def test_a_failed_export_from_memory_leaves_no_folder_and_lets_the_slot_go(committed, tmp_path, monkeypatch):
     storage, step, params, _ = committed
     path = _slot_holding(storage, step)
-    monkeypatch.setattr(_export, "open_shard", _no_read_back)
+    monkeypatch.setattr(_image_views, "open_shard", _no_read_back)
 
     def broken(ranks, folder, static):
         with open(os.path.join(folder, "model.safetensors"), "wb") as f:
@@ -159,7 +160,7 @@ def test_the_held_slot_is_not_taken_by_the_next_saves(committed, tmp_path, monke
     for it instead, bounded, when the other slot is held as well)."""
     storage, step, params, _ = committed
     path = _slot_holding(storage, step)
-    monkeypatch.setattr(_export, "open_shard", _no_read_back)
+    monkeypatch.setattr(_image_views, "open_shard", _no_read_back)
     reading, go_on = threading.Event(), threading.Event()
     write_folder = _export.write_folder
 

@@ -1,0 +1,118 @@
+"""State trees whose tensors view a step's image in place, for the saver's exporters.
+
+An exporter writes a committed step as a framework's own files (``torch.save``,
+safetensors) without copying the state: from the image the saver just persisted, still
+held in shared memory, or from a committed shard mapped from storage. Every tensor is
+built over exactly its own bytes (a storage of its own, as the saved tensor had), so
+``torch.save`` and safetensors write those bytes and no more. The views are read-only:
+only ever read.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import mmap
+import pickle
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+
+from .._errors import CheckpointError
+from .._format import Image, parse_header
+from .._shard_read import ShardReader, open_shard, unflatten
+from ._tensors import DTYPE_NAMES
+
+if TYPE_CHECKING:
+    from .._exporters import ImageHold
+    from .._storage import LocalStorage
+
+__all__ = ["image_tree", "memory_tree", "read_shard", "step_trees", "unpickler"]
+
+Unpickle = Callable[[str], Any]
+"""Turns a pickled entry (base64) of the tree into its object, or raises."""
+
+_TORCH_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+_NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+                 "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
+                 "U8": np.uint8, "BOOL": np.bool_, "C64": np.complex64}
+
+
+def unpickler(allow_pickle: bool, refusal: str) -> Unpickle:
+    """Unpickles an entry when ``allow_pickle``; else raises ``CheckpointError(refusal)``."""
+    def unpickle(blob: str) -> Any:
+        if not allow_pickle:
+            raise CheckpointError(refusal)
+        return pickle.loads(base64.b64decode(blob))
+    return unpickle
+
+
+def image_tree(buf: Any, image: Image, base: int, unpickle: Unpickle) -> Any:
+    """The state tree of the image whose body starts at byte ``base`` of ``buf``, its
+    tensors viewing ``buf`` (each with a storage of its own over exactly its bytes)."""
+    kinds = image.meta["kinds"]
+    leaves: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only views: only ever read
+        for e in image.entries:
+            count = 1
+            for d in e.shape:
+                count *= d
+            if kinds[e.name] == "numpy":
+                leaves[e.name] = np.frombuffer(buf, dtype=_NUMPY_DTYPES[e.dtype], count=count,
+                                               offset=base + e.offset).reshape(e.shape)
+            elif count == 0:
+                leaves[e.name] = torch.empty(e.shape, dtype=_TORCH_DTYPES[e.dtype])
+            else:  # its own storage over exactly these bytes, as the saved tensor had
+                leaves[e.name] = torch.frombuffer(buf, dtype=_TORCH_DTYPES[e.dtype], count=count,
+                                                  offset=base + e.offset).view(e.shape)
+    return unflatten(image.meta["tree"], leaves.__getitem__, unpickle)
+
+
+def memory_tree(memory: ImageHold, unpickle: Unpickle) -> Any:
+    """The state tree of the image ``memory`` holds, its tensors viewing that memory: the
+    same bytes as its shard on storage, which the persist just wrote from it."""
+    view = memory.image()
+    image = parse_header(view, f"the image of rank {memory.rank} in shared memory", len(view))
+    return image_tree(view, image, len(image.header), unpickle)
+
+
+def read_shard(reader: ShardReader, unpickle: Unpickle) -> tuple[Any, mmap.mmap]:
+    """The state tree of one committed shard, once every block verified, its tensors
+    viewing the mapped file (keep the map open while they are used)."""
+    mm = reader.map_verified()
+    return image_tree(mm, reader.image, reader.body_start, unpickle), mm
+
+
+@contextlib.contextmanager
+def step_trees(storage: LocalStorage, step: int, world_size: int, memory: ImageHold | None,
+               unpickle: Unpickle) -> Iterator[list[Any]]:
+    """Every rank's state tree of committed ``step`` for the ``with`` block: rank
+    ``memory.rank``'s viewing the held image, the others' their mapped shards (each
+    verified). On leaving, the list is emptied, the maps close and the image is let go
+    (a save may write into its slot again): no view may be used after the block."""
+    trees: list[Any] = []
+    maps: list[mmap.mmap] = []
+    try:
+        for rank in range(world_size):
+            if memory is not None and memory.rank == rank:
+                trees.append(memory_tree(memory, unpickle))
+                continue
+            with open_shard(storage, step, rank) as reader:
+                tree, mm = read_shard(reader, unpickle)
+            trees.append(tree)
+            maps.append(mm)
+            tree = None
+        yield trees
+    finally:
+        trees.clear()  # the views must go before their maps can close and the slot be let go
+        for mm in maps:
+            try:
+                mm.close()
+            except BufferError:  # a view still alive somewhere: the map closes with it
+                pass
+        if memory is not None:
+            memory.release()

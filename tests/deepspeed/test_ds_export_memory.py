@@ -1,0 +1,88 @@
+"""The saver writes a DeepSpeed tag from the slot it just persisted, as it does a Trainer's
+``checkpoint-N``: no read back of the shard, the same bytes, the slot let go after."""
+
+import glob
+import os
+
+import pytest
+import torch
+
+from flashckpt import _names, _persist
+from flashckpt._exporters import ExportQueue
+from flashckpt._slot import Slot
+from flashckpt._storage import LocalStorage
+from flashckpt.deepspeed import _export
+from flashckpt.torch import Checkpointer, _image_views
+
+from ..checkpoint import test_export_hold
+
+STEP = 3
+TAG = f"global_step{STEP}"
+
+
+def _files() -> dict:
+    """What DeepSpeed hands its checkpoint engine for one rank's tag (ZeRO-1, shapes cut down)."""
+    g = torch.Generator().manual_seed(7)
+    return {
+        f"{TAG}/mp_rank_00_model_states.pt": {
+            "module": {"lin.weight": torch.randn(64, 32, generator=g), "lin.bias": torch.randn(64, generator=g)},
+            "global_steps": STEP, "ds_version": "0.19", "buffer_names": [],
+        },
+        f"{TAG}/zero_pp_rank_0_mp_rank_00_optim_states.pt": {
+            "optimizer_state_dict": {
+                "base_optimizer_state": {"state": {0: {"step": torch.tensor(3.0),
+                                                       "exp_avg": torch.randn(2112, generator=g),
+                                                       "exp_avg_sq": torch.rand(2112, generator=g)}},
+                                         "param_groups": [{"lr": 0.001, "params": [0]}]},
+                "single_partition_of_fp32_groups": [torch.randn(2112, generator=g)],
+            },
+            "ds_version": "0.19",
+        },
+    }
+
+
+@pytest.fixture
+def committed(tmp_path, job_id):
+    """A committed step holding one rank's DeepSpeed files, as DeepSpeedCheckpointer saves
+    them, and the tag the exporter writes from it by reading the shard back."""
+    ck = Checkpointer(str(tmp_path / "flash"), job_id=job_id, keep_last=0)
+    try:
+        ck.save(STEP, {"deepspeed": {"tag": TAG, "save_dir": str(tmp_path / "ds"), "files": _files()}}).wait()
+    finally:
+        ck.close()
+    storage = LocalStorage(str(tmp_path / "flash"))
+    read_back = str(tmp_path / "read-back")
+    _export.export(storage.root, STEP, {"save_dir": read_back, "tag": TAG, "save_latest": True})
+    yield storage, os.path.join(read_back, TAG)
+    for path in glob.glob(_names.job_prefix(f"export-hold-{os.getpid()}") + ".*"):
+        os.unlink(path)
+
+
+def _no_read_back(*args, **kwargs):
+    raise AssertionError("the exporter read the shard back from storage")
+
+
+def test_the_tag_is_written_from_the_held_slot_with_the_same_bytes(committed, tmp_path, monkeypatch):
+    storage, expected = committed
+    with open(storage.shard_path(STEP, 0)[0], "rb") as f:
+        path = test_export_hold.write_slot(STEP, f.read())
+    monkeypatch.setattr(_image_views, "open_shard", _no_read_back)
+    save_dir = str(tmp_path / "ds")
+    info = {"directory": str(tmp_path / "scratch"), "storage_rank": 0, "storage_world": 1, "keep_last": 0,
+            "branch": -1, "token": storage.metadata(STEP)["token"], "allow_pickle": False,
+            "export": {"name": "deepspeed", "params": {"save_dir": save_dir, "tag": TAG, "save_latest": True}}}
+    os.makedirs(info["directory"])
+    queue = ExportQueue()  # as the saver runs it: on the queue's thread, after persist_slot returned
+    result = _persist.persist_slot(path, info=info, exports=queue)
+    errors: list[Exception | None] = []
+    queue.submit(result.export, errors.append)
+    queue.close()
+    assert errors == [None]
+    assert Slot.peek_header(path).reader_pid == 0, "the slot was not let go after the export"
+    names = sorted(os.listdir(expected))
+    assert sorted(os.listdir(os.path.join(save_dir, TAG))) == names and len(names) == 2
+    for name in names:
+        with open(os.path.join(expected, name), "rb") as a, open(os.path.join(save_dir, TAG, name), "rb") as b:
+            assert a.read() == b.read(), f"{name} differs from the tag written from the shard read back"
+    with open(os.path.join(save_dir, "latest")) as f:
+        assert f.read() == TAG
