@@ -2,14 +2,18 @@
 ``checkpoint-N``: no read back of the shard, the same bytes, the slot let go after."""
 
 import glob
+import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from flashckpt import _names, _persist
 from flashckpt._exporters import ExportQueue
-from flashckpt._slot import Slot
+from flashckpt._slot import Slot, SlotState, pid_alive
 from flashckpt._storage import LocalStorage
 from flashckpt.deepspeed import _export
 from flashckpt.torch import Checkpointer, _image_views
@@ -62,16 +66,23 @@ def _no_read_back(*args, **kwargs):
     raise AssertionError("the exporter read the shard back from storage")
 
 
-def test_the_tag_is_written_from_the_held_slot_with_the_same_bytes(committed, tmp_path, monkeypatch):
-    storage, expected = committed
+def _held(storage: LocalStorage, tmp_path, save_dir: str) -> tuple[str, dict]:
+    """A complete slot holding the committed shard's image, and the persist info of a save
+    that exports it as a DeepSpeed tag into ``save_dir``."""
     with open(storage.shard_path(STEP, 0)[0], "rb") as f:
         path = test_export_hold.write_slot(STEP, f.read())
-    monkeypatch.setattr(_image_views, "open_shard", _no_read_back)
-    save_dir = str(tmp_path / "ds")
     info = {"directory": str(tmp_path / "scratch"), "storage_rank": 0, "storage_world": 1, "keep_last": 0,
             "branch": -1, "token": storage.metadata(STEP)["token"], "allow_pickle": False,
             "export": {"name": "deepspeed", "params": {"save_dir": save_dir, "tag": TAG, "save_latest": True}}}
     os.makedirs(info["directory"])
+    return path, info
+
+
+def test_the_tag_is_written_from_the_held_slot_with_the_same_bytes(committed, tmp_path, monkeypatch):
+    storage, expected = committed
+    save_dir = str(tmp_path / "ds")
+    path, info = _held(storage, tmp_path, save_dir)
+    monkeypatch.setattr(_image_views, "open_shard", _no_read_back)
     queue = ExportQueue()  # as the saver runs it: on the queue's thread, after persist_slot returned
     result = _persist.persist_slot(path, info=info, exports=queue)
     errors: list[Exception | None] = []
@@ -86,3 +97,34 @@ def test_the_tag_is_written_from_the_held_slot_with_the_same_bytes(committed, tm
             assert a.read() == b.read(), f"{name} differs from the tag written from the shard read back"
     with open(os.path.join(save_dir, "latest")) as f:
         assert f.read() == TAG
+
+
+_KILLED_MID_EXPORT = """
+import json, os, signal, sys
+from flashckpt import _persist
+from flashckpt._exporters import ExportQueue
+from flashckpt.deepspeed import _export
+def killed(files_by_rank, tag, tag_dir):
+    for files in files_by_rank:  # the views of the held image are read ...
+        pass
+    with open(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), "wb") as f:
+        f.write(b"half")  # ... and the saver dies in the middle of the first file
+    os.kill(os.getpid(), signal.SIGKILL)
+_export.write_tag = killed
+queue = ExportQueue()
+queue.submit(_persist.persist_slot(sys.argv[1], info=json.loads(sys.argv[2]), exports=queue).export, print)
+queue.close()
+"""
+
+
+def test_a_saver_killed_mid_export_leaves_no_tag_no_latest_and_a_free_slot(committed, tmp_path):
+    storage, _ = committed
+    save_dir = tmp_path / "ds"
+    path, info = _held(storage, tmp_path, str(save_dir))
+    proc = subprocess.run([sys.executable, "-c", _KILLED_MID_EXPORT, path, json.dumps(info)], timeout=60,
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert LocalStorage(info["directory"]).committed_steps() == [STEP]  # the step itself is durable
+    assert os.listdir(save_dir) == [f"{TAG}.tmp-flashckpt"]  # no tag DeepSpeed would load, no latest
+    header = Slot.peek_header(path)
+    assert header.state == SlotState.COMPLETE and not pid_alive(header.reader_pid)  # a save may take it
