@@ -3,7 +3,10 @@ from the moment its export is queued, and the saver queues it before that rank's
 save may start (so before any newer step of it can commit)."""
 
 import glob
+import json
 import os
+import subprocess
+import sys
 import threading
 
 from flashckpt import _exporters, _names, _persist, _saver
@@ -142,3 +145,26 @@ def write_slot(step: int, data: bytes) -> str:
     finally:
         slot.close()
     return path
+
+
+_KILLED_MID_EXPORT = """
+import json, os, signal, sys
+from flashckpt import _persist
+from flashckpt._exporters import ExportQueue
+def die_mid_file(path):
+    with open(path, "wb") as f:
+        f.write(b"half")
+    os.kill(os.getpid(), signal.SIGKILL)
+{patch}
+queue = ExportQueue()
+queue.submit(_persist.persist_slot(sys.argv[1], info=json.loads(sys.argv[2]), exports=queue).export, print)
+queue.close()
+"""
+
+
+def killed_mid_export(patch: str, slot: str, info: dict, **env: str) -> subprocess.CompletedProcess:
+    """A new saver process persists ``slot`` as ``info`` says and runs its export, whose
+    writer ``patch`` replaces with one that calls ``die_mid_file(path)``: the process
+    SIGKILLs itself in the middle of a file."""
+    return subprocess.run([sys.executable, "-c", _KILLED_MID_EXPORT.format(patch=patch), slot, json.dumps(info)],
+                          timeout=_BOUND * 2, capture_output=True, text=True, env=dict(os.environ, **env))

@@ -2,11 +2,8 @@
 ``checkpoint-N``: no read back of the shard, the same bytes, the slot let go after."""
 
 import glob
-import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -99,30 +96,15 @@ def test_the_tag_is_written_from_the_held_slot_with_the_same_bytes(committed, tm
         assert f.read() == TAG
 
 
-_KILLED_MID_EXPORT = """
-import json, os, signal, sys
-from flashckpt import _persist
-from flashckpt._exporters import ExportQueue
-from flashckpt.deepspeed import _export
-def killed(files_by_rank, tag, tag_dir):
-    for files in files_by_rank:  # the views of the held image are read ...
-        pass
-    with open(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), "wb") as f:
-        f.write(b"half")  # ... and the saver dies in the middle of the first file
-    os.kill(os.getpid(), signal.SIGKILL)
-_export.write_tag = killed
-queue = ExportQueue()
-queue.submit(_persist.persist_slot(sys.argv[1], info=json.loads(sys.argv[2]), exports=queue).export, print)
-queue.close()
-"""
-
-
 def test_a_saver_killed_mid_export_leaves_no_tag_no_latest_and_a_free_slot(committed, tmp_path):
     storage, _ = committed
     save_dir = tmp_path / "ds"
     path, info = _held(storage, tmp_path, str(save_dir))
-    proc = subprocess.run([sys.executable, "-c", _KILLED_MID_EXPORT, path, json.dumps(info)], timeout=60,
-                          capture_output=True, text=True)
+    proc = test_export_hold.killed_mid_export(  # it reads every rank's files (views of the held image) first
+        "from flashckpt.deepspeed import _export\n"
+        "_export.write_tag = lambda files, tag, tag_dir: [list(f) for f in files] and "
+        "die_mid_file(os.path.join(tag_dir, 'mp_rank_00_model_states.pt'))",
+        path, info)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert LocalStorage(info["directory"]).committed_steps() == [STEP]  # the step itself is durable
     assert os.listdir(save_dir) == [f"{TAG}.tmp-flashckpt"]  # no tag DeepSpeed would load, no latest

@@ -124,29 +124,15 @@ def test_a_failed_export_from_memory_leaves_no_folder_and_lets_the_slot_go(commi
     assert Slot.peek_header(path).reader_pid == 0
 
 
-_KILLED_MID_EXPORT = """
-import json, os, signal, sys
-from flashckpt import _persist
-from flashckpt._exporters import ExportQueue
-from flashckpt.hf import _export
-def killed(ranks, folder, static):
-    with open(os.path.join(folder, "model.safetensors"), "wb") as f:
-        f.write(b"half")
-    os.kill(os.getpid(), signal.SIGKILL)
-_export.write_folder = killed
-queue = ExportQueue()
-queue.submit(_persist.persist_slot(sys.argv[1], info=json.loads(sys.argv[2]), exports=queue).export, print)
-queue.close()
-"""
-
-
 def test_a_saver_killed_mid_export_leaves_no_complete_looking_folder_and_a_free_slot(committed, tmp_path):
     storage, step, params, _ = committed
     path = _slot_holding(storage, step)
     run_dir = tmp_path / "run"
     info = _info(storage, step, params, str(tmp_path / "scratch"), str(run_dir))
-    proc = subprocess.run([sys.executable, "-c", _KILLED_MID_EXPORT, path, json.dumps(info)], timeout=_BOUND,
-                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    proc = test_export_hold.killed_mid_export(
+        "from flashckpt.hf import _export\n"
+        "_export.write_folder = lambda ranks, folder, static: die_mid_file(os.path.join(folder, 'model.safetensors'))",
+        path, info, HF_HUB_OFFLINE="1")
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert LocalStorage(str(tmp_path / "scratch")).committed_steps() == [step]
     left = os.listdir(run_dir)
