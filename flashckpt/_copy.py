@@ -4,8 +4,9 @@ A save blocks training for exactly one copy of the state, and one thread's memcp
 not reach the machine's memory bandwidth: on the 2-core development machine one thread
 copies TF variables into shared memory at 6-7 GiB/s, two or three threads at 8.5-9.5
 (``benchmarks/tf_save.py``). The bytes to copy are cut into equal contiguous ranges,
-one per thread; the copies release the GIL. Small copies stay on the calling thread (a
-hand-off costs more than it saves).
+one per thread: the caller's and the long-lived helpers a load reads on
+(:func:`flashckpt._workers.run_each`); the copies release the GIL. Small copies stay on the
+calling thread (a hand-off costs more than it saves).
 
 Two entry points: numpy array pairs (:func:`copy_arrays`), and plain address spans
 (:func:`copy_spans`), which is how host torch tensors come here
