@@ -143,9 +143,9 @@ class ExportQueue:
         self._warmed: set[str] = set()
 
     def warm(self, spec: Any) -> None:
-        """Import the exporter ``spec`` names (and run its ``warm``), once, on a thread of its own: its imports
-        (torch, transformers, DeepSpeed: seconds) then overlap the step's write instead of
-        delaying its first export. An exporter that cannot load fails at its export."""
+        """Import the exporter ``spec`` names and run its ``warm``, once, on a thread of its
+        own: its imports (torch, transformers, DeepSpeed: seconds) then overlap the step's
+        write instead of delaying its first export. An exporter that cannot load fails at its export."""
         name = spec.get("name") if isinstance(spec, dict) else None
         with self._cond:
             if name not in EXPORTERS or name in self._warmed:

@@ -3,8 +3,9 @@
 A load reads its chunks on several threads, and a save's large copy runs in parts on
 several threads (:mod:`flashckpt._copy`): both on these helpers. Starting a thread waits
 until the new thread runs, which on a busy 2-core machine cost ~1.5 ms a thread: 13 ms of
-a 0.4 s resharded FSDP load went to starting 8 readers. The helpers here start once per process (again in
-a forked child, which has none of its parent's threads) and wait on one queue of work.
+a 0.4 s resharded FSDP load went to starting 8 readers. The helpers here start once per
+process (again in a forked child, which has none of its parent's threads) and wait on one
+queue of work.
 The calling thread works through the items too, so a call made from a helper cannot
 deadlock; a helper takes one item at a time and then queues up again behind other
 callers' work, so callers that run at once share the helpers.

@@ -23,8 +23,9 @@ import torch
 
 from .._errors import CheckpointError
 from .._format import Image, parse_header
+from .._numpy_kind import _DTYPES as _NUMPY_DTYPES
 from .._shard_read import ShardReader, open_shard, unflatten
-from ._tensors import DTYPE_NAMES
+from ._tensors import _DTYPES as _TORCH_DTYPES
 
 if TYPE_CHECKING:
     from .._exporters import ImageHold
@@ -34,11 +35,6 @@ __all__ = ["image_tree", "memory_tree", "read_shard", "step_trees", "unpickler"]
 
 Unpickle = Callable[[str], Any]
 """Turns a pickled entry (base64) of the tree into its object, or raises."""
-
-_TORCH_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
-_NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-                 "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
-                 "U8": np.uint8, "BOOL": np.bool_, "C64": np.complex64}
 
 
 def unpickler(allow_pickle: bool, refusal: str) -> Unpickle:
