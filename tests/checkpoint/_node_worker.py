@@ -14,6 +14,7 @@ import torch.distributed as dist
 from flashckpt import CheckpointError
 from flashckpt.torch import Checkpointer, DdpCheckpointer
 from flashckpt._names import job_prefix
+from tests._exit import exit_now
 
 
 def main() -> None:
@@ -48,3 +49,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown

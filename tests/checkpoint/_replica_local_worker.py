@@ -22,6 +22,7 @@ from flashckpt import CheckpointError
 from flashckpt._storage import LocalStorage
 from flashckpt.torch import Checkpointer, DdpCheckpointer
 from tests.checkpoint._replica_node import finish, load_and_report, wait_for_replica
+from tests._exit import exit_now
 
 
 def main() -> None:
@@ -55,3 +56,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown

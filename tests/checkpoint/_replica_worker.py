@@ -19,6 +19,7 @@ import torch.distributed as dist
 from flashckpt._replica_store import replica_index
 from flashckpt.torch import Checkpointer
 from tests.checkpoint._replica_node import load_and_report
+from tests._exit import exit_now
 
 
 def digest(model) -> float:
@@ -72,3 +73,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown

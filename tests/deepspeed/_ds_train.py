@@ -20,6 +20,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from flashckpt.torch import init_process_group  # noqa: E402
+from tests._exit import exit_now  # noqa: E402
 
 MICRO_BATCH = 4
 
@@ -94,3 +95,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown

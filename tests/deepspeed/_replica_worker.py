@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from flashckpt import _events  # noqa: E402
 from tests.checkpoint._replica_node import finish, wait_for_replica  # noqa: E402
 from tests.deepspeed._ds_train import MICRO_BATCH, train_step  # noqa: E402
+from tests._exit import exit_now  # noqa: E402
 
 
 def make_engine():
@@ -73,3 +74,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown

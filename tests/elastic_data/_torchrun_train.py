@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from elastic import ElasticDistributedSampler, ShardSampler
 from flashckpt.torch import Checkpointer, init_process_group
 from tests.elastic_data._workers import SEED, IndexDataset
+from tests._exit import exit_now
 
 BATCH, EVERY, KILL_RANK, KILL_STEP = 4, 5, 1, 13
 
@@ -75,3 +76,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown

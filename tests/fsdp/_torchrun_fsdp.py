@@ -20,6 +20,7 @@ from flashckpt.torch import init_process_group
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from tests.fsdp._fsdp_common import local_state, make, train_step  # noqa: E402
+from tests._exit import exit_now  # noqa: E402
 
 
 def main() -> None:
@@ -58,3 +59,4 @@ def torch_equal(a, b) -> bool:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown

@@ -28,6 +28,7 @@ from transformers import TrainerCallback  # noqa: E402
 from flashckpt.hf import FlashCheckpointCallback, last_checkpoint  # noqa: E402
 from tests.checkpoint._replica_node import finish, wait_for_replica  # noqa: E402
 from tests.hf._hf import make_trainer  # noqa: E402
+from tests._exit import exit_now  # noqa: E402
 
 SNAPSHOT, HOLD = 4, 5
 
@@ -84,3 +85,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown

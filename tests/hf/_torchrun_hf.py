@@ -24,6 +24,7 @@ from transformers import TrainerCallback  # noqa: E402
 from flashckpt.torch import init_process_group  # noqa: E402
 
 from tests.hf._hf import make_trainer  # noqa: E402
+from tests._exit import exit_now  # noqa: E402
 
 KILL_AT = 9
 DEEPSPEED = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -62,3 +63,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown

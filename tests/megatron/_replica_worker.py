@@ -18,6 +18,7 @@ import torch.distributed as dist
 from flashckpt import _events
 from tests.checkpoint._replica_node import finish, wait_for_replica
 from flashckpt.megatron import MegatronCheckpointer
+from tests._exit import exit_now
 
 N = 1 << 18
 
@@ -54,3 +55,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown

@@ -32,6 +32,7 @@ from elastic import ShardSampler
 from flashckpt.torch import DdpCheckpointer, init_process_group
 from tests.elastic_data._workers import IndexDataset
 from tests.nodes._worker import _first_time
+from tests._exit import exit_now
 
 BATCH, EVERY, SHARD, SEED = 2, 3, 4, 7
 
@@ -101,3 +102,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from flashckpt._replica_store import replica_index
 from flashckpt.torch import Checkpointer, DdpCheckpointer, init_process_group
+from tests._exit import exit_now
 
 
 def main() -> None:
@@ -105,3 +106,4 @@ def _first_time(marker: str) -> bool:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo groups still referenced can abort interpreter teardown
