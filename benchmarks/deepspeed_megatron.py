@@ -11,8 +11,9 @@ speed drifts):
   ``TorchCheckpointEngine`` (synchronous torch.save of every file, no fsync) vs the same
   call with flashckpt's engine installed (blocking time; then ``wait()`` until the step
   and its exported DeepSpeed tag are durable). Load: stock ``engine.load_checkpoint`` of
-  the default tag vs ``DeepSpeedCheckpointer.load()`` from memory into a fresh engine
-  (what a restarted process does; same job id). Also one unsynced ``write()`` of the
+  the default tag vs ``DeepSpeedCheckpointer.load()`` from memory (same job id): once each
+  into a new engine that never stepped (what a restarted process does: the optimizer's
+  moments are new memory either way), then repeatedly into one engine. Also one unsynced ``write()`` of the
   same bytes into a new file: no save into the page cache (DeepSpeed's default is one)
   can be faster, so its ratio to the floor bounds how far a flash save can beat it.
 - megatron-core GPTModel (TP=1): ``dist_checkpointing.save`` with megatron's default
@@ -183,12 +184,20 @@ def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int, tight_ro
         engine.checkpoint_engine = ck.checkpoint_engine
         shutil.rmtree(default_dir / f"tight{i}", ignore_errors=True)
     floor.close()
-    fresh = ds_engine(hidden, layers)
-    stock_load = [timed(lambda: fresh.load_checkpoint(str(default_dir), tag=f"t{repeats - 1}")) for _ in range(repeats)]
-    ck2 = DeepSpeedCheckpointer(fresh, flash_dir, job_id=job)
     from flashckpt import _events
     sources = []
     _events.subscribe(lambda event, **info: sources.append(info.get("source")) if event == "load" else None)
+    # a restart: the first load into an engine that never stepped (no optimizer moments yet)
+    restarted = ds_engine(hidden, layers)
+    stock_first = timed(lambda: restarted.load_checkpoint(str(default_dir), tag=f"t{repeats - 1}"))
+    restarted = ds_engine(hidden, layers)
+    ck_first = DeepSpeedCheckpointer(restarted, flash_dir, job_id=job)
+    flash_first = timed(ck_first.load)
+    ck_first._ckpt.engine.close(unlink=False)  # shares ck's memory; ck frees it
+    del restarted, ck_first
+    fresh = ds_engine(hidden, layers)
+    stock_load = [timed(lambda: fresh.load_checkpoint(str(default_dir), tag=f"t{repeats - 1}")) for _ in range(repeats)]
+    ck2 = DeepSpeedCheckpointer(fresh, flash_dir, job_id=job)
     flash_load = [timed(ck2.load) for _ in range(repeats)]
     ck2._ckpt.engine.close(unlink=False)  # shares ck's memory; ck frees it
     ck.close()
@@ -198,6 +207,7 @@ def bench_deepspeed(root: Path, repeats: int, hidden: int, layers: int, tight_ro
             "default_save_s": statistics.median(default), "flash_first_blocking_s": first,
             "flash_blocking_s": statistics.median(blocking), "flash_durable_s": statistics.median(durable),
             "default_load_s": statistics.median(stock_load), "flash_load_s": statistics.median(flash_load),
+            "default_first_load_s": stock_first, "flash_first_load_s": flash_first,
             "flash_load_source": sources[-1] if sources else None}
 
 
@@ -316,6 +326,10 @@ def report(name: str, r: dict) -> None:
               f"framework / flash {t['default'] / t['flash_blocking']:.1f}x / "
               f"{low['default'] / low['flash_blocking']:.1f}x; framework / floor {t['default'] / t['floor']:.1f}x / "
               f"{low['default'] / low['floor']:.1f}x (a flash save at the floor could gain no more)")
+    if "default_first_load_s" in r:
+        print(f"  first load into a new engine (a restart): framework's own {r['default_first_load_s'] * 1e3:.1f} ms, "
+              f"flash ({r['flash_load_source']}) {r['flash_first_load_s'] * 1e3:.1f} ms   "
+              f"{r['default_first_load_s'] / r['flash_first_load_s']:.1f}x faster")
     print(f"  framework's own load              {r['default_load_s'] * 1e3:9.1f} ms")
     print(f"  flash load ({r['flash_load_source']})            {r['flash_load_s'] * 1e3:9.1f} ms   "
           f"{r['default_load_s'] / r['flash_load_s']:.1f}x faster")

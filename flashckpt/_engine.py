@@ -37,7 +37,7 @@ from ._step_meta import line_key
 from ._storage import LocalStorage
 from ._storage_url import open_storage
 from ._shard_read import read_shard_into
-from ._tree import Flat, Merge, TensorKind, flatten, kind_named, merge_into
+from ._tree import Flat, Merge, Places, TensorKind, flatten, kind_named, merge_into
 
 __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHandle", "SingleProcess", "gc_paused",
            "place"]
@@ -398,11 +398,16 @@ class Engine:
         All ranks must call this."""
         return agree(self, step)
 
-    def load_agreed(self, state: Any, agreement: Agreement, start: float | None = None) -> int | None:
+    def load_agreed(self, state: Any, agreement: Agreement, start: float | None = None, *,
+                    places: Places | None = None) -> int | None:
         """Load what ``agreement`` names into ``state`` in place (all ranks, the same
         agreement): from memory, falling back to the newest committed step if that fails on
         any rank; from storage, falling back to older committed steps
-        (``agreement.fallbacks``) if the step is damaged. Starts this run's line there."""
+        (``agreement.fallbacks``) if the step is damaged. Starts this run's line there.
+
+        ``places`` offers tensors to load into where ``state`` has no place (see
+        :func:`~flashckpt._tree.merge_into`); only a load from memory takes them, so they
+        are written only by the step agreed on, never by a fallback."""
         start = time.perf_counter() if start is None else start
         self._prepared()
         if self._saves:  # a load after saves (a rollback, maybe): the next saves order after those made
@@ -416,7 +421,7 @@ class Engine:
             return None
         fallbacks = list(agreement.fallbacks)
         if source == Source.MEMORY:
-            _, errors = self._gather(lambda: self._load_memory(state, *self.memory_steps()[step]))
+            _, errors = self._gather(lambda: self._load_memory(state, *self.memory_steps()[step], places))
             if errors:
                 if committed is None:
                     self._raise(errors, f"loading step {step} from memory failed and nothing is committed "
@@ -519,23 +524,23 @@ class Engine:
                     h.state = SlotState.EMPTY
                     self._slot(i, create=False).write_header(h)
 
-    def _load_memory(self, state: Any, index: int, generation: int) -> None:
+    def _load_memory(self, state: Any, index: int, generation: int, places: Places | None = None) -> None:
         own = self._slots[index]
         if own is not None and own.mm is not None:  # this process saved it: mapped (and locked) already
-            self._copy_out(state, own, generation)
+            self._copy_out(state, own, generation, places)
             return
         slot = Slot.open(self._slot_paths[index], populate=False)  # read once: no page-table setup
         if slot is None:
             raise CheckpointError(f"memory slot {self._slot_paths[index]} vanished")
         try:
-            self._copy_out(state, slot, generation)
+            self._copy_out(state, slot, generation, places)
         finally:
             self._retired.append(slot)  # unmapping costs a third of the copy: done in the background
 
-    def _copy_out(self, state: Any, slot: Slot, generation: int) -> None:
+    def _copy_out(self, state: Any, slot: Slot, generation: int, places: Places | None) -> None:
         header = slot.read_header()
         image = parse_header(slot.image(header.image_len), slot.path)
-        merge = self._merge(state, image)
+        merge = self._merge(state, image, places)
         kinds = image.meta["kinds"]
         groups: dict[str, list[Entry]] = {}
         for entry in image.entries:
@@ -556,9 +561,10 @@ class Engine:
             raise CheckpointError(f"memory slot {slot.path} changed while loading")
         merge.apply_plain()
 
-    def _merge(self, state: Any, image: Image) -> Merge:
+    def _merge(self, state: Any, image: Image, places: Places | None = None) -> Merge:
         entries = {e.name: (e.dtype, e.shape) for e in image.entries}
-        return merge_into(state, image.meta["tree"], entries, allow_pickle=self.options.allow_pickle)
+        return merge_into(state, image.meta["tree"], entries, allow_pickle=self.options.allow_pickle,
+                          places=places)
 
     def _load_storage(self, state: Any, step: int) -> None:
         read_shard_into(self.storage, step, self.placement.storage_rank, lambda image: self._merge(state, image))

@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable, Protocol
 
 from ._errors import CheckpointError, StateMismatchError
 
-__all__ = ["TensorKind", "Leaf", "Flat", "Merge", "flatten", "merge_into", "register_kind"]
+__all__ = ["TensorKind", "Leaf", "Flat", "Merge", "Places", "flatten", "merge_into", "register_kind"]
 
 PLAIN_TYPES = (int, float, str, bool, type(None))
 KEY_TYPES = (str, int, float, bool, type(None))
@@ -169,8 +169,13 @@ class Merge:
             write()
 
 
+Places = Callable[[str], Any]
+"""Tree path (keys and indices joined by ``/`` as they are: ``"a/0/b"``) -> a tensor the
+caller offers to receive that leaf, or None."""
+
+
 def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[int, ...]]],
-               *, allow_pickle: bool) -> Merge:
+               *, allow_pickle: bool, places: Places | None = None) -> Merge:
     """Match ``state`` against the checkpoint described by ``skeleton``.
 
     Returns the tensors to fill in place and the plain values to write. Every mismatch
@@ -180,6 +185,10 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
     ``SHOWN`` lines, then a count; the first line counts each kind). An empty dict in the state
     where the checkpoint has entries (an optimizer before its first step) is filled, and
     a subtree without tensors on either side (a sampler's state) is replaced whole.
+
+    A tensor the state has no place for is new, unless ``places`` offers one for its path
+    of the same kind, dtype and shape, that no other entry takes (memory a process touched
+    already fills several times faster than fresh pages).
     """
     problems: list[str] = []
     counts: dict[str, int] = {}
@@ -198,13 +207,28 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
             return unpickle(node, path)
         if "t" in node:
             dtype, shape = entries[node["t"]]
-            obj = kind_named(node["k"]).empty(dtype, shape)
+            obj = offered(node, path, dtype, shape)
+            if obj is None:
+                obj = kind_named(node["k"]).empty(dtype, shape)
             fills.append((node["t"], obj))
             return obj
         if "d" in node:
-            return {k: build(v, f"{path}/{k}") for k, v in node["d"]}
-        items = [build(v, f"{path}/{i}") for i, v in enumerate(node.get("l", node.get("u")))]
+            return {k: build(v, f"{path}/{k}" if path else str(k)) for k, v in node["d"]}
+        items = [build(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(node.get("l", node.get("u")))]
         return tuple(items) if "u" in node else items
+
+    taken: dict[Hashable, str] = {}
+
+    def offered(node: Any, path: str, dtype: str, shape: tuple[int, ...]) -> Any:
+        """The tensor ``places`` offers for ``path`` if it can take exactly this entry."""
+        obj = places(path) if places is not None else None
+        kind = kind_of(obj) if obj is not None else None
+        if kind is None or kind.name != node["k"] or kind.describe(obj) != (dtype, shape):
+            return None
+        key = kind.identity(obj)
+        if key is None or taken.setdefault(key, node["t"]) != node["t"]:
+            return None  # a view shared with another entry would be written twice
+        return obj
 
     def unpickle(node: Any, path: str) -> Any:
         if not allow_pickle:

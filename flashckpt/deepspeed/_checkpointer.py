@@ -7,15 +7,19 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import torch.distributed as dist
 
+from .._agreement import Source
 from .._errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
 from .._shard_read import open_shard
+from .._tree import Places
 from ..torch import Checkpointer
 from . import _objects
 from ._engine import FlashCheckpointEngine
+from ._live import live_places, memory_layout
 
 __all__ = ["DeepSpeedCheckpointer"]
 
@@ -123,8 +127,14 @@ class DeepSpeedCheckpointer:
             step = self._step_of_tag(tag)
             if step is None:
                 return self._load_stock(tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        start = time.perf_counter()
+        agreement = self._flash.agree(step)
+        places = None
+        if agreement.source == Source.MEMORY and load_optimizer_states and load_lr_scheduler_states \
+                and not load_module_only:  # a restart: DeepSpeed overwrites every live tensor anyway
+            places = self._live_places(agreement.step)
         target: dict[str, Any] = {}
-        got = self._flash.load(target, step=step)
+        got = self._flash.load_agreed(target, agreement, start, places=places)
         if got is None:
             latest = os.path.join(self.directory, "latest")
             if os.path.isfile(latest):
@@ -154,6 +164,24 @@ class DeepSpeedCheckpointer:
             self.checkpoint_engine.served = {}
             shutil.rmtree(scratch, ignore_errors=True)
         return got
+
+    def _live_places(self, step: int) -> Places | None:
+        """The engine's tensors as the places of ``step``'s leaves (see ``_live``), once the
+        step's layout in memory passed the checks a load makes: nothing of the engine is
+        written before it is known to fit."""
+        layout: list[dict[str, Any]] = []
+        try:
+            self._flash.on_all_ranks(lambda: layout.append(memory_layout(self._flash, step)),
+                                     f"reading the layout of step {step} in memory")
+        except CheckpointError as exc:  # the load itself meets it again, and falls back to storage
+            log.debug("loading into new tensors: %s", exc)
+            return None
+        ds = layout[0]
+        files = {os.path.join(ds["save_dir"], rel): _objects.decode(sd) for rel, sd in ds["files"].items()}
+        pattern = self.engine._get_ckpt_name(ds["save_dir"], ds["tag"], mp_placeholder="*")
+        self._share_missing(files, pattern)
+        self._flash.on_all_ranks(lambda: self._check(files, pattern, ds["tag"]), f"loading tag {ds['tag']} (step {step})")
+        return live_places(self.engine, self._flash.storage.root, ds["tag"])
 
     def _load_stock(self, tag: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
                     load_module_only: bool) -> int:

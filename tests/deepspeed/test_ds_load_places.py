@@ -1,0 +1,74 @@
+"""A full DeepSpeed load from memory fills the engine's own tensors (parameters, ZeRO fp32
+partitions, the optimizer's moments) instead of new ones, and restores exactly what was
+saved; a checkpoint that does not fit the engine is refused before any of them is written."""
+
+import os
+
+import pytest
+import torch
+
+from tests.checkpoint._dist import run_ranks
+
+from . import _ds_train
+
+
+def _live(engine) -> dict:
+    """The engine's training state by name: module parameters, fp32 partitions, Adam moments."""
+    tensors = {f"param/{n}": p.data for n, p in engine.module.named_parameters()}
+    zero = engine.optimizer
+    for i, part in enumerate(zero.single_partition_of_fp32_groups):
+        tensors[f"fp32/{i}"] = part.data
+        for name, moment in zero.optimizer.state[part].items():
+            if isinstance(moment, torch.Tensor) and moment.numel() > 1:
+                tensors[f"adam/{i}/{name}"] = moment
+    return tensors
+
+
+def _places(rank, world, directory, job):
+    import deepspeed
+    from flashckpt import StateMismatchError, _events
+    from flashckpt.deepspeed import DeepSpeedCheckpointer
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed.init_distributed("gloo")
+    sources = []
+    _events.subscribe(lambda event, **info: sources.append(info["source"]) if event == "load" else None)
+
+    engine = _ds_train.make_engine(1)
+    ck = DeepSpeedCheckpointer(engine, directory, job_id=job, persist_every=1000)
+    for step in (1, 2):
+        _ds_train.train_step(engine, rank, step)
+    ck.save(2)
+    saved = {k: v.clone() for k, v in _live(engine).items()}
+
+    restarted = _ds_train.make_engine(1)
+    _ds_train.train_step(restarted, rank, 7)  # its own optimizer state, other values
+    before = _live(restarted)
+    pointers = {k: v.data_ptr() for k, v in before.items()}
+    step = DeepSpeedCheckpointer(restarted, directory, job_id=job).load()
+    after = _live(restarted)
+    out = {"step": step, "source": sources[-1],
+           "equal": sorted(k for k in saved if not torch.equal(after[k], saved[k])) or True,
+           "moved": sorted(k for k in after if after[k].data_ptr() != pointers.get(k)) or None,
+           "next_loss_equal": _ds_train.train_step(restarted, rank, 3) == _ds_train.train_step(engine, rank, 3)}
+
+    other = _ds_train.make_engine(1, hidden=24)  # another model of the same stage
+    _ds_train.train_step(other, rank, 7)
+    untouched = {k: v.clone() for k, v in _live(other).items()}
+    try:
+        DeepSpeedCheckpointer(other, directory, job_id=job).load()
+        out["other_model"] = "loaded"
+    except StateMismatchError as exc:
+        out["other_model"] = str(exc)
+    out["other_untouched"] = all(torch.equal(v, untouched[k]) for k, v in _live(other).items())
+    ck.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_restart_from_memory_fills_the_engines_own_tensors(tmp_path, job_id):
+    for out in run_ranks(_places, 2, str(tmp_path / "ckpt"), job_id, timeout=220):
+        assert out["step"] == 2 and out["source"] == "memory"
+        assert out["equal"] is True, out["equal"]
+        assert out["moved"] is None, f"loaded into new tensors: {out['moved']}"
+        assert out["next_loss_equal"]
+        assert "another model" in out["other_model"] and out["other_untouched"]
