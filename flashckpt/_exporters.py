@@ -41,7 +41,7 @@ EXPORTERS = {
     "tf": "flashckpt.tf._export",
 }
 
-MEMORY_EXPORTERS = frozenset({"hf", "deepspeed"})
+MEMORY_EXPORTERS = frozenset({"hf", "deepspeed", "tf"})
 """Exporters that read the persisted image from shared memory when given it (``memory=``)."""
 
 

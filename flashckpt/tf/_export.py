@@ -2,10 +2,11 @@
 
 Runs in the trainer (``Checkpointer.export``) or in the node's saver process after a
 step commits (``save(..., export=True)``; allow-listed as "tf" in
-``flashckpt._exporters``). Reads the committed safetensors shard (checksum verified),
-writes its variables under their own checkpoint keys with ``SaveV2`` plus the object
-graph proto that ``tf.train.Checkpoint.restore`` matches objects by, and the
-``checkpoint`` state file that ``tf.train.latest_checkpoint`` and estimators read.
+``flashckpt._exporters``). Reads the image the saver just persisted, still held in shared
+memory, or else the committed safetensors shard (checksum verified), and writes its
+variables under their own checkpoint keys with ``SaveV2`` plus the object graph proto that
+``tf.train.Checkpoint.restore`` matches objects by, and the ``checkpoint`` state file that
+``tf.train.latest_checkpoint`` and estimators read.
 Checkpoints of the estimator hook have no object graph: they export as name-based
 (TF1) checkpoints, which ``tf.compat.v1.train.Saver`` and estimators restore.
 """
@@ -16,14 +17,18 @@ import base64
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._errors import CheckpointError
+from .._format import Image, parse_header
 from .._numpy_kind import _DTYPES
 from .._shard_read import open_shard
 from .._storage import LocalStorage
+
+if TYPE_CHECKING:
+    from .._exporters import ImageHold
 
 __all__ = ["export", "read_step", "write_tf_checkpoint"]
 
@@ -44,26 +49,48 @@ def read_step(directory: str, step: int) -> tuple[dict[str, np.ndarray], dict[st
     with open_shard(LocalStorage(directory), step, 0, whole=True) as reader:
         mm = reader.map_verified()
         path, image = reader.path, reader.image
+    try:
+        arrays, tf_node = _variables(image, mm, path)
+    except CheckpointError:
+        mm.close()
+        raise
+    return arrays, tf_node, mm
+
+
+def _variables(image: Image, buf: Any, where: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The arrays (viewing ``buf``, which holds the image from its header on) and the "tf"
+    leaves of a flashckpt.tf image."""
     root = _children(image.meta["tree"])
     tf_node = {k: v.get("v") for k, v in _children(root.get("tf", {})).items()}
     if "variables" not in root or not tf_node.get("format", "").startswith("flashckpt.tf/"):
-        mm.close()
-        raise CheckpointError(f"{path}: not a flashckpt.tf checkpoint")
+        raise CheckpointError(f"{where}: not a flashckpt.tf checkpoint")
     entries = {e.name: e for e in image.entries}
     base = len(image.header)
     arrays: dict[str, np.ndarray] = {}
     for key, node in _children(root["variables"]).items():
         e = entries[node["t"]]
         dtype = np.dtype(_DTYPES[e.dtype])
-        arrays[key] = np.frombuffer(mm, dtype=dtype, count=e.nbytes // dtype.itemsize, offset=base + e.offset).reshape(e.shape)
-    return arrays, tf_node, mm
+        arrays[key] = np.frombuffer(buf, dtype=dtype, count=e.nbytes // dtype.itemsize, offset=base + e.offset).reshape(e.shape)
+    return arrays, tf_node
 
 
-def write_tf_checkpoint(directory: str, step: int, prefix: str) -> str:
-    """Write committed ``step`` of ``directory`` as a TF checkpoint at ``prefix``."""
+def write_tf_checkpoint(directory: str, step: int, prefix: str, *, memory: ImageHold | None = None) -> str:
+    """Write committed ``step`` of ``directory`` as a TF checkpoint at ``prefix``: from
+    ``memory``, the image of its shard held in shared memory, when given (and let go after)."""
     import tensorflow as tf
 
-    arrays, tf_node, mm = read_step(directory, step)
+    if memory is not None:
+        buf: Any = memory.image()
+        try:
+            arrays, tf_node = _variables(parse_header(buf, "the image in shared memory", len(buf)), buf,
+                                         f"the image of step {step} in shared memory")
+        except CheckpointError:
+            buf.release()
+            raise
+        source = "memory"
+    else:
+        arrays, tf_node, buf = read_step(directory, step)
+        source = "its shard"
     graph = tf_node.get("object_graph")
     try:
         for name in json.loads(tf_node.get("bfloat16") or "[]"):
@@ -85,14 +112,22 @@ def write_tf_checkpoint(directory: str, step: int, prefix: str) -> str:
         del arrays
         tensors = []
         try:
-            mm.close()
+            if isinstance(buf, memoryview):
+                buf.release()
+            else:
+                buf.close()
         except BufferError:  # a view is still referenced somewhere; the mapping goes with it
             log.debug("export mapping of step %d still referenced", step)
-    log.info("exported step %d of %s as TF checkpoint %s", step, directory, prefix)
+    log.info("exported step %d of %s as TF checkpoint %s (read from %s)", step, directory, prefix, source)
     return prefix
 
 
-def export(directory: str, step: int, params: dict[str, Any]) -> None:
-    """Saver-process entry point: ``params["path"]`` or ``<dir>/step-<N>/tf/ckpt``."""
+def export(directory: str, step: int, params: dict[str, Any], *, memory: ImageHold | None = None) -> None:
+    """Saver-process entry point: ``params["path"]`` or ``<dir>/step-<N>/tf/ckpt``, written
+    from ``memory`` (rank 0's image, held in shared memory) when given."""
     prefix = params.get("path") or os.path.join(directory, f"step-{step}", "tf", "ckpt")
-    write_tf_checkpoint(directory, step, prefix)
+    try:
+        write_tf_checkpoint(directory, step, prefix, memory=memory if memory is not None and memory.rank == 0 else None)
+    finally:
+        if memory is not None:
+            memory.release()
