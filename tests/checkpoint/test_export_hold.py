@@ -131,6 +131,17 @@ def _one_slot(tmp_path, step: int, tok: str) -> str:
     return write_slot(step, image(step, tok))
 
 
+def export_held(path: str, info: dict) -> list:
+    """Persist the slot at ``path`` as ``info`` says and run its export as the saver does (on
+    an export queue's thread, after ``persist_slot`` returned); what the export reported."""
+    queue = ExportQueue()
+    result = _persist.persist_slot(path, info=info, exports=queue)
+    errors: list[Exception | None] = []
+    queue.submit(result.export, errors.append)
+    queue.close()
+    return errors
+
+
 def write_slot(step: int, data: bytes) -> str:
     """A complete shared-memory slot of this test process's job whose image is ``data``
     (``step``'s); the caller removes it."""

@@ -8,8 +8,7 @@ import signal
 import pytest
 import torch
 
-from flashckpt import _names, _persist
-from flashckpt._exporters import ExportQueue
+from flashckpt import _names
 from flashckpt._slot import Slot, SlotState, pid_alive
 from flashckpt._storage import LocalStorage
 from flashckpt.deepspeed import _export
@@ -80,12 +79,7 @@ def test_the_tag_is_written_from_the_held_slot_with_the_same_bytes(committed, tm
     save_dir = str(tmp_path / "ds")
     path, info = _held(storage, tmp_path, save_dir)
     monkeypatch.setattr(_image_views, "open_shard", _no_read_back)
-    queue = ExportQueue()  # as the saver runs it: on the queue's thread, after persist_slot returned
-    result = _persist.persist_slot(path, info=info, exports=queue)
-    errors: list[Exception | None] = []
-    queue.submit(result.export, errors.append)
-    queue.close()
-    assert errors == [None]
+    assert test_export_hold.export_held(path, info) == [None]
     assert Slot.peek_header(path).reader_pid == 0, "the slot was not let go after the export"
     names = sorted(os.listdir(expected))
     assert sorted(os.listdir(os.path.join(save_dir, TAG))) == names and len(names) == 2

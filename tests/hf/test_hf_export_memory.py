@@ -89,13 +89,7 @@ def test_the_export_reads_the_held_slot_and_writes_the_same_bytes(committed, tmp
     monkeypatch.setattr(_image_views, "open_shard", _no_read_back)
     monkeypatch.setattr(_export, "write_folder", watched)
     run_dir = str(tmp_path / "run")
-    queue = ExportQueue()  # as the saver runs it: on the queue's thread, after persist_slot returned
-    result = _persist.persist_slot(path, info=_info(storage, step, params, str(tmp_path / "scratch"), run_dir),
-                                   exports=queue)
-    errors: list[Exception | None] = []
-    queue.submit(result.export, errors.append)
-    queue.close()
-    assert errors == [None]
+    assert test_export_hold.export_held(path, _info(storage, step, params, str(tmp_path / "scratch"), run_dir)) == [None]
     assert seen == [os.getpid()], "the slot was not held for the saver while the export read it"
     assert Slot.peek_header(path).reader_pid == 0, "the slot was not let go after the export"
     _same_bytes(expected, os.path.join(run_dir, _export.folder_name(step)))
@@ -113,12 +107,7 @@ def test_a_failed_export_from_memory_leaves_no_folder_and_lets_the_slot_go(commi
 
     monkeypatch.setattr(_export, "write_folder", broken)
     run_dir = tmp_path / "run"
-    queue = ExportQueue()
-    result = _persist.persist_slot(path, info=_info(storage, step, params, str(tmp_path / "scratch"), str(run_dir)),
-                                   exports=queue)
-    errors: list[Exception | None] = []
-    queue.submit(result.export, errors.append)
-    queue.close()
+    errors = test_export_hold.export_held(path, _info(storage, step, params, str(tmp_path / "scratch"), str(run_dir)))
     assert len(errors) == 1 and "No space left" in str(errors[0])
     assert os.listdir(run_dir) == []
     assert Slot.peek_header(path).reader_pid == 0

@@ -7,8 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from flashckpt import _names, _persist
-from flashckpt._exporters import ExportQueue
+from flashckpt import _names
 from flashckpt._slot import Slot
 from flashckpt._storage import LocalStorage
 from flashckpt.tf import _export
@@ -55,12 +54,7 @@ def test_the_checkpoint_is_written_from_the_held_slot_with_the_same_files(commit
             "export": {"name": "tf", "params": {"path": prefix}}}
     os.makedirs(info["directory"])
     monkeypatch.setattr(_export, "open_shard", _no_read_back)
-    queue = ExportQueue()  # as the saver runs it: on the queue's thread, after persist_slot returned
-    result = _persist.persist_slot(path, info=info, exports=queue)
-    errors: list[Exception | None] = []
-    queue.submit(result.export, errors.append)
-    queue.close()
-    assert errors == [None]
+    assert test_export_hold.export_held(path, info) == [None]
     assert Slot.peek_header(path).reader_pid == 0, "the slot was not let go after the export"
     written = sorted(os.path.basename(p) for p in glob.glob(prefix + "*"))
     assert written == sorted(os.path.basename(p) for p in glob.glob(expected + "*")) and len(written) == 2
