@@ -14,12 +14,14 @@ them is its path in the saved tree.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 from typing import Any
 
 import torch
+from deepspeed.utils import logger as ds_logger
 
 from .._shard_read import unflatten
 from .._tree import Places
@@ -31,6 +33,8 @@ __all__ = ["CAPTURE_TAG", "live_places", "memory_layout"]
 
 CAPTURE_TAG = "flashckpt-live"
 
+log = logging.getLogger(__name__)
+
 
 def live_places(engine: Any, scratch_root: str, tag: str) -> Places:
     """Tree path of a leaf of the flash state (``deepspeed/files/<tag>/<file>/...``) ->
@@ -41,16 +45,21 @@ def live_places(engine: Any, scratch_root: str, tag: str) -> Places:
     capture = FlashCheckpointEngine(lambda _tag, _dir, files, _latest: captured.update(files))
     scratch = tempfile.mkdtemp(prefix=".live-", dir=scratch_root)
     installed, engine.checkpoint_engine = engine.checkpoint_engine, capture
+    level = ds_logger.level
+    ds_logger.setLevel(max(level, logging.WARNING))  # its "Saving model checkpoint" lines would mislead
     try:
         engine.save_checkpoint(scratch, tag=CAPTURE_TAG, client_state={}, save_latest=False)
     finally:
+        ds_logger.setLevel(level)
         engine.checkpoint_engine = installed
         shutil.rmtree(scratch, ignore_errors=True)
     tensors: dict[str, torch.Tensor] = {}
     for rel, state_dict in captured.items():
         name = os.path.relpath(rel, CAPTURE_TAG)
         _collect(_objects.encode(state_dict), f"deepspeed/files/{os.path.join(tag, name)}", tensors)
-    return _own_bytes(tensors).get
+    offered = _own_bytes(tensors)
+    log.debug("the load may fill %d of the engine's %d tensors in place", len(offered), len(tensors))
+    return offered.get
 
 
 def memory_layout(flash: Any, step: int) -> dict[str, Any]:
