@@ -421,7 +421,9 @@ class Engine:
             return None
         fallbacks = list(agreement.fallbacks)
         if source == Source.MEMORY:
-            _, errors = self._gather(lambda: self._load_memory(state, *self.memory_steps()[step], places))
+            loaded: list[Merge] = []  # plain values are written once every rank's copy succeeded
+            _, errors = self._gather(lambda: loaded.append(self._load_memory(state, *self.memory_steps()[step],
+                                                                             places)))
             if errors:
                 if committed is None:
                     self._raise(errors, f"loading step {step} from memory failed and nothing is committed "
@@ -429,6 +431,8 @@ class Engine:
                 log.warning("loading step %d from memory failed on some ranks (%s); falling back to "
                             "committed step %d", step, "; ".join(m for _, m in errors), committed)
                 step, source = committed, Source.STORAGE
+            else:
+                loaded[0].apply_plain()
         if source == Source.STORAGE:
             self._check_world(step)
             step = self._load_storage_or_older(state, step, fallbacks)
@@ -524,20 +528,21 @@ class Engine:
                     h.state = SlotState.EMPTY
                     self._slot(i, create=False).write_header(h)
 
-    def _load_memory(self, state: Any, index: int, generation: int, places: Places | None = None) -> None:
+    def _load_memory(self, state: Any, index: int, generation: int, places: Places | None = None) -> Merge:
+        """Copy the slot's tensors into ``state``; returns the merge, whose plain values the
+        caller writes (:meth:`Merge.apply_plain`) once every rank's copy succeeded."""
         own = self._slots[index]
         if own is not None and own.mm is not None:  # this process saved it: mapped (and locked) already
-            self._copy_out(state, own, generation, places)
-            return
+            return self._copy_out(state, own, generation, places)
         slot = Slot.open(self._slot_paths[index], populate=False)  # read once: no page-table setup
         if slot is None:
             raise CheckpointError(f"memory slot {self._slot_paths[index]} vanished")
         try:
-            self._copy_out(state, slot, generation, places)
+            return self._copy_out(state, slot, generation, places)
         finally:
             self._retired.append(slot)  # unmapping costs a third of the copy: done in the background
 
-    def _copy_out(self, state: Any, slot: Slot, generation: int, places: Places | None) -> None:
+    def _copy_out(self, state: Any, slot: Slot, generation: int, places: Places | None) -> Merge:
         header = slot.read_header()
         image = parse_header(slot.image(header.image_len), slot.path)
         merge = self._merge(state, image, places)
@@ -559,7 +564,7 @@ class Engine:
             after = slot.read_header()
         if after.generation != generation or after.state != SlotState.COMPLETE:
             raise CheckpointError(f"memory slot {slot.path} changed while loading")
-        merge.apply_plain()
+        return merge
 
     def _merge(self, state: Any, image: Image, places: Places | None = None) -> Merge:
         entries = {e.name: (e.dtype, e.shape) for e in image.entries}

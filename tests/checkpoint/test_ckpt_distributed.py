@@ -52,6 +52,33 @@ def test_rank_without_memory_makes_all_ranks_load_storage(tmp_path, job_id):
     assert results == [(2, "storage", 20.0, 2), (2, "storage", 21.0, 2)]
 
 
+def _fallback_into_an_empty_dict(rank: int, world: int, directory: str, job: str):
+    from flashckpt import CheckpointError
+    from flashckpt._engine import Engine
+    ck = Checkpointer(directory, job_id=job, persist_every=1000)
+    ck.save(1, {"w1": torch.full((10,), 1.0 + rank), "tag": "one"}, persist=True)
+    ck.wait()
+    ck.save(2, {"w2": torch.full((10,), 2.0 + rank), "tag": "two"})  # memory only, other keys (as DeepSpeed tags)
+    ck._engine._client.close()  # "crash": no flush, memory stays
+    torch.distributed.barrier()
+    if rank == 1:
+        def changed(*args, **kwargs):
+            raise CheckpointError("memory slot changed while loading")
+        Engine._copy_out = changed
+    restarted = Checkpointer(directory, job_id=job)
+    target: dict = {}
+    step = restarted.load(target)
+    restarted.close()
+    return step, sorted(target), target["tag"], target["w1"][0].item()
+
+
+def test_a_memory_load_failing_on_one_rank_writes_nothing_plain_before_the_fallback(tmp_path, job_id):
+    """Rank 0's copy succeeded, rank 1's did not: rank 0 must not have written step 2's plain
+    values into the state, or the committed step's load into it finds keys of another step."""
+    results = run_ranks(_fallback_into_an_empty_dict, 2, str(tmp_path), job_id)
+    assert results == [(1, ["tag", "w1"], "one", 1.0), (1, ["tag", "w1"], "one", 2.0)]
+
+
 def _ddp(rank: int, world: int, directory: str, job: str):
     ck = DdpCheckpointer(directory, job_id=job)
     model = torch.nn.Linear(50, 5)
