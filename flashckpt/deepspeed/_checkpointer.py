@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._agreement import Source
+from .._agreement import Agreement, Source
 from .._errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
 from .._shard_read import open_shard
 from .._tree import Places
@@ -133,6 +133,17 @@ class DeepSpeedCheckpointer:
         if agreement.source == Source.MEMORY and load_optimizer_states and load_lr_scheduler_states \
                 and not load_module_only:  # a restart: DeepSpeed overwrites every live tensor anyway
             places = self._live_places(agreement.step)
+        try:
+            return self._load_agreed(agreement, start, places, load_optimizer_states, load_lr_scheduler_states,
+                                     load_module_only)
+        except CheckpointError as exc:
+            if places is None:
+                raise
+            raise type(exc)(f"{exc} (the engine's own tensors were being loaded in place: some may hold step "
+                            f"{agreement.step}'s values now; build a new engine before training on)") from exc
+
+    def _load_agreed(self, agreement: Agreement, start: float, places: Places | None, load_optimizer_states: bool,
+                     load_lr_scheduler_states: bool, load_module_only: bool) -> int | None:
         target: dict[str, Any] = {}
         got = self._flash.load_agreed(target, agreement, start, places=places)
         if got is None:
@@ -169,19 +180,35 @@ class DeepSpeedCheckpointer:
         """The engine's tensors as the places of ``step``'s leaves (see ``_live``), once the
         step's layout in memory passed the checks a load makes: nothing of the engine is
         written before it is known to fit."""
+        engine = self.engine
+        if engine.zero_nvme_offload_optimizer() or engine.load_universal_checkpoint() \
+                or not engine.zero_load_from_fp32_weights():
+            return None  # DeepSpeed would skip or recompute some of the engine's tensors, or save swap files
         layout: list[dict[str, Any]] = []
+        scratch: list[str] = []
+
+        def prepare() -> None:
+            layout.append(memory_layout(self._flash, step))
+            scratch.append(tempfile.mkdtemp(prefix=".live-", dir=self._flash.storage.root))
+
         try:
-            self._flash.on_all_ranks(lambda: layout.append(memory_layout(self._flash, step)),
-                                     f"reading the layout of step {step} in memory")
+            self._flash.on_all_ranks(prepare, f"reading the layout of step {step} in memory")
         except CheckpointError as exc:  # the load itself meets it again, and falls back to storage
             log.debug("loading into new tensors: %s", exc)
+            for path in scratch:
+                shutil.rmtree(path, ignore_errors=True)
             return None
         ds = layout[0]
         files = {os.path.join(ds["save_dir"], rel): _objects.decode(sd) for rel, sd in ds["files"].items()}
-        pattern = self.engine._get_ckpt_name(ds["save_dir"], ds["tag"], mp_placeholder="*")
-        self._share_missing(files, pattern)
-        self._flash.on_all_ranks(lambda: self._check(files, pattern, ds["tag"]), f"loading tag {ds['tag']} (step {step})")
-        return live_places(self.engine, self._flash.storage.root, ds["tag"])
+        pattern = engine._get_ckpt_name(ds["save_dir"], ds["tag"], mp_placeholder="*")
+        try:
+            self._share_missing(files, pattern)
+            self._flash.on_all_ranks(lambda: self._check(files, pattern, ds["tag"]),
+                                     f"loading tag {ds['tag']} (step {step})")
+        except BaseException:
+            shutil.rmtree(scratch[0], ignore_errors=True)
+            raise
+        return live_places(engine, scratch[0], ds["tag"], ds["files"])
 
     def _load_stock(self, tag: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
                     load_module_only: bool) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import torch
@@ -36,14 +35,16 @@ CAPTURE_TAG = "flashckpt-live"
 log = logging.getLogger(__name__)
 
 
-def live_places(engine: Any, scratch_root: str, tag: str) -> Places:
+def live_places(engine: Any, scratch: str, tag: str, saved_files: dict[str, Any]) -> Places:
     """Tree path of a leaf of the flash state (``deepspeed/files/<tag>/<file>/...``) ->
-    the engine's tensor holding that leaf now. All ranks call this (DeepSpeed's save
-    synchronises them). Only CPU tensors with bytes of their own are offered: one whose
-    bytes overlap another offered tensor's would be written twice."""
+    the engine's tensor holding that leaf now, where the live state dicts have the saved
+    layout (``saved_files``: the encoded ``files`` of :func:`memory_layout`; an ordered dict
+    only with the same keys in the same order). All ranks call this (DeepSpeed's save
+    synchronises them); ``scratch`` (a new directory) is where DeepSpeed's save may put
+    its recovery script, removed after. Only CPU tensors with bytes of their own are
+    offered: one sharing bytes with another tensor would be written twice."""
     captured: dict[str, Any] = {}
     capture = FlashCheckpointEngine(lambda _tag, _dir, files, _latest: captured.update(files))
-    scratch = tempfile.mkdtemp(prefix=".live-", dir=scratch_root)
     installed, engine.checkpoint_engine = engine.checkpoint_engine, capture
     level = ds_logger.level
     ds_logger.setLevel(max(level, logging.WARNING))  # its "Saving model checkpoint" lines would mislead
@@ -53,12 +54,16 @@ def live_places(engine: Any, scratch_root: str, tag: str) -> Places:
         ds_logger.setLevel(level)
         engine.checkpoint_engine = installed
         shutil.rmtree(scratch, ignore_errors=True)
-    tensors: dict[str, torch.Tensor] = {}
+    matched: dict[str, torch.Tensor] = {}
+    every: dict[str, torch.Tensor] = {}
     for rel, state_dict in captured.items():
-        name = os.path.relpath(rel, CAPTURE_TAG)
-        _collect(_objects.encode(state_dict), f"deepspeed/files/{os.path.join(tag, name)}", tensors)
-    offered = _own_bytes(tensors)
-    log.debug("the load may fill %d of the engine's %d tensors in place", len(offered), len(tensors))
+        name = os.path.join(tag, os.path.relpath(rel, CAPTURE_TAG))
+        live = _objects.encode(state_dict)
+        _collect(live, live, f"deepspeed/files/{name}", every)
+        if name in saved_files:
+            _collect(live, saved_files[name], f"deepspeed/files/{name}", matched)
+    offered = _own_bytes(matched, every)
+    log.debug("the load may fill %d of the engine's %d tensors in place", len(offered), len(every))
     return offered.get
 
 
@@ -74,32 +79,43 @@ def memory_layout(flash: Any, step: int) -> dict[str, Any]:
     return unflatten(image.meta["tree"], leaf, lambda _blob: None)["deepspeed"]
 
 
-def _collect(obj: Any, path: str, out: dict[str, torch.Tensor]) -> None:
-    """Every tensor of ``obj`` by its tree path (the paths ``merge_into`` walks)."""
-    if isinstance(obj, torch.Tensor):
-        out[path] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _collect(v, f"{path}/{k}", out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _collect(v, f"{path}/{i}", out)
+def _collect(live: Any, saved: Any, path: str, out: dict[str, torch.Tensor]) -> None:
+    """Every tensor of ``live`` by its tree path (the paths ``merge_into`` walks) where
+    ``saved`` has a tensor at the same path, walking both together."""
+    if isinstance(live, torch.Tensor):
+        if isinstance(saved, torch.Tensor):
+            out[path] = live
+    elif isinstance(live, dict) and isinstance(saved, dict):
+        if (live.get(_objects.TAG) or saved.get(_objects.TAG)) and \
+                (live.get(_objects.TAG) != saved.get(_objects.TAG) or live.get("keys") != saved.get("keys")):
+            return  # an ordered dict's leaves go by position: only the same keys in the same order match
+        for k, v in live.items():
+            if k in saved:
+                _collect(v, saved[k], f"{path}/{k}", out)
+    elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)) and len(live) == len(saved):
+        for i, (v, w) in enumerate(zip(live, saved)):
+            _collect(v, w, f"{path}/{i}", out)
 
 
-def _own_bytes(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors among ``tensors`` on the CPU, contiguous, not empty, whose bytes no other
-    tensor shares in part (the same view under two paths is one tensor, kept); detached."""
-    views: dict[tuple[int, int, Any, tuple[int, ...]], list[str]] = {}
-    for path, t in tensors.items():
-        if t.device.type == "cpu" and t.is_contiguous() and t.numel():
+def _own_bytes(candidates: dict[str, torch.Tensor], every: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The contiguous, non-empty CPU tensors among ``candidates`` whose bytes no other
+    tensor of ``every`` (contiguous or not) shares in part; the same view under two paths is
+    one tensor, kept. Detached, so that a load may write into them."""
+    spans: dict[tuple[int, int, Any, tuple[int, ...], tuple[int, ...]], list[str]] = {}
+    for path, t in every.items():
+        if t.device.type == "cpu" and t.numel():
+            extent = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
             start = t.data_ptr()
-            views.setdefault((start, start + t.numel() * t.element_size(), t.dtype, tuple(t.shape)), []).append(path)
+            paths = spans.setdefault((start, start + extent * t.element_size(), t.dtype, tuple(t.shape), t.stride()),
+                                     [])
+            if path in candidates:
+                paths.append(path)
     dropped: set[tuple[Any, ...]] = set()
-    furthest: tuple[int, int, Any, tuple[int, ...]] | None = None  # of the views so far, the one ending last
-    for view in sorted(views, key=lambda v: (v[0], v[1])):
-        if furthest is not None and view[0] < furthest[1]:
-            dropped.update((view, furthest))
-        if furthest is None or view[1] > furthest[1]:
-            furthest = view
-    return {path: tensors[path].detach() if tensors[path].requires_grad else tensors[path]
-            for view, paths in views.items() if view not in dropped for path in paths}
+    furthest: tuple[Any, ...] | None = None  # of the spans so far, the one ending last
+    for span in sorted(spans, key=lambda v: (v[0], v[1])):
+        if furthest is not None and span[0] < furthest[1]:
+            dropped.update((span, furthest))
+        if furthest is None or span[1] > furthest[1]:
+            furthest = span
+    return {path: candidates[path].detach() for span, paths in spans.items() if span not in dropped
+            for path in paths if candidates[path].is_contiguous()}

@@ -1,6 +1,7 @@
 """A full DeepSpeed load from memory fills the engine's own tensors (parameters, ZeRO fp32
 partitions, the optimizer's moments) instead of new ones, and restores exactly what was
-saved; a checkpoint that does not fit the engine is refused before any of them is written."""
+saved; a checkpoint that does not fit the engine is refused before any of them is written,
+and parameters registered in another order still land by name."""
 
 import os
 
@@ -72,3 +73,48 @@ def test_a_restart_from_memory_fills_the_engines_own_tensors(tmp_path, job_id):
         assert out["moved"] is None, f"loaded into new tensors: {out['moved']}"
         assert out["next_loss_equal"]
         assert "another model" in out["other_model"] and out["other_untouched"]
+
+
+class _TwoLayers(torch.nn.Module):
+    """Two layers of one shape, registered in either order (state dict keys follow it)."""
+
+    def __init__(self, b_first: bool) -> None:
+        super().__init__()
+        for name in ("b", "a") if b_first else ("a", "b"):
+            setattr(self, name, torch.nn.Linear(8, 8))
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _reordered(rank, world, directory, job):
+    import deepspeed
+    from flashckpt import _events
+    from flashckpt.deepspeed import DeepSpeedCheckpointer
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed.init_distributed("gloo")
+    sources = []
+    _events.subscribe(lambda event, **info: sources.append(info["source"]) if event == "load" else None)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+              "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
+
+    def engine(b_first: bool):
+        torch.manual_seed(1 if b_first else 0)
+        model = _TwoLayers(b_first)
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+    saving = engine(False)
+    ck = DeepSpeedCheckpointer(saving, directory, job_id=job, persist_every=1000)
+    ck.save(1)
+    saved = {n: p.detach().clone() for n, p in saving.module.named_parameters()}
+    loading = engine(True)
+    DeepSpeedCheckpointer(loading, directory, job_id=job).load()
+    wrong = sorted(n for n, p in loading.module.named_parameters() if not torch.equal(p, saved[n]))
+    ck.close()
+    return sources[-1], wrong or None
+
+
+@pytest.mark.timeout(120)
+def test_parameters_registered_in_another_order_load_by_name(tmp_path, job_id):
+    [(source, wrong)] = run_ranks(_reordered, 1, str(tmp_path / "ckpt"), job_id, timeout=100)
+    assert source == "memory" and wrong is None, wrong
