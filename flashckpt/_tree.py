@@ -118,10 +118,10 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> Flat:
             leaves.append(Leaf(name, obj, kind, dtype, shape))
             return {"t": name, "k": kind.name}
         if type(obj) is tuple or type(obj) is list:
-            items = [walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj)]
+            items = [walk(v, _child(path, i)) for i, v in enumerate(obj)]
             return {"u" if type(obj) is tuple else "l": items}
         if isinstance(obj, dict) and all(type(k) in KEY_TYPES for k in obj):
-            return {"d": [[k, walk(v, f"{path}/{_escape(k)}" if path else _escape(k))]
+            return {"d": [[k, walk(v, _child(path, _escape(k)))]
                           for k, v in obj.items()]}
         if not allow_pickle:
             raise CheckpointError(
@@ -213,8 +213,8 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
             fills.append((node["t"], obj))
             return obj
         if "d" in node:
-            return {k: build(v, f"{path}/{k}" if path else str(k)) for k, v in node["d"]}
-        items = [build(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(node.get("l", node.get("u")))]
+            return {k: build(v, _child(path, k)) for k, v in node["d"]}
+        items = [build(v, _child(path, i)) for i, v in enumerate(node.get("l", node.get("u")))]
         return tuple(items) if "u" in node else items
 
     taken: dict[Hashable, str] = {}
@@ -287,7 +287,7 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
             for k, child in node["d"]:
                 if k not in obj:
                     continue
-                new = walk(obj[k], child, f"{path}/{k}" if path else str(k))
+                new = walk(obj[k], child, _child(path, k))
                 if new is not obj[k]:
                     plain_writes.append(lambda o=obj, k=k, v=new: o.__setitem__(k, v))
             return obj
@@ -297,7 +297,7 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
             count("other")
             problems.append(f"{where}: checkpoint has a sequence of {len(items)}, state has {got}")
             return obj
-        new_items = [walk(o, child, f"{path}/{i}" if path else str(i)) for i, (o, child) in enumerate(zip(obj, items))]
+        new_items = [walk(o, child, _child(path, i)) for i, (o, child) in enumerate(zip(obj, items))]
         if isinstance(obj, tuple):
             return obj if all(a is b for a, b in zip(obj, new_items)) else tuple(new_items)
         for i, (old, new) in enumerate(zip(obj, new_items)):
@@ -309,6 +309,11 @@ def merge_into(state: Any, skeleton: Any, entries: dict[str, tuple[str, tuple[in
     if problems:
         raise StateMismatchError(_mismatch_message(problems, counts))
     return Merge(fills, plain_writes)
+
+
+def _child(path: str, key: Any) -> str:
+    """The tree path of ``key`` under ``path`` (what messages name and :data:`Places` is asked for)."""
+    return f"{path}/{key}" if path else str(key)
 
 
 def _some(keys: list[Any]) -> str:

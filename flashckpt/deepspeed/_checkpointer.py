@@ -155,10 +155,7 @@ class DeepSpeedCheckpointer:
             return None
         ds = target["deepspeed"]
         save_dir, loaded_tag = ds["save_dir"], ds["tag"]
-        files = {os.path.join(save_dir, rel): _objects.decode(sd) for rel, sd in ds["files"].items()}
-        pattern = self.engine._get_ckpt_name(save_dir, loaded_tag, mp_placeholder="*")
-        self._share_missing(files, pattern)
-        self._flash.on_all_ranks(lambda: self._check(files, pattern, loaded_tag), f"loading tag {loaded_tag} (step {got})")
+        files = self._checked_files(ds, got)
         # DeepSpeed globs and stats its files before asking the checkpoint engine for them:
         # it reads a scratch tag of empty placeholders, and the engine serves the states.
         scratch = tempfile.mkdtemp(prefix=".load-", dir=self._flash.storage.root)
@@ -199,16 +196,22 @@ class DeepSpeedCheckpointer:
                 shutil.rmtree(path, ignore_errors=True)
             return None
         ds = layout[0]
-        files = {os.path.join(ds["save_dir"], rel): _objects.decode(sd) for rel, sd in ds["files"].items()}
-        pattern = engine._get_ckpt_name(ds["save_dir"], ds["tag"], mp_placeholder="*")
         try:
-            self._share_missing(files, pattern)
-            self._flash.on_all_ranks(lambda: self._check(files, pattern, ds["tag"]),
-                                     f"loading tag {ds['tag']} (step {step})")
+            self._checked_files(ds, step)
         except BaseException:
             shutil.rmtree(scratch[0], ignore_errors=True)
             raise
         return live_places(engine, scratch[0], ds["tag"], ds["files"])
+
+    def _checked_files(self, ds: dict[str, Any], step: int) -> dict[str, Any]:
+        """The ``deepspeed`` part of a step as DeepSpeed's files by path (each rank also given
+        the model states it reads but another rank wrote), once :meth:`_check` passed on every
+        rank. All ranks call this."""
+        files = {os.path.join(ds["save_dir"], rel): _objects.decode(sd) for rel, sd in ds["files"].items()}
+        pattern = self.engine._get_ckpt_name(ds["save_dir"], ds["tag"], mp_placeholder="*")
+        self._share_missing(files, pattern)
+        self._flash.on_all_ranks(lambda: self._check(files, pattern, ds["tag"]), f"loading tag {ds['tag']} (step {step})")
+        return files
 
     def _load_stock(self, tag: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
                     load_module_only: bool) -> int:
