@@ -25,6 +25,18 @@ from tests._exit import exit_now  # noqa: E402
 MICRO_BATCH = 4
 
 
+def join_group(rank: int) -> list:
+    """In a ``run_ranks`` worker: DeepSpeed on the rank's gloo group; returns the list the
+    source of each flashckpt load is appended to."""
+    import deepspeed
+    from flashckpt import _events
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed.init_distributed("gloo")
+    sources: list = []
+    _events.subscribe(lambda event, **info: sources.append(info["source"]) if event == "load" else None)
+    return sources
+
+
 def make_engine(stage: int, hidden: int = 16):
     import deepspeed
     torch.manual_seed(0)

@@ -3,8 +3,6 @@ partitions, the optimizer's moments) instead of new ones, and restores exactly w
 saved; a checkpoint that does not fit the engine is refused before any of them is written,
 and parameters registered in another order still land by name."""
 
-import os
-
 import pytest
 import torch
 
@@ -26,13 +24,9 @@ def _live(engine) -> dict:
 
 
 def _places(rank, world, directory, job):
-    import deepspeed
-    from flashckpt import StateMismatchError, _events
+    from flashckpt import StateMismatchError
     from flashckpt.deepspeed import DeepSpeedCheckpointer
-    os.environ["LOCAL_RANK"] = str(rank)
-    deepspeed.init_distributed("gloo")
-    sources = []
-    _events.subscribe(lambda event, **info: sources.append(info["source"]) if event == "load" else None)
+    sources = _ds_train.join_group(rank)
 
     engine = _ds_train.make_engine(1)
     ck = DeepSpeedCheckpointer(engine, directory, job_id=job, persist_every=1000)
@@ -89,12 +83,8 @@ class _TwoLayers(torch.nn.Module):
 
 def _reordered(rank, world, directory, job):
     import deepspeed
-    from flashckpt import _events
     from flashckpt.deepspeed import DeepSpeedCheckpointer
-    os.environ["LOCAL_RANK"] = str(rank)
-    deepspeed.init_distributed("gloo")
-    sources = []
-    _events.subscribe(lambda event, **info: sources.append(info["source"]) if event == "load" else None)
+    sources = _ds_train.join_group(rank)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
               "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
 

@@ -34,13 +34,8 @@ def _equal(a: dict, b: dict):
 
 
 def _roundtrip(rank, world, directory, job):
-    import deepspeed
-    from flashckpt import _events
     from flashckpt.deepspeed import DeepSpeedCheckpointer
-    os.environ["LOCAL_RANK"] = str(rank)
-    deepspeed.init_distributed("gloo")
-    sources = []
-    _events.subscribe(lambda event, **info: sources.append(info["source"]) if event == "load" else None)
+    sources = _ds_train.join_group(rank)
 
     engine = _ds_train.make_engine(0)
     ck = DeepSpeedCheckpointer(engine, directory, job_id=job + "a", persist_every=2)
