@@ -20,6 +20,7 @@ from ..torch import Checkpointer
 from . import _objects
 from ._engine import FlashCheckpointEngine
 from ._live import live_places, memory_layout
+from ._tag_files import model_states, read_patterns, shapes
 
 __all__ = ["DeepSpeedCheckpointer"]
 
@@ -205,12 +206,12 @@ class DeepSpeedCheckpointer:
 
     def _checked_files(self, ds: dict[str, Any], step: int) -> dict[str, Any]:
         """The ``deepspeed`` part of a step as DeepSpeed's files by path (each rank also given
-        the model states it reads but another rank wrote), once :meth:`_check` passed on every
+        the files it reads but another rank wrote), once :meth:`_check` passed on every
         rank. All ranks call this."""
-        files = {os.path.join(ds["save_dir"], rel): _objects.decode(sd) for rel, sd in ds["files"].items()}
-        pattern = self.engine._get_ckpt_name(ds["save_dir"], ds["tag"], mp_placeholder="*")
-        self._share_missing(files, pattern)
-        self._flash.on_all_ranks(lambda: self._check(files, pattern, ds["tag"]), f"loading tag {ds['tag']} (step {step})")
+        save_dir, tag = ds["save_dir"], ds["tag"]
+        files = {os.path.join(save_dir, rel): _objects.decode(sd) for rel, sd in ds["files"].items()}
+        self._share_missing(files, read_patterns(self.engine, save_dir, tag))
+        self._flash.on_all_ranks(lambda: self._check(files, save_dir, tag), f"loading tag {tag} (step {step})")
         return files
 
     def _load_stock(self, tag: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
@@ -246,14 +247,14 @@ class DeepSpeedCheckpointer:
 
         self._flash.on_all_ranks(attempt, f"DeepSpeed loading tag {tag}")
 
-    def _share_missing(self, files: dict[str, Any], pattern: str) -> None:
-        """Model states written by one data-parallel rank go to the ranks that read them."""
+    def _share_missing(self, files: dict[str, Any], patterns: list[str]) -> None:
+        """Files written by one rank go to the ranks that read them (``patterns``: this rank's)."""
         collective = self._flash.collective
         if collective.world_size == 1:
             return
         have = [set(paths) for paths in collective.all_gather(sorted(files))]
         everything = sorted(set().union(*have))
-        wants = collective.all_gather([p for p in everything if fnmatch.fnmatch(p, pattern)])
+        wants = collective.all_gather([p for p in everything if any(fnmatch.fnmatch(p, pat) for pat in patterns)])
         missing = sorted({p for rank, wanted in enumerate(wants) for p in wanted if p not in have[rank]})
         group = getattr(collective, "group", None)
         for path in missing:  # the same list on every rank
@@ -262,24 +263,19 @@ class DeepSpeedCheckpointer:
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, owner) if group else owner, group=group)
             files.setdefault(path, box[0])
 
-    def _check(self, files: dict[str, Any], pattern: str, tag: str) -> None:
-        """Stage and model shapes must match before DeepSpeed touches the engine."""
+    def _check(self, files: dict[str, Any], save_dir: str, tag: str) -> None:
+        """Stage and parameter shapes must match before DeepSpeed touches the engine."""
         engine = self.engine
-        models = [sd for p, sd in sorted(files.items()) if fnmatch.fnmatch(p, pattern)]
-        if not models:
-            raise CheckpointNotFoundError(f"tag {tag} holds no model states matching {os.path.basename(pattern)}")
-        model = models[0]
+        model = model_states(engine, files, save_dir, tag)
+        if model is None:
+            name = os.path.basename(engine._get_ckpt_name(save_dir, tag, mp_placeholder="*"))
+            raise CheckpointNotFoundError(f"tag {tag} holds no model states matching {name}")
         saved_stage = int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
         stage = int(engine.zero_optimization_stage())
         if saved_stage != stage:
             raise StateMismatchError(f"tag {tag} was saved with ZeRO stage {saved_stage}; this engine runs "
                                      f"ZeRO stage {stage}")
-        if engine.zero_optimization() and model.get("param_shapes") is not None:
-            saved = {k: tuple(v) for group in model["param_shapes"] for k, v in group.items()}
-            mine = {k: tuple(v) for group in engine._get_zero_param_shapes() for k, v in group.items()}
-        else:
-            saved = {k: tuple(v.shape) for k, v in model["module"].items()}
-            mine = {k: tuple(v.shape) for k, v in engine.module_state_dict().items()}
+        saved, mine = shapes(engine, model, files, save_dir, tag)
         if saved != mine:
             diff = [f"{k}: checkpoint {saved.get(k)}, model {mine.get(k)}"
                     for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
