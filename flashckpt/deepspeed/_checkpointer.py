@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import glob
 import logging
 import os
 import shutil
@@ -158,8 +159,10 @@ class DeepSpeedCheckpointer:
         save_dir, loaded_tag = ds["save_dir"], ds["tag"]
         files = self._checked_files(ds, got)
         # DeepSpeed globs and stats its files before asking the checkpoint engine for them:
-        # it reads a scratch tag of empty placeholders, and the engine serves the states.
-        scratch = tempfile.mkdtemp(prefix=".load-", dir=self._flash.storage.root)
+        # it reads a scratch tag of empty placeholders, and the engine serves the states. Its
+        # globs do not escape the directory's name, so one like "run[lr=0.1]" is not used.
+        root = self._flash.storage.root
+        scratch = tempfile.mkdtemp(prefix=".load-", dir=root if glob.escape(root) == root else None)
         try:
             served = {}
             for path, state in files.items():

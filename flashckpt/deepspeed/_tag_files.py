@@ -12,6 +12,7 @@ anything.
 from __future__ import annotations
 
 import fnmatch
+import glob
 import os
 from typing import Any
 
@@ -26,6 +27,7 @@ def read_patterns(engine: Any, save_dir: str, tag: str) -> list[str]:
     """Patterns (``fnmatch``) of the files of ``tag`` this rank's load reads that another
     rank may have written: model states, the stage's layer files, the rank's experts and,
     without ZeRO, its expert-parallel rank's optimizer states."""
+    save_dir, tag = glob.escape(save_dir), glob.escape(tag)  # the names DeepSpeed makes, as patterns
     patterns = [engine._get_ckpt_name(save_dir, tag, mp_placeholder="*")]
     if _is_pipeline(engine):
         start = engine.module._local_start
@@ -42,7 +44,7 @@ def read_patterns(engine: Any, save_dir: str, tag: str) -> list[str]:
 def model_states(engine: Any, files: dict[str, Any], save_dir: str, tag: str) -> dict[str, Any] | None:
     """The model states this rank loads: its own file, else the first of the tag's; None
     when the tag has none."""
-    pattern = engine._get_ckpt_name(save_dir, tag, mp_placeholder="*")
+    pattern = engine._get_ckpt_name(glob.escape(save_dir), glob.escape(tag), mp_placeholder="*")
     models = [sd for path, sd in sorted(files.items()) if fnmatch.fnmatch(path, pattern)]
     return files.get(engine._get_ckpt_name(save_dir, tag), models[0]) if models else None
 

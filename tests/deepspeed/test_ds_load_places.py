@@ -108,3 +108,29 @@ def _reordered(rank, world, directory, job):
 def test_parameters_registered_in_another_order_load_by_name(tmp_path, job_id):
     [(source, wrong)] = run_ranks(_reordered, 1, str(tmp_path / "ckpt"), job_id, timeout=100)
     assert source == "memory" and wrong is None, wrong
+
+
+def _bracketed(rank, world, directory, job):
+    from flashckpt.deepspeed import DeepSpeedCheckpointer
+    sources = _ds_train.join_group(rank)
+    engine = _ds_train.make_engine(1)
+    ck = DeepSpeedCheckpointer(engine, directory, job_id=job, persist_every=1)
+    _ds_train.train_step(engine, rank, 1)
+    ck.save(1)
+    ck.wait()
+    saved = {k: v.clone() for k, v in _live(engine).items()}
+    loads = []
+    for _ in ("memory", "storage"):
+        restarted = _ds_train.make_engine(1)
+        _ds_train.train_step(restarted, rank, 7)
+        step = DeepSpeedCheckpointer(restarted, directory, job_id=job).load()
+        loads.append((step, sources[-1], all(torch.equal(v, saved[k]) for k, v in _live(restarted).items())))
+        ck.close()  # the second load reads storage
+    return loads
+
+
+@pytest.mark.timeout(120)
+def test_a_directory_named_with_glob_brackets_loads(tmp_path, job_id):
+    """DeepSpeed globs the directory it loads from: a sweep's ``run[lr=0.1]`` must still load."""
+    [loads] = run_ranks(_bracketed, 1, str(tmp_path / "run[lr=0.1]"), job_id, timeout=100)
+    assert loads == [(1, "memory", True), (1, "storage", True)]
