@@ -288,18 +288,19 @@ class FsdpCheckpointer(EngineCheckpointer):
         target = self._collect(model, None, {})
         peeks = self._engine.on_all_ranks(lambda: self._peek(target, step, source),
                                    f"reading the layout of step {step} from {source}")
-        saved_optim = {optim for _, optim in peeks}
+        saved_optim = {optim for _, optim, _ in peeks}
         filling = optimizer is not None and saved_optim == {True}
         if optimizer is not None and False in saved_optim:
             raise StateMismatchError(f"step {step} in {eng.storage.root} holds no optimizer state (it was saved "
                                      "without an optimizer); call load(model) without one, or load another step")
         if filling:
             target = self._collect(model, optimizer, {}, filling=True)
+            self._drop_unsaved_state(optimizer, target, set(peeks[coll.rank][2]))
         elif optimizer is not None:  # saved before its first step: it gets its hyper-parameters only
             target.tree["optim"] = {"state": {}, "param_groups": []}
         elif saved_optim != {False}:
             target.tree["optim"] = {}  # read and dropped: a model-only load of a checkpoint with optimizer
-        if all(same for same, _ in peeks):  # exactly the step whose layout was read: no fallbacks
+        if all(same for same, _, _ in peeks):  # exactly the step whose layout was read: no fallbacks
             loaded = eng.load_agreed(target.tree, agreement.pinned(), start)
         else:
             if step not in eng.storage.committed_steps():
@@ -322,22 +323,26 @@ class FsdpCheckpointer(EngineCheckpointer):
         self.extra = target.tree["extra"]
         return loaded
 
-    def _peek(self, target: _Target, step: int, source: str) -> tuple[bool, Any]:
+    def _peek(self, target: _Target, step: int, source: str) -> tuple[bool, Any, list[str]]:
         """(same layout as ``target``, the layout's ``optimizer``: True, False or
-        :data:`FRESH`) for this rank's copy of ``step``."""
+        :data:`FRESH`, the parameters the saved optimizer holds state for) for this rank's
+        copy of ``step``."""
         coll = self._engine.collective
         if source == "memory":
-            layout, world = read_layout(self._engine.memory_image(step), f"step {step} in memory"), coll.world_size
+            image, world = self._engine.memory_image(step), coll.world_size
+            layout = read_layout(image, f"step {step} in memory")
         else:
             world = int(self._engine.storage.metadata(step)["world_size"])
             f, record = self._engine.storage.open_shard(step, coll.rank if coll.rank < world else 0)
             with f:
-                layout = read_layout(read_header(f, record["size"])[0], f.name)
+                image = read_header(f, record["size"])[0]
+                layout = read_layout(image, f.name)
         theirs, mine = layout["tensors"], target.layout["tensors"]
         same = world == coll.world_size and all(
             (theirs[k]["shape"], theirs[k]["offsets"], theirs[k]["lengths"]) == (r["shape"], r["offsets"], r["lengths"])
             for k, r in mine.items() if k in theirs)
-        return same, layout.get("optimizer", False)
+        optim = dict(dict(image.meta.get("tree", {}).get("d", ())).get("optim", {}).get("d", ()))
+        return same, layout.get("optimizer", False), [name for name, _ in optim.get("state", {}).get("d", ())]
 
     def _reshard(self, target: _Target, step: int) -> int:
         """Fill ``target`` from the overlapping byte ranges of every shard of ``step``;
@@ -357,12 +362,12 @@ class FsdpCheckpointer(EngineCheckpointer):
             raise StateMismatchError(f"checkpoint does not match the state ({len(problems)} problems):\n  "
                                      + "\n  ".join(problems[:20]))
         entries = {e.name: (e.dtype, tuple(e.shape)) for e in home.image.entries}
-        keys_by_name: dict[str, str] = {}
+        keys_by_name: dict[str, list[str]] = {}  # tied weights: one saved entry, several keys
         for key, rec in mine.items():
             name = home.names.get(key)
             if name is not None and key in theirs:
                 entries[name] = (entries[name][0], tuple(rec["lengths"]))
-                keys_by_name.setdefault(name, key)
+                keys_by_name.setdefault(name, []).append(key)
         merge = merge_into(target.tree, skeleton, entries, allow_pickle=self._engine.options.allow_pickle)
         fills, copies = [], []
         for name, obj in merge.fills:
@@ -372,8 +377,8 @@ class FsdpCheckpointer(EngineCheckpointer):
             if dst is None:  # no host bytes (an accelerator): through a host tensor, copied once read
                 copies.append((obj, torch.empty(obj.shape, dtype=obj.dtype)))
                 dst = host_byte_array(copies[-1][1])
-            key = keys_by_name.get(name)
-            if key is not None and target.locals.get(key) is obj:
+            key = next((k for k in keys_by_name.get(name, ()) if target.locals.get(k) is obj), None)
+            if key is not None:
                 rec = mine[key]
                 fills.append(Fill(dst, key=key, want=Piece(tuple(rec["offsets"]), tuple(rec["lengths"])),
                                   dtype=DTYPE_NAMES[obj.dtype], global_shape=tuple(rec["shape"]), prefer=home.rank))
@@ -386,6 +391,25 @@ class FsdpCheckpointer(EngineCheckpointer):
                 obj.copy_(host)
         merge.apply_plain()
         return reader.bytes_read
+
+    @staticmethod
+    def _drop_unsaved_state(optimizer: Any, target: _Target, saved: set[str]) -> None:
+        """A parameter the saved optimizer held no state for (it never had a gradient) gets
+        none: ``get_state_dict`` made some for every parameter of a fresh optimizer."""
+        state = target.tree["optim"]["state"]
+        dropped: set[int] = set()
+        for fqn in [fqn for fqn in state if fqn not in saved]:
+            del state[fqn]
+            target.osd["state"].pop(fqn, None)
+            prefix = path_key(("optim", "state", fqn)) + "/"
+            for key in [key for key in target.locals if key.startswith(prefix)]:
+                target.layout["tensors"].pop(key, None)
+                local = target.locals.pop(key)
+                if local.numel():
+                    dropped.add(local.data_ptr())
+        for param, st in list(optimizer.state.items()):  # FSDP2: the live state those tensors are
+            if any(isinstance(v, torch.Tensor) and v.numel() and _local(v).data_ptr() in dropped for v in st.values()):
+                del optimizer.state[param]
 
     # -- hand over to the model and optimizer ----------------------------------------------
 
