@@ -318,6 +318,12 @@ class FlashCheckpointCallback(TrainerCallback):
             control.should_save = True  # the Trainer calls _save_checkpoint after logging and evaluating
             self._persist_at[step] = persist
 
+    def on_epoch_end(self, args, state, control, **kwargs):
+        """At the end of training, wait for every folder: the Trainer loads the best one (and
+        rotates them) before ``on_train_end``, also when it stopped at a step that saved none."""
+        if self._ckpt is not None and (control.should_training_stop or state.global_step >= state.max_steps):
+            self._ckpt.wait()
+
     def on_train_end(self, args, state, control, **kwargs):
         """Wait until every folder is on storage, free the shared memory, remove the scratch."""
         self._close()
@@ -369,6 +375,17 @@ class FlashCheckpointCallback(TrainerCallback):
         _check_writable(args.output_dir)
         self._stock_save = trainer._save_checkpoint
         trainer._save_checkpoint = self._save_checkpoint
+        stock_best = trainer._determine_best_metric
+
+        def determine_best_metric(*args: Any, **kwargs: Any) -> bool:
+            # with save_strategy="best" the Trainer saves a step only when this says True,
+            # which would drop the memory snapshot planned for the step; the best metric
+            # is recorded all the same, and _snapshot persists only a new best
+            new_best = stock_best(*args, **kwargs)
+            return new_best or (trainer.args.save_strategy == SaveStrategy.BEST
+                                and trainer.state.global_step in self._persist_at)
+
+        trainer._determine_best_metric = determine_best_metric
         stock_train = trainer.train
 
         def train(*args: Any, **kwargs: Any) -> Any:
@@ -517,6 +534,10 @@ class FlashCheckpointCallback(TrainerCallback):
         args, state = trainer.args, trainer.state
         step = state.global_step
         persist = self._persist_at.pop(step, True)  # a save we did not plan (best metric, epoch end)
+        if args.save_strategy == SaveStrategy.BEST and state.best_global_step == step:
+            # the Trainer decided this save after evaluating, later than on_step_end's plan
+            persist = self.persist_every is None or step % self.persist_every == 0 or \
+                trainer.control.should_training_stop
         trainer.store_flos()
         run_dir = args.output_dir  # what Trainer._get_output_dir gives outside hyper-parameter search
         best_step = state.best_global_step

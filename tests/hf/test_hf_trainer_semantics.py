@@ -380,6 +380,68 @@ def test_load_best_model_with_save_strategy_best(tmp_path):
     both(tmp_path, best_with_save_best)
 
 
+
+def best_with_memory_snapshots(out, flash):
+    """save_strategy='best' with a memory snapshot every step: the Trainer decides a best
+    save after evaluating, later than the callback's per-step plan; it must still be a folder."""
+    cbs = [FlashCheckpointCallback(memory_every=1)] if flash else []
+    trainer = regression_trainer(out, flash=False, callbacks=cbs, save_strategy="best", eval_strategy="steps",
+                                 eval_steps=5, load_best_model_at_end=True, save_total_limit=2, max_steps=11)
+    trainer.train()
+    best = safetensors.torch.load_file(os.path.join(trainer.state.best_model_checkpoint, "model.safetensors"))
+    for k, v in trainer.model.state_dict().items():
+        assert torch.allclose(v, best[k])
+    return {"listing": listing(out), "ab": ab(trainer), "state": state_of(trainer)}
+
+
+def test_save_strategy_best_with_memory_snapshots_writes_the_best_folders(tmp_path):
+    both(tmp_path, best_with_memory_snapshots)
+
+
+def test_save_strategy_best_keeps_the_memory_snapshots_of_steps_that_are_no_new_best(tmp_path):
+    from flashckpt import _events
+    saved = []
+    _events.subscribe(lambda event, **info: saved.append(info["step"]) if event == "save" else None)
+    trainer = regression_trainer(str(tmp_path), flash=False, callbacks=[FlashCheckpointCallback(memory_every=1)],
+                                 save_strategy="best", eval_strategy="steps", eval_steps=1, max_steps=6,
+                                 metric_for_best_model="score", greater_is_better=True,
+                                 compute_metrics=_Scores([0.1, 0.3, 0.2, 0.25, 0.4, 0.35]))
+    trainer.train()
+    assert sorted(set(saved)) == [1, 2, 3, 4, 5, 6]  # 3, 4 and 6 are no new best
+    assert listing(str(tmp_path)) == ["checkpoint-1", "checkpoint-2", "checkpoint-5"]  # the new bests, as stock
+
+
+class _Scores:
+    """``compute_metrics`` returning the given scores in turn (the last one after them)."""
+
+    def __init__(self, scores) -> None:
+        self.scores = evaluations(list(scores))
+
+    def __call__(self, _predictions) -> dict:
+        return {"score": next(self.scores)}
+
+
+def early_stop_between_saves(out, flash):
+    """Early stopping at a step that saves nothing, the best step's folder just saved: the
+    Trainer loads the best model right after the loop, while the saver may still write it."""
+    from transformers import EarlyStoppingCallback
+    trainer = regression_trainer(out, flash=flash, learning_rate=0.1, eval_strategy="steps", eval_steps=1,
+                                 save_steps=2, max_steps=30, load_best_model_at_end=True,
+                                 metric_for_best_model="score", greater_is_better=True,
+                                 compute_metrics=_Scores([0.1, 0.2, 0.3, 0.9, 0.5]),
+                                 callbacks=[EarlyStoppingCallback(early_stopping_patience=1)])
+    trainer.train()
+    assert trainer.state.global_step == 5 and os.path.basename(trainer.state.best_model_checkpoint) == "checkpoint-4"
+    best = safetensors.torch.load_file(os.path.join(trainer.state.best_model_checkpoint, "model.safetensors"))
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, best[k]), k
+    return {"listing": listing(out), "ab": ab(trainer), "state": state_of(trainer)}
+
+
+def test_early_stopping_loads_the_best_folder_written_in_the_background(tmp_path):
+    both(tmp_path, early_stop_between_saves)
+
+
 def save_best_checkpoint(out, flash, metric, values):
     """``test_save_best_checkpoint``: save_strategy='best' with evaluations patched in."""
     trainer = regression_trainer(out, flash=flash, a=1.5, b=2.5, learning_rate=0.1, eval_strategy="epoch",
