@@ -128,8 +128,9 @@ class Checkpointer(EngineCheckpointer):
         variables, _ = _variables.collect(self._root)
         targets: dict[str, np.ndarray] = {}
         assigns: list[tuple[Any, np.ndarray]] = []
+        aliases = _variables.without_shared_bytes({key: _variables.writable_alias(var) for key, var in variables.items()})
         for key, var in variables.items():
-            alias = _variables.writable_alias(var)
+            alias = aliases[key]
             if alias is None:
                 alias = _variables.host_array(var)
                 assigns.append((var, alias))

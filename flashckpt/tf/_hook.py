@@ -184,16 +184,18 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
         are views of them, else into host arrays (to be assigned)."""
         try:
             probed, self._probed = self._probed, []
+            views = _variables.without_shared_bytes({
+                name: _variables.as_stored(array)
+                if (isinstance(array, np.ndarray) and isinstance(before, np.ndarray) and array.nbytes
+                    and array.ctypes.data == before.ctypes.data and array.flags.writeable
+                    and array.flags.c_contiguous) else None
+                for name, array, before in zip(self._variables, arrays, probed)})
             targets: dict[str, np.ndarray] = {}
             copies: dict[str, np.ndarray] = {}
-            for (name, var), array, before in zip(self._variables.items(), arrays, probed):
-                if (isinstance(array, np.ndarray) and isinstance(before, np.ndarray) and array.nbytes
-                        and array.ctypes.data == before.ctypes.data and array.flags.writeable
-                        and array.flags.c_contiguous):
-                    targets[name] = _variables.as_stored(array)
-                else:
-                    targets[name] = copies[name] = _variables.host_array(var)
-            del probed, arrays
+            for name, var in self._variables.items():
+                view = views[name]
+                targets[name] = view if view is not None else copies.setdefault(name, _variables.host_array(var))
+            del probed, arrays, views
             state: dict[str, Any] = {"variables": targets, "tf": {}, "data": None}
             step = self._engine.load(state)
             del targets, state["variables"]  # no view of a variable outlives the op (copy-on-write)

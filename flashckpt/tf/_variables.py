@@ -139,6 +139,22 @@ def writable_alias(var: tf.Variable) -> np.ndarray | None:
     return None
 
 
+def without_shared_bytes(aliases: dict[str, np.ndarray | None]) -> dict[str, np.ndarray | None]:
+    """``aliases`` (variable views, or None) with None for each view whose bytes another view
+    shares, in whole or in part: a load into one would write the other's values (TF backs
+    a variable made from another, Keras' EMA copies and freshly initialised variables with
+    one buffer until a write); those load through ``assign``, which copies on write."""
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes, key) for key, a in aliases.items() if a is not None)
+    shared: set[str] = set()
+    furthest: tuple[int, str] | None = None  # of the spans so far, the one ending last
+    for start, end, key in spans:
+        if furthest is not None and start < furthest[0]:
+            shared.update((key, furthest[1]))
+        if furthest is None or end > furthest[0]:
+            furthest = (end, key)
+    return {key: None if key in shared else a for key, a in aliases.items()}
+
+
 def bfloat16_keys(dtypes: dict[str, Any]) -> str:
     """The keys of bfloat16 variables (``{key: tf dtype}``), as the JSON leaf the state keeps."""
     return json.dumps(sorted(key for key, dtype in dtypes.items() if dtype.base_dtype == tf.bfloat16))

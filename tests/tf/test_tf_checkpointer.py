@@ -194,3 +194,27 @@ def test_background_save_keeps_the_values_of_its_step_while_training_goes_on(tmp
             ckpt.wait()
         del ckpt._engine.save
     del batches
+
+
+def test_variables_sharing_one_buffer_load_their_own_values(tmp_path, job_id, loads):
+    """TF backs a variable assigned (or made) from another with that one's buffer until one
+    is written, as Keras' EMA copies and freshly initialised variables can be: a load must
+    not write both through the one buffer (each got the other's value from memory, and
+    storage saw a checksum mismatch and called a sound shard corrupt)."""
+    a = tf.Variable(tf.random.stateless_normal((4, 4), seed=(1, 2)))
+    b = tf.Variable(tf.random.stateless_normal((4, 4), seed=(3, 4)))
+    root = tf.train.Checkpoint(a=a, b=b)
+    saved = a.numpy().copy(), b.numpy().copy()
+    ckpt = Checkpointer(tmp_path, root, job_id=job_id)
+    try:
+        ckpt.save(3)
+        for source in ("memory", "storage"):
+            if source == "storage":
+                ckpt.close()
+                ckpt = Checkpointer(tmp_path, root, job_id=job_id)
+            b.assign(a)
+            assert a.value()._numpy().ctypes.data == b.value()._numpy().ctypes.data  # one buffer now
+            assert ckpt.load() == 3 and loads[-1]["source"] == source
+            assert np.array_equal(a.numpy(), saved[0]) and np.array_equal(b.numpy(), saved[1]), source
+    finally:
+        ckpt.close()

@@ -86,3 +86,55 @@ def test_hook_loads_into_the_variables_own_buffers_and_assigns_only_copy_on_read
         hook.close()
     assigned = caplog.text.split("copies): ")[1].strip().split(", ")
     assert assigned == ["global_step", "table"]  # after sparse access; a 0-d value comes as a copy
+
+
+class _Values(tf.estimator.SessionRunHook):
+    """Every global variable's value (copied), once the session exists or at its end."""
+
+    def __init__(self, at_start: bool) -> None:
+        self.at_start, self.values = at_start, None
+
+    def begin(self):
+        self.variables = tf.compat.v1.global_variables()
+
+    def _read(self, session):
+        self.values = {v.op.name: np.array(session.run(v), copy=True) for v in self.variables}
+
+    def after_create_session(self, session, coord):
+        if self.at_start:
+            self._read(session)
+
+    def end(self, session):
+        if not self.at_start:
+            self._read(session)
+
+
+def test_a_restore_into_fresh_adam_slots_gives_every_variable_its_own_value(tmp_path, job_id):
+    """Freshly initialised variables (Adam's zero slots) may share one buffer in a new
+    session: the restore wrote them all through it (biases and slots came back with
+    another slot's values)."""
+    def input_fn():
+        x = np.random.RandomState(0).randn(16, 8).astype("float32")
+        return tf.data.Dataset.from_tensors((x, x[:, :1] * 2.0)).repeat()
+
+    def model_fn(features, labels, mode):
+        hidden = tf.compat.v1.layers.dense(features, 16, activation=tf.nn.relu, name="d1")
+        loss = tf.reduce_mean((tf.compat.v1.layers.dense(hidden, 1, name="d2") - labels) ** 2)
+        train_op = tf.compat.v1.train.AdamOptimizer(0.01).minimize(loss, tf.compat.v1.train.get_global_step())
+        return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+    def estimator(model_dir):
+        return tf.estimator.Estimator(model_fn, config=tf.estimator.RunConfig(
+            model_dir=str(tmp_path / model_dir), save_checkpoints_steps=None, save_checkpoints_secs=None,
+            save_summary_steps=None))
+
+    hook = FlashCheckpointHook(tmp_path / "ck", every_steps=3, job_id=job_id)
+    try:
+        saved, restored = _Values(at_start=False), _Values(at_start=True)
+        estimator("a").train(input_fn, hooks=[hook, saved], max_steps=3)
+        estimator("b").train(input_fn, hooks=[hook, restored], steps=1)  # a new model_dir: fresh variables
+        assert hook.restored_step == 3
+        wrong = sorted(k for k, v in saved.values.items() if not np.array_equal(v, restored.values[k]))
+        assert not wrong, wrong
+    finally:
+        hook.close()
