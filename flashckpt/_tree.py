@@ -97,7 +97,7 @@ def _escape(part: Any) -> str:
 def flatten(state: Any, *, allow_pickle: bool = False) -> Flat:
     """Split ``state`` into a JSON skeleton and its tensor leaves (deduplicated views)."""
     leaves: list[Leaf] = []
-    names: set[str] = set()
+    names: set[str] = {"__metadata__"}  # the safetensors header's own key: no tensor may be named so
     seen: dict[Hashable, str] = {}
 
     def walk(obj: Any, path: str) -> Any:

@@ -109,7 +109,8 @@ class TorchKind:
     def identity(self, obj: Any) -> Hashable | None:
         if obj.numel() == 0:
             return None
-        return (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride())
+        # a lazily conjugated or negated view holds other values than the tensor it views
+        return (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride(), obj.is_conj(), obj.is_neg())
 
     def empty(self, dtype: str, shape: tuple[int, ...]) -> Any:
         return torch.empty(shape, dtype=_DTYPES[dtype])

@@ -224,3 +224,21 @@ def test_one_memory_slot_halves_shared_memory_and_still_round_trips(tmp_path, jo
     saver.close()
     with pytest.raises(ValueError, match="memory_slots"):
         Checkpointer(tmp_path, job_id=job_id, memory_slots=3)
+
+
+def test_a_key_named_like_the_safetensors_header_and_a_lazy_conjugate_round_trip(tmp_path, job_id):
+    """A top-level ``__metadata__`` key took the header's own name (every step of it
+    unloadable: 'not a flashckpt safetensors header'); ``c.conj()`` beside ``c`` was
+    stored once, as ``c`` (restored without its conjugation)."""
+    c = torch.tensor([7 + 14j, 21 - 28j], dtype=torch.complex64)
+    state = {"__metadata__": torch.arange(4.0), "c": c, "conj": c.conj(), "neg": c.conj()._neg_view()}
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
+    with Checkpointer(tmp_path, job_id=job_id) as ck:
+        ck.save(1, state)
+        target = {k: torch.zeros_like(v) for k, v in expected.items()}
+        assert ck.load(target) == 1
+        assert_same(expected, target)
+    with Checkpointer(tmp_path, job_id=job_id) as ck:  # from storage
+        target = {k: torch.zeros_like(v) for k, v in expected.items()}
+        assert ck.load(target) == 1
+        assert_same(expected, target)
