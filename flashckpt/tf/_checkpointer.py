@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .._base import EngineCheckpointer
-from .._errors import CheckpointError
+from .._errors import CheckpointError, StateMismatchError
 from . import _export, _variables
 from ._common import FORMAT, data_state, new_engine, positions_of, restore_data
 
@@ -120,11 +120,13 @@ class Checkpointer(EngineCheckpointer):
         """Restore the variables (and data positions) of ``step`` (default: the newest in
         memory or on storage) in place; returns the step, or None when there is none.
 
-        Keras optimizers that have not taken a step yet get their slots created first;
-        a model must be built. Mismatched variables raise ``StateMismatchError`` naming them.
+        Keras optimizers that have not taken a step yet get their slots created first (a
+        model's compiled optimizer, or one beside a single model; beside several models,
+        call ``optimizer.build(variables)`` for each first); a model must be built.
+        Mismatched variables raise ``StateMismatchError`` naming them.
         """
         self._join()
-        _variables.build_optimizers(self._root)
+        unbuilt = _variables.build_optimizers(self._root)
         variables, _ = _variables.collect(self._root)
         targets: dict[str, np.ndarray] = {}
         assigns: list[tuple[Any, np.ndarray]] = []
@@ -136,7 +138,15 @@ class Checkpointer(EngineCheckpointer):
                 assigns.append((var, alias))
             targets[key] = alias
         state: dict[str, Any] = {"variables": targets, "tf": {}, "data": None}
-        loaded = self._engine.load(state, step=step)
+        try:
+            loaded = self._engine.load(state, step=step)
+        except StateMismatchError as exc:
+            if not unbuilt:
+                raise
+            raise StateMismatchError(
+                f"{exc}\n(the optimizer(s) {', '.join(unbuilt)} have not taken a step, so their variables do not "
+                "exist yet, and with several models which variables each trains is not known: call "
+                "optimizer.build(<the variables it trains>) for each before load())") from exc
         if loaded is None:
             return None
         if state["tf"].get("format") != FORMAT:

@@ -76,17 +76,23 @@ def collect(root: tf.train.Checkpoint) -> tuple[dict[str, tf.Variable], str]:
     return variables, base64.b64encode(proto.SerializeToString()).decode("ascii")
 
 
-def build_optimizers(root: tf.train.Checkpoint) -> None:
+def build_optimizers(root: tf.train.Checkpoint) -> list[str]:
     """Create the slot variables of Keras optimizers that have not taken a step yet, so
-    that a load before the first step finds every variable of the checkpoint."""
-    children = list(dict(root._trackable_children()).values())
-    models = [c for c in children if isinstance(c, tf.keras.Model)]
+    that a load before the first step finds every variable of the checkpoint: a model's
+    compiled optimizer, and one beside a single model. Returns the names of the others
+    (an optimizer per model, as a GAN has): which variables they train is not known."""
+    children = dict(root._trackable_children())
+    models = [c for c in children.values() if isinstance(c, tf.keras.Model)]
     for model in models:
         if getattr(model, "optimizer", None) is not None:
             _build(model.optimizer, model.trainable_variables)
-    var_list = [v for m in models for v in m.trainable_variables]
-    for child in children:
-        _build(child, var_list)
+    unbuilt = []
+    for name, child in children.items():
+        if len(models) == 1:
+            _build(child, models[0].trainable_variables)
+        elif isinstance(child, tf.keras.optimizers.Optimizer) and not getattr(child, "_built", False):
+            unbuilt.append(name)
+    return unbuilt
 
 
 def _build(optimizer: Any, var_list: list[tf.Variable]) -> None:

@@ -218,3 +218,34 @@ def test_variables_sharing_one_buffer_load_their_own_values(tmp_path, job_id, lo
             assert np.array_equal(a.numpy(), saved[0]) and np.array_equal(b.numpy(), saved[1]), source
     finally:
         ckpt.close()
+
+
+def _gan(seed):
+    """Two models, each with an optimizer of its own (TF's DCGAN tutorial's checkpoint)."""
+    tf.keras.utils.set_random_seed(seed)
+    gen = tf.keras.Sequential([tf.keras.Input((2,)), tf.keras.layers.Dense(3)])
+    disc = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+    gen_opt, disc_opt = tf.keras.optimizers.Adam(0.01), tf.keras.optimizers.Adam(0.02)
+    root = tf.train.Checkpoint(generator=gen, discriminator=disc, generator_optimizer=gen_opt,
+                               discriminator_optimizer=disc_opt)
+    return root, gen, disc, gen_opt, disc_opt
+
+
+def test_optimizers_of_several_models_are_not_guessed_and_load_once_built(tmp_path, job_id):
+    root, gen, disc, gen_opt, disc_opt = _gan(0)
+    for model, opt in ((gen, gen_opt), (disc, disc_opt)):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(tf.ones((2, model.inputs[0].shape[1]))) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    saved = [v.numpy().copy() for v in gen.variables + disc.variables + gen_opt.variables + disc_opt.variables]
+    with Checkpointer(tmp_path, root, job_id=job_id) as ckpt:
+        ckpt.save(1)
+    fresh, gen2, disc2, gen_opt2, disc_opt2 = _gan(1)  # a restart: optimizers without slots yet
+    with Checkpointer(tmp_path, fresh, job_id=job_id) as ckpt:
+        with pytest.raises(CheckpointError, match=r"generator_optimizer.*optimizer\.build"):
+            ckpt.load()
+        gen_opt2.build(gen2.trainable_variables)
+        disc_opt2.build(disc2.trainable_variables)
+        assert ckpt.load() == 1
+    loaded = [v.numpy() for v in gen2.variables + disc2.variables + gen_opt2.variables + disc_opt2.variables]
+    assert len(loaded) == len(saved) and all(np.array_equal(a, b) for a, b in zip(saved, loaded))
