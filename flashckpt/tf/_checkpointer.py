@@ -126,7 +126,7 @@ class Checkpointer(EngineCheckpointer):
         Mismatched variables raise ``StateMismatchError`` naming them.
         """
         self._join()
-        unbuilt = _variables.build_optimizers(self._root)
+        fresh = _variables.build_optimizers(self._root)
         variables, _ = _variables.collect(self._root)
         targets: dict[str, np.ndarray] = {}
         assigns: list[tuple[Any, np.ndarray]] = []
@@ -141,11 +141,11 @@ class Checkpointer(EngineCheckpointer):
         try:
             loaded = self._engine.load(state, step=step)
         except StateMismatchError as exc:
-            if not unbuilt:
+            if not fresh:
                 raise
             raise StateMismatchError(
-                f"{exc}\n(the optimizer(s) {', '.join(unbuilt)} have not taken a step, so their variables do not "
-                "exist yet, and with several models which variables each trains is not known: call "
+                f"{exc}\n(the optimizer(s) {', '.join(fresh)} had not taken a step: their variables were made for "
+                "this load from the one model's trainable variables or, beside several models, not at all; call "
                 "optimizer.build(<the variables it trains>) for each before load())") from exc
         if loaded is None:
             return None

@@ -79,20 +79,26 @@ def collect(root: tf.train.Checkpoint) -> tuple[dict[str, tf.Variable], str]:
 def build_optimizers(root: tf.train.Checkpoint) -> list[str]:
     """Create the slot variables of Keras optimizers that have not taken a step yet, so
     that a load before the first step finds every variable of the checkpoint: a model's
-    compiled optimizer, and one beside a single model. Returns the names of the others
-    (an optimizer per model, as a GAN has): which variables they train is not known."""
+    compiled optimizer for its trainable variables, one beside a single model for that
+    model's. Returns the names of the optimizers beside the models that had not taken a
+    step (built so, or, beside several models, not built: which variables each trains is
+    not known)."""
     children = dict(root._trackable_children())
     models = [c for c in children.values() if isinstance(c, tf.keras.Model)]
     for model in models:
         if getattr(model, "optimizer", None) is not None:
             _build(model.optimizer, model.trainable_variables)
-    unbuilt = []
-    for name, child in children.items():
-        if len(models) == 1:
-            _build(child, models[0].trainable_variables)
-        elif isinstance(child, tf.keras.optimizers.Optimizer) and not getattr(child, "_built", False):
-            unbuilt.append(name)
-    return unbuilt
+    fresh = [name for name, child in children.items() if _unbuilt(child)]
+    if len(models) == 1:
+        for name in fresh:
+            _build(children[name], models[0].trainable_variables)
+    return fresh
+
+
+def _unbuilt(optimizer: Any) -> bool:
+    if isinstance(optimizer, tf.keras.optimizers.Optimizer):
+        return not getattr(optimizer, "_built", False)
+    return isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer) and not optimizer.variables()
 
 
 def _build(optimizer: Any, var_list: list[tf.Variable]) -> None:
