@@ -96,6 +96,8 @@ def parse_location(location: str | os.PathLike) -> Location:
         raise _bad(text, f"a {scheme} URL is written {scheme}://bucket/prefix")
     if "?" in rest or "#" in rest:
         raise _bad(text, "a query or fragment is not part of a checkpoint location")
+    if any(c in rest for c in "*[]"):  # the fsspec clients expand them, deleting other prefixes' objects
+        raise _bad(text, "'*', '[' and ']' are not allowed: object-store clients read them as patterns")
     bucket, _, prefix = rest[2:].partition("/")
     if "@" in bucket:
         raise _bad(text, "credentials never go into the URL; give them as the storage's client takes them "

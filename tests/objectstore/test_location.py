@@ -55,6 +55,8 @@ def test_relative_and_colon_paths_are_local(tmp_path, monkeypatch):
     ("s3://bucket/../x", "'..'"),
     ("s3://key:secret@bucket/x", "credentials never go into the URL"),
     ("s3://bucket/x?versionId=1", "query"),
+    ("s3://bucket/run*", "patterns"),  # s3fs expanded it: retention deleted run-a's steps too
+    ("s3://bucket/r[1]", "patterns"),
     ("hdfs2://bucket/x", "unknown scheme 'hdfs2'"),
     ("ckpt:v1", "unknown scheme 'ckpt'"),
     ("file://otherhost/x", "no host but this machine"),
