@@ -24,11 +24,13 @@ Targets:
   only) reads it.
 - ``safetensors`` -- one ``.safetensors`` file: model tensors under their FQNs,
   optimizer states under ``optim/<fqn>/<state>``, other tensors under their tree path;
-  ``step``, ``param_groups`` and ``extra`` as JSON in ``__metadata__["flashckpt"]``.
+  ``step``, ``param_groups``, ``extra`` and every other plain value (``values``, by tree
+  path) as JSON in ``__metadata__["flashckpt"]``.
 - ``dcp`` -- a DCP directory of the saved tree (``{"model", "optim", ...}``) that
   ``torch.distributed.checkpoint.load`` fills (single process, no process group).
 - ``flashckpt`` -- a one-rank flashckpt step in directory ``out`` that
-  :class:`flashckpt.torch.FsdpCheckpointer` loads at any world size (resharding).
+  :class:`flashckpt.torch.FsdpCheckpointer` loads at any world size (resharding);
+  top-level entries other than ``model`` and ``optim`` go into its ``extra``.
 
 The consolidated state is held in host memory once (plus one image for the
 ``flashckpt`` target); conversion is an offline tool, not a training-time path.
@@ -275,19 +277,23 @@ def _write_safetensors(state: dict[str, Any], step: int, out: str) -> None:
     import torch
     tensors: dict[str, Any] = {}
 
+    values: dict[str, Any] = {}
+
     def walk(obj: Any, parts: tuple) -> None:
-        if isinstance(obj, torch.Tensor):
-            tensors[_safetensors_name(parts)] = obj
+        if isinstance(obj, torch.Tensor) or type(obj).__module__ == "numpy" and hasattr(obj, "shape"):
+            tensors[_safetensors_name(parts)] = torch.as_tensor(obj)
         elif isinstance(obj, dict):
             for k, v in obj.items():
                 walk(v, parts + (k,))
         elif isinstance(obj, (list, tuple)):
             for i, v in enumerate(obj):
                 walk(v, parts + (i,))
+        elif parts[:1] != ("extra",) and parts[:2] != ("optim", "param_groups"):  # those two go whole
+            values[path_key(parts)] = _jsonable(obj)
     walk(state, ())
     optim = state.get("optim") or {}
-    meta = {"format": "flashckpt-convert/1", "step": step,
-            "param_groups": _jsonable(optim.get("param_groups")), "extra": _jsonable(state.get("extra"))}
+    meta = {"format": "flashckpt-convert/1", "step": step, "param_groups": _jsonable(optim.get("param_groups")),
+            "extra": _jsonable(state.get("extra")), "values": values}
     _write_image(out, tensors, meta)
 
 
@@ -349,7 +355,11 @@ def _write_flashckpt(state: dict[str, Any], step: int, out: str) -> None:
     if state.get("optim") is not None:
         tree["optim"] = state["optim"]
         mark(tree["optim"].get("state", {}), ("optim", "state"))
-    tree["extra"] = state.get("extra")
+    rest = {k: v for k, v in state.items() if k not in ("model", "optim", "extra")}
+    if rest and state.get("extra") is not None:
+        raise CheckpointError(f"a flashckpt output holds model, optim and extra; this state has {sorted(rest)} "
+                              "beside its 'extra' entry (convert it --to torch, or move them into 'extra')")
+    tree["extra"] = rest or state.get("extra")  # a plain Checkpointer's other entries, as --from dcp does
     tree[LAYOUT_KEY] = json.dumps({"version": 1, "rank": 0, "world_size": 1, "optimizer": "optim" in tree,
                                    "tensors": records}, separators=(",", ":"))
     flat = flatten(tree)

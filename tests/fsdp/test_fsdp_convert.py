@@ -89,6 +89,30 @@ def test_plain_checkpoint_converts_from_rank_0(tmp_path, job_id):
     assert_equal_states(got, {"net/w": state["net"]["w"], "net/b": state["net"]["b"]})
 
 
+def test_a_plain_checkpoint_keeps_every_entry_in_safetensors_and_flashckpt_outputs(tmp_path, job_id):
+    """Both outputs used to drop what was neither model, optim nor extra (a sampler's
+    position, an RNG state, plain values) and exit 0."""
+    from safetensors import safe_open
+
+    from flashckpt.torch import Checkpointer, FsdpCheckpointer
+    state = {"model": {"w": torch.arange(6.0)}, "sampler": {"epoch": 3, "pos": 1234},
+             "rng": torch.arange(4, dtype=torch.uint8), "tags": ["a", None, 2.5], "step": 5}
+    with Checkpointer(tmp_path / "plain", job_id=job_id) as ck:
+        ck.save(5, state)
+    with safe_open(convert(tmp_path / "plain", 5, "safetensors", tmp_path / "p.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["rng", "w"]  # model tensors by FQN
+        meta = json.loads(f.metadata()["flashckpt"])
+    assert meta["values"] == {"sampler/epoch": 3, "sampler/pos": 1234, "tags/0": "a", "tags/1": None,
+                              "tags/2": 2.5, "step": 5}
+    convert(tmp_path / "plain", 5, "flashckpt", tmp_path / "fc")
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(6))
+    with FsdpCheckpointer(tmp_path / "fc", job_id=f"{job_id}fc") as ck:
+        assert ck.load(model) == 5
+    assert torch.equal(model.w.detach(), state["model"]["w"])
+    assert_equal_states(ck.extra, {k: v for k, v in state.items() if k != "model"})
+
+
 def test_bad_arguments(w4, tmp_path):
     directory, _ = w4
     with pytest.raises(CheckpointError, match="target format"):
