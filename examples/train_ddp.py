@@ -61,6 +61,8 @@ def main() -> None:
         info = ckpt.last_load
         emit(event="restored", rank=rank, step=step, source=info.source, seconds=info.seconds,
              shards_redone=len(state["sampler"]["coordinator"]["queue"]))
+    else:
+        sampler.reset()  # no checkpoint: shards a failed attempt completed are trained again
 
     start = time.perf_counter()
     batches = iter(loader)

@@ -54,6 +54,19 @@ def test_rollback_replays_exactly_what_was_trained_after_the_checkpoint():
     assert Counter(before + replay) == Counter(range(100))
 
 
+def test_a_restart_without_a_checkpoint_resets_the_data_set_and_trains_every_sample():
+    """A job killed before its first checkpoint had completed shards at the coordinator;
+    its restart (no checkpoint: reset, as the README's loop does) trains them again."""
+    url = mem()
+    s = sampler(url, num_epochs=1)
+    it = iter(s)
+    lost = [next(it) for _ in range(37)]  # four shards completed, then the job died
+    assert s.progress()["done"] >= 4
+    restarted = sampler(url, num_epochs=1)
+    restarted.reset()
+    assert Counter(restarted) == Counter(range(100))
+
+
 def test_state_survives_a_new_sampler_with_another_worker_name():
     url = mem()
     s = sampler(url, num_epochs=1)
