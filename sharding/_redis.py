@@ -291,6 +291,11 @@ def _refused(where: str, error: ReplyError) -> CoordinatorError:
     message = str(error)
     if message.startswith(_AUTH_ERRORS):
         return CoordinatorError(f"{where}: authentication failed: {message}")
+    if message.startswith("NODATASET"):  # the scripts' own error: the data set's keys are gone
+        name = message.partition("{")[2].rpartition("}")[0]
+        return CoordinatorError(
+            f"{where}: the state of data set {name!r} is gone from the server (restarted without persistence, "
+            "or its keys deleted): restore it from a checkpoint (load_state_dict) or start it over (reset)")
     return CoordinatorError(f"{where}: {message}")
 
 

@@ -39,6 +39,7 @@ end
 -- acquire keeps it and meta in step
 local function position()
   local p = redis.call('HMGET', meta, 'epoch', 'cursor')
+  if not p[1] then error({err = 'NODATASET ' .. base}) end  -- a server restarted empty, keys deleted
   return {epoch = tonumber(p[1]), cursor = tonumber(p[2])}
 end
 -- slot (a string) no longer leased by worker
@@ -200,6 +201,7 @@ return #slots
 """
 
 _SNAPSHOT = """
+position()  -- the data set is still there
 local now = clock()
 local queued = redis.call('LRANGE', queue, 0, -1)
 local positions = {}

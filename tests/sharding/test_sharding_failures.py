@@ -127,6 +127,18 @@ def test_key_prefixes_keep_jobs_apart(redis_server: RedisServer) -> None:
     assert (a.progress()["done"], b.progress()["done"], b.definition.size) == (1, 0, 99)
 
 
+def test_a_data_set_whose_redis_keys_vanished_is_named_so(redis_server: RedisServer) -> None:
+    """A Redis restarted without persistence (or its keys deleted) mid-run: the next call
+    says the data set's state is gone, not a Lua error ("attempt to compare nil with number")."""
+    ds = sharding.connect(redis_server.url, key_prefix="gone:").dataset("train", size=40, shard_size=10)
+    ds.complete(ds.acquire("w"))
+    keys = ds._store._roundtrip(command(b"KEYS", b"gone:*"), None)
+    assert keys and ds._store._roundtrip(command(b"DEL", *keys), None) == len(keys)
+    for call in (lambda: ds.acquire("w"), ds.progress):
+        with pytest.raises(sharding.CoordinatorError, match="state of data set 'train' is gone"):
+            call()
+
+
 def test_corrupt_sqlite_file(tmp_path: Path) -> None:
     path = tmp_path / "corrupt.db"
     path.write_bytes(b"this is not a database" * 300)
