@@ -251,20 +251,32 @@ class DeepSpeedCheckpointer:
         self._flash.on_all_ranks(attempt, f"DeepSpeed loading tag {tag}")
 
     def _share_missing(self, files: dict[str, Any], patterns: list[str]) -> None:
-        """Files written by one rank go to the ranks that read them (``patterns``: this rank's)."""
+        """Files written by one rank go to the ranks that read them (``patterns``: this
+        rank's), each sent by its writer to those ranks alone: a stage's layers or an expert
+        reach only the ranks that hold them."""
         collective = self._flash.collective
         if collective.world_size == 1:
             return
         have = [set(paths) for paths in collective.all_gather(sorted(files))]
         everything = sorted(set().union(*have))
         wants = collective.all_gather([p for p in everything if any(fnmatch.fnmatch(p, pat) for pat in patterns)])
-        missing = sorted({p for rank, wanted in enumerate(wants) for p in wanted if p not in have[rank]})
-        group = getattr(collective, "group", None)
-        for path in missing:  # the same list on every rank
+        group, rank = getattr(collective, "group", None), collective.rank
+
+        def global_rank(r: int) -> int:
+            return dist.get_global_rank(group, r) if group else r
+
+        for path in everything:  # the same order on every rank
+            readers = [r for r, wanted in enumerate(wants) if path in wanted and path not in have[r]]
+            if not readers:
+                continue
             owner = min(r for r, paths in enumerate(have) if path in paths)
-            box = [files.get(path)]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, owner) if group else owner, group=group)
-            files.setdefault(path, box[0])
+            if rank == owner:
+                for reader in readers:
+                    dist.send_object_list([files[path]], dst=global_rank(reader), group=group)
+            elif rank in readers:
+                box = [None]
+                dist.recv_object_list(box, src=global_rank(owner), group=group)
+                files[path] = box[0]
 
     def _check(self, files: dict[str, Any], save_dir: str, tag: str) -> None:
         """Stage and parameter shapes must match before DeepSpeed touches the engine."""
