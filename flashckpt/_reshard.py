@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ._storage_url import Storage
 
 __all__ = ["LAYOUT_KEY", "Fill", "Piece", "Source", "RangeReader", "chunk_pieces", "path_key", "tensor_names",
-           "plain_value", "read_sources", "source_of", "close_sources", "byte_shape"]
+           "plain_value", "skeleton_child", "read_sources", "source_of", "close_sources", "byte_shape"]
 
 _OBJECT_OPENS = 16
 """Shards of an object store opened at once by :func:`read_sources` (a round trip each)."""
@@ -170,10 +170,15 @@ def tensor_names(skeleton: Any) -> dict[str, str]:
 
 def plain_value(skeleton: Any, key: str) -> Any:
     """A top-level plain leaf of a saved tree, or None if absent."""
-    for k, child in skeleton.get("d", ()):
-        if k == key:
-            return child.get("v")
-    return None
+    return skeleton_child(skeleton, key).get("v")
+
+
+def skeleton_child(skeleton: Any, *keys: str) -> dict[str, Any]:
+    """The node of a saved tree at dict keys ``keys`` ({} where there is none)."""
+    node = skeleton
+    for key in keys:
+        node = next((child for k, child in node.get("d", ()) if k == key), {})
+    return node
 
 
 # -- sources --------------------------------------------------------------------------

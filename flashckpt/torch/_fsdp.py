@@ -38,7 +38,8 @@ from .. import _events
 from .._base import EngineCheckpointer
 from .._engine import Engine, LoadInfo, Options, SaveHandle, gc_paused, place
 from .._errors import CheckpointError, StateMismatchError
-from .._reshard import LAYOUT_KEY, Fill, Piece, RangeReader, path_key, read_header, read_layout, read_sources
+from .._reshard import (LAYOUT_KEY, Fill, Piece, RangeReader, path_key, read_header, read_layout, read_sources,
+                        skeleton_child)
 from .._tree import merge_into
 from ._checkpointer import collective_for
 from ._tensors import DTYPE_NAMES, host_byte_array
@@ -286,21 +287,27 @@ class FsdpCheckpointer(EngineCheckpointer):
             return eng.load_agreed({}, agreement, start)
         step, source = agreement.step, agreement.source
         target = self._collect(model, None, {})
-        peeks = self._engine.on_all_ranks(lambda: self._peek(target, step, source),
-                                   f"reading the layout of step {step} from {source}")
-        saved_optim = {optim for _, optim, _ in peeks}
+        state_names: list[str] = []  # this rank's: no rank needs another's
+
+        def peek() -> tuple[bool, Any]:
+            same, optim, names = self._peek(target, step, source)
+            state_names.extend(names)
+            return same, optim
+
+        peeks = self._engine.on_all_ranks(peek, f"reading the layout of step {step} from {source}")
+        saved_optim = {optim for _, optim in peeks}
         filling = optimizer is not None and saved_optim == {True}
         if optimizer is not None and False in saved_optim:
             raise StateMismatchError(f"step {step} in {eng.storage.root} holds no optimizer state (it was saved "
                                      "without an optimizer); call load(model) without one, or load another step")
         if filling:
             target = self._collect(model, optimizer, {}, filling=True)
-            self._drop_unsaved_state(optimizer, target, set(peeks[coll.rank][2]))
+            self._drop_unsaved_state(optimizer, target, set(state_names))
         elif optimizer is not None:  # saved before its first step: it gets its hyper-parameters only
             target.tree["optim"] = {"state": {}, "param_groups": []}
         elif saved_optim != {False}:
             target.tree["optim"] = {}  # read and dropped: a model-only load of a checkpoint with optimizer
-        if all(same for same, _, _ in peeks):  # exactly the step whose layout was read: no fallbacks
+        if all(same for same, _ in peeks):  # exactly the step whose layout was read: no fallbacks
             loaded = eng.load_agreed(target.tree, agreement.pinned(), start)
         else:
             if step not in eng.storage.committed_steps():
@@ -341,8 +348,8 @@ class FsdpCheckpointer(EngineCheckpointer):
         same = world == coll.world_size and all(
             (theirs[k]["shape"], theirs[k]["offsets"], theirs[k]["lengths"]) == (r["shape"], r["offsets"], r["lengths"])
             for k, r in mine.items() if k in theirs)
-        optim = dict(dict(image.meta.get("tree", {}).get("d", ())).get("optim", {}).get("d", ()))
-        return same, layout.get("optimizer", False), [name for name, _ in optim.get("state", {}).get("d", ())]
+        state = skeleton_child(image.meta.get("tree", {}), "optim", "state")
+        return same, layout.get("optimizer", False), [name for name, _ in state.get("d", ())]
 
     def _reshard(self, target: _Target, step: int) -> int:
         """Fill ``target`` from the overlapping byte ranges of every shard of ``step``;
@@ -395,21 +402,20 @@ class FsdpCheckpointer(EngineCheckpointer):
     @staticmethod
     def _drop_unsaved_state(optimizer: Any, target: _Target, saved: set[str]) -> None:
         """A parameter the saved optimizer held no state for (it never had a gradient) gets
-        none: ``get_state_dict`` made some for every parameter of a fresh optimizer."""
+        none: ``get_state_dict`` made some for every parameter of a fresh optimizer. FSDP2's
+        state dict holds the optimizer's own per-parameter dicts, which go too (FSDP1's
+        ``set_state_dict`` replaces the optimizer's state anyway)."""
         state = target.tree["optim"]["state"]
-        dropped: set[int] = set()
+        dropped = []
         for fqn in [fqn for fqn in state if fqn not in saved]:
             del state[fqn]
-            target.osd["state"].pop(fqn, None)
+            dropped.append(target.osd["state"].pop(fqn, None))
             prefix = path_key(("optim", "state", fqn)) + "/"
             for key in [key for key in target.locals if key.startswith(prefix)]:
+                del target.locals[key]
                 target.layout["tensors"].pop(key, None)
-                local = target.locals.pop(key)
-                if local.numel():
-                    dropped.add(local.data_ptr())
-        for param, st in list(optimizer.state.items()):  # FSDP2: the live state those tensors are
-            if any(isinstance(v, torch.Tensor) and v.numel() and _local(v).data_ptr() in dropped for v in st.values()):
-                del optimizer.state[param]
+        for param in [p for p, st in optimizer.state.items() if any(st is d for d in dropped)]:
+            del optimizer.state[param]
 
     # -- hand over to the model and optimizer ----------------------------------------------
 
