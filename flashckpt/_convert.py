@@ -24,8 +24,8 @@ Targets:
   only) reads it.
 - ``safetensors`` -- one ``.safetensors`` file: model tensors under their FQNs,
   optimizer states under ``optim/<fqn>/<state>``, other tensors under their tree path;
-  ``step``, ``param_groups``, ``extra`` and every other plain value (``values``, by tree
-  path) as JSON in ``__metadata__["flashckpt"]``.
+  ``step``, ``param_groups`` and ``extra`` (where JSON holds them whole) and every plain
+  value by tree path (``values``) as JSON in ``__metadata__["flashckpt"]``.
 - ``dcp`` -- a DCP directory of the saved tree (``{"model", "optim", ...}``) that
   ``torch.distributed.checkpoint.load`` fills (single process, no process group).
 - ``flashckpt`` -- a one-rank flashckpt step in directory ``out`` that
@@ -265,22 +265,24 @@ def _write_torch(state: dict[str, Any], step: int, out: str) -> None:
 
 
 def _safetensors_name(parts: tuple) -> str:
-    """Model tensors by FQN, optimizer states as ``optim/<fqn>/<state>``, others by tree path."""
+    """Model tensors by FQN, optimizer states as ``optim/<fqn>/<state>``, others by tree path
+    (never the header's own key ``__metadata__``)."""
     if len(parts) == 2 and parts[0] == "model":
-        return str(parts[1])
-    if len(parts) == 4 and parts[:2] == ("optim", "state"):
-        return path_key(("optim", parts[2], parts[3]))
-    return path_key(parts)
+        name = str(parts[1])
+    elif len(parts) == 4 and parts[:2] == ("optim", "state"):
+        name = path_key(("optim", parts[2], parts[3]))
+    else:
+        name = path_key(parts)
+    return name + "#" if name == "__metadata__" else name
 
 
 def _write_safetensors(state: dict[str, Any], step: int, out: str) -> None:
     import torch
     tensors: dict[str, Any] = {}
-
     values: dict[str, Any] = {}
 
     def walk(obj: Any, parts: tuple) -> None:
-        if isinstance(obj, torch.Tensor) or type(obj).__module__ == "numpy" and hasattr(obj, "shape"):
+        if isinstance(obj, torch.Tensor) or (type(obj).__module__ == "numpy" and hasattr(obj, "shape")):
             tensors[_safetensors_name(parts)] = torch.as_tensor(obj)
         elif isinstance(obj, dict):
             for k, v in obj.items():
@@ -288,7 +290,7 @@ def _write_safetensors(state: dict[str, Any], step: int, out: str) -> None:
         elif isinstance(obj, (list, tuple)):
             for i, v in enumerate(obj):
                 walk(v, parts + (i,))
-        elif parts[:1] != ("extra",) and parts[:2] != ("optim", "param_groups"):  # those two go whole
+        else:  # every plain leaf by its path: a subtree that also holds tensors is not JSON whole
             values[path_key(parts)] = _jsonable(obj)
     walk(state, ())
     optim = state.get("optim") or {}
@@ -357,7 +359,7 @@ def _write_flashckpt(state: dict[str, Any], step: int, out: str) -> None:
         mark(tree["optim"].get("state", {}), ("optim", "state"))
     rest = {k: v for k, v in state.items() if k not in ("model", "optim", "extra")}
     if rest and state.get("extra") is not None:
-        raise CheckpointError(f"a flashckpt output holds model, optim and extra; this state has {sorted(rest)} "
+        raise CheckpointError(f"a flashckpt output holds model, optim and extra; this state has {sorted(map(str, rest))} "
                               "beside its 'extra' entry (convert it --to torch, or move them into 'extra')")
     tree["extra"] = rest or state.get("extra")  # a plain Checkpointer's other entries, as --from dcp does
     tree[LAYOUT_KEY] = json.dumps({"version": 1, "rank": 0, "world_size": 1, "optimizer": "optim" in tree,

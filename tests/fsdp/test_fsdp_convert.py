@@ -96,11 +96,12 @@ def test_a_plain_checkpoint_keeps_every_entry_in_safetensors_and_flashckpt_outpu
 
     from flashckpt.torch import Checkpointer, FsdpCheckpointer
     state = {"model": {"w": torch.arange(6.0)}, "sampler": {"epoch": 3, "pos": 1234},
-             "rng": torch.arange(4, dtype=torch.uint8), "tags": ["a", None, 2.5], "step": 5}
+             "rng": torch.arange(4, dtype=torch.uint8), "tags": ["a", None, 2.5], "step": 5,
+             "__metadata__": torch.ones(2)}
     with Checkpointer(tmp_path / "plain", job_id=job_id) as ck:
         ck.save(5, state)
     with safe_open(convert(tmp_path / "plain", 5, "safetensors", tmp_path / "p.safetensors"), "pt") as f:
-        assert sorted(f.keys()) == ["rng", "w"]  # model tensors by FQN
+        assert sorted(f.keys()) == ["__metadata__#", "rng", "w"]  # model tensors by FQN
         meta = json.loads(f.metadata()["flashckpt"])
     assert meta["values"] == {"sampler/epoch": 3, "sampler/pos": 1234, "tags/0": "a", "tags/1": None,
                               "tags/2": 2.5, "step": 5}
