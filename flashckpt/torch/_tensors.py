@@ -140,9 +140,13 @@ class TorchKind:
             return
         gpus = {t.device for t in (*rest_dsts, *rest_srcs) if t.is_cuda}
         with torch.no_grad():
+            lazy = [i for i, dst in enumerate(rest_dsts) if dst.is_conj() or dst.is_neg()]
+            for i in reversed(lazy):  # _foreach_copy_ refuses lazily conjugated or negated targets
+                rest_dsts.pop(i).copy_(rest_srcs.pop(i), non_blocking=bool(gpus))
             # GPU copies are queued on the current stream (after the work that produced
             # the values) and waited for once, not one by one
-            torch._foreach_copy_(rest_dsts, rest_srcs, non_blocking=bool(gpus))
+            if rest_dsts:
+                torch._foreach_copy_(rest_dsts, rest_srcs, non_blocking=bool(gpus))
         for device in gpus:
             torch.cuda.current_stream(device).synchronize()
 
@@ -150,8 +154,8 @@ class TorchKind:
         return _CUDA_PAGES if any(t.is_cuda for t in objs) else None
 
     def host_bytes(self, obj: Any) -> memoryview | None:
-        if obj.device.type != "cpu" or not obj.is_contiguous():
-            return None
+        if obj.device.type != "cpu" or not obj.is_contiguous() or obj.is_conj() or obj.is_neg():
+            return None  # a lazy conjugate or negation: its bytes are not its values
         flat = obj.detach().reshape(-1)
         if flat.numel() == 0:
             return memoryview(bytearray(0))
@@ -161,7 +165,7 @@ class TorchKind:
 def host_byte_array(t: torch.Tensor) -> Any:
     """``t`` as a writable numpy uint8 array (last dimension in bytes: a target of the
     resharding reader), or None when it has no contiguous host bytes."""
-    if t.device.type != "cpu" or not t.is_contiguous():
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     shape = (*t.shape[:-1], t.shape[-1] * t.element_size()) if t.dim() else (t.element_size(),)
     # through the flat view: a contiguous tensor's axes of extent 1 may have any stride

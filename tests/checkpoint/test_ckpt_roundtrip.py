@@ -242,3 +242,7 @@ def test_a_key_named_like_the_safetensors_header_and_a_lazy_conjugate_round_trip
         target = {k: torch.zeros_like(v) for k, v in expected.items()}
         assert ck.load(target) == 1
         assert_same(expected, target)
+        live = {"__metadata__": torch.zeros(4), "c": torch.zeros_like(c)}  # the views, as the saved state had
+        live.update(conj=live["c"].conj(), neg=live["c"].conj()._neg_view())
+        assert ck.load(live, step=1) == 1
+        assert_same(expected, {k: v.resolve_conj().resolve_neg() for k, v in live.items()})
