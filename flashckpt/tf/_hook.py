@@ -184,17 +184,15 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
         are views of them, else into host arrays (to be assigned)."""
         try:
             probed, self._probed = self._probed, []
-            views = _variables.without_shared_bytes({
-                name: _variables.as_stored(array)
-                if (isinstance(array, np.ndarray) and isinstance(before, np.ndarray) and array.nbytes
-                    and array.ctypes.data == before.ctypes.data and array.flags.writeable
-                    and array.flags.c_contiguous) else None
-                for name, array, before in zip(self._variables, arrays, probed)})
+            views = _variables.without_shared_bytes({name: _in_place_view(array, before)
+                                                     for name, array, before in zip(self._variables, arrays, probed)})
             targets: dict[str, np.ndarray] = {}
             copies: dict[str, np.ndarray] = {}
             for name, var in self._variables.items():
-                view = views[name]
-                targets[name] = view if view is not None else copies.setdefault(name, _variables.host_array(var))
+                if views[name] is not None:
+                    targets[name] = views[name]
+                else:
+                    targets[name] = copies[name] = _variables.host_array(var)
             del probed, arrays, views
             state: dict[str, Any] = {"variables": targets, "tf": {}, "data": None}
             step = self._engine.load(state)
@@ -226,3 +224,13 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
                                    for name, value in copies.items()})
         restore_data(self._positions, state["data"], step)
         return step
+
+
+def _in_place_view(array: Any, before: Any) -> np.ndarray | None:
+    """``array`` (a variable's read inside the load op) as the view a load writes into, when
+    it is the variable's own buffer: the same address as the probe's read, writable and
+    contiguous; else None (TF handed out a copy)."""
+    if (isinstance(array, np.ndarray) and isinstance(before, np.ndarray) and array.nbytes
+            and array.ctypes.data == before.ctypes.data and array.flags.writeable and array.flags.c_contiguous):
+        return _variables.as_stored(array)
+    return None

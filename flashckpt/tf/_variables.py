@@ -98,7 +98,8 @@ def build_optimizers(root: tf.train.Checkpoint) -> list[str]:
 def _unbuilt(optimizer: Any) -> bool:
     if isinstance(optimizer, tf.keras.optimizers.Optimizer):
         return not getattr(optimizer, "_built", False)
-    return isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer) and not optimizer.variables()
+    # a legacy optimizer makes its step counter when it is read: its slots tell whether it stepped
+    return isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer) and not optimizer._slots
 
 
 def _build(optimizer: Any, var_list: list[tf.Variable]) -> None:
