@@ -322,7 +322,13 @@ class FlashCheckpointCallback(TrainerCallback):
         """At the end of training, wait for every folder: the Trainer loads the best one (and
         rotates them) before ``on_train_end``, also when it stopped at a step that saved none."""
         if self._ckpt is not None and (control.should_training_stop or state.global_step >= state.max_steps):
-            self._ckpt.wait()
+            self._wait_for_folders()
+
+    def _wait_for_folders(self) -> None:
+        """Until every folder asked for is written: a folder is exported by the saver that
+        commits its step last, maybe on another node, so every rank waits for its own and
+        then for the others."""
+        self._ckpt.engine.on_all_ranks(self._ckpt.wait, "waiting for the checkpoint folders")
 
     def on_train_end(self, args, state, control, **kwargs):
         """Wait until every folder is on storage, free the shared memory, remove the scratch."""
@@ -536,8 +542,8 @@ class FlashCheckpointCallback(TrainerCallback):
         persist = self._persist_at.pop(step, True)  # a save we did not plan (best metric, epoch end)
         if args.save_strategy == SaveStrategy.BEST and state.best_global_step == step:
             # the Trainer decided this save after evaluating, later than on_step_end's plan
-            persist = self.persist_every is None or step % self.persist_every == 0 or \
-                trainer.control.should_training_stop
+            persist = (self.persist_every is None or step % self.persist_every == 0
+                       or trainer.control.should_training_stop)
         trainer.store_flos()
         run_dir = args.output_dir  # what Trainer._get_output_dir gives outside hyper-parameter search
         best_step = state.best_global_step
@@ -567,4 +573,4 @@ class FlashCheckpointCallback(TrainerCallback):
         if step >= state.max_steps or trainer.control.should_training_stop:
             # before on_train_end the Trainer loads the best folder and, with save_total_limit=1,
             # deletes every other folder: the folders must all be there by then
-            self._ckpt.wait()
+            self._wait_for_folders()
