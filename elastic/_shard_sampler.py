@@ -297,10 +297,8 @@ class ShardSampler(Sampler[int]):
         with no checkpoint to load calls, so that shards a failed attempt completed before
         its first checkpoint are trained again. Like :meth:`load_state_dict` (a collective
         under torch.distributed), and like it, it rolls back every worker of the data set."""
-        definition = self._ds.definition
-        self.load_state_dict({"version": STATE_VERSION, "kind": _KIND, "name": self.name, "coordinator": {
-            "version": sharding.STATE_VERSION, "dataset": self.name, "definition": definition.to_json(),
-            "epoch": 0, "cursor": 0, "queue": [], "workers": {}}}, sync)
+        self.load_state_dict({"version": STATE_VERSION, "kind": _KIND, "name": self.name,
+                              "coordinator": self._ds.initial_state()}, sync)
 
     def load_state_dict(self, state: Mapping[str, Any], sync: Optional[bool] = None) -> None:
         """Roll the coordinator back to ``state`` (every lease is dropped; partly consumed

@@ -292,6 +292,12 @@ class Dataset:
             "workers": snap["workers"],
         }
 
+    def initial_state(self) -> dict[str, Any]:
+        """The state before any shard was leased (epoch 0, every shard to do): loading it
+        starts the data set over."""
+        return {"version": STATE_VERSION, "dataset": self.name, "definition": self.definition.to_json(),
+                "epoch": 0, "cursor": 0, "queue": [], "workers": {}}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Roll the data set back (or forward) to exactly ``state``: every lease held now
         is dropped, the queue, cursor and epoch become the saved ones."""

@@ -295,7 +295,7 @@ def _refused(where: str, error: ReplyError) -> CoordinatorError:
         name = message.partition("{")[2].rpartition("}")[0]
         return CoordinatorError(
             f"{where}: the state of data set {name!r} is gone from the server (restarted without persistence, "
-            "or its keys deleted): restore it from a checkpoint (load_state_dict) or start it over (reset)")
+            "or its keys deleted): load_state_dict of a checkpoint's state, or of initial_state() to start over")
     return CoordinatorError(f"{where}: {message}")
 
 

@@ -35,11 +35,15 @@ local function parse(info)
   local token, consumed, worker, request = string.match(info, '^(%d+)|(%d+)|(.*)|([^|]*)$')
   return tonumber(token), consumed, worker, request
 end
+-- the data set's keys are gone (a server restarted empty, keys deleted): the client names it
+local function gone()
+  error({err = 'NODATASET ' .. base})
+end
 -- the data set's position (epoch, cursor into the epoch's order), read once per script;
 -- acquire keeps it and meta in step
 local function position()
   local p = redis.call('HMGET', meta, 'epoch', 'cursor')
-  if not p[1] then error({err = 'NODATASET ' .. base}) end  -- a server restarted empty, keys deleted
+  if not p[1] then gone() end
   return {epoch = tonumber(p[1]), cursor = tonumber(p[2])}
 end
 -- slot (a string) no longer leased by worker
@@ -201,7 +205,8 @@ return #slots
 """
 
 _SNAPSHOT = """
-position()  -- the data set is still there
+local m = redis.call('HMGET', meta, 'epoch', 'cursor', 'token')
+if not m[1] then gone() end
 local now = clock()
 local queued = redis.call('LRANGE', queue, 0, -1)
 local positions = {}
@@ -209,8 +214,7 @@ for i, slot in ipairs(queued) do positions[i] = redis.call('HGET', qpos, slot) e
 local leases = redis.call('HGETALL', lease)
 local deadlines = {}
 for i = 1, #leases, 2 do deadlines[#deadlines + 1] = tostring(redis.call('ZSCORE', dl, leases[i]) - now) end
-return {redis.call('HMGET', meta, 'epoch', 'cursor', 'token'), queued, positions, leases, deadlines,
-        redis.call('HGETALL', stats)}
+return {m, queued, positions, leases, deadlines, redis.call('HGETALL', stats)}
 """
 
 _RESTORE = """
@@ -232,11 +236,12 @@ end
 return 1
 """
 
-# ARGV: definition ('' only reads). Definition and a fresh meta in one step.
+# ARGV: definition ('' only reads). Definition and a fresh meta in one step; a meta that is
+# there already (restored after the server lost the data set) is kept.
 _DEFINE = """
 local key = KEYS[1]..'def'
 if ARGV[1] ~= '' and redis.call('SET', key, ARGV[1], 'NX') then
-  redis.call('HSET', KEYS[1]..'meta', 'epoch', 0, 'cursor', 0, 'token', 0)
+  for _, field in ipairs({'epoch', 'cursor', 'token'}) do redis.call('HSETNX', KEYS[1]..'meta', field, 0) end
 end
 return redis.call('GET', key)
 """

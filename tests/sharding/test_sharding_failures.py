@@ -132,11 +132,15 @@ def test_a_data_set_whose_redis_keys_vanished_is_named_so(redis_server: RedisSer
     says the data set's state is gone, not a Lua error ("attempt to compare nil with number")."""
     ds = sharding.connect(redis_server.url, key_prefix="gone:").dataset("train", size=40, shard_size=10)
     ds.complete(ds.acquire("w"))
+    saved = ds.state_dict()
     keys = ds._store._roundtrip(command(b"KEYS", b"gone:*"), None)
     assert keys and ds._store._roundtrip(command(b"DEL", *keys), None) == len(keys)
     for call in (lambda: ds.acquire("w"), ds.progress):
         with pytest.raises(sharding.CoordinatorError, match="state of data set 'train' is gone"):
             call()
+    ds.load_state_dict(saved)  # as the error says; a worker declaring the data set later keeps it
+    again = sharding.connect(redis_server.url, key_prefix="gone:").dataset("train", size=40, shard_size=10)
+    assert again.progress()["done"] == 1  # not started over
 
 
 def test_corrupt_sqlite_file(tmp_path: Path) -> None:
