@@ -364,10 +364,14 @@ def test_load_best_model_with_save_total_limit(tmp_path):
     both(tmp_path, best_with_save)
 
 
-def best_with_save_best(out, flash):
-    """``test_load_best_model_with_save_best``: save_strategy='best'."""
-    trainer = regression_trainer(out, flash=flash, save_strategy="best", eval_strategy="steps", eval_steps=5,
-                                 load_best_model_at_end=True, save_total_limit=2, max_steps=11)
+def best_with_save_best(out, flash, memory_every=None):
+    """``test_load_best_model_with_save_best``: save_strategy='best'; with ``memory_every``,
+    also a memory snapshot that often (the Trainer decides a best save after evaluating,
+    later than the callback's per-step plan: it must still be a folder)."""
+    cbs = [FlashCheckpointCallback(memory_every=memory_every)] if flash and memory_every else []
+    trainer = regression_trainer(out, flash=flash and not memory_every, callbacks=cbs, save_strategy="best",
+                                 eval_strategy="steps", eval_steps=5, load_best_model_at_end=True,
+                                 save_total_limit=2, max_steps=11)
     trainer.train()
     assert trainer.state.best_model_checkpoint is not None
     best = safetensors.torch.load_file(os.path.join(trainer.state.best_model_checkpoint, "model.safetensors"))
@@ -380,22 +384,8 @@ def test_load_best_model_with_save_strategy_best(tmp_path):
     both(tmp_path, best_with_save_best)
 
 
-
-def best_with_memory_snapshots(out, flash):
-    """save_strategy='best' with a memory snapshot every step: the Trainer decides a best
-    save after evaluating, later than the callback's per-step plan; it must still be a folder."""
-    cbs = [FlashCheckpointCallback(memory_every=1)] if flash else []
-    trainer = regression_trainer(out, flash=False, callbacks=cbs, save_strategy="best", eval_strategy="steps",
-                                 eval_steps=5, load_best_model_at_end=True, save_total_limit=2, max_steps=11)
-    trainer.train()
-    best = safetensors.torch.load_file(os.path.join(trainer.state.best_model_checkpoint, "model.safetensors"))
-    for k, v in trainer.model.state_dict().items():
-        assert torch.allclose(v, best[k])
-    return {"listing": listing(out), "ab": ab(trainer), "state": state_of(trainer)}
-
-
 def test_save_strategy_best_with_memory_snapshots_writes_the_best_folders(tmp_path):
-    both(tmp_path, best_with_memory_snapshots)
+    both(tmp_path, best_with_save_best, 1)
 
 
 def test_save_strategy_best_keeps_the_memory_snapshots_of_steps_that_are_no_new_best(tmp_path):
