@@ -22,14 +22,15 @@ may run on, at most 4; 1 copies on the calling thread only).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Iterable, TypeVar
 
 from . import _stream_copy
 from ._options import env_count
 from ._stream_copy import stream_copy
 from ._workers import run_each
 
-__all__ = ["PARALLEL_MIN_BYTES", "Span", "copy_arrays", "copy_spans", "copy_threads", "split_ranges", "split_spans"]
+__all__ = ["PARALLEL_MIN_BYTES", "Span", "copy_arrays", "copy_spans", "copy_threads", "overlapping", "split_ranges",
+           "split_spans"]
 
 PARALLEL_MIN_BYTES = 16 << 20
 """Below this many bytes in all, one thread copies."""
@@ -37,6 +38,8 @@ PARALLEL_MIN_BYTES = 16 << 20
 _MAX_DEFAULT_THREADS = 4
 
 Pair = tuple[Any, Any]
+K = TypeVar("K")
+
 Span = tuple[int, int, int]
 """``(destination address, source address, bytes)`` of one contiguous copy."""
 
@@ -136,3 +139,16 @@ def copy_spans(spans: list[Span]) -> None:
     else:
         parts = split_spans(spans, threads)
         run_each(parts, _copy_span_group, len(parts))
+
+
+def overlapping(spans: Iterable[tuple[int, int, K]]) -> set[K]:
+    """The keys of the address spans ``(start, end, key)`` that share bytes with another
+    span, in whole or in part (one sweep in address order)."""
+    shared: set[K] = set()
+    furthest: tuple[int, K] | None = None  # of the spans so far, the one ending last
+    for start, end, key in sorted(spans, key=lambda span: (span[0], span[1])):
+        if furthest is not None and start < furthest[0]:
+            shared.update((key, furthest[1]))
+        if furthest is None or end > furthest[0]:
+            furthest = (end, key)
+    return shared

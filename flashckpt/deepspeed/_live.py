@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from deepspeed.utils import logger as ds_logger
 
+from .._copy import overlapping
 from .._shard_read import unflatten
 from .._tree import Places
 from ..torch._tensors import _DTYPES
@@ -110,12 +111,6 @@ def _own_bytes(candidates: dict[str, torch.Tensor], every: dict[str, torch.Tenso
                                      [])
             if path in candidates:
                 paths.append(path)
-    dropped: set[tuple[Any, ...]] = set()
-    furthest: tuple[Any, ...] | None = None  # of the spans so far, the one ending last
-    for span in sorted(spans, key=lambda v: (v[0], v[1])):
-        if furthest is not None and span[0] < furthest[1]:
-            dropped.update((span, furthest))
-        if furthest is None or span[1] > furthest[1]:
-            furthest = span
+    dropped = overlapping((span[0], span[1], span) for span in spans)
     return {path: candidates[path].detach() for span, paths in spans.items() if span not in dropped
             for path in paths if candidates[path].is_contiguous()}

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from .._copy import overlapping
 from .._errors import CheckpointError
 
 __all__ = ["BFLOAT16", "as_checkpoint", "as_stored", "bfloat16_keys", "build_optimizers", "check_bfloat16", "collect",
@@ -157,14 +158,7 @@ def without_shared_bytes(aliases: dict[str, np.ndarray | None]) -> dict[str, np.
     shares, in whole or in part: a load into one would write the other's values (TF backs
     a variable made from another, Keras' EMA copies and freshly initialised variables with
     one buffer until a write); those load through ``assign``, which copies on write."""
-    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes, key) for key, a in aliases.items() if a is not None)
-    shared: set[str] = set()
-    furthest: tuple[int, str] | None = None  # of the spans so far, the one ending last
-    for start, end, key in spans:
-        if furthest is not None and start < furthest[0]:
-            shared.update((key, furthest[1]))
-        if furthest is None or end > furthest[0]:
-            furthest = (end, key)
+    shared = overlapping((a.ctypes.data, a.ctypes.data + a.nbytes, key) for key, a in aliases.items() if a is not None)
     return {key: None if key in shared else a for key, a in aliases.items()}
 
 
