@@ -277,12 +277,13 @@ def _safetensors_name(parts: tuple) -> str:
 
 
 def _write_safetensors(state: dict[str, Any], step: int, out: str) -> None:
+    import numpy as np
     import torch
     tensors: dict[str, Any] = {}
     values: dict[str, Any] = {}
 
     def walk(obj: Any, parts: tuple) -> None:
-        if isinstance(obj, torch.Tensor) or (type(obj).__module__ == "numpy" and hasattr(obj, "shape")):
+        if isinstance(obj, (torch.Tensor, np.ndarray, np.generic)):
             tensors[_safetensors_name(parts)] = torch.as_tensor(obj)
         elif isinstance(obj, dict):
             for k, v in obj.items():
