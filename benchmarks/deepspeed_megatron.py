@@ -116,7 +116,7 @@ class PageCacheWrite:
 
 def captured_tensors(engine) -> list[torch.Tensor]:
     """The tensors of the newest flash save of ``engine`` (a flashckpt Engine)."""
-    from flashckpt._tree import flatten
+    from flashckpt.memory._tree import flatten
     return [leaf.obj for leaf in flatten(engine._bench_state, allow_pickle=True).leaves]
 
 

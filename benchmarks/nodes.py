@@ -20,7 +20,7 @@ with a private /dev/shm. What is measured, and against what:
   restoring from the peer's replica (``replicas=1``), from storage (``replicas=0``: steps 6
   and 7 are lost too), and a bare restart of the same job that loads nothing.
 - **node-local directories** (each node its own directory at the checkpoint path, see
-  ``flashckpt._node_local``): the save stall with storage every 5 steps, node-local against
+  ``flashckpt.replicas._node_local``): the save stall with storage every 5 steps, node-local against
   one shared directory (``stall_shared`` / ``stall_node_local``, both ``replicas=1``); and
   node loss -> training with node 1's directory wiped too (``recover_peer_node_local``),
   against ``recover_peer`` on a shared directory.
@@ -58,7 +58,7 @@ _NODE_LOCAL_RUNS = ("stall_shared", "stall_node_local", "recover_peer_node_local
 
 def role_receive(args: argparse.Namespace) -> None:
     """Node 1: the floor's TCP sink (``repeats`` streams) and a replica endpoint."""
-    from flashckpt._replica_service import ReplicaService
+    from flashckpt.replicas._service import ReplicaService
     service = ReplicaService("bench")
     service.configure(args.secret, "0.0.0.0", "node1", REPLICA_PORT)
     size = args.mib << 20
@@ -77,7 +77,7 @@ def role_receive(args: argparse.Namespace) -> None:
 
 def role_push(args: argparse.Namespace) -> None:
     """Node 0: alternately, one plain TCP stream and one replica push of the same bytes."""
-    from flashckpt._replica_service import ReplicaService
+    from flashckpt.replicas._service import ReplicaService
     from tests.checkpoint.test_replica import make_slot
     size = args.mib << 20
     payload = os.urandom(1 << 20) * args.mib
@@ -109,7 +109,7 @@ def role_train(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from flashckpt._replica_store import replica_index
+    from flashckpt.replicas._store import replica_index
     from flashckpt.torch import Checkpointer, init_process_group
     log = Path(args.dir) / f"events-{socket.gethostname()}-{os.getpid()}.jsonl"
 
@@ -206,7 +206,7 @@ def torchrun_job(nodes, shared: Path, train_args: list[str], *, lose_node1: bool
 
 
 def measure_throughput(nodes_cls, args: argparse.Namespace) -> dict:
-    from flashckpt._replica import new_secret
+    from flashckpt.replicas._protocol import new_secret
     secret = new_secret()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     common = ["--mib", str(args.mib), "--repeats", str(args.repeats), "--secret", secret]

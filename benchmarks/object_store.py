@@ -16,7 +16,7 @@ of one rank, and of ``--many`` ranks written by as many threads (as savers of th
 nodes would); load: what a load does to each whole shard (by as many threads):
 ``open_shard(..., whole=True)`` (a HEAD; the header's read brings the first 32 MiB
 chunk), every chunk read and every block verified
-(:class:`~flashckpt._shard_read.ShardReader`), one GET per chunk, into buffers allocated
+(:class:`~flashckpt.restore._shard_read.ShardReader`), one GET per chunk, into buffers allocated
 and touched beforehand (as a load copies into the model's existing tensors); and
 ``verify`` of the large one. Floor and flashckpt run in turn
 ``--repeats`` times: best MiB/s of each, the median of the paired ratios (flashckpt /
@@ -63,9 +63,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flashckpt._engine import new_token  # noqa: E402
-from flashckpt._format import plan_image  # noqa: E402
-from flashckpt._object_storage import CONCURRENCY, PART_BYTES, ObjectStorage  # noqa: E402
-from flashckpt._shard_read import open_shard  # noqa: E402
+from flashckpt.memory._format import plan_image  # noqa: E402
+from flashckpt.storage._object import CONCURRENCY, PART_BYTES, ObjectStorage  # noqa: E402
+from flashckpt.restore._shard_read import open_shard  # noqa: E402
 
 log = logging.getLogger("object_store")
 MiB = 1 << 20

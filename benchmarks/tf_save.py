@@ -7,7 +7,7 @@ Part 1, eager (Keras): a stack of Dense layers with about ``--params`` parameter
 state built (parameters + two moments). Timed, medians over repeats, methods interleaved:
 - floor: one ``np.copyto`` of every variable (through a view of its buffer) into a
   preallocated, already-touched shared-memory mapping: the memcpy floor; and the same
-  copies dealt out to as many threads as a save's copy uses (``flashckpt._copy``: the
+  copies dealt out to as many threads as a save's copy uses (``flashckpt.memory._copy``: the
   usable CPUs, at most 4), the floor for a save that uses the machine's bandwidth.
 - ``Checkpointer.save`` blocking time (steady state, persist on; ``--pairs`` saves per repeat,
   each right after a threaded floor copy, with the median of their paired ratios), ``save`` + ``wait``

@@ -47,12 +47,12 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ._reshard import LAYOUT_KEY, RangeReader, full_piece, path_key, plain_value, read_sources, source_of
-from ._shard_read import open_shard
-from ._storage_url import open_storage
+from .restore._reshard import LAYOUT_KEY, RangeReader, full_piece, path_key, plain_value, read_sources, source_of
+from .restore._shard_read import open_shard
+from .storage._url import open_storage
 
 if TYPE_CHECKING:
-    from ._storage_url import Storage
+    from .storage._url import Storage
 
 __all__ = ["Format", "convert", "convert_all", "rank_output"]
 
@@ -159,7 +159,7 @@ def _checked_step(storage: Storage, step: int | None) -> int:
 def _consolidate(storage: Storage, step: int, rank: int) -> dict[str, Any]:
     import torch  # noqa: F401
 
-    from ._tree import merge_into
+    from .memory._tree import merge_into
     from .torch import _tensors  # noqa: F401  (registers the torch tensor kind)
     if _has_layout(storage, step):
         sources = read_sources(storage, step)
@@ -309,7 +309,7 @@ def _jsonable(obj: Any) -> Any:
 
 
 def _write_image(out: str, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
-    from ._format import plan_image
+    from .memory._format import plan_image
     from .torch._tensors import DTYPE_NAMES
     contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     image = plan_image([(n, DTYPE_NAMES[t.dtype], tuple(t.shape)) for n, t in contiguous.items()], meta)
@@ -341,8 +341,8 @@ def _write_flashckpt(state: dict[str, Any], step: int, out: str) -> None:
     if "model" not in state:
         raise CheckpointError(f"a flashckpt output needs a 'model' entry; this state has {sorted(state)}")
     from ._engine import new_token
-    from ._format import plan_image
-    from ._tree import flatten
+    from .memory._format import plan_image
+    from .memory._tree import flatten
     from .torch import _tensors  # noqa: F401  (registers the torch tensor kind)
     records: dict[str, Any] = {}
 

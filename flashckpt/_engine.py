@@ -21,23 +21,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from . import _errors, _events, _names, _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
-from ._agreement import Agreement, Source, agree
-from ._client import SaverClient, saver_timeout
+from . import _errors, _events, _names
+from .memory import _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
+from .restore._agreement import Agreement, Source, agree
+from .saver._client import SaverClient, saver_timeout
 from ._errors import (CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError,
                       JobConflictError, StateMismatchError)
-from ._format import Entry, Image, parse_header, plan_image
-from ._node_local import NodeLocal, check_directory, write_scope
+from .memory._format import Entry, Image, parse_header, plan_image
+from .replicas._node_local import NodeLocal, check_directory, write_scope
 from ._options import Options
 from ._placement import (Collective, Placement, SingleProcess, new_token,  # noqa: F401  (re-exported)
                          next_line_token, place)
-from ._replica_engine import PeerReplicas
-from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
-from ._step_meta import line_key
-from ._storage import LocalStorage
-from ._storage_url import open_storage
-from ._shard_read import read_shard_into
-from ._tree import Flat, Merge, Places, TensorKind, flatten, kind_named, merge_into
+from .replicas._engine import PeerReplicas
+from .memory._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
+from .storage._step_meta import line_key
+from .storage._local import LocalStorage
+from .storage._url import open_storage
+from .restore._shard_read import read_shard_into
+from .memory._tree import Flat, Merge, Places, TensorKind, flatten, kind_named, merge_into
 
 __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHandle", "SingleProcess", "gc_paused",
            "place"]
@@ -101,7 +102,7 @@ class Engine:
         if placement.persists:
             self.storage.check_writable()
         self.node_local: NodeLocal | None = None
-        """Set when the nodes do not share the directory (see ``flashckpt._node_local``)."""
+        """Set when the nodes do not share the directory (see ``flashckpt.replicas._node_local``)."""
         if self.collective.world_size > 1 and isinstance(self.storage, LocalStorage):  # an object store is shared
             self.node_local = check_directory(self.storage.root, self.collective, placement,
                                               replicas=options.replicas)  # a collective call
@@ -116,7 +117,7 @@ class Engine:
         self._preparing: threading.Thread | None = None
         self._retired: list[Slot] = []
         self._locker: PageLocker | None = None
-        """Page-locks the slots when the state lives on a GPU (see :class:`flashckpt._slot.PageLocker`)."""
+        """Page-locks the slots when the state lives on a GPU (see :class:`flashckpt.memory._slot.PageLocker`)."""
         self._saves = 0
         self._closed = False
         self._branch: int | None = None
@@ -131,7 +132,7 @@ class Engine:
         own_slots = self._slot_paths if placement.writes_memory else []
         self._client = SaverClient(self.job_id, own_slots, self._info(None))
         self.replicas = PeerReplicas(self)
-        """Peer-memory replicas of this job (a collective at construction; see ``flashckpt._replica``)."""
+        """Peer-memory replicas of this job (a collective at construction; see ``flashckpt.replicas._protocol``)."""
         if self.node_local is not None:
             self.node_local.require_replicas(self)
 
@@ -230,7 +231,7 @@ class Engine:
         """Copy ``state`` into shared memory and, if due, have it persisted; returns a
         :class:`SaveHandle` to learn when it is on storage.
 
-        ``export`` (``{"name": ..., "params": {...}}``, see ``flashckpt._exporters``) has
+        ``export`` (``{"name": ..., "params": {...}}``, see ``flashckpt.saver._exporters``) has
         the saver also write the framework's own layout once this step is committed.
         """
         if self._closed:
@@ -394,7 +395,7 @@ class Engine:
 
     def agree(self, step: int | None = None) -> Agreement:
         """Agree with every rank on the step to load and its source (see
-        ``flashckpt._agreement``); fetches it from peer replicas where a node lacks it.
+        ``flashckpt.restore._agreement``); fetches it from peer replicas where a node lacks it.
         All ranks must call this."""
         return agree(self, step)
 
@@ -406,7 +407,7 @@ class Engine:
         (``agreement.fallbacks``) if the step is damaged. Starts this run's line there.
 
         ``places`` offers tensors to load into where ``state`` has no place (see
-        :func:`~flashckpt._tree.merge_into`); only a load from memory takes them, so they
+        :func:`~flashckpt.memory._tree.merge_into`); only a load from memory takes them, so they
         are written only by the step agreed on, never by a fallback."""
         start = time.perf_counter() if start is None else start
         self._prepared()

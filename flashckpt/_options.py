@@ -26,7 +26,7 @@ class Options:
     being written to storage. 1: half the memory; a save waits while storage reads the
     copy, and a crash during a save leaves only what storage holds."""
     replicas: int | None = None
-    """Peer-memory replicas (see ``flashckpt._replica``): 1 has each node's saver copy the
+    """Peer-memory replicas (see ``flashckpt.replicas._protocol``): 1 has each node's saver copy the
     node's newest complete step into the next node's memory, so a node lost whole restores
     from a survivor's memory; 0 turns them off. None (default): 1 when the job spans two or
     more nodes, else 0."""

@@ -4,7 +4,7 @@
 learns each rank's node (ranks that share a ``/dev/shm`` are one node), the run's token
 (rank 0 draws it; it keeps shards of different runs apart) and the run's replica secret.
 Whether the checkpoint directory is shared by the nodes is checked afterwards, on
-storage (``flashckpt._node_local``).
+storage (``flashckpt.replicas._node_local``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from . import _names
-from ._replica import new_secret
+from .replicas._protocol import new_secret
 
 __all__ = ["Collective", "Placement", "SingleProcess", "new_token", "next_line_token", "node_id", "place"]
 
@@ -60,7 +60,7 @@ class Placement:
 
 def new_token() -> str:
     """A run's token: unique, and ordered by the time the run started (its line, see
-    ``flashckpt._storage``)."""
+    ``flashckpt.storage._local``)."""
     return f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
 
 

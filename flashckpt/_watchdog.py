@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 
 from flashckpt._names import job_prefix, watchdog_log_path
-from flashckpt._slot import pid_alive
+from flashckpt.memory._slot import pid_alive
 
 __all__ = [
     "Policy",

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING
 
 from . import _names
 from ._errors import CheckpointError, CheckpointNotFoundError
-from ._persist import persist_slot, unpersisted_slots
-from ._slot import Slot, SlotState, pid_alive
-from ._storage import LocalStorage
-from ._storage_url import open_storage
+from .saver._persist import persist_slot, unpersisted_slots
+from .memory._slot import Slot, SlotState, pid_alive
+from .storage._local import LocalStorage
+from .storage._url import open_storage
 
 if TYPE_CHECKING:
-    from ._storage_url import Storage
+    from .storage._url import Storage
 
 __all__ = ["main"]
 

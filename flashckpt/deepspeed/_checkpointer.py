@@ -13,10 +13,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._agreement import Agreement, Source
+from ..restore._agreement import Agreement, Source
 from .._errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
-from .._shard_read import open_shard
-from .._tree import Places
+from ..restore._shard_read import open_shard
+from ..memory._tree import Places
 from ..torch import Checkpointer
 from . import _objects
 from ._engine import FlashCheckpointEngine

@@ -1,6 +1,6 @@
 """Write DeepSpeed's own checkpoint layout from a committed flashckpt step.
 
-Runs in the node's saver process after the step commits (see ``flashckpt._exporters``),
+Runs in the node's saver process after the step commits (see ``flashckpt.saver._exporters``),
 never in the trainer. Each rank's committed shard holds
 ``{"deepspeed": {"tag", "save_dir", "files": {relative path: state dict}}}``; every
 state dict is written with ``torch.save`` to ``<save_dir>/<relative path>`` exactly as
@@ -21,9 +21,9 @@ import shutil
 from typing import Any, Iterable
 
 from .._errors import CheckpointError
-from .._exporters import ImageHold
-from .._files import fsync_dir, write_atomic
-from .._storage import LocalStorage
+from ..saver._exporters import ImageHold
+from ..storage._files import fsync_dir, write_atomic
+from ..storage._local import LocalStorage
 from ..torch._image_views import step_trees, unpickler
 from . import _objects
 

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from deepspeed.utils import logger as ds_logger
 
-from .._copy import overlapping
-from .._shard_read import unflatten
-from .._tree import Places
+from ..memory._copy import overlapping
+from ..restore._shard_read import unflatten
+from ..memory._tree import Places
 from ..torch._tensors import _DTYPES
 from . import _objects
 from ._engine import FlashCheckpointEngine

@@ -22,7 +22,7 @@ How resuming prefers memory
     folder before any training callback runs, and derives the data position from it,
     so memory cannot be swapped in later. Instead, at ``on_init_end`` (the Trainer's
     constructor, on every rank) the callback runs the one load agreement every adapter
-    uses (``flashckpt._agreement.agree``: memory on this node or a peer node's replica,
+    uses (``flashckpt.restore._agreement.agree``: memory on this node or a peer node's replica,
     else the newest committed step; one answer on every rank, any rank's error raised on
     all) and compares its step with the newest folder; when the agreed step is newer it
     writes that step's folder now, so the folder the stock Trainer then picks is that
@@ -117,10 +117,10 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 
 from .. import _events
-from .._agreement import Source
+from ..restore._agreement import Source
 from .._options import Options, check_memory_slots
 from .._errors import CheckpointError
-from .._files import write_atomic
+from ..storage._files import write_atomic
 from ..torch import Checkpointer
 from . import _deepspeed, _export
 from ._capture import capture_main_state, capture_rank_state, write_static_files

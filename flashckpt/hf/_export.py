@@ -1,6 +1,6 @@
 """The Hugging Face exporter: a committed flashckpt step -> ``checkpoint-<N>``.
 
-Runs in the saver process (``flashckpt._exporters`` calls :func:`export` after the
+Runs in the saver process (``flashckpt.saver._exporters`` calls :func:`export` after the
 step commits), never in the trainer. It reads the state without copying it (every
 tensor is a view with a storage of its own, so ``torch.save`` and ``safetensors``
 write exactly the original bytes): the image the saver just persisted, still held in
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
-from .._exporters import ImageHold
-from .._files import fsync_dir
-from .._storage import LocalStorage
+from ..saver._exporters import ImageHold
+from ..storage._files import fsync_dir
+from ..storage._local import LocalStorage
 from ..torch._image_views import step_trees, unpickler
 from . import _deepspeed
 

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from .. import _events, _names
-from .._agreement import Source
+from ..restore._agreement import Source
 from .._errors import CheckpointError, StateMismatchError
-from .._reshard import Fill, Piece, Source as SavedShard, byte_shape, close_sources, read_sources, source_of
-from .._shard_read import MemoryImage, ShardReader
-from .._slot import HEADER_SIZE, Slot, SlotState
+from ..restore._reshard import Fill, Piece, Source as SavedShard, byte_shape, close_sources, read_sources, source_of
+from ..restore._shard_read import MemoryImage, ShardReader
+from ..memory._slot import HEADER_SIZE, Slot, SlotState
 from ..torch import Checkpointer
 from ..torch._tensors import DTYPE_NAMES, host_byte_array
 from ._reader import BYTESIO, StepReader

@@ -4,12 +4,12 @@ Each saved rank's tree is ``{"megatron": {"layout": "[...]", "data": [...], "obj
 "common": ...}}`` (see ``_checkpointer``): the main-replica local blocks of each
 ``ShardedTensor``, their keys and global offsets as one JSON string. A :class:`StepReader`
 indexes every rank's shard header (without reading bodies) as a
-:class:`flashckpt._reshard.Source` whose blocks are those pieces, and fills all requested
-blocks with one :meth:`~flashckpt._reshard.RangeReader.fill_many`: the byte ranges they
+:class:`flashckpt.restore._reshard.Source` whose blocks are those pieces, and fills all requested
+blocks with one :meth:`~flashckpt.restore._reshard.RangeReader.fill_many`: the byte ranges they
 need, merged per shard and read on several threads straight into the model's tensors.
 Sources are the committed shards (the blocks read verified) or, for a restart with the same
 layout, the shared-memory images of this node's ranks
-(:class:`~flashckpt._shard_read.MemoryImage`).
+(:class:`~flashckpt.restore._shard_read.MemoryImage`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from .._format import Entry
-from .._reshard import Fill, Piece, RangeReader, Source, close_sources
-from .._shard_read import unflatten
+from ..memory._format import Entry
+from ..restore._reshard import Fill, Piece, RangeReader, Source, close_sources
+from ..restore._shard_read import unflatten
 from ..torch._tensors import DTYPE_NAMES
 
 __all__ = ["BYTESIO", "StepReader"]

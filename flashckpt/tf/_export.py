@@ -2,7 +2,7 @@
 
 Runs in the trainer (``Checkpointer.export``) or in the node's saver process after a
 step commits (``save(..., export=True)``; allow-listed as "tf" in
-``flashckpt._exporters``). Reads the image the saver just persisted, still held in shared
+``flashckpt.saver._exporters``). Reads the image the saver just persisted, still held in shared
 memory, or else the committed safetensors shard (checksum verified), and writes its
 variables under their own checkpoint keys with ``SaveV2`` plus the object graph proto that
 ``tf.train.Checkpoint.restore`` matches objects by, and the ``checkpoint`` state file that
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._errors import CheckpointError
-from .._format import Image, parse_header
-from .._numpy_kind import _DTYPES
-from .._shard_read import open_shard
-from .._storage import LocalStorage
+from ..memory._format import Image, parse_header
+from ..memory._numpy_kind import _DTYPES
+from ..restore._shard_read import open_shard
+from ..storage._local import LocalStorage
 
 if TYPE_CHECKING:
-    from .._exporters import ImageHold
+    from ..saver._exporters import ImageHold
 
 __all__ = ["export", "read_step", "write_tf_checkpoint"]
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from .._copy import overlapping
+from ..memory._copy import overlapping
 from .._errors import CheckpointError
 
 __all__ = ["BFLOAT16", "as_checkpoint", "as_stored", "bfloat16_keys", "build_optimizers", "check_bfloat16", "collect",

@@ -4,7 +4,7 @@ Each rank saves only its local shards: ``get_state_dict`` with sharded options g
 DTensors (FSDP2) or ShardedTensors (FSDP1); their local tensors go into the state tree
 as plain tensors, and this rank's *layout* (every tensor's global shape and the piece
 this rank holds) goes next to them as one JSON string under
-:data:`flashckpt._reshard.LAYOUT_KEY`, so the engine stores it in the shard's header
+:data:`flashckpt.restore._reshard.LAYOUT_KEY`, so the engine stores it in the shard's header
 without knowing about sharding.
 
 Loading with the same layout goes through the engine: from memory when every rank
@@ -12,7 +12,7 @@ holds the step, else from storage with checksums, in place into the local tensor
 (FSDP2's state-dict tensors are the live parameters and optimizer states, so nothing
 else is copied; FSDP1's are copies and are handed to ``set_state_dict``). Loading with
 another world size or mesh reads every committed shard's header and then only the byte
-ranges that overlap this rank's new pieces (see :mod:`flashckpt._reshard`); such a
+ranges that overlap this rank's new pieces (see :mod:`flashckpt.restore._reshard`); such a
 load checks every shard's size and header but not its whole-file checksum (that would
 read every byte of every shard) -- ``flashckpt convert`` and ``LocalStorage.verify`` do.
 
@@ -38,9 +38,9 @@ from .. import _events
 from .._base import EngineCheckpointer
 from .._engine import Engine, LoadInfo, Options, SaveHandle, gc_paused, place
 from .._errors import CheckpointError, StateMismatchError
-from .._reshard import (LAYOUT_KEY, Fill, Piece, RangeReader, path_key, read_header, read_layout, read_sources,
+from ..restore._reshard import (LAYOUT_KEY, Fill, Piece, RangeReader, path_key, read_header, read_layout, read_sources,
                         skeleton_child)
-from .._tree import merge_into
+from ..memory._tree import merge_into
 from ._checkpointer import collective_for
 from ._tensors import DTYPE_NAMES, host_byte_array
 

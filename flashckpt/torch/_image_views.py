@@ -22,14 +22,14 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointError
-from .._format import Image, parse_header
-from .._numpy_kind import _DTYPES as _NUMPY_DTYPES
-from .._shard_read import ShardReader, open_shard, unflatten
+from ..memory._format import Image, parse_header
+from ..memory._numpy_kind import _DTYPES as _NUMPY_DTYPES
+from ..restore._shard_read import ShardReader, open_shard, unflatten
 from ._tensors import _DTYPES as _TORCH_DTYPES
 
 if TYPE_CHECKING:
-    from .._exporters import ImageHold
-    from .._storage import LocalStorage
+    from ..saver._exporters import ImageHold
+    from ..storage._local import LocalStorage
 
 __all__ = ["image_tree", "memory_tree", "read_shard", "step_trees", "unpickler"]
 

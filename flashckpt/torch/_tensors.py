@@ -1,7 +1,7 @@
 """torch tensors as checkpoint tensors: dtype names, zero-copy views of shared memory,
 batched copies, page-locked shared memory for CUDA copies.
 
-Host copies of contiguous tensors go through :func:`flashckpt._copy.copy_spans` as
+Host copies of contiguous tensors go through :func:`flashckpt.memory._copy.copy_spans` as
 plain bytes (streaming stores or ``memmove``, on a few threads), not through
 ``Tensor.copy_``: a slot packs
 tensors back to back, as safetensors requires, so after AdamW's 4-byte ``step`` scalars
@@ -23,10 +23,10 @@ from typing import Any, Hashable
 import torch
 from torch.autograd.graph import increment_version
 
-from .._copy import Span, copy_spans
+from ..memory._copy import Span, copy_spans
 from .._errors import CheckpointError
-from .._format import Entry
-from .._tree import register_kind
+from ..memory._format import Entry
+from ..memory._tree import register_kind
 
 __all__ = ["TorchKind", "DTYPE_NAMES", "host_byte_array"]
 

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from flashckpt import _names
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 
 from .._fork import Forked
 from .test_ckpt_crash import saver_pids

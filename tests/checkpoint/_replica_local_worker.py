@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from flashckpt import CheckpointError
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 from flashckpt.torch import Checkpointer, DdpCheckpointer
 from tests.checkpoint._replica_node import finish, load_and_report, wait_for_replica
 from tests._exit import exit_now

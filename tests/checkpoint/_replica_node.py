@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from flashckpt._replica_store import replica_index
+from flashckpt.replicas._store import replica_index
 
 
 def wait_for_replica(engine, job_id: str, step: int) -> list:

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from flashckpt._replica_store import replica_index
+from flashckpt.replicas._store import replica_index
 from flashckpt.torch import Checkpointer
 from tests.checkpoint._replica_node import load_and_report
 from tests._exit import exit_now

@@ -65,7 +65,7 @@ def test_persist_rescues_a_dead_job_and_gc_cleans_up(tmp_path, job_id):
 _DEAD_JOB = textwrap.dedent("""
     import sys
     from flashckpt import _names
-    from flashckpt._slot import Slot, SlotState, mark_writing
+    from flashckpt.memory._slot import Slot, SlotState, mark_writing
     slot = Slot.open(_names.slot_path(sys.argv[1], 0, 0), writable=True, create=True)
     slot.ensure_capacity(64)
     header = mark_writing(slot, 3, 64, {"persist": True, "directory": sys.argv[2], "token": "t0",
@@ -122,9 +122,9 @@ def per_rank_checkpoint(directory, step: int, states: list) -> None:
     """A committed step whose every rank saved its own state (no sharded layout), as
     flashckpt.torch.Checkpointer writes one under a 2-rank process group."""
     from flashckpt._engine import new_token
-    from flashckpt._format import plan_image
-    from flashckpt._storage import LocalStorage
-    from flashckpt._tree import flatten
+    from flashckpt.memory._format import plan_image
+    from flashckpt.storage._local import LocalStorage
+    from flashckpt.memory._tree import flatten
     from flashckpt.torch import _tensors  # noqa: F401
     storage = LocalStorage(directory)
     storage.check_writable()
@@ -209,7 +209,7 @@ def test_convert_writes_every_rank_of_a_per_rank_checkpoint(tmp_path):
 
 def test_convert_from_dcp_keeps_its_step(tmp_path, job_id):
     import torch.distributed.checkpoint as dcp
-    from flashckpt._storage import LocalStorage
+    from flashckpt.storage._local import LocalStorage
     dcp.save({"model": {"w": torch.arange(4.0)}, "step": 7}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     out = flashckpt("convert", str(tmp_path / "dcp"), str(tmp_path / "flash"), "--from", "dcp", "--to", "flashckpt")
     assert out.returncode == 0, out.stderr

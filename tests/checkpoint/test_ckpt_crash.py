@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 from flashckpt.torch import Checkpointer
 
 from .._fork import Forked
@@ -43,7 +43,7 @@ def wait_for_line(proc: Forked, prefix: str, timeout: float = 60.0) -> str:
 
 
 def saver_pids(job: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"flashckpt._saver --job-id {job}"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", f"flashckpt.saver._saver --job-id {job}"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 

@@ -10,7 +10,7 @@ import torch
 
 from flashckpt import CheckpointError
 from flashckpt._names import job_prefix
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 from flashckpt.torch import Checkpointer
 
 from .conftest import small_tmpfs

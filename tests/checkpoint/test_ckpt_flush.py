@@ -11,7 +11,7 @@ import signal
 import torch
 
 from flashckpt._engine import Engine, Options, Placement, new_token
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 from flashckpt.torch import _tensors  # noqa: F401  (registers torch tensors as leaves)
 
 

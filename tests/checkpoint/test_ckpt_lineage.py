@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 from flashckpt.torch import Checkpointer, DdpCheckpointer
 
 

@@ -2,7 +2,7 @@
 
 Each scenario runs the trainer as a subprocess that reports on stdout, so a hang is a
 bounded wait that fails with the trainer's stacks (faulthandler), never a stuck suite.
-The saver is found as ``python -m flashckpt._saver --job-id JOB`` (``saver_pids``).
+The saver is found as ``python -m flashckpt.saver._saver --job-id JOB`` (``saver_pids``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from flashckpt import _names
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 from flashckpt.torch import Checkpointer
 
 from .test_ckpt_crash import saver_pids

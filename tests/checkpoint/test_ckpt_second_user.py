@@ -26,8 +26,8 @@ import time
 import pytest
 
 from flashckpt import _names
-from flashckpt._slot import RankLock, Slot
-from flashckpt._storage import LocalStorage
+from flashckpt.memory._slot import RankLock, Slot
+from flashckpt.storage._local import LocalStorage
 
 from .test_ckpt_crash import saver_pids
 from .test_ckpt_liveness import Script, cleanup

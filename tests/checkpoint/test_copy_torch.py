@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashckpt import CheckpointError, _copy
-from flashckpt._format import Entry
+from flashckpt.memory._format import Entry
 from flashckpt.torch._tensors import TorchKind
 
 from .test_ckpt_copy import spy_threads

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 
 from ._campaign import campaign_seed, run_campaign
 from .test_ckpt_crash import saver_pids

@@ -10,12 +10,12 @@ import sys
 import threading
 
 from flashckpt import _exporters, _names, _persist, _saver
-from flashckpt._exporters import Export, ExportQueue
-from flashckpt._persist import PersistResult
-from flashckpt._saver import Saver
-from flashckpt._saver_jobs import Job
-from flashckpt._slot import Slot, SlotState, mark_writing
-from flashckpt._storage import LocalStorage
+from flashckpt.saver._exporters import Export, ExportQueue
+from flashckpt.saver._persist import PersistResult
+from flashckpt.saver._saver import Saver
+from flashckpt.saver._jobs import Job
+from flashckpt.memory._slot import Slot, SlotState, mark_writing
+from flashckpt.storage._local import LocalStorage
 
 from .test_storage_lineage import commit, image, token
 
@@ -161,7 +161,7 @@ def write_slot(step: int, data: bytes) -> str:
 _KILLED_MID_EXPORT = """
 import json, os, signal, sys
 from flashckpt import _persist
-from flashckpt._exporters import ExportQueue
+from flashckpt.saver._exporters import ExportQueue
 def die_mid_file(path):
     with open(path, "wb") as f:
         f.write(b"half")

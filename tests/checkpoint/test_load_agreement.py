@@ -1,4 +1,4 @@
-"""The one load agreement (``flashckpt._agreement``, issue 21 item 4): a rank that fails
+"""The one load agreement (``flashckpt.restore._agreement``, issue 21 item 4): a rank that fails
 while looking for checkpoints fails every rank with the same error naming it, rather than
 leaving the others waiting in the agreement's collective."""
 

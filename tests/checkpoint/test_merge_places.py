@@ -3,7 +3,7 @@ for its path only when that tensor fits it exactly and no other entry takes it."
 
 import torch
 
-from flashckpt._tree import flatten, merge_into
+from flashckpt.memory._tree import flatten, merge_into
 from flashckpt.torch import _tensors  # noqa: F401  (registers the torch kind)
 
 

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashckpt._agreement import Source
+from flashckpt.restore._agreement import Source
 from flashckpt._errors import CheckpointNotFoundError
-from flashckpt._node_local_load import agree_node_local
+from flashckpt.restore._node_local import agree_node_local
 
 LINE = "0000000000001000abcdef01"
 K4, K5, K6 = ((LINE, s) for s in (4, 5, 6))

@@ -3,9 +3,9 @@ the same number is not this run's step (issue 22, node-local directories)."""
 
 from types import SimpleNamespace
 
-from flashckpt._node_local import NodeLocal, write_scope
-from flashckpt._step_meta import line_key
-from flashckpt._storage import LocalStorage
+from flashckpt.replicas._node_local import NodeLocal, write_scope
+from flashckpt.storage._step_meta import line_key
+from flashckpt.storage._local import LocalStorage
 
 from .test_storage_lineage import commit, token
 

@@ -14,8 +14,8 @@ import signal
 import time
 
 from flashckpt import _names
-from flashckpt._client import SaverClient, _lock_holder
-from flashckpt._slot import pid_alive
+from flashckpt.saver._client import SaverClient, _lock_holder
+from flashckpt.memory._slot import pid_alive
 
 
 def _until(condition, what: str, seconds: float = 30) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from flashckpt import _exporters, _names, _persist
 from flashckpt._errors import CheckpointError
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 
 from .test_export_hold import _one_slot
 from .test_storage_lineage import commit, image, token

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashckpt import CorruptCheckpointError
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 from flashckpt.torch import Checkpointer
 
 _libc = ctypes.CDLL(None, use_errno=True)

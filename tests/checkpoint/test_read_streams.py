@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-import flashckpt._shard_read as shard_read
-from flashckpt._shard_read import read_streams, run_chunks
-from flashckpt._storage import LocalStorage
+import flashckpt.restore._shard_read as shard_read
+from flashckpt.restore._shard_read import read_streams, run_chunks
+from flashckpt.storage._local import LocalStorage
 
 pytestmark = pytest.mark.timeout(60)
 

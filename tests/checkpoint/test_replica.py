@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from flashckpt import _names
-from flashckpt._replica import (ReplicaError, accept_peer, connect_peer, fetch, new_secret, recv_message,
+from flashckpt.replicas._protocol import (ReplicaError, accept_peer, connect_peer, fetch, new_secret, recv_message,
                                 send_message)
-from flashckpt._replica_service import ReplicaService
-from flashckpt._replica_store import replica_index
-from flashckpt._slot import HEADER_SIZE, RankLock, Slot, SlotState, mark_writing
+from flashckpt.replicas._service import ReplicaService
+from flashckpt.replicas._store import replica_index
+from flashckpt.memory._slot import HEADER_SIZE, RankLock, Slot, SlotState, mark_writing
 from flashckpt.torch import Checkpointer
 
 from .test_ckpt_crash import saver_pids

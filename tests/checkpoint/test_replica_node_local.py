@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from flashckpt._node_local_load import choose, lacking
+from flashckpt.restore._node_local import choose, lacking
 
 from ._dist import free_port
 from ._replica_node import reports

@@ -3,8 +3,8 @@
 
 import threading
 
-from flashckpt._saver import Saver
-from flashckpt._saver_jobs import Job
+from flashckpt.saver._saver import Saver
+from flashckpt.saver._jobs import Job
 
 
 class _Trainer:

@@ -16,9 +16,9 @@ import time
 import pytest
 
 from flashckpt import _names
-from flashckpt._saver import PROTOCOL, Saver
-from flashckpt._slot import pid_alive
-from flashckpt._storage import LocalStorage
+from flashckpt.saver._saver import PROTOCOL, Saver
+from flashckpt.memory._slot import pid_alive
+from flashckpt.storage._local import LocalStorage
 
 _TRAINER = """
 import json, socket, sys
@@ -90,7 +90,7 @@ def test_a_save_asked_to_persist_that_no_saver_heard_of_is_persisted_beside_a_ne
     os.kill(old_saver, 9)
     _until(lambda: not pid_alive(old_saver), "the old saver is gone")
     try:
-        subprocess.run([sys.executable, "-m", "flashckpt._saver", "--job-id", job_id, "--linger-seconds", "0.5"],
+        subprocess.run([sys.executable, "-m", "flashckpt.saver._saver", "--job-id", job_id, "--linger-seconds", "0.5"],
                        timeout=120, check=True)
         assert LocalStorage(str(tmp_path)).committed_steps() == [6, 8]
     finally:

@@ -21,9 +21,9 @@ import torch
 from flashckpt import _names
 from flashckpt._engine import Engine, Options, Placement, new_token
 from flashckpt._errors import CheckpointError
-from flashckpt._saver_jobs import Job, Jobs
-from flashckpt._slot import RankLock
-from flashckpt._storage import LocalStorage
+from flashckpt.saver._jobs import Job, Jobs
+from flashckpt.memory._slot import RankLock
+from flashckpt.storage._local import LocalStorage
 from flashckpt.torch import _tensors  # noqa: F401  (registers torch tensors as leaves)
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from flashckpt._errors import CorruptCheckpointError
-from flashckpt._shard_read import _resident_pages, open_shard
-from flashckpt._storage import LocalStorage
+from flashckpt.restore._shard_read import _resident_pages, open_shard
+from flashckpt.storage._local import LocalStorage
 from flashckpt.torch._image_views import read_shard, unpickler
 
 from .test_storage_lineage import image, token

@@ -7,13 +7,13 @@ import os
 import pytest
 import torch
 
-import flashckpt._shard_read as shard_read
-import flashckpt._storage as storage_mod
+import flashckpt.restore._shard_read as shard_read
+import flashckpt.storage._local as storage_mod
 from flashckpt import CorruptCheckpointError
-from flashckpt._format import plan_image
-from flashckpt._shard_read import open_shard, read_shard_into
-from flashckpt._storage import LocalStorage
-from flashckpt._tree import flatten, merge_into
+from flashckpt.memory._format import plan_image
+from flashckpt.restore._shard_read import open_shard, read_shard_into
+from flashckpt.storage._local import LocalStorage
+from flashckpt.memory._tree import flatten, merge_into
 from flashckpt.torch import _tensors  # noqa: F401  (registers the torch kind)
 
 from .test_storage_lineage import token
@@ -206,7 +206,7 @@ def test_a_damaged_block_names_the_file_and_bytes_and_applies_no_plain_value(com
 
 class BytesShard:
     """A shard that is not a local file: ``name``, ``size``, positional ``preadv``, as an
-    object store's shard (``flashckpt._object_storage.ObjectShard``) reads."""
+    object store's shard (``flashckpt.storage._object.ObjectShard``) reads."""
 
     def __init__(self, path: str) -> None:
         with open(path, "rb") as f:

@@ -18,7 +18,7 @@ import pytest
 
 from flashckpt import _files
 from flashckpt._errors import CheckpointError
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 
 from .test_storage_lineage import REPO, image, token
 
@@ -41,10 +41,10 @@ def test_a_rewrite_that_fails_half_way_leaves_the_durable_shard(tmp_path, monkey
         os.close(fd)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("flashckpt._storage.write_durable", full_disk)
+    monkeypatch.setattr("flashckpt.storage._local.write_durable", full_disk)
     with pytest.raises(CheckpointError, match="No space left"):
         storage.write_shard(4, 0, tok, image(4, tok))
-    monkeypatch.setattr("flashckpt._storage.write_durable", _files.write_durable)
+    monkeypatch.setattr("flashckpt.storage._local.write_durable", _files.write_durable)
     _commit_and_check(storage, tok)
 
 
@@ -54,7 +54,7 @@ def test_a_rewrite_killed_half_way_leaves_the_durable_shard(tmp_path):
     rewrite = textwrap.dedent(f"""
         import os, signal
         from flashckpt import _files
-        from flashckpt._storage import LocalStorage
+        from flashckpt.storage._local import LocalStorage
         from tests.checkpoint.test_storage_lineage import image
 
         real_write = os.write
@@ -76,7 +76,7 @@ def test_a_first_write_whose_marker_fails_leaves_no_shard_behind(tmp_path, monke
     def full_disk(path: str, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("flashckpt._storage.write_atomic", full_disk)
+    monkeypatch.setattr("flashckpt.storage._local.write_atomic", full_disk)
     with pytest.raises(CheckpointError, match="No space left"):
         storage.write_shard(4, 0, tok, image(4, tok, 1 << 20))
     assert os.listdir(tmp_path) == []  # no shard without its marker holding the disk
@@ -93,7 +93,7 @@ def test_a_rewrite_whose_marker_fails_leaves_no_marker_of_other_bytes(tmp_path, 
     def full_disk(path: str, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("flashckpt._storage.write_atomic", full_disk)
+    monkeypatch.setattr("flashckpt.storage._local.write_atomic", full_disk)
     with pytest.raises(CheckpointError, match="No space left"):
         storage.write_shard(4, 0, tok, image(4, tok))
     pending = tmp_path / f"step-4.tmp-{tok}"

@@ -12,7 +12,7 @@ import pytest
 
 from flashckpt import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, JobConflictError, \
     UnsafeFileError
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 
 from .conftest import small_tmpfs
 from .test_storage_lineage import A, B, commit, image
@@ -239,7 +239,7 @@ def test_a_shard_of_another_run_is_refused_at_write(tmp_path):
 
 CLAIM = """
 import sys, time
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 LocalStorage(sys.argv[1]).claim_run(sys.argv[2])
 print("claimed", flush=True)
 time.sleep(60)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flashckpt._format import plan_image
+from flashckpt.memory._format import plan_image
 from flashckpt._errors import CheckpointNotFoundError
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,7 +156,7 @@ def test_retention_deletes_after_the_commit_lock_is_released(tmp_path, monkeypat
     import fcntl
     import shutil
 
-    import flashckpt._storage as storage_module
+    import flashckpt.storage._local as storage_module
 
     lock_path = tmp_path / ".commit.lock"
     seen: list[tuple[str, bool]] = []
@@ -194,7 +194,7 @@ def test_a_step_an_exporter_holds_is_retired_only_by_a_later_commit(tmp_path):
     hold = storage.hold_step(1)
     other = subprocess.run(
         [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from tests.checkpoint.test_storage_lineage "
-         "import commit; from flashckpt._storage import LocalStorage; "
+         "import commit; from flashckpt.storage._local import LocalStorage; "
          "assert commit(LocalStorage(sys.argv[2]), 2, sys.argv[3], branch=0, keep_last=1)", str(REPO), str(tmp_path), B],
         capture_output=True, text=True, timeout=60)
     assert other.returncode == 0, other.stderr

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from flashckpt import _workers
-from flashckpt._shard_read import run_chunks
+from flashckpt.restore._shard_read import run_chunks
 
 
 def on_distinct_threads(count: int):

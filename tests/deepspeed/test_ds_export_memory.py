@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from flashckpt import _names
-from flashckpt._slot import Slot, SlotState, pid_alive
-from flashckpt._storage import LocalStorage
+from flashckpt.memory._slot import Slot, SlotState, pid_alive
+from flashckpt.storage._local import LocalStorage
 from flashckpt.deepspeed import _export
 from flashckpt.torch import Checkpointer, _image_views
 

@@ -26,7 +26,7 @@ def _params(engine) -> dict:
 def _rollback(rank, world, directory, job):
     import deepspeed
     import torch
-    from flashckpt._storage import LocalStorage
+    from flashckpt.storage._local import LocalStorage
     from flashckpt.deepspeed import DeepSpeedCheckpointer
 
     os.environ["LOCAL_RANK"] = str(rank)

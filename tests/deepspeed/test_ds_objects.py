@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashckpt import CorruptCheckpointError
-from flashckpt._tree import flatten
+from flashckpt.memory._tree import flatten
 from flashckpt.deepspeed import _objects
 
 

@@ -9,11 +9,11 @@ import torch
 
 from flashckpt import CorruptCheckpointError
 from flashckpt._engine import new_token
-from flashckpt._format import plan_image
-from flashckpt._reshard import (LAYOUT_KEY, Piece, RangeReader, _contiguous_range, byte_shape, chunk_pieces,
+from flashckpt.memory._format import plan_image
+from flashckpt.restore._reshard import (LAYOUT_KEY, Piece, RangeReader, _contiguous_range, byte_shape, chunk_pieces,
                                 path_key, read_sources)
-from flashckpt._storage import LocalStorage
-from flashckpt._tree import flatten
+from flashckpt.storage._local import LocalStorage
+from flashckpt.memory._tree import flatten
 from flashckpt.torch import _tensors  # noqa: F401
 from flashckpt.torch._tensors import host_byte_array as _host_bytes
 
@@ -121,7 +121,7 @@ def test_numpy_views_are_bytes():
 def test_ranged_reads_verify_only_the_blocks_they_touch(tmp_path, monkeypatch):
     """A flipped byte in a block a resharded load reads is a checksum error naming the
     file; one in a block it does not read costs nothing (no whole-file read)."""
-    monkeypatch.setattr("flashckpt._storage.BLOCK_SIZE", 4096)
+    monkeypatch.setattr("flashckpt.storage._local.BLOCK_SIZE", 4096)
     full = torch.arange(16384.0).reshape(4096, 4)  # 64 KiB: 16 blocks of 4 KiB
     storage = _write_step(tmp_path, {0: {"w": (full, Piece((0, 0), (4096, 4)), (4096, 4))}})
     path, record = storage.shard_path(1, 0)

@@ -17,7 +17,7 @@ def _steps(directory: str) -> list[int]:
 
 
 def _rollback(rank: int, world: int, directory: str, job: str) -> None:
-    from flashckpt._storage import LocalStorage
+    from flashckpt.storage._local import LocalStorage
     from flashckpt.torch import FsdpCheckpointer
 
     storage = LocalStorage(directory)

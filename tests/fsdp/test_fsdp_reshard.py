@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from flashckpt._reshard import chunk_pieces, read_sources
-from flashckpt._storage import LocalStorage
+from flashckpt.restore._reshard import chunk_pieces, read_sources
+from flashckpt.storage._local import LocalStorage
 
 from .conftest import assert_ok
 

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-import flashckpt._shard_read as shard_read
+import flashckpt.restore._shard_read as shard_read
 from flashckpt import CorruptCheckpointError
-from flashckpt._reshard import Fill, Piece, RangeReader, chunk_pieces, path_key, read_sources
+from flashckpt.restore._reshard import Fill, Piece, RangeReader, chunk_pieces, path_key, read_sources
 from flashckpt.torch import _tensors
 from flashckpt.torch._tensors import host_byte_array as _host_bytes
 
@@ -24,7 +24,7 @@ SHAPE = (301, 40)  # 47 KiB of float32: a dozen blocks a tensor
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    monkeypatch.setattr("flashckpt._storage.BLOCK_SIZE", BLOCK)
+    monkeypatch.setattr("flashckpt.storage._local.BLOCK_SIZE", BLOCK)
     monkeypatch.setattr(shard_read, "CHUNK_BYTES", 3 * BLOCK)
 
 

@@ -13,9 +13,9 @@ import threading
 import pytest
 
 from flashckpt import _names, _persist
-from flashckpt._exporters import ExportQueue
-from flashckpt._slot import Slot, SlotState, pid_alive
-from flashckpt._storage import LocalStorage
+from flashckpt.saver._exporters import ExportQueue
+from flashckpt.memory._slot import Slot, SlotState, pid_alive
+from flashckpt.storage._local import LocalStorage
 from flashckpt.hf import FlashCheckpointCallback, _callback, _export
 from flashckpt.torch import _image_views
 
@@ -160,7 +160,7 @@ def test_the_held_slot_is_not_taken_by_the_next_saves(committed, tmp_path, monke
 
 
 class _Hold:
-    """An image held for an export (``flashckpt._persist.SlotHold``), as the queue sees it."""
+    """An image held for an export (``flashckpt.saver._persist.SlotHold``), as the queue sees it."""
 
     def __init__(self, rank: int = 0) -> None:
         self.rank, self.released = rank, threading.Event()
@@ -234,7 +234,7 @@ def test_a_new_saver_exports_a_trainer_step_without_importing_deepspeed(committe
 
 _WARM_A_NEW_SAVER = """
 import sys, time
-from flashckpt._exporters import ExportQueue
+from flashckpt.saver._exporters import ExportQueue
 ExportQueue().warm({"name": "hf"})
 end = time.monotonic() + 30
 while "transformers.trainer_utils" not in sys.modules and time.monotonic() < end:

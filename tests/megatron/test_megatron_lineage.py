@@ -23,7 +23,7 @@ def _state(model) -> dict:
 
 def _rollback(rank, world, directory, job):
     from megatron.core import parallel_state as ps
-    from flashckpt._storage import LocalStorage
+    from flashckpt.storage._local import LocalStorage
     from flashckpt.megatron import MegatronCheckpointer
 
     storage = LocalStorage(directory)

@@ -176,8 +176,8 @@ def test_a_flipped_byte_in_a_saved_block_is_a_checksum_error(saved, tmp_path):
     import shutil
 
     from flashckpt import CorruptCheckpointError
-    from flashckpt._shard_read import open_shard
-    from flashckpt._storage import LocalStorage
+    from flashckpt.restore._shard_read import open_shard
+    from flashckpt.storage._local import LocalStorage
 
     shutil.copytree(saved["tp"]["flash"], tmp_path / "ck")
     storage = LocalStorage(str(tmp_path / "ck"))

@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from flashckpt._replica_store import replica_index
+from flashckpt.replicas._store import replica_index
 from flashckpt.torch import Checkpointer, DdpCheckpointer, init_process_group
 from tests._exit import exit_now
 

@@ -19,7 +19,7 @@ import shutil
 
 import pytest
 
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 
 from ._netns import Nodes, missing_requirements
 from .test_nodes_replicas import STEPS, check_every_step_once

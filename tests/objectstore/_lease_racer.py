@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from flashckpt import JobConflictError
 from flashckpt._engine import new_token
-from flashckpt._object_storage import ObjectStorage
+from flashckpt.storage._object import ObjectStorage
 
 
 def race(urls: list[str], barrier, results) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import sys
 
-from flashckpt._object_storage import ObjectStorage
+from flashckpt.storage._object import ObjectStorage
 
 from .conftest import image
 

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import pytest
 
 from flashckpt._engine import new_token
-from flashckpt._format import plan_image
+from flashckpt.memory._format import plan_image
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from flashckpt import CheckpointError
-from flashckpt._storage import LocalStorage
-from flashckpt._storage_url import is_url, open_storage, parse_location
+from flashckpt.storage._local import LocalStorage
+from flashckpt.storage._url import is_url, open_storage, parse_location
 
 
 @pytest.mark.parametrize("text, scheme, path", [
@@ -82,7 +82,7 @@ def test_a_pathlike_that_looks_like_a_url_is_refused(tmp_path, monkeypatch):
 
 
 def test_parsing_imports_no_fsspec():
-    code = "import sys, flashckpt._storage_url as u; u.parse_location('s3://bucket/x'); u.open_storage('/tmp/x'); " \
+    code = "import sys, flashckpt.storage._url as u; u.parse_location('s3://bucket/x'); u.open_storage('/tmp/x'); " \
            "print(sorted(m for m in ('fsspec', 's3fs', 'botocore') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from flashckpt._object_storage import ObjectStorage
+from flashckpt.storage._object import ObjectStorage
 
 from .conftest import image, token
 

@@ -14,7 +14,7 @@ import fsspec
 import pytest
 
 from flashckpt._errors import JobConflictError
-from flashckpt._object_storage import ObjectStorage
+from flashckpt.storage._object import ObjectStorage
 
 from . import _lease_racer
 from .conftest import raw_fs, token
@@ -49,7 +49,7 @@ def test_one_of_many_simultaneous_claims_wins(url):
 
 def test_a_store_without_conditional_writes_keeps_an_advisory_lease(caplog):
     url = f"memory://box-{uuid.uuid4().hex[:8]}/run"
-    with caplog.at_level(logging.WARNING, logger="flashckpt._object_lease"):
+    with caplog.at_level(logging.WARNING, logger="flashckpt.storage._object_lease"):
         first = ObjectStorage(url)
         first.claim_run(token())
         first.release_run()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from flashckpt._shard_read import CHUNK_BYTES, ShardReader
+from flashckpt.restore._shard_read import CHUNK_BYTES, ShardReader
 
 from .conftest import image, proxy_to, token, use_endpoint
 from .test_object_storage import save, store

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from flashckpt import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, JobConflictError
-from flashckpt._object_storage import ObjectStorage
-from flashckpt._storage_url import open_storage
+from flashckpt.storage._object import ObjectStorage
+from flashckpt.storage._url import open_storage
 
 from .conftest import MotoServer, free_port, image, proxy_to, raw_fs, token, use_endpoint
 
@@ -231,7 +231,7 @@ def test_endpoint_down(monkeypatch):
 
 _CLAIM = """
 import sys, flashckpt
-from flashckpt._object_storage import ObjectStorage
+from flashckpt.storage._object import ObjectStorage
 try:
     ObjectStorage(sys.argv[1]).claim_run(sys.argv[2])
     print("claimed")
@@ -278,7 +278,7 @@ def test_run_lease(url):
 
 
 def test_import_flashckpt_imports_no_fsspec():
-    code = ("import sys, flashckpt, flashckpt._object_storage, flashckpt._storage_url; "
+    code = ("import sys, flashckpt, flashckpt.storage._object, flashckpt.storage._url; "
             "print(sorted(m for m in ('fsspec', 's3fs', 'botocore', 'aiobotocore') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -304,7 +304,7 @@ def test_a_commit_whose_shards_vanish_is_retracted(url, monkeypatch):
 
 def test_the_shard_reader_reads_object_shards(url):
     """The one reader (ShardReader) over an ObjectShard: header, ranged and full reads, verified."""
-    from flashckpt._shard_read import ShardReader
+    from flashckpt.restore._shard_read import ShardReader
 
     storage = store(url)
     images = save(storage, 1, token(), [9 * MiB])
@@ -350,7 +350,7 @@ def test_opening_every_rank_reads_the_metadata_once(url, monkeypatch):
 def test_checksum_blocks_are_small_and_few(size, block):
     """1 MiB blocks (a ranged read fetches its range widened to whole blocks), whole MiB,
     at most 16,384 of them (a done marker stays far below its 1 MiB bound)."""
-    from flashckpt._object_storage import _block_bytes
+    from flashckpt.storage._object import _block_bytes
 
     assert _block_bytes(size) == block and -(-size // block) <= 16_384
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from flashckpt import _names
-from flashckpt._slot import Slot
-from flashckpt._storage import LocalStorage
+from flashckpt.memory._slot import Slot
+from flashckpt.storage._local import LocalStorage
 from flashckpt.tf import _export
 from flashckpt.tf._common import FORMAT, new_engine
 

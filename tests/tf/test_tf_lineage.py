@@ -6,7 +6,7 @@ the exported step) reads the new values."""
 import numpy as np
 import tensorflow as tf
 
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 from flashckpt.tf import Checkpointer
 
 from ._models import dense_model, same, values

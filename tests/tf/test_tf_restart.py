@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import sharding
-from flashckpt._storage import LocalStorage
+from flashckpt.storage._local import LocalStorage
 from flashckpt.tf._export import read_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,0 +1,1 @@
+"""Peer-memory replicas across nodes, and node-local directories built on them."""

@@ -1,0 +1,260 @@
+"""Node-local checkpoint directories with peer replicas: each node commits its own scope.
+
+A job whose nodes do not share the checkpoint directory (each node has its own disk at
+that path) cannot commit a step across nodes: no node sees the others' shards. Without
+replicas such a directory fails construction on every rank, naming the nodes that do not
+see rank 0's probe (a clear error rather than shards that never commit). With peer
+replicas (``replicas=1``, the default on two or more nodes) the job switches to
+**node-local mode** instead, and every rank agrees on it in the construction collective:
+
+- **Scope.** Node ``k``'s directory commits the shards of the ranks it is responsible
+  for: its own persisting ranks and those of its ring predecessor ``k - 1`` (whose newest
+  steps it receives as peer replicas, see ``flashckpt.replicas._protocol``). The scope is written to
+  ``<dir>/.flashckpt-node-local.json`` under the run's token; :meth:`LocalStorage.try_commit`
+  reads it and commits ``step-N`` once the scope's shards are durable, recording the scope
+  as ``ranks`` in the metadata. A node's ``step-N`` is complete for its scope, never half.
+- **Replicas on disk.** The saver that receives a replica of a save that was due for
+  storage writes it to its own directory too, in the background, after it arrived
+  (``flashckpt.replicas._service``). The directory must therefore be at the same path on
+  every node (checked here).
+- **Load.** The agreement (``flashckpt.restore._agreement``) gathers, per rank, every copy of
+  every step: its memory, a peer's memory replica, its node's directory, a peer node's
+  directory (fetched over the replica channel), and picks the newest step every rank can
+  get; a step no copy of which survives for some rank is an error naming the ranks, never
+  a silent restart from nothing.
+- ``latest_step()`` in node-local mode is the newest step committed on this node.
+
+The loss of any one node leaves every rank's newest replicated step on a survivor, in its
+memory and (for saves due for storage) on its disk. Losing two adjacent nodes at once
+loses the first one's ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._errors import CheckpointError
+from ..storage._files import open_regular, read_bounded, write_atomic
+from .._placement import Collective, Placement, node_id
+from ._protocol import ReplicaError, connect_peer
+
+if TYPE_CHECKING:
+    from .._engine import Engine
+
+__all__ = ["SCOPE_FILE", "NodeLocal", "check_directory", "read_scope", "write_scope"]
+
+log = logging.getLogger("flashckpt")
+
+SCOPE_FILE = ".flashckpt-node-local.json"
+_SCOPES_KEPT = 8
+"""Scopes of this many recent runs stay readable (a crash flush of an earlier run still commits)."""
+_MAX_SCOPE = 1 << 20
+_PROBE_SECONDS = 5.0
+_REMEDY = ("give every node the same directory (a shared file system), an object-store URL, or a replica address "
+           "the other nodes reach (FLASHCKPT_REPLICA_ADDR)")
+_COMMIT_SECONDS = 20.0
+"""How long a node-local flush waits for this node to commit the flushed step."""
+
+
+def read_scope(root: str, token: str) -> list[int] | None:
+    """The storage ranks run ``token`` commits in this node-local directory; None when the
+    directory is not node-local for that run (a shared directory commits every rank)."""
+    where = os.path.join(root, SCOPE_FILE)
+    try:
+        fd = open_regular(where, where)
+    except CheckpointError:
+        return None
+    try:
+        scopes = json.loads(read_bounded(fd, _MAX_SCOPE, where))
+    except (CheckpointError, ValueError):
+        log.warning("%s is unreadable: run %s commits every rank there", where, token)
+        return None
+    finally:
+        os.close(fd)
+    entry = scopes.get(token) if isinstance(scopes, dict) else None
+    ranks = entry.get("ranks") if isinstance(entry, dict) else None
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, int) and r >= 0 for r in ranks):
+        return None
+    return sorted(set(ranks))
+
+
+def write_scope(root: str, token: str, ranks: list[int]) -> None:
+    """Record that run ``token`` commits ``ranks`` in this node's directory (one writer per
+    node, at construction; the newest runs' scopes are kept)."""
+    where = os.path.join(root, SCOPE_FILE)
+    scopes: dict[str, Any] = {}
+    try:
+        fd = open_regular(where, where)
+        try:
+            loaded = json.loads(read_bounded(fd, _MAX_SCOPE, where))
+            scopes = loaded if isinstance(loaded, dict) else {}
+        finally:
+            os.close(fd)
+    except (CheckpointError, ValueError):
+        pass
+    scopes[token] = {"ranks": sorted(set(ranks)), "written_at": time.time()}
+    newest = sorted(scopes, key=lambda t: scopes[t].get("written_at", 0) if isinstance(scopes[t], dict) else 0)
+    kept = {t: scopes[t] for t in newest[-_SCOPES_KEPT:]}
+    write_atomic(where, json.dumps(kept, indent=1).encode())
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLocal:
+    """This run's node-local mode: which storage ranks each node's directory commits."""
+
+    node: str
+    """This rank's node."""
+    scopes: dict[str, tuple[int, ...]]
+    """node -> the storage ranks its directory commits (its own and its ring predecessor's)."""
+
+    @property
+    def scope(self) -> tuple[int, ...]:
+        """The storage ranks this node's directory commits."""
+        return self.scopes[self.node]
+
+    def flush(self, engine: "Engine", timeout: float | None) -> None:
+        """Node-local flush (a persisting rank): this rank's newest in-memory step goes to this
+        node's directory and, as a save due for storage, to the next node's, unless it is
+        there already; then waits, at most ``_COMMIT_SECONDS``, until this node commits it (its
+        predecessor's shards arrive as replicas), warning if it does not."""
+        engine._client.wait(timeout)
+        keys = engine.memory_keys()
+        if not keys:
+            return
+        step = max(keys, key=keys.__getitem__)
+        storage, rank = engine.storage, engine.placement.storage_rank
+        token = engine.memory_info(step).get("token")
+        if not storage.newer_than_committed(token, step):  # committed, or a newer line's step is
+            return
+        if not os.path.exists(os.path.join(storage.root, f"step-{step}.tmp-{token}", f"rank-{rank}.done")):
+            engine.persist(step)  # the saver writes it here and sends it to the next node as due for storage
+            engine._client.wait(timeout)
+        deadline = time.monotonic() + _COMMIT_SECONDS
+        while storage.newer_than_committed(token, step):
+            if time.monotonic() > deadline:
+                log.warning("step %d is not committed in %s after %.0fs: the shards of the other node's ranks have "
+                            "not arrived (latest_step() is %s)", step, storage.root, _COMMIT_SECONDS,
+                            storage.latest_step())
+                return
+            time.sleep(0.02)
+
+    def require_replicas(self, engine: "Engine") -> None:
+        """Node-local directories need every node's replica endpoint, and each node's saver able
+        to reach the next one's (else its shards would live on that node alone and the next
+        node's directory would never commit): a collective call, every rank raises alike."""
+        endpoints, nodes = engine.replicas.endpoints, list(self.scopes)
+        missing = sorted(node for node in nodes if node not in endpoints)
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint directory is node-local (not shared between nodes) and peer-memory replicas could "
+                f"not start on node(s) {', '.join(missing)} (see their saver logs), so a node's shards would live "
+                f"on that node alone; {_REMEDY}")
+        unreachable = None
+        if engine.placement.local_rank == 0:  # one handshake per node, with its ring successor
+            succ = nodes[(nodes.index(self.node) + 1) % len(nodes)]
+            try:
+                connect_peer(endpoints[succ], engine.placement.secret).close()
+            except ReplicaError as exc:
+                unreachable = f"node {self.node} cannot reach node {succ}'s: {exc}"
+        failed = [why for why in engine.collective.all_gather(unreachable) if why]
+        if failed:
+            raise CheckpointError(f"the checkpoint directory is node-local (not shared between nodes) and the peer "
+                                  f"replica endpoints do not connect ({'; '.join(failed)}); {_REMEDY}")
+
+
+_LOCAL_TYPES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "overlay", "zfs", "f2fs"})
+"""File systems of one machine: another node's write never shows there, so there is no cache to wait for."""
+
+
+def _file_system(path: str) -> str:
+    """The type of the file system ``path`` is on (from /proc/self/mountinfo), "" if unknown."""
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if "-" not in fields:
+                    continue
+                point = fields[4].encode().decode("unicode_escape")
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[fields.index("-") + 1]
+    except OSError:
+        return ""
+    return kind
+
+
+def _holds(path: str, token: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(token) + 1) == token
+    except OSError:
+        return False
+
+
+def _scopes(views: list[tuple]) -> dict[str, tuple[int, ...]]:
+    """node -> its persisting storage ranks and its ring predecessor's (nodes ordered by
+    their first rank, as the replica ring is)."""
+    own: dict[str, set[int]] = {}
+    for node, _, _, persists, storage_rank in views:
+        own.setdefault(node, set())
+        if persists:
+            own[node].add(storage_rank)
+    nodes = list(own)
+    return {node: tuple(sorted(own[node] | own[nodes[i - 1]])) for i, node in enumerate(nodes)}
+
+
+def check_directory(root: str, collective: Collective, placement: Placement, *,
+                    replicas: int | None) -> NodeLocal | None:
+    """Whether every rank sees the directory ``root`` rank 0 writes (a collective call).
+
+    Rank 0 writes a probe with the run's token; each rank looks for it (a few seconds on a
+    network file system, for its cache; at once on a local one). Every node sees it: None (a shared directory). Some do
+    not: with replicas on and two or more nodes, node-local mode (every rank gets the same
+    :class:`NodeLocal`; each node's first rank records its scope in its directory), else a
+    :class:`CheckpointError` on every rank naming the nodes that do not see it."""
+    c = collective
+    probe = os.path.join(root, f".flashckpt-probe-{placement.token}")
+    token = placement.token.encode()
+    if c.rank == 0:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(token)
+    c.all_gather(None)  # the probe is written
+    # a network file system's cache may show the probe late; a local one shows it now or never
+    deadline = time.monotonic() + (0.0 if _file_system(root) in _LOCAL_TYPES else _PROBE_SECONDS)
+    while not (sees := _holds(probe, token)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    views = c.all_gather((node_id(), sees, root, placement.persists, placement.storage_rank))
+    if c.rank == 0:
+        os.unlink(probe)
+    blind = sorted({view[0] for view in views if not view[1]})
+    if not blind:
+        return None
+    nodes = list(dict.fromkeys(view[0] for view in views))
+    if replicas == 0 or len(nodes) < 2:
+        raise CheckpointError(
+            f"the checkpoint directory {root} is not shared: the ranks on node(s) {', '.join(blind)} do not see what "
+            f"rank 0 (node {views[0][0]}) wrote there, so shards would never commit and those nodes could not load; "
+            "give every node the same directory (a shared or network file system mounted at this path), use an "
+            "object-store URL, or keep node-local directories with peer replicas (replicas=1, the default on two "
+            "or more nodes)")
+    roots = sorted({view[2] for view in views})
+    if len(roots) > 1:
+        raise CheckpointError(
+            f"node-local checkpoint directories must be at one path on every node (a node writes its ring "
+            f"predecessor's replicas into its own directory at that path); the ranks gave {', '.join(roots)}")
+    mode = NodeLocal(node=views[c.rank][0], scopes=_scopes(views))
+    if placement.local_rank == 0:
+        os.makedirs(root, exist_ok=True)
+        write_scope(root, placement.token, list(mode.scope))
+    log.info("the checkpoint directory %s is node-local (node(s) %s do not share rank 0's): each node commits the "
+             "ranks %s of its own and its ring predecessor; peer replicas carry them across nodes", root,
+             ", ".join(blind), list(mode.scope))
+    return mode

@@ -1,0 +1,171 @@
+"""The load agreement in node-local mode (see ``flashckpt.replicas._node_local``).
+
+Every rank reports the copies it can see: the steps in its memory slots; its node's local
+rank 0 also the peer replicas its node keeps and the committed steps of its node's
+directory, with the storage ranks each holds. A copy is named by its (line, step) key
+(``flashckpt.storage._local``), so a step number of an abandoned line never stands for a newer
+one. :func:`choose` picks the newest key every rank can get from somewhere: its memory, a
+peer's memory replica, its own node's directory, or a peer node's directory. Then:
+
+- every rank holds it in memory or as a peer replica: **memory**, as on a shared directory
+  (``flashckpt.replicas._engine`` fetches the replicas);
+- every rank's own node's directory holds its shard: **storage**, each rank reading its
+  own node's directory, with older such steps as fallbacks;
+- else each rank without a memory copy first brings its shard into its own memory slot --
+  from a peer's replica, its own directory, or a peer node's directory over the replica
+  channel (checksums verified on both ends) -- and every rank loads from **memory**.
+
+A rank for which no copy of any step the others hold survives is an error naming it,
+never a silent start from nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ._agreement import Agreement, Source
+from ..storage._checksum import block_crcs
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..replicas._protocol import ReplicaError
+from ..storage._step_meta import line_key
+from ..storage._local import LocalStorage
+
+if TYPE_CHECKING:
+    from .._engine import Engine
+
+__all__ = ["agree_node_local", "choose", "disk_copies", "lacking"]
+
+log = logging.getLogger("flashckpt")
+
+Key = tuple[str, int]
+_CHUNK = 64 << 20
+
+
+def disk_copies(storage: LocalStorage, world: int) -> list[tuple[Key, list[int]]]:
+    """(line, step) and storage ranks of every committed step of this node's directory saved
+    by ``world`` ranks, oldest first (an unreadable step is left out, and logged)."""
+    found = []
+    for step in storage.steps_in_order():
+        try:
+            meta = storage.metadata(step)
+        except CheckpointError as exc:
+            log.info("not counting step %d of %s: %s", step, storage.root, exc)
+            continue
+        if meta["world_size"] == world:
+            found.append(((line_key(meta.get("token")), step), [int(r) for r in meta["shards"]]))
+    return found
+
+
+def choose(copies: list[set[Key]], step: int | None = None) -> Key | None:
+    """The newest key in every rank's set of copies (``step``: the newest line of that step),
+    None when there is none. Pure: ``copies[r]`` is what rank ``r`` can get from anywhere."""
+    common = set.intersection(*copies) if copies else set()
+    if step is not None:
+        common = {k for k in common if k[1] == step}
+    return max(common, default=None)
+
+
+def lacking(copies: list[set[Key]]) -> str:
+    """Why no key is common: the newest key anyone holds, and the ranks that cannot get it."""
+    newest = max(set().union(*copies))
+    ranks = [r for r, have in enumerate(copies) if newest not in have]
+    return (f"step {newest[1]} (the newest any rank holds) has no copy anywhere for rank(s) "
+            f"{', '.join(map(str, ranks))}, and no older step has a copy for every rank")
+
+
+def agree_node_local(engine: "Engine", views: list[dict[str, Any]], step: int | None) -> Agreement:
+    """The agreement of the module docstring, from every rank's ``views`` (see
+    ``flashckpt.restore._agreement.agree``); all ranks call it with the same views."""
+    nodes = engine.placement.nodes
+    endpoints = engine.replicas.endpoints
+    replicas: dict[tuple[int, Key], list] = {}
+    disks: dict[str, dict[Key, set[int]]] = {}
+    for rank, view in enumerate(views):
+        for storage_rank, _, key in view["replicas"]:
+            replicas.setdefault((storage_rank, tuple(key)), []).append(endpoints.get(nodes[rank]))
+        if view["disk"] is not None:
+            disks[nodes[rank]] = {tuple(key): set(ranks) for key, ranks in view["disk"]}
+    mine = [{tuple(k) for k in view["mine"]} for view in views]
+    in_memory = [mine[r] | {k for (sr, k) in replicas if sr == view["storage_rank"]} for r, view in enumerate(views)]
+    own_disk = [{k for k, ranks in disks.get(nodes[r], {}).items() if view["storage_rank"] in ranks}
+                for r, view in enumerate(views)]
+    on_disks = [{k for d in disks.values() for k, ranks in d.items() if view["storage_rank"] in ranks} for view in views]
+    anywhere = [in_memory[r] | on_disks[r] for r in range(len(views))]
+    stored = sorted(set.intersection(*own_disk), reverse=True)
+    committed = stored[0][1] if stored else None
+    what = f"step {step}" if step is not None else "a step"
+    key = choose(anywhere, step)
+    if key is None:
+        if step is not None or any(anywhere):
+            raise CheckpointNotFoundError(f"cannot restore {what} of the node-local directories {engine.storage.root} "
+                                          f"on every rank: {lacking(anywhere) if any(anywhere) else 'none'}")
+        return Agreement(None, None, None)
+    if all(key in have for have in in_memory):
+        agreed = key[1]
+        holders, _ = engine.replicas.holders(views)
+        fetched, where = engine.replicas.fetch_missing(key[1], holders, committed)
+        if where == Source.MEMORY:
+            return Agreement(key[1], Source.MEMORY, committed, tuple(k[1] for k in stored if k != key))
+        key = choose(on_disks, step)  # fetching failed (warned): the newest step some directory holds for every rank
+        if key is None:
+            raise CheckpointNotFoundError(
+                f"fetching step {agreed} from peer memory failed, and no node-local directory under "
+                f"{engine.storage.root} can give every rank {what}: "
+                f"{lacking(on_disks) if any(on_disks) else 'no step is on disk'}")
+    if key in stored:
+        return Agreement(key[1], Source.STORAGE, committed, tuple(k[1] for k in stored if k != key))
+    me, where = engine.collective.rank, views[engine.collective.rank]
+    peers = [endpoints[node] for node, d in disks.items()
+             if node != nodes[me] and key in d and where["storage_rank"] in d[key] and node in endpoints]
+    engine.on_all_ranks(lambda: None if key in mine[me] else _bring(engine, key, replicas.get(
+        (where["storage_rank"], key), []), key in own_disk[me], peers), f"restoring step {key[1]} on every rank")
+    return Agreement(key[1], Source.MEMORY, committed, ())
+
+
+def _bring(engine: "Engine", key: Key, holders: list, own: bool, peers: list) -> None:
+    """Bring this rank's copy of ``key`` into its own memory slot: from a peer's replica, its
+    own node's directory, or a peer node's directory, the first that works."""
+    step, failures = key[1], []
+    for endpoint in [e for e in holders if e is not None]:
+        try:
+            engine.replicas._fetch_from(endpoint, step)
+            return
+        except (CheckpointError, OSError) as exc:
+            failures.append(f"replica on {endpoint[0]}:{endpoint[1]}: {exc}")
+    if own:
+        try:
+            _read_own(engine, step)
+            return
+        except (CheckpointError, OSError) as exc:
+            failures.append(f"{engine.storage.root}: {exc}")
+    for endpoint in peers:
+        try:
+            engine.replicas._fetch_from(endpoint, step, op="fetch_shard", line=key[0])
+            log.info("fetched step %d of rank %d from the directory of %s:%d", step,
+                     engine.placement.storage_rank, *endpoint)
+            return
+        except (CheckpointError, OSError) as exc:
+            failures.append(f"directory of {endpoint[0]}:{endpoint[1]}: {exc}")
+    raise ReplicaError(f"no copy of step {step} rank {engine.placement.storage_rank} could be restored: "
+                       + "; ".join(failures))
+
+
+def _read_own(engine: "Engine", step: int) -> None:
+    """Read this rank's committed shard of ``step`` from its own node's directory into its
+    slot, verifying every block against the checksums recorded at commit."""
+    storage, rank = engine.storage, engine.placement.storage_rank
+    meta = storage.metadata(step)
+    f, record = storage.open_shard(step, rank)
+    with f:
+        into, done = engine.replicas.slot_writer(step)
+        view = into(record["size"], {"token": meta.get("token"), "branch": meta.get("branch", -1)})
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:got + _CHUNK])
+            if not n:
+                raise CorruptCheckpointError(f"{f.name}: ends after {got} of {len(view)} bytes")
+            got += n
+        if block_crcs(view, record["block_size"]) != record["block_crc32"]:
+            raise CorruptCheckpointError(f"{f.name}: does not match the checksums recorded at commit")
+        done()

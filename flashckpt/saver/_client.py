@@ -1,0 +1,364 @@
+"""The trainer's side of the saver protocol: connect (starting the saver if needed),
+report saves, ask for persists, learn their outcome, wait, flush, close.
+
+Nothing here waits without a bound. Every wait on the saver ends after
+``FLASHCKPT_SAVER_TIMEOUT`` seconds (default 600) or the caller's ``timeout`` with a
+:class:`~flashckpt.CheckpointTimeoutError` naming the saver and its state, and checks
+twice a second that the saver still lives: a dead saver (a zombie included) is replaced
+by a new one, which is told again about every save not yet reported persisted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from typing import Any
+
+from .. import _names
+from .._errors import CheckpointTimeoutError, SaverError
+from .._options import env_count
+from ..memory._slot import pid_alive
+
+__all__ = ["SaverClient", "persist_threads", "saver_timeout"]
+
+log = logging.getLogger(__name__)
+
+_CONNECT_SECONDS = 60.0
+_CHECK_SECONDS = 0.5
+_PROTOCOL = 2
+_TIMEOUT_ENV = "FLASHCKPT_SAVER_TIMEOUT"
+_THREADS_ENV = "FLASHCKPT_PERSIST_THREADS"
+_THREADS_MAX_DEFAULT = 4
+_CORES_PER_THREAD = 4
+
+
+def saver_timeout() -> float:
+    """The default bound, in seconds, on any wait on the saver (``FLASHCKPT_SAVER_TIMEOUT``)."""
+    raw = os.environ.get(_TIMEOUT_ENV, "600")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{_TIMEOUT_ENV} must be positive, got {raw!r}")
+    return value
+
+
+def persist_threads() -> int:
+    """How many local ranks the saver persists at once (``FLASHCKPT_PERSIST_THREADS``;
+    1 writes one slot at a time). The saver takes it from the environment of the
+    trainer that started it. Default: one per 4 CPU cores, 1 to 4: a persist keeps about a
+    core busy (checksums, feeding the device), taken from the trainers on a small machine.
+    On a loaded 2-core machine whose disk one O_DIRECT stream nearly fills, 4 threads over
+    1 with 4 ranks measured 0.73x-1.52x (median 1.13x, 11 repeats; ``benchmarks/persist.py``),
+    no clear gain; parallel and network file systems want several streams."""
+    return env_count(_THREADS_ENV, min(_THREADS_MAX_DEFAULT, max(1, (os.cpu_count() or 1) // _CORES_PER_THREAD)))
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return uid
+
+
+def process_state(pid: int) -> str:
+    """``running``, ``stopped`` (SIGSTOP, a debugger), ``exited`` or ``unknown``."""
+    if not pid_alive(pid):
+        return "exited"
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    return "stopped" if state in (b"T", b"t") else "running"
+
+
+def _spawn_saver(job_id: str) -> subprocess.Popen:
+    log_file = _names.saver_log_path(job_id)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    log.info("starting the flashckpt saver for job %s (log: %s)", job_id, log_file)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flashckpt.saver._saver", "--job-id", job_id, "--log-file", log_file],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True, env=env)
+
+
+class SaverClient:
+    """A connection to this node's saver for ``job_id``.
+
+    ``info`` (directory, ranks, token, retention, pickling) is what the saver may act
+    on for this trainer; the saver takes it from this authenticated connection, never
+    from the bytes in shared memory.
+    """
+
+    def __init__(self, job_id: str, slots: list[str], info: dict[str, Any]) -> None:
+        persist_threads()  # a bad setting fails here, not in the saver this may start
+        self.job_id = job_id
+        self._ids = itertools.count()
+        self._buffer = b""
+        self.errors: list[str] = []
+        self.last_committed: int | None = None
+        self.saver_pid = 0
+        self._slots = slots
+        self.info = info
+        self._saved: dict[str, dict[str, Any]] = {}
+        """slot -> the newest ``saved`` message sent for it (told again to a new saver)."""
+        self.pending: dict[tuple[str, int], float] = {}
+        """(slot, generation) asked to persist, outcome not yet reported -> when it was saved."""
+        self._spawned: list[subprocess.Popen] = []
+        self._replica_config: list[dict[str, Any]] = []
+        """The ``replicate`` and ``replica_peer`` messages sent, told again to a new saver."""
+        self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.pending)
+
+    # -- connection -----------------------------------------------------------------
+
+    def _connect(self, seconds: float) -> socket.socket:
+        path = _names.socket_path(self.job_id)
+        deadline = time.monotonic() + seconds
+        spawned: subprocess.Popen | None = None
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            try:
+                sock.connect(path)
+                if peer_uid(sock) != os.getuid():
+                    raise SaverError(f"the process listening on {path} runs as uid {peer_uid(sock)}, not as "
+                                     f"this user (uid {os.getuid()}); refusing to hand it checkpoints")
+                self._buffer = b""
+                sock.sendall(_encode({"op": "hello", "v": _PROTOCOL, "pid": os.getpid(), "slots": self._slots,
+                                      "info": self.info}))
+                reply = self._read_message(sock, timeout=min(10.0, max(0.1, deadline - time.monotonic())))
+                if reply is not None and reply.get("op") == "welcome":
+                    self.saver_pid = int(reply["pid"])
+                    return sock
+                if reply is not None and reply.get("op") == "error":
+                    sock.close()
+                    raise SaverError(f"the flashckpt saver refused this trainer: {reply.get('message')}")
+            except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BrokenPipeError):
+                pass
+            except SaverError:
+                sock.close()
+                raise
+            sock.close()
+            self._reap()
+            if time.monotonic() > deadline:
+                holder = _lock_holder(self.job_id)
+                state = f" (the saver holding its lock, pid {holder}, is {process_state(holder)})" if holder else ""
+                raise CheckpointTimeoutError(
+                    f"could not reach the flashckpt saver at {path} within {seconds:.0f}s{state}; "
+                    f"see {_names.saver_log_path(self.job_id)}")
+            if spawned is None or spawned.poll() is not None:  # none yet, or one that lost the race or ended
+                spawned = _spawn_saver(self.job_id)
+                self._spawned.append(spawned)
+            time.sleep(0.02)
+
+    def _reap(self) -> None:
+        """Collect savers this process started that have exited (no zombies left behind)."""
+        self._spawned = [p for p in self._spawned if p.poll() is None]
+
+    def _reconnect(self, why: str) -> None:
+        """A new saver (the old one died): it is told again about every save this
+        trainer made and every persist not yet reported done."""
+        log.warning("lost the flashckpt saver (pid %d: %s); starting a new one", self.saver_pid, why)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
+        for msg in self._replica_config:  # first: the saves below are then offered to the peer too
+            self.sock.sendall(_encode(msg))
+        for slot, msg in self._saved.items():
+            again = dict(msg, persist=(slot, msg["generation"]) in self.pending)
+            self.sock.sendall(_encode(again))
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        data = _encode(msg)
+        try:
+            self.sock.sendall(data)
+            return
+        except OSError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        try:
+            self._reconnect(why)
+            if msg is not self._saved.get(msg.get("slot")):  # a save is told again by _reconnect itself
+                self.sock.sendall(data)
+        except OSError as exc:
+            raise SaverError(f"cannot reach the flashckpt saver for job {self.job_id}: {exc}") from exc
+
+    def _read_message(self, sock: socket.socket, timeout: float) -> dict[str, Any] | None:
+        """One message, blocking up to ``timeout`` (0: only what is buffered); None on EOF/timeout."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            sock.settimeout(max(0.0, deadline - time.monotonic()))
+            try:
+                data = sock.recv(1 << 16)
+            except (socket.timeout, BlockingIOError):
+                return None
+            except OSError:
+                return None
+            finally:
+                try:
+                    sock.settimeout(None)
+                except OSError:
+                    pass
+            if not data:
+                return None
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    # -- messages -------------------------------------------------------------------
+
+    def _note(self, msg: dict[str, Any]) -> None:
+        if msg.get("op") != "persisted":
+            return
+        saved_at = self.pending.pop((msg.get("slot"), msg.get("generation")), None)
+        if "error" in msg:
+            self.errors.append(msg["error"])
+            return
+        if msg.get("skipped"):
+            return
+        if msg.get("committed"):
+            self.last_committed = max(self.last_committed or -1, msg["step"])
+        mib = msg.get("bytes", 0) / 2**20
+        seconds = msg.get("seconds", 0.0)
+        since_save = f", durable {msg['finished_at'] - saved_at:.2f}s after the save" if saved_at else ""
+        log.info("persisted step %d (%.1f MiB in %.2fs, %.0f MiB/s%s)%s", msg["step"], mib, seconds,
+                 mib / max(seconds, 1e-9), since_save, ", committed" if msg.get("committed") else "")
+
+    def saved(self, slot: str, generation: int, step: int, info: dict[str, Any], *, persist: bool) -> None:
+        """Tell the saver that ``slot`` now holds ``step`` (so it can persist it if this
+        trainer dies), and with ``persist`` have it written to storage now."""
+        msg = {"op": "saved", "slot": slot, "generation": generation, "step": step, "info": info,
+               "persist": persist}
+        self._saved[slot] = msg
+        if persist:
+            self.pending[(slot, generation)] = time.time()
+        self._send(msg)
+
+    def update_info(self, info: dict[str, Any]) -> None:
+        """New defaults for a crash flush of this trainer (after a load changed its line)."""
+        self.info = info
+        self._send({"op": "info", "info": info})
+
+    def warm_exporter(self, name: str) -> None:
+        """Have the saver load the exporter ``name`` now (see ``flashckpt.saver._exporters``), so
+        that the first export does not pay for its imports (seconds: torch, transformers)."""
+        self._send({"op": "warm", "export": name})
+
+    def drain(self) -> None:
+        """Take in what the saver reported so far, without blocking."""
+        while (msg := self._read_message(self.sock, timeout=0)) is not None:
+            self._note(msg)
+
+    def _roundtrip(self, op: str, answer: str, timeout: float | None,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        bound = saver_timeout() if timeout is None else timeout
+        ident = next(self._ids)
+        request = {**(extra or {}), "op": op, "id": ident}
+        self._send(request)
+        deadline = time.monotonic() + bound
+        replaced = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CheckpointTimeoutError(
+                    f"the flashckpt saver (pid {self.saver_pid}, {process_state(self.saver_pid)}) did not finish "
+                    f"{op} within {bound:g}s ({self.outstanding} persists outstanding); see "
+                    f"{_names.saver_log_path(self.job_id)}, or raise {_TIMEOUT_ENV}")
+            msg = self._read_message(self.sock, min(remaining, _CHECK_SECONDS))
+            if msg is not None:
+                if msg.get("op") == answer and msg.get("id") == ident:
+                    return msg
+                self._note(msg)
+                continue
+            self._reap()
+            if pid_alive(self.saver_pid) and not self._closed_by_peer():
+                continue  # alive: keep waiting (a stopped saver runs into the bound)
+            if replaced >= 2:
+                raise SaverError(f"the flashckpt saver for job {self.job_id} died {replaced + 1} times during "
+                                 f"{op}; see {_names.saver_log_path(self.job_id)}")
+            replaced += 1
+            self._reconnect("it exited")
+            self.sock.sendall(_encode(request))
+
+    def _closed_by_peer(self) -> bool:
+        """The saver's end of the socket is closed (it exited, or dropped us)."""
+        try:
+            self.sock.setblocking(False)
+            try:
+                data = self.sock.recv(1 << 16, socket.MSG_PEEK)
+            finally:
+                self.sock.setblocking(True)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        return not data
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until everything asked of the saver so far is done (``timeout``
+        default: ``FLASHCKPT_SAVER_TIMEOUT``)."""
+        self._roundtrip("wait", "waited", timeout)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Ask the saver to persist this trainer's newest unpersisted slot, and wait."""
+        self._roundtrip("flush", "flushed", timeout)
+
+    def replicate(self, secret: str, bind: str, advertise: str) -> tuple[str, int]:
+        """Have the saver keep and serve peer-memory replicas with the job's ``secret``
+        (see ``flashckpt.replicas._protocol``); returns its endpoint (host to dial, port). A new
+        saver that replaces a dead one is told again, and tries the same port first."""
+        port = self._replica_config[0]["port"] if self._replica_config else 0
+        msg = {"op": "replicate", "secret": secret, "bind": bind, "advertise": advertise, "port": port}
+        self._replica_config[:1] = [msg]
+        reply = self._roundtrip("replicate", "replicating", None, msg)
+        if "error" in reply:
+            raise SaverError(f"the flashckpt saver could not start peer-memory replicas: {reply['error']}")
+        host, port = reply["endpoint"]
+        msg["port"] = port
+        return str(host), int(port)
+
+    def replica_peer(self, endpoint: tuple[str, int]) -> None:
+        """Where the saver sends this node's replicas (the next node of the ring)."""
+        msg = {"op": "replica_peer", "endpoint": list(endpoint)}
+        self._replica_config[1:] = [msg]
+        self._send(msg)
+
+    def take_errors(self) -> list[str]:
+        errors, self.errors = self.errors, []
+        return errors
+
+    def close(self) -> None:
+        try:
+            self.sock.sendall(_encode({"op": "close"}))
+        except OSError:
+            pass
+        self.sock.close()
+        self._reap()
+
+
+def _encode(msg: dict[str, Any]) -> bytes:
+    return json.dumps(msg).encode() + b"\n"
+
+
+def _lock_holder(job_id: str) -> int:
+    """The pid the running saver wrote into its lock file (0 if unknown)."""
+    try:
+        with open(_names.job_prefix(job_id) + ".saver.lock", "rb") as f:
+            return int(f.read(32).strip() or 0)
+    except (OSError, ValueError):
+        return 0

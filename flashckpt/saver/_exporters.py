@@ -1,0 +1,267 @@
+"""Framework layouts written by the saver after a step commits.
+
+An adapter that must leave its framework's own files on storage (Hugging Face
+``checkpoint-N`` folders, DeepSpeed tags) names an exporter in its saves; the saver
+runs it in the background once the step is committed, reading the committed
+safetensors shards. The saver runs exports on an :class:`ExportQueue`, off the threads
+that persist, so a slow export never holds up the next step's write. Exporters are looked up in this allow-list of flashckpt's own
+modules, never by a module path taken from a message. Each module defines
+``export(directory: str, step: int, params: dict) -> None`` and may define ``warm() -> None``,
+which imports what an export needs (run once, ahead of the first export); one named in
+:data:`MEMORY_EXPORTERS` also takes ``memory=`` (an :class:`ImageHold`): the image of
+the shard just persisted, still held in shared memory, which it reads instead of
+reading that shard back from storage, and lets go (``release()``) once it has read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from .._errors import CheckpointError, CheckpointNotFoundError
+from ..storage._local import LocalStorage, StepHold
+from ..storage._url import open_storage
+
+__all__ = ["EXPORTERS", "MEMORY_EXPORTERS", "Export", "ExportQueue", "ImageHold", "reads_memory", "run_exporter"]
+
+log = logging.getLogger(__name__)
+
+_RECENT = 64
+"""Exports remembered per directory, to run a step's export once (see :class:`ExportQueue`)."""
+
+EXPORTERS = {
+    "hf": "flashckpt.hf._export",
+    "deepspeed": "flashckpt.deepspeed._export",
+    "tf": "flashckpt.tf._export",
+}
+
+MEMORY_EXPORTERS = frozenset({"hf", "deepspeed", "tf"})
+"""Exporters that read the persisted image from shared memory when given it (``memory=``)."""
+
+
+class ImageHold(Protocol):
+    """One rank's persisted image, held in shared memory for an export (``flashckpt.saver._persist.SlotHold``)."""
+
+    rank: int
+    """The storage rank whose shard the image is."""
+
+    def image(self) -> memoryview:
+        """The image, read-only (the bytes of the shard on storage)."""
+
+    def release(self) -> None:
+        """Let the memory go (idempotent); no view of :meth:`image` may be used after."""
+
+
+def reads_memory(spec: Any) -> bool:
+    """Whether the exporter ``spec`` names reads a held image (:data:`MEMORY_EXPORTERS`)."""
+    return isinstance(spec, dict) and spec.get("name") in MEMORY_EXPORTERS
+
+
+def run_exporter(spec: dict[str, Any], directory: str, step: int, *, allow_pickle: bool = False,
+                 memory: ImageHold | None = None) -> None:
+    """Run the exporter ``spec["name"]`` with ``spec.get("params", {})`` for a committed step.
+
+    ``allow_pickle`` is the job's own option: the exporter may unpickle only when the job
+    passed ``allow_pickle=True``, whatever its params say. ``memory`` (exporters of
+    :data:`MEMORY_EXPORTERS` only) is a rank's image to read instead of its shard."""
+    name = spec.get("name")
+    if name not in EXPORTERS:
+        raise CheckpointError(f"unknown exporter {name!r}; known: {sorted(EXPORTERS)}")
+    params = dict(spec.get("params") or {})
+    params["allow_pickle"] = allow_pickle and bool(params.get("allow_pickle", True))
+    start = time.perf_counter()
+    exporter = importlib.import_module(EXPORTERS[name]).export
+    from_memory = memory if name in MEMORY_EXPORTERS else None
+    exporter(directory, step, params, **({} if from_memory is None else {"memory": from_memory}))
+    log.info("exported step %d of %s as %s in %.2fs%s", step, directory, name, time.perf_counter() - start,
+             "" if from_memory is None else f" (rank {from_memory.rank} from memory)")
+
+
+@dataclass(frozen=True, slots=True)
+class Export:
+    """One exporter run for committed ``step`` of ``directory``."""
+
+    spec: dict[str, Any]
+    directory: str
+    step: int
+    allow_pickle: bool = False
+    keep_last: int = 0
+    """The retention of the run that committed the step (``token``), applied again once
+    the export ran if that run still made the newest commit (0: keep every step)."""
+    token: str = ""
+    memory: ImageHold | None = field(default=None, compare=False, repr=False)
+    """The committed image, held in shared memory for the exporter to read (see
+    :func:`reads_memory`); whoever runs the export calls :meth:`release` after it."""
+
+    def run(self) -> None:
+        run_exporter(self.spec, self.directory, self.step, allow_pickle=self.allow_pickle, memory=self.memory)
+
+    def release(self) -> None:
+        """Let the held image go, if any (idempotent; the exporter may have already)."""
+        if self.memory is not None:
+            self.memory.release()
+
+
+@dataclass(eq=False, slots=True)
+class _Queued:
+    """An export waiting in (or running from) a directory's queue."""
+
+    export: Export
+    done: Callable[[Exception | None], None]
+    hold: StepHold | None = None
+    """Keeps the step from retention until the export ran (local directories)."""
+    missing: CheckpointNotFoundError | None = None
+    """Why the step could not be held: not committed, or retired already."""
+
+
+class ExportQueue:
+    """Runs exports off the persist threads: per directory one at a time, in the order
+    submitted (the order its steps committed), on a thread of that directory's own while
+    it has work. Each rank's commit call reports a step committed once it is, so two
+    persist threads may both submit it: an export whose step's commit (token and time in
+    its metadata) this queue exported already is skipped.
+
+    Retention runs in the commit, so a commit must not retire a step whose export still
+    waits: a step in a local directory is held (:meth:`LocalStorage.hold_step`) from its
+    submission until its export ran, and a commit leaves a held step to a later commit,
+    or to the export's end, which applies the directory's retention again.
+    Persist threads also wait (:meth:`wait_idle`, bounded) for the exports before
+    committing, so that retention keeps exactly ``keep_last`` steps while exports keep up,
+    and a stuck export delays commits by the bound only."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queues: dict[str, deque[_Queued]] = {}
+        """directory -> exports not finished yet (the first one runs); present while its thread runs."""
+        self._exported: dict[str, deque[tuple[Any, ...]]] = {}
+        self._warmed: set[str] = set()
+
+    def warm(self, spec: Any) -> None:
+        """Import the exporter ``spec`` names and run its ``warm``, once, on a thread of its
+        own: its imports (torch, transformers, DeepSpeed: seconds) then overlap the step's
+        write instead of delaying its first export. An exporter that cannot load fails at its export."""
+        name = spec.get("name") if isinstance(spec, dict) else None
+        with self._cond:
+            if name not in EXPORTERS or name in self._warmed:
+                return
+            self._warmed.add(name)
+        threading.Thread(target=_import, args=(EXPORTERS[name],), name="flashckpt-export-import", daemon=True).start()
+
+    def submit(self, export: Export, done: Callable[[Exception | None], None]) -> None:
+        """Queue ``export``, holding its step from now on; ``done(error)`` is called on its
+        thread once it ran (``error`` None) or failed.
+
+        Only an export that runs at once keeps the image it was given held: one that must
+        wait behind another of its directory lets it go now and reads storage instead, so
+        a slow or stuck exporter holds at most one slot of a rank, never both, and saves go
+        on into the other."""
+        queued = _Queued(export, done)
+        try:
+            storage = open_storage(export.directory)
+            if isinstance(storage, LocalStorage):
+                try:
+                    queued.hold = storage.hold_step(export.step)
+                except CheckpointNotFoundError as exc:  # _run says why
+                    queued.missing = exc
+        except BaseException:
+            export.release()
+            raise
+        with self._cond:
+            queue = self._queues.get(export.directory)
+            if queue is None:
+                queue = self._queues[export.directory] = deque()
+                threading.Thread(target=self._drain, args=(export.directory, queue), name="flashckpt-export",
+                                 daemon=True).start()
+            elif export.memory is not None:
+                export.release()
+                queued.export = dataclasses.replace(export, memory=None)
+            queue.append(queued)
+
+    def _drain(self, directory: str, queue: deque[_Queued]) -> None:
+        while True:
+            with self._cond:
+                if not queue:
+                    del self._queues[directory]
+                    self._cond.notify_all()
+                    return
+                queued = queue[0]
+            error: Exception | None = None
+            try:
+                self._run(queued)
+            except Exception as exc:  # noqa: BLE001 -- reported to the trainer that saved the step
+                log.exception("exporting step %d of %s failed", queued.export.step, directory)
+                error = exc
+            finally:
+                queued.export.release()  # a save may use its slot again
+                if queued.hold is not None:
+                    queued.hold.close()
+                    _retire_released(queued.export)
+            try:
+                queued.done(error)
+            finally:
+                with self._cond:
+                    queue.popleft()
+                    self._cond.notify_all()
+
+    def _run(self, queued: _Queued) -> None:
+        export = queued.export
+        storage = open_storage(export.directory)
+        try:
+            meta = storage.metadata(export.step)
+            key: tuple[Any, ...] | None = (export.step, meta.get("token"), meta.get("committed_at"))
+        except CheckpointError:  # the exporter names what is wrong
+            key = None
+        recent = self._exported.setdefault(export.directory, deque(maxlen=_RECENT))
+        if key is not None and key in recent:
+            log.info("step %d of %s is exported already", export.step, export.directory)
+            return
+        if queued.missing is not None:
+            if key is None:  # never committed: the exporter's own error says so
+                raise queued.missing
+            # the saver of another node committed a newer step between this commit and its export's submission
+            log.warning("step %d of %s was retired by a newer step's commit before its export was queued: its "
+                        "export is skipped (the newer step is exported)", export.step, export.directory)
+            return
+        export.run()
+        if key is not None:
+            recent.append(key)
+
+    def wait_idle(self, directory: str, timeout: float | None = None) -> bool:
+        """Block until every export submitted for ``directory`` has finished, at most
+        ``timeout`` seconds; whether they did."""
+        with self._cond:
+            return self._cond.wait_for(lambda: directory not in self._queues, timeout)
+
+    def close(self) -> None:
+        """Block until every export submitted has finished."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._queues)
+
+
+def _retire_released(export: Export) -> None:
+    """A commit while the export ran left its step to a later commit, and there may be
+    none (the job's last): apply the retention now."""
+    if export.keep_last <= 0:
+        return
+    try:
+        LocalStorage(export.directory).apply_retention(export.keep_last, export.token)
+    except Exception:  # noqa: BLE001 -- a later commit retires them; the export itself succeeded
+        log.exception("retention of %s after exporting step %d failed", export.directory, export.step)
+
+
+def _import(module: str) -> None:
+    start = time.perf_counter()
+    try:
+        warm = getattr(importlib.import_module(module), "warm", None)
+        if warm is not None:
+            warm()
+    except Exception:  # noqa: BLE001 -- the export itself raises it to the trainer
+        log.debug("importing %s ahead of its first export failed", module, exc_info=True)
+        return
+    log.info("loaded the exporter %s in %.2fs", module, time.perf_counter() - start)

@@ -1,0 +1,138 @@
+"""The saver's side of node-local directories (see ``flashckpt.replicas._node_local``).
+
+**Replicas to disk.** In node-local mode (see ``flashckpt.replicas._node_local``) node ``k``'s directory commits the
+shards of its ring predecessor's ranks too. Those arrive as peer replicas; when a replica
+is of a save that was due for storage, and this node's directory lists its rank in the
+run's scope, :class:`ReplicaPersister` writes it there on a thread of the saver, after it
+arrived (never while a push or a save waits), and commits the step once the scope is
+complete. It keeps only the newest due replica per rank: a slower disk skips steps, it
+never queues them without bound.
+
+**Shards to peers.** :func:`serve_shard` sends a committed shard of this node's directory
+to an authenticated peer whose node lost its own (the ``fetch_shard`` op of
+``flashckpt.replicas._protocol``): only from a node-local directory, only a committed step of the
+asked line, through the storage's safe reader, and withdrawn unless every block matches
+the checksums recorded at commit (bytes damaged at rest never travel as good ones).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import threading
+from typing import Any
+
+from ..storage._checksum import block_crcs
+from .._errors import CheckpointError
+from ..replicas._node_local import SCOPE_FILE, read_scope
+from ._persist import persist_slot
+from ..replicas._protocol import send_image, send_message
+from ..storage._step_meta import line_key
+from ..storage._local import LocalStorage
+
+__all__ = ["ReplicaPersister", "serve_shard", "wants_on_disk"]
+
+log = logging.getLogger("flashckpt.replica")
+
+
+def wants_on_disk(push: dict[str, Any]) -> bool:
+    """Whether a received push is a save due for storage that this node's directory commits
+    (a node-local directory whose scope for that run lists the rank)."""
+    info = push.get("info") or {}
+    if not (push.get("persist") and info.get("persist")):
+        return False
+    directory, token = info.get("directory"), info.get("token")
+    if not isinstance(directory, str) or not isinstance(token, str):
+        return False
+    return push.get("storage_rank") in (read_scope(directory, token) or ())
+
+
+class ReplicaPersister:
+    """Writes received replicas to this node's directory on one background thread."""
+
+    def __init__(self) -> None:
+        self._due: dict[int, tuple[str, int, dict[str, Any]]] = {}
+        """storage rank -> (replica slot, generation, info) of its newest replica to write."""
+        self._cond = threading.Condition()
+        self._writing = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def offer(self, path: str, generation: int, info: dict[str, Any]) -> None:
+        """Write the replica at ``path`` (holding ``generation``) as ``info`` says, soon."""
+        info = {k: v for k, v in info.items() if k != "export"}  # the rank's own node exports, not a peer
+        with self._cond:
+            self._due[int(info["storage_rank"])] = (path, generation, info)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="flashckpt-replica-persist", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def busy(self) -> bool:
+        """A replica is being written or waits to be (the saver lingers for it)."""
+        with self._cond:
+            return self._writing or bool(self._due)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self._due:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                rank = min(self._due)
+                path, generation, info = self._due.pop(rank)
+                self._writing = True
+            try:
+                result = persist_slot(path, generation, info)
+                if result.skipped:
+                    log.info("the replica of rank %d in %s was replaced before it was written to %s", rank, path,
+                             info["directory"])
+            except Exception:  # noqa: BLE001 -- a failed write leaves only a tmp shard; the next one may succeed
+                log.exception("writing the replica of rank %d to %s failed", rank, info.get("directory"))
+            finally:
+                with self._cond:
+                    self._writing = False
+
+
+def serve_shard(sock: socket.socket, want: dict[str, Any]) -> bool:
+    """Send the committed shard ``want`` names (directory, storage_rank, storage_world, step,
+    line) from this node's node-local directory, or a not-found answer. True if sent whole."""
+    directory, step, rank = want.get("directory"), want.get("step"), want.get("storage_rank")
+    try:
+        if not (isinstance(directory, str) and os.path.isabs(directory) and isinstance(step, int)
+                and isinstance(rank, int) and os.path.isfile(os.path.join(directory, SCOPE_FILE))):
+            raise CheckpointError("not a node-local checkpoint directory of this job")
+        storage = LocalStorage(directory)
+        meta = storage.metadata(step)
+        if line_key(meta.get("token")) != want.get("line") or meta["world_size"] != want.get("storage_world"):
+            raise CheckpointError(f"step {step} there belongs to another run or world size")
+        f, record = storage.open_shard(step, rank)
+    except CheckpointError as exc:
+        send_message(sock, {"ok": False, "error": str(exc)})
+        return False
+    with f:
+        size = record["size"]
+        mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
+    try:
+        view = memoryview(mapped) if mapped is not None else memoryview(b"")
+        send_message(sock, {"ok": True, "step": step, "image_len": size,
+                            "info": {"token": meta.get("token"), "branch": meta.get("branch", -1)}})
+        intact = lambda: ("block_size" in record  # noqa: E731
+                          and block_crcs(view, record["block_size"]) == record["block_crc32"])
+        sent = send_image(sock, view, intact)
+        if not sent:
+            log.error("%s/step-%d: rank %d's shard does not match its recorded checksums; not sent", directory,
+                      step, rank)
+        view.release()
+        return sent
+    finally:
+        if mapped is not None:
+            mapped.close()

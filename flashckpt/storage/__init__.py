@@ -1,0 +1,1 @@
+"""Storage of committed steps: a local directory, object stores, and the policy above them."""

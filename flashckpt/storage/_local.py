@@ -1,0 +1,612 @@
+"""Committed checkpoints on a file system.
+
+Layout under the checkpoint directory::
+
+    step-<N>/rank-<R>.safetensors   one shard per rank (a byte copy of its memory image)
+    step-<N>/metadata.json          world size, per-shard size and block crc32s, token, branch;
+                                    present = committed
+    latest                          a hint: the newest committed step, replaced atomically
+    .flashckpt-run.lock             held (flock) by the one live run of this directory
+
+Shards of a save in progress go to ``step-<N>.tmp-<token>/`` (each written under a
+temporary name, then renamed: a shard already there stays whole) with a small done
+marker per rank; whoever writes the last marker commits by writing the metadata and
+renaming the directory to ``step-<N>``, then moves ``latest`` forward, all under an
+``flock`` on ``<dir>/.commit.lock``. A crash at any moment leaves only ``*.tmp-*``
+directories, which the next commit removes. Readers trust only committed steps.
+
+**Lines.** Every run has a token; new tokens are time ordered (16 hex digits of
+``time.time_ns()`` then 8 random ones), older or foreign tokens sort first. The steps
+committed with one token are a *line*; its ``branch`` is the step the run started from
+(-1: from nothing). Committed steps are ordered by (line, step): the newest line wins
+even with smaller step numbers (a rollback, a rerun into a used directory). When the
+newest line has committed, steps of older lines past its branch are abandoned and
+removed; ``keep_last`` then keeps the newest steps in that order. A late commit of an
+older line (a crash flush finishing after a newer run started) never becomes the newest
+and never replaces or deletes a newer line's step.
+
+**The directory is the truth.** ``latest`` is only a hint, repaired when wrong. Readers
+open only regular files inside the directory: no symlinks (step directories included),
+no FIFOs or devices, names from metadata must be plain names, reads are bounded, and
+error messages never describe a file outside the directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Iterator
+
+from ._checksum import BLOCK_SIZE, block_crcs
+from ._files import fsync_dir, open_regular, read_bounded, write_atomic, write_durable
+from ..replicas._node_local import read_scope
+from ._run_lock import RUN_LOCK, RunClaim
+from ._step_meta import (MAX_LATEST, MAX_MARKER, MAX_METADATA, Line, ShardRecord, image_token, line_key, plain_name,
+                         shard_name, validate_metadata)
+from ..restore._shard_read import ShardReader
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeFileError
+
+__all__ = ["LocalStorage", "RUN_LOCK", "StepHold"]
+
+log = logging.getLogger(__name__)
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_RE = re.compile(r"^step-(\d+)\.tmp-(.+)$")
+_PART = ".tmp-"  # a file being written: <name>.tmp-<pid>-<random>, renamed to <name> once durable
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _marker_path(pending: str, rank: int) -> str:
+    """Rank ``rank``'s done marker in a pending step directory: its shard is durable."""
+    return os.path.join(pending, f"rank-{rank}.done")
+
+
+class StepHold:
+    """A committed step kept from retention (see :meth:`LocalStorage.hold_step`)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "StepHold":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalStorage:
+    """Committed steps of one checkpoint directory on a local or shared file system."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self._run = RunClaim(self.root)
+        self._lines: dict[int, tuple[tuple[int, int, int], Line]] = {}
+
+    # -- one live run ---------------------------------------------------------------
+
+    def claim_run(self, token: str) -> None:
+        """Hold ``<dir>/.flashckpt-run.lock`` for this run until :meth:`release_run` or exit
+        (see :class:`flashckpt.storage._run_lock.RunClaim`). Called once per run, by rank 0."""
+        self._run.take(token)
+
+    def release_run(self) -> None:
+        """Give up this object's claim; the lock is released when the process's last claim goes."""
+        self._run.release()
+
+    # -- writing ------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Create the directory and prove a file can be written there."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            probe = os.path.join(self.root, f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, b"ok")
+            finally:
+                os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint directory {self.root} is not writable: {exc}") from exc
+
+    def _tmp_dir(self, step: int, token: str) -> str:
+        return os.path.join(self.root, f"step-{step}.tmp-{token}")
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{step}")
+
+    def write_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord:
+        """Write one rank's image durably into the step's pending directory.
+
+        The image (page-aligned in shared memory) goes to disk with ``O_DIRECT`` where the
+        file system allows it: no page-cache copy, and the data is on the device when the
+        last write returns. Its block checksums are computed in a second thread meanwhile.
+        An image whose header names another run's token is refused. On failure (a full
+        disk) the partial file and a pending directory this call created are removed and
+        a :class:`CheckpointError` is raised with the cause chained.
+        """
+        theirs = image_token(image)
+        if theirs is not None and theirs != token:
+            raise CheckpointError(f"rank {rank} of step {step} was written by another run (token {theirs}); "
+                                  f"this save's token is {token}: shards of two runs never commit together")
+        pending = self._tmp_dir(step, token)
+        path = os.path.join(pending, shard_name(rank))
+        part = f"{path}{_PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        marker = _marker_path(pending, rank)
+        undo = [part]  # what a failure removes
+        created = False
+        try:
+            try:
+                os.mkdir(pending, 0o755)
+                created = True
+            except FileExistsError:
+                if not stat.S_ISDIR(os.lstat(pending).st_mode):
+                    raise UnsafeFileError(f"{pending} is not a directory; refusing to write into it") from None
+            crcs: list[list[int]] = []
+            summer = threading.Thread(target=lambda: crcs.append(block_crcs(image, BLOCK_SIZE)),
+                                      name="flashckpt-crc32")
+            summer.start()
+            try:
+                write_durable(part, image)
+            finally:
+                summer.join()
+            if os.path.lexists(marker):  # another save's shard: no marker may describe these bytes but theirs
+                os.unlink(marker)
+            os.replace(part, path)  # a shard already here stays whole until this one is
+            undo.append(path)
+            record = ShardRecord(rank, len(image), crcs[0], BLOCK_SIZE)
+            write_atomic(marker, json.dumps({**record.to_json(), "token": token}).encode())
+            return record
+        except OSError as exc:
+            self._undo_write(pending, undo, marker, created)
+            raise CheckpointError(f"writing rank {rank} of step {step} to {self.root} failed: {exc.strerror or exc}"
+                                  " (the previous committed step is intact)") from exc
+        except BaseException:
+            self._undo_write(pending, undo, marker, created)
+            raise
+
+    @staticmethod
+    def _undo_write(pending: str, files: list[str], marker: str, created: bool) -> None:
+        if os.path.lexists(marker):  # renamed into place before the failure: the shard it describes stays
+            files = files[:1]
+        for name in files:
+            try:
+                os.unlink(name)
+            except OSError:
+                pass
+        if created:
+            try:
+                os.rmdir(pending)
+            except OSError:
+                pass
+
+    @contextmanager
+    def _commit_lock(self, *, blocking: bool = True) -> Iterator[bool]:
+        fd = os.open(os.path.join(self.root, ".commit.lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+    def try_commit(self, step: int, world_size: int, token: str, keep_last: int, *,
+                   branch: int | None = None) -> bool:
+        """Commit ``step`` if all ``world_size`` shards of this save (run ``token``) are durable
+        (in a node-local directory, the shards of the ranks in its scope: see ``flashckpt.replicas._node_local``).
+
+        ``branch`` is the step this run's line started from: the step it loaded, -1 when it
+        loaded nothing, the first saved step - 1 when it never called load; None (unknown)
+        abandons nothing. Returns True when the step is committed with this token (by this
+        call or an earlier one); False while shards are missing, and for a late commit of
+        an older line whose step number a newer line already holds (discarded). Applies
+        the retention (see the module docstring).
+        """
+        pending = self._tmp_dir(step, token)
+        with self._commit_lock():
+            if not os.path.isdir(pending) or os.path.islink(pending):
+                return self._committed_by(step, token)
+            shards = {}
+            scope = read_scope(self.root, token)  # node-local directories commit their scope
+            for rank in range(world_size) if scope is None else scope:
+                marker = self._read_marker(pending, rank, token)
+                if marker is None:
+                    return False
+                shards[str(rank)] = marker
+            final = self.step_dir(step)
+            there = self._line(step)
+            if there is not None and there.key > line_key(token):
+                log.warning("discarding a late commit of step %d by an older run (token %s): %s holds that step "
+                            "of a newer line", step, token, self.root)
+                shutil.rmtree(pending, ignore_errors=True)
+                return False
+            meta = {"format": "flashckpt/1", "step": step, "world_size": world_size, "token": token,
+                    "branch": branch, "committed_at": time.time(),
+                    "shards": {r: {"file": shard_name(int(r)), "size": s["size"], "block_size": s["block_size"],
+                                   "block_crc32": s["block_crc32"]} for r, s in shards.items()}}
+            if scope is not None:
+                meta["ranks"] = scope
+            self._drop_parts(pending)
+            write_atomic(os.path.join(pending, "metadata.json"), json.dumps(meta, indent=1).encode())
+            if os.path.lexists(final):  # the same step saved again (a rollback, a newer line)
+                os.replace(final, f"{final}.tmp-replaced-{uuid.uuid4().hex[:8]}")
+            os.replace(pending, final)
+            fsync_dir(self.root)
+            retired = self._retire(keep_last, step, token)
+            order = self.steps_in_order()
+            if order and self._read_latest() != order[-1]:
+                write_atomic(os.path.join(self.root, "latest"), f"{order[-1]}\n".encode())
+        for path in retired:  # off the lock: another rank's commit does not wait for the deletes
+            shutil.rmtree(path, ignore_errors=True)
+        log.info("committed step %d (%d shards, %.1f MiB) in %s", step, world_size,
+                 sum(s["size"] for s in shards.values()) / 2**20, self.root)
+        return True
+
+    @staticmethod
+    def _drop_parts(pending: str) -> None:
+        """Remove the files a killed writer left half-written in ``pending``."""
+        for name in os.listdir(pending):
+            if _PART in name:
+                try:
+                    os.unlink(os.path.join(pending, name))
+                except OSError:
+                    pass
+
+    def shard_written(self, step: int, rank: int, token: str, image: memoryview) -> bool:
+        """Whether ``image``, rank ``rank``'s shard of ``step`` (run ``token``), is durable in
+        the step's pending directory, waiting for the other ranks: its marker records the
+        image's size and block checksums (not another save of that step), and the file has
+        that size."""
+        pending = self._tmp_dir(step, token)
+        marker = self._read_marker(pending, rank, token)
+        if marker is None or marker.get("size") != len(image) or not isinstance(marker.get("block_size"), int):
+            return False
+        try:
+            st = os.lstat(os.path.join(pending, shard_name(rank)))
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size != len(image):
+            return False
+        return marker.get("block_crc32") == block_crcs(image, marker["block_size"])
+
+    def _read_marker(self, pending: str, rank: int, token: str) -> dict | None:
+        where = _marker_path(pending, rank)
+        try:
+            fd = open_regular(where, where)
+        except CheckpointNotFoundError:
+            return None
+        try:
+            marker = json.loads(read_bounded(fd, MAX_MARKER, where))
+        except ValueError:
+            log.warning("%s is unreadable; rank %d of this save is not durable", where, rank)
+            return None
+        finally:
+            os.close(fd)
+        if not isinstance(marker, dict) or marker.get("token", token) != token:
+            log.error("%s belongs to another run; shards of two runs never commit together", where)
+            return None
+        return marker
+
+    def _committed_by(self, step: int, token: str) -> bool:
+        try:
+            return self.metadata(step).get("token") == token
+        except CheckpointError:
+            return False
+
+    def apply_retention(self, keep_last: int, token: str) -> None:
+        """Retire what the newest commit's retention had to leave (a step an exporter
+        held then): the retention of that commit, run again under the commit lock, if
+        run ``token`` (whose ``keep_last`` this is) made it."""
+        with self._commit_lock():
+            order = self.steps_in_order()
+            if not order or self.metadata(order[-1]).get("token") != token:
+                return
+            retired = self._retire(keep_last, order[-1], token)
+        for path in retired:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _retire(self, keep_last: int, step: int, token: str) -> list[str]:
+        """Retire abandoned steps of older lines, steps beyond ``keep_last`` in line order
+        (never ``step``, just committed, nor a step whose metadata cannot be read), and
+        leftovers of crashed or failed saves; the paths to delete (caller holds the commit lock).
+
+        Each is renamed (atomic) to a ``*.tmp-retired-*`` name that no reader or commit uses,
+        so its deletion can run after the lock is released, and a crash mid-delete never
+        leaves a committed step with missing shards, nor a pending save that commits torn."""
+        order = self._order()
+        doomed: set[int] = set()
+        if order:
+            newest = order[-1].key
+            branches = [ln.branch for ln in order if ln.key == newest and ln.branch is not None]
+            if branches:
+                doomed = {ln.step for ln in order if ln.key < newest and ln.step > branches[0]}
+            kept = [ln for ln in order if ln.step not in doomed]
+            if keep_last > 0:
+                doomed.update(ln.step for ln in kept[:-keep_last])
+            readable = {ln.step for ln in order if ln.readable}
+            doomed = (doomed & readable) - {step}
+        retired = []
+        for old in sorted(doomed):
+            fd = os.open(self.step_dir(old), _DIR_FLAGS)
+            try:
+                try:  # an exporter reading it holds it (see hold_step): a later commit retires it
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    log.info("step %d of %s is being read by an exporter: retired by a later commit", old, self.root)
+                    continue
+                retired.append(self._retire_path(self.step_dir(old), old))
+                self._lines.pop(old, None)
+            finally:
+                os.close(fd)
+        mine = line_key(token)
+        for name in os.listdir(self.root):
+            m = _TMP_RE.match(name)
+            if m is None:
+                continue
+            other = m.group(2)
+            if other.startswith(("replaced-", "retired-")):
+                retired.append(os.path.join(self.root, name))  # being deleted, or left by a crash mid-delete
+            elif line_key(other) < mine or (line_key(other) == mine and int(m.group(1)) < step):
+                retired.append(self._retire_path(os.path.join(self.root, name), int(m.group(1))))
+        return list(dict.fromkeys(path for path in retired if path is not None))
+
+    def _retire_path(self, path: str, step: int) -> str | None:
+        """``path`` renamed to a retired name; None if it is gone (a failed write undid itself)."""
+        retired = os.path.join(self.root, f"step-{step}.tmp-retired-{uuid.uuid4().hex[:8]}")
+        try:
+            os.replace(path, retired)
+        except FileNotFoundError:
+            return None
+        return retired
+
+    # -- reading ------------------------------------------------------------------
+
+    def _read_latest(self) -> int | None:
+        where = os.path.join(self.root, "latest")
+        try:
+            fd = open_regular(where, where)
+        except CheckpointNotFoundError:
+            return None
+        except CheckpointError as exc:
+            log.info("ignoring the latest hint: %s", exc)
+            return None
+        try:
+            return int(read_bounded(fd, MAX_LATEST, where).strip())
+        except (CheckpointError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+
+    def committed_steps(self) -> list[int]:
+        """Committed step numbers, ascending. A step directory must be a real directory
+        (not a symlink) holding a regular ``metadata.json``."""
+        try:
+            names = os.listdir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        steps = []
+        for name in names:
+            m = _STEP_RE.match(name)
+            if m is None:
+                continue
+            try:
+                if not stat.S_ISDIR(os.lstat(os.path.join(self.root, name)).st_mode):
+                    continue
+                if not stat.S_ISREG(os.lstat(os.path.join(self.root, name, "metadata.json")).st_mode):
+                    continue
+            except OSError:
+                continue
+            steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def _line(self, step: int) -> Line | None:
+        """The line of a committed step (cached by the metadata file's identity)."""
+        try:
+            st = os.lstat(os.path.join(self.step_dir(step), "metadata.json"))
+        except OSError:
+            return None
+        ident = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = self._lines.get(step)
+        if cached is not None and cached[0] == ident:
+            return cached[1]
+        try:
+            meta = self.metadata(step)
+            line = Line(line_key(meta.get("token")), step, meta.get("branch"), True)
+        except CheckpointNotFoundError:
+            return None
+        except CheckpointError as exc:
+            log.info("step %d is ordered as the oldest line: %s", step, exc)
+            line = Line("", step, None, False)
+        self._lines[step] = (ident, line)
+        return line
+
+    def _order(self) -> list[Line]:
+        lines = [ln for s in self.committed_steps() if (ln := self._line(s)) is not None]
+        return sorted(lines, key=lambda ln: (ln.key, ln.step))
+
+    def steps_in_order(self) -> list[int]:
+        """Committed steps from oldest to newest by (line, step): the last is the newest."""
+        return [ln.step for ln in self._order()]
+
+    def newest_key(self) -> tuple[str, int] | None:
+        """(line, step) of the newest committed step, the order :meth:`steps_in_order` uses."""
+        order = self._order()
+        return (order[-1].key, order[-1].step) if order else None
+
+    def newer_than_committed(self, token: str, step: int) -> bool:
+        """Whether ``step`` saved by run ``token`` would be newer than every committed step
+        (by line, then step): a copy in memory that storage does not supersede."""
+        newest = self.newest_key()
+        return newest is None or (line_key(token), step) > newest
+
+    def latest_step(self) -> int | None:
+        """The newest committed step the directory holds (``latest`` is only a hint; it is
+        repaired, best effort, when it names another step)."""
+        order = self.steps_in_order()
+        newest = order[-1] if order else None
+        if newest is not None and self._read_latest() != newest:
+            self._repair_latest()
+        return newest
+
+    def _repair_latest(self) -> None:
+        try:
+            with self._commit_lock(blocking=False) as locked:
+                if not locked:  # a commit is moving it now
+                    return
+                order = self.steps_in_order()
+                if order and self._read_latest() != order[-1]:
+                    log.info("repairing %s: newest committed step is %d", os.path.join(self.root, "latest"), order[-1])
+                    write_atomic(os.path.join(self.root, "latest"), f"{order[-1]}\n".encode())
+        except OSError as exc:  # a read-only directory: the hint stays stale
+            log.debug("cannot repair the latest hint in %s: %s", self.root, exc)
+
+    def hold_step(self, step: int) -> "StepHold":
+        """Keep committed ``step`` from retention until the hold is closed (a shared
+        ``flock`` on its directory, which every commit's retention respects, on any node:
+        it leaves a held step to a later commit). Raises :class:`CheckpointNotFoundError`
+        if the step is not committed, or a newer commit retired it first."""
+        fd = self._open_step(step)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                there = os.stat(self.step_dir(step), follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                there = None
+            if there != os.fstat(fd).st_ino:
+                raise CheckpointNotFoundError(f"step {step} in {self.root} was retired by a newer commit")
+        except BaseException:
+            os.close(fd)
+            raise
+        return StepHold(fd)
+
+    def _open_step(self, step: int) -> int:
+        """A descriptor of the committed step's directory, which must not be a symlink."""
+        where = self.step_dir(step)
+        try:
+            return os.open(where, _DIR_FLAGS)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {where})") from None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise UnsafeFileError(f"{where} is a symbolic link or not a directory; step directories are "
+                                      "never followed out of the checkpoint directory") from None
+            raise CheckpointError(f"cannot open {where}: {exc.strerror}") from exc
+
+    def _metadata_at(self, dir_fd: int, step: int) -> dict:
+        where = os.path.join(self.step_dir(step), "metadata.json")
+        try:
+            fd = open_regular("metadata.json", where, dir_fd=dir_fd)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {where})") from None
+        try:
+            raw = read_bounded(fd, MAX_METADATA, where)
+        finally:
+            os.close(fd)
+        try:
+            meta = json.loads(raw)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{where}: unreadable metadata: {exc}") from exc
+        return validate_metadata(meta, step, where)
+
+    def metadata(self, step: int) -> dict:
+        """The committed step's metadata, read safely and checked for types."""
+        dir_fd = self._open_step(step)
+        try:
+            return self._metadata_at(dir_fd, step)
+        finally:
+            os.close(dir_fd)
+
+    def open_shard(self, step: int, rank: int) -> tuple[io.FileIO, dict]:
+        """A committed shard opened for reading (raw, unbuffered; ``.name`` is its path)
+        and its record (size, block checksums). The only way readers open shards: a
+        regular file named by a plain name inside a real step directory, its size checked."""
+        dir_fd = self._open_step(step)
+        try:
+            meta = self._metadata_at(dir_fd, step)
+            record = meta["shards"].get(str(rank))
+            if record is None:
+                raise CheckpointNotFoundError(
+                    f"step {step} in {self.root} has no shard for rank {rank} (world size {meta['world_size']})")
+            where = os.path.join(self.step_dir(step), record["file"])
+            name = plain_name(record["file"], step, rank)
+            try:
+                fd = open_regular(name, where, dir_fd=dir_fd)
+            except CheckpointNotFoundError:
+                raise CheckpointNotFoundError(f"missing shard file {where} of committed step {step}") from None
+        finally:
+            os.close(dir_fd)
+        size = os.fstat(fd).st_size
+        if size != record["size"]:
+            os.close(fd)
+            raise CorruptCheckpointError(f"{where}: {size} bytes, the commit recorded {record['size']} (truncated?)")
+        f = io.FileIO(fd, "rb", closefd=True)
+        f.name = where
+        return f, record
+
+    def shard_path(self, step: int, rank: int) -> tuple[str, dict]:
+        """The path of a committed shard and its record, after :meth:`open_shard`'s checks.
+        Prefer :meth:`open_shard`: a path can be swapped between the check and its open."""
+        f, record = self.open_shard(step, rank)
+        f.close()
+        return os.path.join(self.step_dir(step), record["file"]), record
+
+    def verify(self, step: int) -> list[str]:
+        """Re-read every shard of ``step``; the problems found (empty when intact).
+
+        Bounded by the shards the metadata lists: a huge ``world_size`` is one problem,
+        not a loop. A shard whose header names another run's token is a problem."""
+        meta = self.metadata(step)
+        world, shards = meta["world_size"], meta["shards"]
+        problems = []
+        if isinstance(meta.get("ranks"), list):  # a node-local directory's step: the ranks of its scope
+            missing = [r for r in meta["ranks"] if str(r) not in shards]
+            if missing:
+                problems.append(f"step {step} in {self.root}: ranks {missing[:5]} of its node's scope have no shard")
+        elif len(shards) < world:
+            missing = []
+            rank = 0
+            while len(missing) < 5 and rank < world:
+                if str(rank) not in shards:
+                    missing.append(rank)
+                rank += 1
+            last = [] if str(world - 1) in shards or world - 1 in missing else ["...", world - 1]
+            problems.append(f"step {step} in {self.root}: {world - len(shards)} of {world} ranks have no shard "
+                            f"(missing ranks {', '.join(map(str, missing + last))})")
+        token = meta.get("token")
+        for rank in sorted(shards, key=int):
+            try:
+                reader = ShardReader(*self.open_shard(step, int(rank)))
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            with reader:
+                theirs = reader.image.meta.get("token")
+                if token and isinstance(theirs, str) and theirs != token:
+                    problems.append(f"{reader.path} was written by another run (token {theirs}); step {step} was "
+                                    f"committed by run {token}")
+                    continue
+                try:
+                    reader.verify()
+                except CorruptCheckpointError as exc:
+                    problems.append(str(exc))
+        return problems
