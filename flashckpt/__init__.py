@@ -18,6 +18,7 @@ from ._errors import (
     UnsafeFileError,
 )
 from ._engine import SaveHandle
+from ._options import Options
 
 __all__ = [
     "CheckpointError",
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointTimeoutError",
     "CorruptCheckpointError",
     "JobConflictError",
+    "Options",
     "SaveHandle",
     "SaverError",
     "SharedMemoryError",

@@ -411,13 +411,10 @@ class Engine:
         are written only by the step agreed on, never by a fallback."""
         start = time.perf_counter() if start is None else start
         self._prepared()
-        if self._saves:  # a load after saves (a rollback, maybe): the next saves order after those made
-            self._next_line()
         step, source, committed = agreement.step, agreement.source, agreement.committed
         if step is None:
-            self.start_line(-1)
             log.info("no checkpoint in memory or in %s: starting fresh", self.storage.root)
-            self._loaded(None, None, start)
+            self.finish_load(None, None, start)
             self.prepare_for(state)
             return None
         fallbacks = list(agreement.fallbacks)
@@ -437,8 +434,7 @@ class Engine:
         if source == Source.STORAGE:
             self._check_world(step)
             step = self._load_storage_or_older(state, step, fallbacks)
-        self.start_line(step)
-        self._loaded(step, source.value, start)
+        self.finish_load(step, source, start)
         self.prepare_for(state)
         return step
 
@@ -485,11 +481,19 @@ class Engine:
                 self._locker = self._locker or _page_locker(leaf.kind, [leaf.obj])
             self._prepare(list(range(len(self._slots))), size)
 
-    def _loaded(self, step: int | None, source: str | None, start: float) -> None:
+    def finish_load(self, step: int | None, source: Source | str | None, start: float, **details: Any) -> None:
+        """Record a finished load, once for every adapter: this run's saves descend from
+        ``step`` (None: a fresh start), on a new line if this run saved before (a rollback
+        must never leave an abandoned newer step the newest), ``last_load`` is set, and the
+        ``load`` event carries ``details`` (``resharded``, ``bytes_read``, ...)."""
+        if self._saves:  # a load after saves (a rollback, maybe): the next saves order after those made
+            self._next_line()
+        self.start_line(-1 if step is None else step)
+        source = None if source is None else str(source)
         self.last_load = LoadInfo(step, source, time.perf_counter() - start)
         if step is not None:
             log.info("restored step %d from %s in %.3fs", step, source, self.last_load.seconds)
-        _events.emit("load", step=step, source=source, seconds=self.last_load.seconds)
+        _events.emit("load", step=step, source=source, seconds=self.last_load.seconds, **details)
 
     def on_all_ranks(self, fn: Callable[[], Any], what: str) -> list[Any]:
         """Run ``fn`` on every rank; every rank gets every rank's result, or the same

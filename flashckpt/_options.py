@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Options", "check_memory_slots", "env_count"]
+__all__ = ["Options", "check_memory_slots", "env_count", "resolve_options"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,6 +41,24 @@ class Options:
         if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas not in (0, 1)):
             raise ValueError(f"replicas must be 0 (off), 1 (a copy of each node's newest step on the next node) "
                              f"or None (1 on two or more nodes), got {self.replicas!r}")
+
+
+OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
+"""The names every checkpointer takes as keyword shorthands for :class:`Options` fields."""
+
+
+def resolve_options(options: Options | None = None, /, **shorthands: Any) -> Options:
+    """The options a checkpointer runs with: ``options`` (default: every field's default)
+    with the keyword ``shorthands`` laid over it, checked once. A keyword that is no
+    option is a TypeError naming it and the options there are."""
+    if options is not None and not isinstance(options, Options):
+        raise TypeError(f"options must be a flashckpt.Options, got {type(options).__name__}")
+    unknown = sorted(set(shorthands) - OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                        f"the options are {', '.join(sorted(OPTION_NAMES))}")
+    base = options if options is not None else Options()
+    return dataclasses.replace(base, **shorthands) if shorthands else base
 
 
 def check_memory_slots(memory_slots: Any) -> None:
