@@ -65,7 +65,7 @@ sys.path.insert(0, str(REPO))
 
 import elastic.tf as etf  # noqa: E402
 from flashckpt.tf import Checkpointer, FlashCheckpointHook  # noqa: E402
-from flashckpt import _copy  # noqa: E402
+from flashckpt.memory import _copy  # noqa: E402
 from flashckpt.tf import _variables  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from flashckpt import _copy
+from flashckpt.memory import _copy
 
 
 def covered(groups) -> dict[int, list[tuple[int, int]]]:

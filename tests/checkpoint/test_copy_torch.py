@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from flashckpt import CheckpointError, _copy
+from flashckpt import CheckpointError
+from flashckpt.memory import _copy
 from flashckpt.memory._format import Entry
 from flashckpt.torch._tensors import TorchKind
 

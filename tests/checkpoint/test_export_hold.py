@@ -9,7 +9,8 @@ import subprocess
 import sys
 import threading
 
-from flashckpt import _exporters, _names, _persist, _saver
+from flashckpt.saver import _exporters, _persist, _saver
+from flashckpt import _names
 from flashckpt.saver._exporters import Export, ExportQueue
 from flashckpt.saver._persist import PersistResult
 from flashckpt.saver._saver import Saver
@@ -160,7 +161,7 @@ def write_slot(step: int, data: bytes) -> str:
 
 _KILLED_MID_EXPORT = """
 import json, os, signal, sys
-from flashckpt import _persist
+from flashckpt.saver import _persist
 from flashckpt.saver._exporters import ExportQueue
 def die_mid_file(path):
     with open(path, "wb") as f:

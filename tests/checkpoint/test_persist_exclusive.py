@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from flashckpt import _exporters, _names, _persist
+from flashckpt.saver import _exporters, _persist
+from flashckpt import _names
 from flashckpt._errors import CheckpointError
 from flashckpt.storage._local import LocalStorage
 

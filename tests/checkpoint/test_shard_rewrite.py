@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from flashckpt import _files
+from flashckpt.storage import _files
 from flashckpt._errors import CheckpointError
 from flashckpt.storage._local import LocalStorage
 
@@ -53,7 +53,7 @@ def test_a_rewrite_killed_half_way_leaves_the_durable_shard(tmp_path):
     storage.write_shard(4, 0, tok, image(4, tok))
     rewrite = textwrap.dedent(f"""
         import os, signal
-        from flashckpt import _files
+        from flashckpt.storage import _files
         from flashckpt.storage._local import LocalStorage
         from tests.checkpoint.test_storage_lineage import image
 

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from flashckpt import _stream_copy
+from flashckpt.memory import _stream_copy
 
 _X86_LINUX = (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
               and os.environ.get("FLASHCKPT_STREAMING_COPY", "1").strip() != "0")  # where the loop must load
@@ -43,7 +43,7 @@ def test_overlapping_ranges_copy_as_memmove_does(monkeypatch):
 
 
 def test_the_setting_turns_streaming_off():
-    code = "from flashckpt import _stream_copy; print(_stream_copy.streaming())"
+    code = "from flashckpt.memory import _stream_copy; print(_stream_copy.streaming())"
     env = {**os.environ, "FLASHCKPT_STREAMING_COPY": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -58,7 +58,7 @@ def test_the_loop_stores_around_the_caches_and_fences_before_it_returns():
 def test_large_copies_of_every_kind_go_through_the_loop(monkeypatch):
     import torch
 
-    from flashckpt import _copy
+    from flashckpt.memory import _copy
     from flashckpt.torch._tensors import TorchKind
 
     assert _stream_copy.streaming() is _X86_LINUX

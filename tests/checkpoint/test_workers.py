@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from flashckpt import _workers
+from flashckpt.memory import _workers
 from flashckpt.restore._shard_read import run_chunks
 
 

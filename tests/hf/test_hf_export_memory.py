@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-from flashckpt import _names, _persist
+from flashckpt import _names
+from flashckpt.saver import _persist
 from flashckpt.saver._exporters import ExportQueue
 from flashckpt.memory._slot import Slot, SlotState, pid_alive
 from flashckpt.storage._local import LocalStorage
@@ -177,7 +178,7 @@ def test_only_the_running_export_holds_a_slot(tmp_path, monkeypatch):
     """An export queued behind another of its directory lets its slot go at once and reads
     its shard back: a stuck exporter never holds both of a rank's slots (the trainer's
     next save would wait for it, where it now writes into the other slot)."""
-    from flashckpt import _exporters
+    from flashckpt.saver import _exporters
 
     storage = LocalStorage(str(tmp_path))
     tok = test_export_hold.token()
@@ -207,7 +208,7 @@ def test_only_the_running_export_holds_a_slot(tmp_path, monkeypatch):
 
 _EXPORT_IN_A_NEW_SAVER = """
 import json, sys
-from flashckpt import _exporters
+from flashckpt.saver import _exporters
 _exporters.run_exporter({"name": "hf", "params": json.loads(sys.argv[3])}, sys.argv[1], int(sys.argv[2]))
 print(json.dumps(sorted(m for m in ("deepspeed", "transformers") if m in sys.modules)))
 """
