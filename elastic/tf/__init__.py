@@ -9,8 +9,9 @@ Importing ``elastic`` never imports TensorFlow; importing ``elastic.tf`` does.
 """
 
 from ._dataset import ShardDataset, ShardSpec
-from ._estimator import ShardReportHook, make_input_fn, positions_of_graph
+from ._estimator import make_input_fn
 from ._positions import Rollback, ShardPositions, ShardReadError, default_worker
+from ._report_hook import ShardReportHook, positions_of_graph
 
 __all__ = [
     "Rollback",

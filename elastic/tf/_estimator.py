@@ -10,25 +10,15 @@ left at the end of the stream.
 
 from __future__ import annotations
 
-import logging
-import weakref
 from typing import Any, Callable
 
 import tensorflow as tf
 
-from flashckpt.tf._data import graph_positions, register_graph_positions
+from flashckpt.tf._data import register_graph_positions
 
 from ._dataset import ShardDataset, open_positions
-from ._positions import ShardPositions
 
-__all__ = ["ShardReportHook", "make_input_fn", "positions_of_graph"]
-
-log = logging.getLogger(__name__)
-
-
-def positions_of_graph(graph: Any = None) -> ShardPositions | None:
-    """The positions an elastic ``input_fn`` registered with ``graph`` (default: current)."""
-    return graph_positions(graph)
+__all__ = ["make_input_fn"]
 
 
 def make_input_fn(reader: Callable[[Any], tf.data.Dataset], *, coordinator: Any, name: str,
@@ -70,41 +60,3 @@ def make_input_fn(reader: Callable[[Any], tf.data.Dataset], *, coordinator: Any,
     input_fn.positions = positions  # type: ignore[attr-defined]
     input_fn.finished = positions.finished  # type: ignore[attr-defined]
     return input_fn
-
-
-class ShardReportHook(tf.estimator.SessionRunHook):
-    """Counts the records each training step consumed and commits them to the coordinator.
-
-    ``positions``: default, those an elastic ``input_fn`` registered with the training
-    graph. ``batch_size``: default, the ``input_fn``'s. Commits after every step, unless
-    a ``FlashCheckpointHook`` owns the positions (then at each checkpoint). Use one per
-    ``train`` call; a ``FlashCheckpointHook`` runs one itself when none is given.
-    """
-
-    def __init__(self, positions: ShardPositions | None = None, *, batch_size: int | None = None) -> None:
-        self._given = positions
-        self._batch_size = batch_size
-        self.positions: ShardPositions | None = None
-        self._counting = False
-
-    def begin(self) -> None:
-        self.positions = self._given or positions_of_graph()
-        if self.positions is None:
-            raise ValueError("ShardReportHook: no elastic input_fn in this graph; pass positions=")
-        if self._batch_size is not None:
-            self.positions.batch_size = self._batch_size
-        counter = getattr(self.positions, "_counter", None)
-        self._counting = counter is None or counter() in (None, self)
-        if self._counting:
-            self.positions._counter = weakref.ref(self)  # type: ignore[attr-defined]
-
-    def after_run(self, run_context: Any, run_values: Any) -> None:
-        if self._counting and self.positions is not None:
-            self.positions.consumed_steps(1)
-
-    def end(self, session: Any) -> None:
-        if self._counting and self.positions is not None:
-            if not self.positions.deferred:
-                self.positions.commit()
-            self.positions._counter = None  # type: ignore[attr-defined]
-            self._counting = False

@@ -392,7 +392,7 @@ class ShardPositions:
 
     def report_hook(self) -> Any:
         """A :class:`elastic.tf.ShardReportHook` of these positions (imports TensorFlow)."""
-        from ._estimator import ShardReportHook
+        from ._report_hook import ShardReportHook
 
         return ShardReportHook(self)
 
