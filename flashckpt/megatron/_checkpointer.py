@@ -5,26 +5,26 @@ from __future__ import annotations
 import glob
 import io
 import json
-import logging
 import os
 import time
 from typing import Any
 
 import torch
 
-from .. import _events, _names
-from ..restore._agreement import Source
+from .. import _names
+from .._base import EngineCheckpointer
+from .._engine import Engine, place
 from .._errors import CheckpointError, StateMismatchError
+from .._options import Options, resolve_options
+from ..restore._agreement import Source
 from ..restore._reshard import Fill, Piece, Source as SavedShard, byte_shape, close_sources, read_sources, source_of
 from ..restore._shard_read import MemoryImage, ShardReader
 from ..memory._slot import HEADER_SIZE, Slot, SlotState
-from ..torch import Checkpointer
+from ..torch._checkpointer import collective_for
 from ..torch._tensors import DTYPE_NAMES, host_byte_array
 from ._reader import BYTESIO, StepReader
 
 __all__ = ["MegatronCheckpointer"]
-
-log = logging.getLogger(__name__)
 
 
 def _is_main(replica_id: Any) -> bool:
@@ -44,7 +44,7 @@ def _encode_object(data: Any) -> Any:
     return data
 
 
-class MegatronCheckpointer:
+class MegatronCheckpointer(EngineCheckpointer):
     """Flash checkpoints of megatron-core sharded state dicts.
 
     ``save(step, model.sharded_state_dict())`` blocks only while this rank's main-replica
@@ -57,31 +57,25 @@ class MegatronCheckpointer:
     data-parallel size) reads from the committed shards exactly the byte ranges each
     requested block needs; a restart with the same layout reads this rank's memory.
 
-    All ranks construct it and call ``save``/``load``/``wait``/``close``. Options are
-    those of :class:`flashckpt.torch.Checkpointer`; never calls CUDA on CPU tensors.
+    All ranks construct it and call ``save``/``load``/``wait``/``close``; every load is
+    recorded (``last_load``, a new line after a rollback) by the engine. Takes
+    :class:`flashckpt.Options`; never calls CUDA on CPU tensors.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
-                 job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
-                 replicas: int | None = None, process_group: Any = None) -> None:
-        self._ckpt = Checkpointer(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id,
-                                  allow_pickle=allow_pickle, memory_slots=memory_slots, replicas=replicas,
-                                  process_group=process_group)
-        self._flash = self._ckpt.engine
-
-    @property
-    def directory(self) -> str:
-        return self._ckpt.directory
-
-    @property
-    def job_id(self) -> str:
-        return self._ckpt.job_id
+    def __init__(self, directory: str | os.PathLike, options: Options | None = None, *,
+                 process_group: Any = None, **shorthands: Any) -> None:
+        """``options`` (default: :class:`flashckpt.Options` ()) with ``shorthands`` laid
+        over it: ``persist_every=``, ``keep_last=``, ``job_id=``, ``allow_pickle=``,
+        ``memory_slots=``, ``replicas=`` (any other keyword is a TypeError)."""
+        resolved = resolve_options(options, **shorthands)  # before the collective: a bad keyword fails alone
+        collective = collective_for(process_group)
+        self._engine = Engine(os.fspath(directory), resolved, place(collective, replicated=False), collective)
 
     # -- save ---------------------------------------------------------------------
 
     def save(self, step: int, sharded_state_dict: dict, *, persist: bool | None = None) -> None:
         """Copy this rank's main-replica blocks into shared memory; persist if due."""
-        self._flash.save(step, self._tree(sharded_state_dict), persist=persist)
+        self._engine.save(step, self._tree(sharded_state_dict), persist=persist)
 
     def _tree(self, sharded_state_dict: dict) -> dict:
         from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -107,7 +101,7 @@ class MegatronCheckpointer:
             elif isinstance(value, ShardedObject):
                 if _is_main(value.replica_id):
                     objects[value.unique_key] = _encode_object(value.data)
-        keep_common = self._flash.collective.rank == 0
+        keep_common = self._engine.collective.rank == 0
         # the blocks' places as one string, not a value per number: a save's fixed cost is
         # walking the tree, and thousands of small values cost milliseconds (format 2)
         return {"megatron": {"format": 2, "layout": json.dumps(layout, separators=(",", ":")), "data": data,
@@ -123,38 +117,33 @@ class MegatronCheckpointer:
         """
         start = time.perf_counter()
         chosen, source = self._agree_step(step, sharded_state_dict)
-        if chosen is None:
-            _events.emit("load", step=None, source=None, seconds=time.perf_counter() - start)
-            return None, None
         box: list[Any] = [None]
+        if chosen is not None:
+            def attempt() -> None:
+                box[0] = self._load_step(sharded_state_dict, chosen, source)
 
-        def attempt() -> None:
-            box[0] = self._load_step(sharded_state_dict, chosen, source)
-
-        self._flash.on_all_ranks(attempt, f"loading step {chosen} of {self.directory}")
-        seconds = time.perf_counter() - start
-        log.info("restored step %d from %s in %.2fs", chosen, source, seconds)
-        _events.emit("load", step=chosen, source=source, seconds=seconds)
+            self._engine.on_all_ranks(attempt, f"loading step {chosen} of {self.directory}")
+        self._engine.finish_load(chosen, source, start)
         return box[0], chosen
 
-    def _agree_step(self, step: int | None, sharded_state_dict: dict) -> tuple[int | None, str]:
+    def _agree_step(self, step: int | None, sharded_state_dict: dict) -> tuple[int | None, Source | None]:
         """The engine's agreement (memory on this node or a peer's replica, else storage),
         then memory only if every rank's node holds every block it asks for: another layout
         reads other ranks' blocks, from storage (made durable first)."""
-        flash = self._flash
-        flash.wait()
-        agreement = flash.agree(step)
+        engine = self._engine
+        engine.wait()
+        agreement = engine.agree(step)
         chosen = agreement.step
         if chosen is None or agreement.source != Source.MEMORY:
-            return chosen, "storage"
-        covered = flash.on_all_ranks(lambda: self._memory_covers(sharded_state_dict, chosen),
-                                     f"looking for the blocks of step {chosen} in memory")
+            return chosen, agreement.source
+        covered = engine.on_all_ranks(lambda: self._memory_covers(sharded_state_dict, chosen),
+                                      f"looking for the blocks of step {chosen} in memory")
         if all(covered):
-            return chosen, "memory"
+            return chosen, Source.MEMORY
         if chosen != agreement.committed:
-            self._ckpt.flush()  # another layout reads every rank's blocks: make them durable first
-            flash.collective.all_gather(None)
-        return chosen, "storage"
+            engine.flush()  # another layout reads every rank's blocks: make them durable first
+            engine.collective.all_gather(None)
+        return chosen, Source.STORAGE
 
     def _memory_sources(self, step: int) -> list[SavedShard]:
         """Every saved rank's image of ``step`` in this node's shared memory (one per rank).
@@ -162,17 +151,17 @@ class MegatronCheckpointer:
         A rank reads the blocks it asks for from any local rank's slot: replicated blocks
         (written by replica 0 only) come from the slot of the rank that wrote them.
         """
-        p = self._flash.placement
+        p = self._engine.placement
         found: dict[int, SavedShard] = {}
         try:
-            for path in sorted(glob.glob(glob.escape(_names.job_prefix(self._flash.job_id)) + ".rank*.slot*")):
+            for path in sorted(glob.glob(glob.escape(_names.job_prefix(self._engine.job_id)) + ".rank*.slot*")):
                 slot = Slot.open(path, populate=False)  # read once: mapping every page up front costs more
                 if slot is None:
                     continue
                 h = slot.read_header()
                 info = h.info
                 if (h.state == SlotState.COMPLETE and h.step == step and info.get("storage_world") == p.storage_world
-                        and info.get("directory") == self._flash.storage.root
+                        and info.get("directory") == self._engine.storage.root
                         and info.get("storage_rank") not in found):
                     image = MemoryImage(memoryview(slot.mm)[HEADER_SIZE:HEADER_SIZE + h.image_len], path, slot.close)
                     found[info["storage_rank"]] = source_of(info["storage_rank"], ShardReader(image, None),
@@ -188,7 +177,7 @@ class MegatronCheckpointer:
         """Whether this node's memory holds every block this rank asks for."""
         sources = self._memory_sources(step)
         try:
-            reader = StepReader(sources, allow_pickle=self._flash.options.allow_pickle)
+            reader = StepReader(sources, allow_pickle=self._engine.options.allow_pickle)
         except CheckpointError:
             close_sources(sources)
             return False
@@ -210,16 +199,16 @@ class MegatronCheckpointer:
         return {"tensors": [v for v in values if isinstance(v, ShardedTensor)],
                 "objects": [v for v in values if isinstance(v, ShardedObject)]}
 
-    def _reader(self, step: int, source: str) -> StepReader:
-        sources = (self._memory_sources(step) if source == "memory"
-                   else read_sources(self._flash.storage, step, layout=False))
+    def _reader(self, step: int, source: Source) -> StepReader:
+        sources = (self._memory_sources(step) if source == Source.MEMORY
+                   else read_sources(self._engine.storage, step, layout=False))
         try:
-            return StepReader(sources, allow_pickle=self._flash.options.allow_pickle)
+            return StepReader(sources, allow_pickle=self._engine.options.allow_pickle)
         except BaseException:
             close_sources(sources)
             raise
 
-    def _load_step(self, sharded_state_dict: dict, step: int, source: str) -> dict:
+    def _load_step(self, sharded_state_dict: dict, step: int, source: Source) -> dict:
         from megatron.core.dist_checkpointing.dict_utils import merge
         from megatron.core.dist_checkpointing.mapping import apply_factory_merges
         from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
@@ -293,24 +282,3 @@ class MegatronCheckpointer:
             more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
             raise StateMismatchError(f"checkpoint does not match the model ({len(problems)} problems):\n  {shown}{more}")
         return out
-
-    # -- lifecycle ----------------------------------------------------------------
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every persist asked for so far is durable."""
-        self._ckpt.wait(timeout)
-
-    def flush(self, timeout: float | None = None) -> None:
-        self._ckpt.flush(timeout)
-
-    def latest_step(self) -> int | None:
-        return self._ckpt.latest_step()
-
-    def close(self) -> None:
-        self._ckpt.close()
-
-    def __enter__(self) -> "MegatronCheckpointer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
 
 from .._errors import CheckpointError
+from ..restore._agreement import Source
 from ..storage._url import open_storage
 from ..torch._tensors import DTYPE_NAMES
 from ._checkpointer import MegatronCheckpointer
@@ -114,7 +115,7 @@ class FlashLoadStrategy(LoadShardedStrategy):
 
     def _metadata(self, checkpoint_dir: Union[str, Path], objects: bool) -> dict:
         step = self._pointer(str(checkpoint_dir))
-        reader = self.checkpointer._reader(step, "storage")
+        reader = self.checkpointer._reader(step, Source.STORAGE)
         try:
             out: dict = {}
             for key, saved in reader.shards.items():

@@ -35,7 +35,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     kwargs = {} if replicas == "auto" else {"replicas": int(replicas)}
     ck = MegatronCheckpointer(directory, job_id="replica", persist_every=2, **kwargs)
-    engine = ck._flash
+    engine = ck.engine
     report = {"saver_pid": engine._client.saver_pid, "endpoints": sorted(map(list, engine.replicas.endpoints.values()))}
     if mode == "save":
         for step in (1, 2, 3):
