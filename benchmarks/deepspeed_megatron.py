@@ -233,10 +233,10 @@ def bench_megatron(root: Path, repeats: int, hidden: int, layers: int, vocab: in
     model = mg_model(hidden, layers, vocab)
     job = "bench" + uuid.uuid4().hex[:8]
     ck = MegatronCheckpointer(root / "mg-flash", job_id=job, keep_last=2)
-    capture(ck._flash)
+    capture(ck.engine)
     first = timed(lambda: ck.save(1, model.sharded_state_dict()))
     ck.wait()
-    floor = Floor(captured_tensors(ck._flash))
+    floor = Floor(captured_tensors(ck.engine))
     nbytes = sum(t.numel() * t.element_size() for t in floor.tensors)
     cuda_sync, cuda_dev = torch.cuda.synchronize, torch.cuda.current_device
     floors, default, blocking, durable, building, prebuilt = [], [], [], [], [], []
