@@ -122,11 +122,8 @@ def parse_header(buf: bytes | memoryview, where: str, total_size: int | None = N
     n = header_length(buf, where)
     if 8 + n > len(buf):
         raise CorruptCheckpointError(f"{where}: header length {n} is invalid or the file is truncated")
-    raw = bytes(buf[8:8 + n])
-    if raw[:1] != b"{":
-        raise CorruptCheckpointError(f"{where}: not a safetensors header (it does not start with '{{')")
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
         metadata = header.pop("__metadata__")
         meta = json.loads(metadata[META_KEY])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

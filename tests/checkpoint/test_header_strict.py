@@ -306,10 +306,28 @@ def test_files_stock_safetensors_writes_pass_the_layout_check(tmp_path):
         assert {e.name for e in entries} == set(header)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_the_layout_check_refuses_what_stock_safetensors_refuses(tmp_path, case):
+def _set(name: str, field: str, value: Any) -> Edit:
+    def edit(header: Header, body: bytes) -> tuple[Header, bytes]:
+        header[name][field] = value
+        return header, body
+    return edit
+
+
+def _metadata_number(header: Header, body: bytes) -> tuple[Header, bytes]:
+    header["__metadata__"]["count"] = 1
+    return header, body
+
+
+FIELDS = {"float_offsets": _set("model/x", "data_offsets", [0.0, 64.0]), "bool_dim": _set("model/n", "shape", [True]),
+          "unknown_dtype": _set("model/n", "dtype", "F128"), "negative_dim": _set("model/x", "shape", [-16]),
+          "metadata_number": _metadata_number}
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(FIELDS))
+def test_the_header_check_refuses_what_stock_safetensors_refuses(tmp_path, case):
+    """Layouts (``CASES``) and field types (``FIELDS``: a header safetensors cannot decode)."""
     image = plan_image([("model/w", "F32", (64,)), ("model/x", "F32", (16,)), ("model/n", "I64", ())], {"kinds": {}})
-    data = _rewrite(image.header + bytes(image.body_size), CASES[case])
+    data = _rewrite(image.header + bytes(image.body_size), {**CASES, **FIELDS}[case])
     path = tmp_path / "bad.safetensors"
     path.write_bytes(data)
     _stock_refuses(str(path))
