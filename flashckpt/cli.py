@@ -1,7 +1,7 @@
 """The ``flashckpt`` command: inspect, verify and rescue checkpoints.
 
     flashckpt ls DIR                 committed steps with sizes and ranks
-    flashckpt verify DIR [--step N]  re-read shards and check their checksums
+    flashckpt verify DIR [--step N]  re-read shards and check their headers and checksums
     flashckpt gc [--dry-run] [--force]
                                      remove shared memory of jobs whose processes are gone
     flashckpt persist [--job-id J]   write what a dead job left in shared memory to storage
@@ -261,8 +261,9 @@ def _parser() -> argparse.ArgumentParser:
         "persisted). Exits 1 when there is nothing, or a step's metadata is unreadable."))
     p.add_argument("directory", help=_DIRECTORY)
     p.set_defaults(run=cmd_ls)
-    p = sub.add_parser("verify", help="check shard checksums", description=(
-        "Re-read every shard of committed steps and check sizes, block checksums and that every shard belongs "
+    p = sub.add_parser("verify", help="check shard headers and checksums", description=(
+        "Re-read every shard of committed steps and check sizes, block checksums, safetensors headers (as strictly "
+        "as safetensors itself: tensors tile the body, no gap, no overlap) and that every shard belongs "
         "to the run that committed the step. Prints 'step N: ok' or 'step N: DAMAGED' and one line per problem; "
         "exits 1 when a step is damaged."))
     p.add_argument("directory", help=_DIRECTORY)

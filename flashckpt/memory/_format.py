@@ -20,7 +20,7 @@ from typing import Any
 
 from .._errors import CorruptCheckpointError
 
-__all__ = ["ALIGN", "DTYPE_SIZES", "Entry", "Image", "header_length", "plan_image", "parse_header"]
+__all__ = ["ALIGN", "DTYPE_SIZES", "Entry", "Image", "checked_entries", "header_length", "plan_image", "parse_header"]
 
 ALIGN = 64
 FORMAT = "flashckpt/1"
@@ -112,27 +112,65 @@ def header_length(buf: Any, where: str) -> int:
 
 
 def parse_header(buf: bytes | memoryview, where: str, total_size: int | None = None) -> Image:
-    """Parse a safetensors header from the start of ``buf`` (at least 8 bytes + header).
+    """Parse a safetensors header from the start of ``buf`` (at least 8 bytes + header),
+    held to safetensors' own rules (:func:`checked_entries`).
 
-    ``where`` names the file or segment in error messages; ``total_size`` (the file's
-    length) lets truncation be reported as such.
+    ``where`` names the file or segment in error messages; ``total_size`` is the length
+    of the whole image (the file's, the segment's): its body must end exactly where the
+    last tensor does. None: ``buf`` may hold the header alone, and the body is not checked.
     """
     n = header_length(buf, where)
     if 8 + n > len(buf):
         raise CorruptCheckpointError(f"{where}: header length {n} is invalid or the file is truncated")
     try:
-        header = json.loads(bytes(buf[8:8 + n]))
-        meta = json.loads(header.pop("__metadata__")[META_KEY])
-        entries = sorted((Entry(name, h["dtype"], tuple(h["shape"]), h["data_offsets"][0],
-                                h["data_offsets"][1] - h["data_offsets"][0]) for name, h in header.items()),
-                         key=lambda e: e.offset)
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
-        raise CorruptCheckpointError(f"{where}: not a flashckpt safetensors header ({exc})") from exc
-    body_size = max((e.offset + e.nbytes for e in entries), default=0)
-    for e in entries:
-        if e.dtype not in DTYPE_SIZES or e.nbytes != _numel(e.shape) * DTYPE_SIZES[e.dtype]:
-            raise CorruptCheckpointError(f"{where}: entry {e.name!r} has an inconsistent dtype/shape/size")
-    if total_size is not None and 8 + n + body_size > total_size:
-        raise CorruptCheckpointError(
-            f"{where}: truncated: header promises {8 + n + body_size} bytes, file has {total_size}")
+        header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
+        metadata = header.pop("__metadata__")
+        meta = json.loads(metadata[META_KEY])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{where}: not a flashckpt safetensors header ({exc!r})") from exc
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptCheckpointError(f"{where}: not a flashckpt safetensors header (its __metadata__ is not "
+                                     "a map of strings holding a JSON object)")
+    entries = checked_entries(header, where)
+    body_size = entries[-1].offset + entries[-1].nbytes if entries else 0
+    if total_size is not None and 8 + n + body_size != total_size:
+        if 8 + n + body_size > total_size:
+            raise CorruptCheckpointError(
+                f"{where}: truncated: header promises {8 + n + body_size} bytes, file has {total_size}")
+        raise CorruptCheckpointError(f"{where}: {total_size - 8 - n - body_size} bytes past the last tensor: the "
+                                     f"header's tensors end at byte {8 + n + body_size}, the file has {total_size}")
     return Image(bytes(buf[:8 + n]), entries, body_size, meta)
+
+
+def checked_entries(tensors: dict[str, Any], where: str) -> list[Entry]:
+    """The entries of a decoded safetensors header's tensors (``__metadata__`` taken out)
+    in body order, held to the rules safetensors itself checks before it reads a byte:
+    each has a known dtype, a shape of non-negative integers and two integer offsets;
+    sorted by offsets they tile the body from byte 0, no gap and no overlap; each spans
+    exactly prod(shape) x itemsize bytes. flashckpt's images (:func:`plan_image`: the
+    tensors back to back from 0, the alignment comes from the header's padding) and stock
+    safetensors files pass; any other layout is a :class:`CorruptCheckpointError` naming
+    ``where`` and the tensor."""
+    entries = []
+    for name, info in tensors.items():
+        dtype, shape, offsets = (info.get("dtype"), info.get("shape"), info.get("data_offsets")) \
+            if isinstance(info, dict) else (None, None, None)
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            raise CorruptCheckpointError(f"{where}: tensor {name!r} has no known dtype ({dtype!r})")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CorruptCheckpointError(f"{where}: tensor {name!r} has an invalid shape ({shape!r})")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+            raise CorruptCheckpointError(f"{where}: tensor {name!r} has invalid data offsets ({offsets!r})")
+        entries.append(Entry(name, dtype, tuple(shape), offsets[0], offsets[1] - offsets[0]))
+    entries.sort(key=lambda e: (e.offset, e.nbytes))
+    at = 0
+    for e in entries:
+        if e.offset != at or e.nbytes < 0:
+            raise CorruptCheckpointError(
+                f"{where}: invalid offset for tensor {e.name!r}: bytes {e.offset}-{e.offset + e.nbytes} of the body, "
+                f"where the tensors before it end at byte {at} (tensors must tile the body: no gap, no overlap)")
+        if e.nbytes != _numel(e.shape) * DTYPE_SIZES[e.dtype]:
+            raise CorruptCheckpointError(f"{where}: tensor {e.name!r} spans {e.nbytes} bytes, its shape "
+                                         f"{list(e.shape)} of {e.dtype} takes {_numel(e.shape) * DTYPE_SIZES[e.dtype]}")
+        at += e.nbytes
+    return entries

@@ -24,6 +24,7 @@ included.
 from __future__ import annotations
 
 import json
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ import numpy as np
 
 from .._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ..memory._format import DTYPE_SIZES, Entry, Image
-from ._shard_read import Scratch, ShardReader, file_header, open_shard, run_chunks
+from ._shard_file import file_header
+from ._shard_read import Scratch, ShardReader, open_shard, run_chunks
 from ..storage._local import LocalStorage
 
 if TYPE_CHECKING:
@@ -58,10 +60,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for length in self.lengths:
-            n *= length
-        return n
+        return math.prod(self.lengths)
 
     def intersect(self, other: "Piece") -> "Piece | None":
         """The common box, or None when it is empty."""

@@ -2,7 +2,8 @@
 
 :func:`open_shard` gives a :class:`ShardReader`: one committed shard opened for reading
 (through :meth:`LocalStorage.open_shard`, so only a regular file inside a real step
-directory), its size, its parsed header, and ranged :meth:`~ShardReader.readinto` into
+directory), its size, its parsed header (held to safetensors' own rules, see
+:mod:`~flashckpt.restore._shard_file`), and ranged :meth:`~ShardReader.readinto` into
 caller buffers -- exact, or a :class:`CorruptCheckpointError` naming the file -- that
 verifies the recorded checksums of exactly the blocks a read touches (the bytes of an
 edge block outside the range are read alongside, once, and never again).
@@ -27,8 +28,6 @@ overwrites in turn. Plain (non-tensor) leaves are applied only after every block
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import io
 import mmap
 import os
@@ -40,70 +39,23 @@ import numpy as np
 
 from ..storage._checksum import BlockSums
 from .._errors import CorruptCheckpointError
-from ..memory._format import Entry, Image, header_length, parse_header
+from ..memory._format import Entry, Image
 from .._options import env_count
 from ..memory._tree import Merge, kind_named
 from ..memory._workers import run_each
+from ._shard_file import (READ_THREADS_ENV, THREADS, mostly_cached, pieces_reader, read_image_header, read_streams,
+                          resident_pages as _resident_pages)
 
 if TYPE_CHECKING:
     from ..storage._local import LocalStorage
 
-__all__ = ["CHUNK_BYTES", "Chunk", "MemoryImage", "Scratch", "ShardReader", "file_header", "open_shard", "read_header", "read_shard_into", "read_streams", "run_chunks", "unflatten"]
+__all__ = ["CHUNK_BYTES", "Chunk", "MemoryImage", "Scratch", "ShardReader", "open_shard", "read_shard_into", "run_chunks",
+           "unflatten"]
 
 CHUNK_BYTES = 32 << 20
 """Bytes per read of a full read (rounded down to whole checksum blocks, at least one)."""
-THREADS = 8
-"""Threads of a full read from storage other than a rotational disk: enough outstanding
-reads to keep a fast device (or an object store) busy."""
-READ_THREADS_ENV = "FLASHCKPT_READ_THREADS"
 CACHING_THREADS = 2
 """Fewest threads of a full read that leaves the file cached (:meth:`ShardReader.map_verified`)."""
-_FIRST_READ = 64 << 10
-_IOV_MAX = 1024
-_LOW_BIT = bytes(b & 1 for b in range(256))
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-
-
-def read_streams(device: int, sys_root: str = "/sys") -> int:
-    """How many reads of a local file on ``device`` (``st_dev``) a rank runs at once:
-    ``FLASHCKPT_READ_THREADS``, else 1 on a disk the kernel marks rotational, else
-    :data:`THREADS`. On a rotational disk (or a virtual one that says so) streams seek
-    against each other: a resharded FSDP load 4 -> 2 measured 0.28 s with one read per
-    rank against 0.35 s with eight, and a one-process load as fast with one as with eight."""
-    return env_count(READ_THREADS_ENV, 1 if _rotational(device, sys_root) else THREADS)
-
-
-@functools.lru_cache(maxsize=64)
-def _rotational(device: int, sys_root: str) -> bool:
-    """Whether block device ``device`` (a partition: its disk) is rotational; False where
-    there is no block device (tmpfs, NFS, overlay) or sysfs would not say."""
-    node = os.path.realpath(os.path.join(sys_root, "dev", "block", f"{os.major(device)}:{os.minor(device)}"))
-    if os.path.exists(os.path.join(node, "partition")):
-        node = os.path.dirname(node)
-    try:
-        with open(os.path.join(node, "queue", "rotational")) as f:
-            return f.read().strip() == "1"
-    except OSError:
-        return False
-
-
-def read_header(fd: int, where: str, size: int, at: int = 0) -> Image:
-    """The parsed safetensors header of the image starting at byte ``at`` of ``fd`` (a
-    file of ``size`` bytes from there on)."""
-    return _header(lambda offset, n: os.pread(fd, n, at + offset), where, size)
-
-
-def _header(read: Callable[[int, int], bytes], where: str, size: int) -> Image:
-    """The one way a header is read: its first bytes, the rest if longer, then parsed."""
-    head = read(0, min(_FIRST_READ, size))
-    n = header_length(head, where)
-    if 8 + n > len(head) and 8 + n <= size:
-        head += read(len(head), 8 + n - len(head))
-    return parse_header(head, where, size)
 
 
 class ShardReader:
@@ -129,7 +81,7 @@ class ShardReader:
             self.streams = (read_streams(os.fstat(file.fileno()).st_dev) if isinstance(file, io.FileIO)
                             else env_count(READ_THREADS_ENV, THREADS))
             """Reads of this shard that suit its storage at once (:func:`read_streams`)."""
-            self._read_pieces = _pieces_reader(file, self.path, self.size)
+            self._read_pieces = pieces_reader(file, self.path, self.size)
             self._sums = BlockSums(record, self.path) if record is not None else _UNRECORDED
             self.image = self._header()
         except BaseException:
@@ -138,7 +90,7 @@ class ShardReader:
 
     def _header(self) -> Image:
         try:
-            return _header(_bytes_reader(self._read_pieces, self.size), self.path, self.size)
+            return read_image_header(self._read_pieces, self.path, self.size)
         except CorruptCheckpointError:  # a damaged header block is reported as such
             first = min(self.size, self._sums.block_size)
             self.readinto(memoryview(bytearray(first)), 0)
@@ -282,7 +234,7 @@ class ShardReader:
         self._preadv(views, start)
         self._sums.check_pieces(start, views)
         length = sum(len(v) for v in views)
-        if cached is not None and not self._keep_cached and not _mostly_cached(cached, start, length):
+        if cached is not None and not self._keep_cached and not mostly_cached(cached, start, length):
             os.posix_fadvise(self._file.fileno(), start, length, os.POSIX_FADV_DONTNEED)
 
     def _cached_before(self) -> bytes | None:
@@ -351,65 +303,6 @@ def _gap_buffer(gaps: threading.local, nbytes: int) -> memoryview:
     if buf is None or len(buf) < nbytes:
         gaps.buf = buf = memoryview(bytearray(nbytes))
     return buf
-
-
-def _mostly_cached(pages: bytes, start: int, length: int) -> bool:
-    """Whether at least half of the pages of ``[start, start + length)`` are marked in ``pages``."""
-    touched = pages[start // mmap.PAGESIZE:-(-(start + length) // mmap.PAGESIZE)]
-    return 2 * (len(touched) - touched.count(0)) >= len(touched)
-
-
-def _resident_pages(fd: int, size: int) -> bytes | None:
-    """One byte per page of the file, nonzero where the page is in the page cache
-    (``mincore`` over a mapping of it); None where that cannot be learnt."""
-    if size == 0:
-        return b""
-    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr is None or addr == ctypes.c_void_p(-1).value:
-        return None
-    try:
-        vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
-        if _libc.mincore(addr, size, vec) != 0:
-            return None
-        return vec.raw.translate(_LOW_BIT)
-    finally:
-        _libc.munmap(addr, size)
-
-
-def _pieces_reader(file: Any, path: str, size: int) -> Callable[[list[memoryview], int], None]:
-    """``read(pieces, offset)``: fill ``pieces`` with consecutive bytes of ``file`` from
-    ``offset``, exactly (an object store's shard brings its own ``preadv``)."""
-    if not isinstance(file, io.FileIO):
-        return file.preadv
-    fd = file.fileno()
-
-    def read(pieces: list[memoryview], offset: int) -> None:
-        pending = [p for p in pieces if len(p)]
-        while pending:
-            n = os.preadv(fd, pending[:_IOV_MAX], offset)
-            if n <= 0:
-                raise CorruptCheckpointError(f"{path}: truncated at byte {offset} (the commit recorded {size} bytes)")
-            offset += n
-            while n and n >= len(pending[0]):
-                n -= len(pending.pop(0))
-            if n:
-                pending[0] = pending[0][n:]
-
-    return read
-
-
-def file_header(file: Any, size: int) -> Image:
-    """The parsed header of an open shard (a local file or an object store's shard)."""
-    return _header(_bytes_reader(_pieces_reader(file, str(file.name), size), size), str(file.name), size)
-
-
-def _bytes_reader(read: Callable[[list[memoryview], int], None], size: int) -> Callable[[int, int], bytes]:
-    def read_bytes(offset: int, n: int) -> bytes:
-        buf = bytearray(max(0, min(n, size - offset)))
-        read([memoryview(buf)], offset)
-        return bytes(buf)
-
-    return read_bytes
 
 
 def _flat(view: Any) -> memoryview:
