@@ -160,16 +160,20 @@ def _collect(out: Any, procs: list[Any], timeout: float) -> tuple[dict[int, Any]
     def take(item: tuple[int, str, Any]) -> None:
         rank, status, value = item
         pending.discard(rank)
-        (results.__setitem__(rank, value) if status == "ok" else errors.append(f"rank {rank}:\n{value}"))
+        if status == "ok":
+            results[rank] = value
+        else:
+            errors.append(f"rank {rank}:\n{value}")
 
     deadline = time.monotonic() + timeout
     while pending:
         try:
             take(out.get(timeout=min(1.0, max(0.01, deadline - time.monotonic()))))
-            deadline = time.monotonic() + timeout
-            continue
         except queue.Empty:
             pass
+        else:
+            deadline = time.monotonic() + timeout
+            continue
         exited = [r for r in pending if procs[r].exitcode is not None]
         try:  # an exited worker's report is in the pipe already (its queue flushed before it exited)
             while True:
