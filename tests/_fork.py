@@ -10,18 +10,26 @@ test code ran in it, no process group, no CUDA).
 A forked worker does not inherit the caller's environment or standard streams (it gets
 the server's); ``Inherit`` carries them, so a worker starts as a spawned one would.
 ``Forked`` runs a function in such a worker behind the part of ``subprocess.Popen``'s
-interface the crash tests use.
+interface the crash tests use; ``run_ranks`` runs one on every rank of a real gloo
+process group (the suite's one spawn helper for multi-process tests).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import runpy
 import signal
 import sys
+import time
+import traceback
 from multiprocessing.reduction import DupFd
 from typing import Any, Callable
+
+from ._net import free_port
+
+__all__ = ["context", "Inherit", "Forked", "run_script", "run_ranks"]
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
@@ -123,3 +131,84 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+# -- N ranks of a process group -------------------------------------------------------------
+
+def _rank_entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out: Any, backend: str,
+                inherit: Inherit) -> None:
+    inherit.apply()
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        out.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _collect(out: Any, procs: list[Any], timeout: float) -> tuple[dict[int, Any], list[str]]:
+    """Each rank's result or failure: a traceback it sent, an exit without a result (a
+    signal, ``os._exit``), or silence for ``timeout`` seconds after the last report."""
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    pending = set(range(len(procs)))
+
+    def take(item: tuple[int, str, Any]) -> None:
+        rank, status, value = item
+        pending.discard(rank)
+        if status == "ok":
+            results[rank] = value
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+
+    deadline = time.monotonic() + timeout
+    while pending:
+        try:
+            take(out.get(timeout=min(1.0, max(0.01, deadline - time.monotonic()))))
+        except queue.Empty:
+            pass
+        else:
+            deadline = time.monotonic() + timeout
+            continue
+        exited = [r for r in pending if procs[r].exitcode is not None]
+        try:  # an exited worker's report is in the pipe already (its queue flushed before it exited)
+            while True:
+                take(out.get_nowait())
+        except queue.Empty:
+            pass
+        for r in (r for r in exited if r in pending):
+            errors.append(f"rank {r}: exited with code {procs[r].exitcode} and no result")
+            pending.discard(r)
+        if pending and time.monotonic() > deadline:
+            errors += [f"rank {r}: no result within {timeout:g}s" for r in sorted(pending)]
+            break
+    return results, errors
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0, backend: str = "gloo") -> list[Any]:
+    """``fn(rank, world, *args)`` on every rank of a ``backend`` process group, each rank a
+    forked worker (``Forked``'s server, the caller's environment); returns the results by
+    rank, or raises AssertionError with every failing rank's traceback (or exit code, or
+    silence for ``timeout`` seconds). ``fn`` and its results must pickle."""
+    ctx = context()
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, port, args, out, backend, Inherit()))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results, errors = _collect(out, procs, timeout)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]

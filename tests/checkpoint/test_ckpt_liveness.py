@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from flashckpt import _names
+from flashckpt.memory._slot import Slot, SlotHeader, SlotState
 from flashckpt.storage._local import LocalStorage
 from flashckpt.torch import Checkpointer
 
@@ -371,6 +372,36 @@ def test_a_deleted_saver_socket_does_not_block_the_next_process(tmp_path, job_id
 # -- (e) two slots, storage slower than the saves -------------------------------------------
 
 SLOW_STORAGE = """
+    import logging, traceback
+    from flashckpt import _engine
+    from flashckpt.memory._tree import kind_named
+
+    kill_inside = False  # the save running now is killed at the first kill point it reaches
+
+    def killed_here(where):
+        '''A kill point: say where, and whether Engine.save is on the stack, then wait to be killed.'''
+        in_save = any(f.name == "save" and f.filename == _engine.__file__ for f in traceback.extract_stack())
+        say("inside " + json.dumps({"where": where, "in_save": in_save}))
+        input()  # never answered
+
+    torch_kind = kind_named("torch")
+    whole_copy = torch_kind.copy
+
+    def half_a_copy(dsts, srcs):  # kill point 1: the save copies into a slot (half its tensors written)
+        if not kill_inside:
+            return whole_copy(dsts, srcs)
+        whole_copy(dsts[:len(dsts) // 2], srcs[:len(srcs) // 2])
+        killed_here("copying")
+
+    torch_kind.copy = half_a_copy
+
+    class WaitingForASlot(logging.Handler):  # kill point 2: the save waits for the saver to free a slot
+        def emit(self, record):
+            if kill_inside and record.getMessage().startswith("save waits for storage"):
+                killed_here("waiting for a slot")
+
+    _engine.log.addHandler(WaitingForASlot())
+
     ck = Checkpointer(directory, job_id=job, persist_every=3, keep_last=0, memory_slots=2)
     state = make_state(64)
     for step in (1, 2):
@@ -380,19 +411,27 @@ SLOW_STORAGE = """
     input()                 # the saver is stopped: storage is far slower than the saves
     for step in (3, 4, 5):  # 3 is due to persist: its copy is held for the saver
         fill(state, step)
-        say(f"saving {step}")
-        t = time.perf_counter()
+        kill_inside = step == 5
         ck.save(step, state)
-        say(f"saved {step} {time.perf_counter() - t:.4f}")
+        say(f"saved {step}")
     time.sleep(600)
 """
+
+
+def _slots(job: str) -> dict[int, tuple[str, int]]:
+    """Step -> (state, writer pid if WRITING else reader pid) of rank 0's two memory slots."""
+    headers = [Slot.peek_header(_names.slot_path(job, 0, i)) or SlotHeader() for i in (0, 1)]
+    return {h.step: (h.state.name, h.writer_pid if h.state == SlotState.WRITING else h.reader_pid)
+            for h in headers if h.state != SlotState.EMPTY}
 
 
 @pytest.mark.timeout(150)
 def test_a_crash_during_a_save_while_storage_lags_keeps_the_last_returned_save(tmp_path, job_id):
     """memory_slots=2, persist_every=3, the saver stopped while it owes step 3: save(4)
-    returns; the trainer is SIGKILLed in the middle of save(5) (halfway through a copy as
-    long as save(4)'s). The restart must restore >= 4, not the 3 the saver was reading."""
+    returns; the trainer is SIGKILLed inside save(5), at the first of two chosen points it
+    reaches: halfway through its copy into a slot, or waiting for the saver to free one
+    (this engine waits: one slot is held for the saver, the other holds the newest copy).
+    The restart must restore >= 4, not the 3 the saver was reading."""
     script = Script(SLOW_STORAGE, tmp_path, job_id)
     saver = 0
     loader = None
@@ -401,11 +440,18 @@ def test_a_crash_during_a_save_while_storage_lags_keeps_the_last_returned_save(t
         saver = one_saver(job_id)
         os.kill(saver, signal.SIGSTOP)
         script.send()
-        took = float(script.expect("saved 4", 60, "save(4) with storage stopped").split()[2])
-        script.expect("saving 5", 30, "save(5) starting")
-        time.sleep(took * 0.5)
-        died_in_save = not any(line.startswith("saved 5") for line in script.lines)
+        script.expect("saved 4", 60, "save(4) with storage stopped")
+        inside = script.result("inside ", 60, "save(5) reaching a kill point")
         script.kill()
+        assert script.proc.returncode == -signal.SIGKILL, f"the trainer exited {script.proc.returncode} first"
+        assert inside["in_save"], f"the kill point {inside['where']!r} is not inside Engine.save"
+        assert not any(line.startswith("saved 5") for line in script.lines), "save(5) returned before the kill"
+        slots = _slots(job_id)  # what the kill left, as the restart finds it
+        assert slots.get(3) == ("COMPLETE", saver), f"step 3 is no longer held for the saver: {slots}"
+        if inside["where"] == "copying":  # step 5 half written into the one slot not holding 3
+            assert slots.get(5) == ("WRITING", script.proc.pid), f"the kill landed outside save(5)'s copy: {slots}"
+        else:  # nothing of step 5 written: 4, which save(4) returned, is whole
+            assert slots.get(4) == ("COMPLETE", 0), f"save(5) was killed waiting for a slot, yet: {slots}"
         os.kill(saver, signal.SIGCONT)
         loader = Script("""
             state = make_state(64)
@@ -416,7 +462,7 @@ def test_a_crash_during_a_save_while_storage_lags_keeps_the_last_returned_save(t
         """, tmp_path, job_id)
         res = loader.result("result ", 60, "restart after the crash")
         assert res["step"] is not None and res["step"] >= 4, \
-            (f"save(4) had returned, the trainer died {'inside' if died_in_save else 'after'} save(5), "
+            (f"save(4) had returned, the trainer died inside save(5) ({inside['where']}), "
              f"and the restart restored {res['step']} from {res['source']}")
         assert res["check"] == res["step"]
     finally:

@@ -6,14 +6,24 @@ is held up for real: the test holds that rank's lock file (``flock``), which the
 takes before it reads the slot, and checks in ``/proc/locks`` that the saver waits on it.
 An export is held up by a FIFO where the DeepSpeed exporter reads its manifest. The
 queue's rules are also checked alone, with no saver (``Jobs`` and a thread that takes).
+
+Nothing here sleeps and then checks that something did not happen: a call that must wait
+reports whether what it waits for had happened when it returned (``_returns_after``),
+once the saver has read the request (``_asked``); a check that the queue hands out
+nothing runs once the taking thread is parked in ``Jobs.take`` (``_Taker``).
 """
 
+import fcntl
 import json
 import os
 import queue
+import struct
+import sys
+import termios
 import threading
 import time
 from contextlib import contextmanager
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -74,39 +84,66 @@ def _rank_held(job_id: str, rank: int):
 
 
 class _Background:
-    """``fn`` on a thread; ``join`` re-raises what it raised."""
+    """``fn`` on a thread; ``join`` returns what it returned, or re-raises what it raised."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.value: Any = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
         self.thread.start()
 
-    def _run(self, fn) -> None:
+    def _run(self, fn: Callable[[], Any]) -> None:
         try:
-            fn()
+            self.value = fn()
         except BaseException as exc:  # noqa: BLE001 -- handed to join
             self.error = exc
 
-    def returned(self) -> bool:
-        return not self.thread.is_alive()
-
-    def join(self) -> None:
+    def join(self) -> Any:
         self.thread.join(_BOUND)
         assert not self.thread.is_alive(), "still waiting"
         if self.error is not None:
             raise self.error
+        return self.value
+
+
+def _returns_after(fn: Callable[[], None], event: threading.Event) -> Callable[[], bool]:
+    """``fn`` that then tells whether ``event`` was set when it returned."""
+    def run() -> bool:
+        fn()
+        return event.is_set()
+    return run
+
+
+def _unread(sock) -> int:
+    """Bytes sent on this end of a unix socket that the peer has not read yet (SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def _asked(engine: Engine, op: str, monkeypatch) -> Callable[[], bool]:
+    """A condition: ``engine`` sent an ``op`` request and the saver has read it (every
+    byte sent on the socket consumed), so the saver has it in hand before the test goes on."""
+    client = engine._client
+    sent: list[str] = []
+    send = client._send
+    monkeypatch.setattr(client, "_send", lambda msg: (send(msg), sent.append(msg["op"]))[0])
+    return lambda: op in sent and _unread(client.sock) == 0
 
 
 @contextmanager
 def _held_persist(job_id: str, engine: Engine, step: int):
     """Rank 0 (``engine``) has ``step`` in memory and its flush waiting in the saver,
-    stuck on its lock file; yields the flush running in the background."""
+    stuck on its lock file; yields an event set just before the lock is let go, and
+    fails if that flush returned before it was set."""
     engine.save(step, _state(step), persist=False)
+    released = threading.Event()
     with _rank_held(job_id, 0) as lock_path:
-        flush = _Background(engine.flush)
+        flush = _Background(_returns_after(engine.flush, released))
         _until(lambda: _waiters(lock_path), "the saver waits for rank 0's lock")
-        yield flush
-    flush.join()
+        try:
+            yield released
+        finally:
+            released.set()
+    assert flush.join(), "rank 0's flush returned while its persist was held"
 
 
 def test_one_ranks_persist_does_not_wait_for_another_ranks(tmp_path, job_id):
@@ -120,15 +157,18 @@ def test_one_ranks_persist_does_not_wait_for_another_ranks(tmp_path, job_id):
         engine.close()
 
 
-def test_a_flush_waits_for_every_persist_queued_before_it(tmp_path, job_id):
+def test_a_flush_waits_for_every_persist_queued_before_it(tmp_path, job_id, monkeypatch):
+    """Rank 1's flush, read by the saver while rank 0's persist is held, returns only after
+    that persist is let go (rank 0's own flush too). Were the saver to read the flush but
+    handle it only after rank 0's persist finished, a reply sent too early would go unseen."""
     a, b = _engine(tmp_path / "a", job_id, 0), _engine(tmp_path / "b", job_id, 1)
-    with _held_persist(job_id, a, 1) as flush_a:
+    with _held_persist(job_id, a, 1) as released:
         handle = b.save(1, _state(1))
-        flush_b = _Background(b.flush)  # asked after rank 0's persist: waits for it too
+        asked = _asked(b, "flush", monkeypatch)
+        flush_b = _Background(_returns_after(b.flush, released))  # asked after rank 0's persist: waits for it too
         _until(handle.durable, "rank 1's step committed while rank 0's persist is held")
-        time.sleep(0.5)
-        assert not flush_b.returned() and not flush_a.returned()
-    flush_b.join()
+        _until(asked, "the saver read rank 1's flush")
+    assert flush_b.join(), "rank 1's flush returned while rank 0's persist, queued before it, was held"
     assert a.storage.committed_steps() == [1] and b.storage.committed_steps() == [1]
     for engine in (a, b):
         engine.close()
@@ -165,7 +205,7 @@ def _export(save_dir, tag: str) -> dict:
     return {"name": "deepspeed", "params": {"save_dir": str(save_dir), "tag": tag, "keep_last": 0}}
 
 
-def test_a_slow_export_does_not_hold_up_the_next_persists(tmp_path, job_id):
+def test_a_slow_export_does_not_hold_up_the_next_persists(tmp_path, job_id, monkeypatch):
     """Rank 0's export of step 1 hangs (its manifest is a FIFO nobody writes yet): rank 1
     persists and commits meanwhile, rank 0's next step reaches storage (its commit waits
     for the export, which must read step 1 before retention could retire it), and rank
@@ -175,6 +215,8 @@ def test_a_slow_export_does_not_hold_up_the_next_persists(tmp_path, job_id):
     manifest = save_dir / ".flashckpt-tags.json"
     os.mkfifo(manifest)
     a, b = _engine(tmp_path / "a", job_id, 0, keep_last=1), _engine(tmp_path / "b", job_id, 1)
+    released = threading.Event()
+    released_at = 0.0
     try:
         a.save(1, _deepspeed_state(1, "t1"), export=_export(save_dir, "t1"))
         _until(lambda: (save_dir / "t1").is_dir(), "the export of step 1 reached its manifest")
@@ -183,14 +225,17 @@ def test_a_slow_export_does_not_hold_up_the_next_persists(tmp_path, job_id):
         a.save(2, _state(2))
         _until(lambda: any((tmp_path / "a" / name / "rank-0.done").exists() for name in os.listdir(tmp_path / "a")
                            if name.startswith("step-2.tmp-")), "rank 0's next step written while its export hangs")
-        flush = _Background(a.flush)
-        time.sleep(0.5)
-        assert not flush.returned()
+        asked = _asked(a, "flush", monkeypatch)
+        flush = _Background(_returns_after(a.flush, released))
+        _until(asked, "the saver read rank 0's flush")
         assert a.storage.committed_steps() == [1]  # step 2's commit would retire step 1 mid-export
     finally:
+        released.set()
+        released_at = time.time()
         _release(manifest)
-    flush.join()
+    assert flush.join(), "rank 0's flush returned while its export hung"
     assert a.storage.committed_steps() == [2]
+    assert a.storage.metadata(2)["committed_at"] >= released_at, "step 2 committed while step 1's export hung"
     assert (save_dir / "t1" / "mp_rank_00_model_states.pt").is_file()
     assert json.loads(manifest.read_text())[0][:2] == ["t1", 1]
     for engine in (a, b):
@@ -250,19 +295,53 @@ class _Inbox:
         self.sent.append(msg)
 
 
-def _taker(jobs: Jobs) -> "queue.Queue[Job]":
-    """Jobs as ``take`` hands them out (it does not wait for them to finish)."""
-    taken: "queue.Queue[Job]" = queue.Queue()
-    threading.Thread(target=lambda: [taken.put(job) for job in iter(jobs.take, None)], daemon=True).start()
-    return taken
+class _Taker:
+    """Takes jobs as a persist thread does (without running them), on a thread of its own
+    that counts the times it parks: blocks in ``Jobs.take`` having found nothing to take.
 
+    Every change to the jobs is made through :meth:`after`, which returns once the thread
+    has looked at the queue as that change left it and parked again; so each check that
+    follows sees all the thread would do, and "nothing more was taken" is a fact, not a
+    guess after a sleep."""
 
-def _nothing_taken(taken: "queue.Queue[Job]") -> bool:
-    try:
-        taken.get(timeout=0.3)
-    except queue.Empty:
-        return True
-    return False
+    _WAIT, _TAKE = threading.Condition.wait.__code__, Jobs.take.__code__
+
+    def __init__(self, jobs: Jobs) -> None:
+        self.jobs = jobs
+        self._taken: "queue.Queue[Job]" = queue.Queue()
+        self._parked = threading.Condition()
+        self._parks = 0
+        threading.Thread(target=self._run, daemon=True).start()
+        self._wait_parks(1)  # took what it could of the jobs queued before it started
+
+    def _run(self) -> None:
+        sys.setprofile(self._profile)  # this thread only
+        for job in iter(self.jobs.take, None):
+            self._taken.put(job)
+
+    def _profile(self, frame, event: str, arg) -> None:
+        if event == "call" and frame.f_code is self._WAIT and frame.f_back.f_code is self._TAKE:
+            with self._parked:  # entered under the jobs' lock: it saw every change made before
+                self._parks += 1
+                self._parked.notify_all()
+
+    def _wait_parks(self, count: int) -> None:
+        with self._parked:
+            if not self._parked.wait_for(lambda: self._parks >= count, _BOUND):
+                pytest.fail(f"the taking thread did not park within {_BOUND:.0f}s")
+
+    def after(self, change: Callable[[], Any]) -> None:
+        """``change()`` (a call that wakes the parked thread), then wait until it parks again."""
+        count = self._parks + 1
+        change()
+        self._wait_parks(count)
+
+    def taken(self) -> list[Job]:
+        """The jobs handed out since the last call."""
+        out = []
+        while not self._taken.empty():
+            out.append(self._taken.get_nowait())
+        return out
 
 
 def test_jobs_of_one_rank_run_one_at_a_time_and_a_reply_waits_for_every_job_taken_before_it():
@@ -272,17 +351,15 @@ def test_jobs_of_one_rank_run_one_at_a_time_and_a_reply_waits_for_every_job_take
     for job in (a1, a2, b1):
         jobs.put(job)
     jobs.put(Job("", 0, inbox, reply={"op": "flushed", "id": 7}), later=True)
-    taken = _taker(jobs)
-    assert taken.get(timeout=_BOUND) is a1 and taken.get(timeout=_BOUND) is b1
-    assert _nothing_taken(taken)  # a2: its rank's slot is being read
-    jobs.release(a1)  # a1 read its slot; its export may still run
-    assert taken.get(timeout=_BOUND) is a2
-    jobs.finish(b1)
-    jobs.finish(a2)
-    time.sleep(0.3)
+    taker = _Taker(jobs)
+    assert taker.taken() == [a1, b1]  # not a2: its rank's slot is being read
+    taker.after(lambda: jobs.release(a1))  # a1 read its slot; its export may still run
+    assert taker.taken() == [a2]
+    taker.after(lambda: jobs.finish(b1))
+    taker.after(lambda: jobs.finish(a2))
     assert inbox.sent == [] and not jobs.idle()  # a1 (its export) is not finished
-    jobs.finish(a1)
-    _until(lambda: inbox.sent == [{"op": "flushed", "id": 7}], "the reply once every job before it finished")
+    taker.after(lambda: jobs.finish(a1))
+    assert inbox.sent == [{"op": "flushed", "id": 7}], "the reply once every job before it finished"
     assert jobs.idle()
     jobs.stop()
 
@@ -293,11 +370,10 @@ def test_jobs_a_fallback_waits_while_newest_step_work_runs():
     fallback = Job(_names.slot_path("tq", 1, 1), 4, inbox, unless_committed=("/d", "tok", 5))
     jobs.put(fallback, later=True)
     jobs.put(newest)  # newest-step work goes first even when queued after
-    taken = _taker(jobs)
-    assert taken.get(timeout=_BOUND) is newest
-    assert _nothing_taken(taken)  # another rank's fallback, yet it waits
-    jobs.release(newest)
-    assert taken.get(timeout=_BOUND) is fallback
+    taker = _Taker(jobs)
+    assert taker.taken() == [newest]  # not the fallback: another rank's, yet it waits
+    taker.after(lambda: jobs.release(newest))
+    assert taker.taken() == [fallback]
     for job in (newest, fallback):
         jobs.finish(job)
     jobs.stop()

@@ -30,13 +30,9 @@ import pytest
 from flashckpt._engine import new_token
 from flashckpt.memory._format import plan_image
 
+from .._net import free_port
+
 CREDENTIALS = {"key": "testing", "secret": "testing"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MotoServer:

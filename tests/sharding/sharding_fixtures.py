@@ -24,14 +24,9 @@ from typing import Any
 import pytest
 
 import sharding
+from tests._net import free_port
 
 REDIS_PASSWORD = "s3cret-pw"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:
