@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 
-from .. import _events
 from .._base import EngineCheckpointer
-from .._engine import Engine, LoadInfo, SaveHandle, gc_paused, place
+from .._engine import Engine, SaveHandle, gc_paused, place
 from .._options import Options, resolve_options
 from .._errors import CheckpointError, StateMismatchError
 from ..restore._reshard import (LAYOUT_KEY, Fill, Piece, RangeReader, path_key, read_header, read_layout, read_sources,
@@ -314,12 +313,8 @@ class FsdpCheckpointer(EngineCheckpointer):
                                       f"{eng.storage.root}; only committed steps can be resharded")
             read = self._engine.on_all_ranks(lambda: self._reshard(target, step),
                                       f"resharding step {step} from {eng.storage.root}")[coll.rank]
-            eng.start_line(step)
-            eng.last_load = LoadInfo(step, "storage", time.perf_counter() - start)
-            log.info("restored step %d resharded from storage in %.3fs (%.1f MiB read)", step,
-                     eng.last_load.seconds, read / 2**20)
-            _events.emit("load", step=step, source="storage", seconds=eng.last_load.seconds, resharded=True,
-                         bytes_read=read)
+            log.info("resharded step %d from storage (%.1f MiB read)", step, read / 2**20)
+            eng.finish_load(step, "storage", start, resharded=True, bytes_read=read)
             eng.prepare_for(target.tree)  # size the slots for this world's shards
             loaded = step
         self._apply(model, optimizer if filling else None, target)
