@@ -75,10 +75,10 @@ Trainer internals it relies on, and why no public hook does
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-import dataclasses
 import re
 import shutil
 import sys

@@ -36,8 +36,8 @@ import torch
 
 from .._base import EngineCheckpointer
 from .._engine import Engine, SaveHandle, gc_paused, place
-from .._options import Options, resolve_options
 from .._errors import CheckpointError, StateMismatchError
+from .._options import Options, resolve_options
 from ..restore._reshard import (LAYOUT_KEY, Fill, Piece, RangeReader, path_key, read_header, read_layout, read_sources,
                         skeleton_child)
 from ..memory._tree import merge_into
