@@ -45,7 +45,6 @@ import re
 import time
 from typing import Any
 
-from .. import _events
 from .._engine import Engine
 from ..restore._agreement import Source
 from . import _export
@@ -123,10 +122,9 @@ def recover(engine: Engine, run_dir: str) -> dict[str, Any] | None:
                  newest, step)
         params = next((p for _, p in views if p is not None), None) or {"run_dir": run_dir}
         _write_folder(engine, run_dir, step, source, params)
-    seconds = time.perf_counter() - start
-    log.info("step %d from %s is %s/checkpoint-%d (%.2fs): resume_from_checkpoint=True resumes there",
-             step, source, run_dir, step, seconds)
-    _events.emit("load", step=step, source=str(source), seconds=seconds)
+    log.info("step %d from %s is %s/checkpoint-%d: resume_from_checkpoint=True resumes there", step, source,
+             run_dir, step)
+    engine.finish_load(step, source, start)
     return {"step": step, "source": str(source)}
 
 
