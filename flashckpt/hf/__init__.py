@@ -2,15 +2,17 @@
 
 ``FlashCheckpointCallback`` takes over the Trainer's checkpoint saves: each costs one
 copy into shared memory, and the stock ``checkpoint-<N>`` folders are written in the
-background, readable by stock transformers without flashckpt. Its names import
-transformers when first used; the saver's exporter (``_export``) does not.
+background, readable by stock transformers without flashckpt. ``FlashCheckpointCallback`` imports
+transformers when first used; ``last_checkpoint`` and the saver's exporter (``_export``) do not.
 """
 
-__all__ = ["FlashCheckpointCallback", "last_checkpoint"]
+_MODULES = {"FlashCheckpointCallback": "_callback", "last_checkpoint": "_resume"}
+
+__all__ = list(_MODULES)
 
 
 def __getattr__(name: str):
-    if name in __all__:
-        from . import _callback
-        return getattr(_callback, name)
+    if name in _MODULES:
+        import importlib
+        return getattr(importlib.import_module(f".{_MODULES[name]}", __name__), name)
     raise AttributeError(name)

@@ -18,38 +18,10 @@ How it takes over saving
     ``control.should_save`` in ``on_step_end``; they stay in memory only.
 
 How resuming prefers memory
-    ``Trainer.train(resume_from_checkpoint=True)`` picks the newest ``checkpoint-<N>``
-    folder before any training callback runs, and derives the data position from it,
-    so memory cannot be swapped in later. Instead, at ``on_init_end`` (the Trainer's
-    constructor, on every rank) the callback runs the one load agreement every adapter
-    uses (``flashckpt.restore._agreement.agree``: memory on this node or a peer node's replica,
-    else the newest committed step; one answer on every rank, any rank's error raised on
-    all) and compares its step with the newest folder; when the agreed step is newer it
-    writes that step's folder now, so the folder the stock Trainer then picks is that
-    state. This works with stock transformers and under torchrun restarts: the shared
-    memory and the saver outlive the killed processes, and the restarted ones find them
-    by the output directory. (After a crash the saver usually writes that folder by
-    itself before the restart gets there.) Then the memory is freed; ``train()`` starts a
-    fresh engine. If writing it out fails, the memory is kept and the constructor raises
-    :class:`flashckpt.CheckpointError` on every rank.
-
-    How the folders map onto the agreement: the agreement's storage is the callback's
-    scratch (``.flashckpt``, below), where each step commits before the exporter makes
-    its ``checkpoint-<N>`` folder out of it; so a folder is a committed step written out,
-    and the folders are what the Trainer resumes from. The scratch knows lines (a save
-    after a rollback starts a new one) and keeps the newest step only; the folders carry
-    no line and the Trainer picks among them by number. Hence the rule, on the
-    agreement's answer: a step in memory (this node's, or fetched from a peer's replica
-    for a node that was lost whole) wins when no folder has a higher number, and is then
-    persisted and exported; a committed step whose folder is missing (its exporter died
-    with its node) is exported from the scratch; a folder with a higher number than the
-    agreed step (one the user resumed from, or copied in) wins, as the Trainer would pick
-    it. Under replicas (two or more nodes, see ``replicas``), a node lost whole thus
-    resumes from the survivor's memory, 0 steps lost once the snapshot had replicated.
-
-    Under torchrun with gloo, call :func:`flashckpt.torch.init_process_group` before
-    building the Trainer (accelerate keeps an existing group), or a restarted group may
-    dial the dead attempt's addresses; see ``examples/hf_trainer.py``.
+    At ``on_init_end`` (the Trainer's constructor, on every rank) the callback agrees on
+    the newest step in memory or committed and, when no folder is as new, writes that
+    step's ``checkpoint-<N>`` folder, which ``resume_from_checkpoint`` then reads: see
+    :mod:`flashckpt.hf._resume`.
 
 Where its own files live, and what a run leaves
     While ``train()`` runs, ``<output_dir>/.flashckpt`` holds the step being written in
@@ -103,83 +75,61 @@ Trainer internals it relies on, and why no public hook does
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import re
 import shutil
 import sys
-import time
 from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 
-from .. import _events
-from ..restore._agreement import Source
-from .._options import Options, check_memory_slots
+from .._options import Options, resolve_options
 from .._errors import CheckpointError
 from ..storage._files import write_atomic
 from ..torch import Checkpointer
 from . import _deepspeed, _export
 from ._capture import capture_main_state, capture_rank_state, write_static_files
+from ._resume import PARAMS_FILE, recover
 
-__all__ = ["FlashCheckpointCallback", "last_checkpoint"]
+__all__ = ["FlashCheckpointCallback"]
 
 log = logging.getLogger("flashckpt.hf")
 
-_FOLDER_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_DIR = ".flashckpt"
 """Under ``output_dir``: the engine's committed steps (the newest only) and static files."""
-PARAMS_FILE = "export.json"
-"""Under :data:`STATE_DIR`: the exporter's parameters of the current ``train()``, to write a
-committed step's folder when no copy in memory recorded them."""
-
-
-def _newest_folder(run_dir: str) -> int | None:
-    try:
-        names = os.listdir(run_dir)
-    except FileNotFoundError:
-        return None
-    steps = [int(m.group(1)) for n in names if (m := _FOLDER_RE.match(n)) and os.path.isdir(os.path.join(run_dir, n))]
-    return max(steps, default=None)
-
-
-def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The newest ``checkpoint-<N>`` folder in ``output_dir`` (by step, as the stock
-    ``resume_from_checkpoint=True`` picks it), or None when there is none or
-    ``output_dir`` does not exist yet. Call it after building the Trainer (which writes a
-    newer step held in memory out as its folder) and pass it on, so the same script
-    starts fresh on its first run and resumes on the next::
-
-        trainer = Trainer(..., callbacks=[FlashCheckpointCallback()])
-        trainer.train(resume_from_checkpoint=last_checkpoint(args.output_dir))
-    """
-    run_dir = os.fspath(output_dir)
-    step = _newest_folder(run_dir)
-    return None if step is None else os.path.join(run_dir, _export.folder_name(step))
-
-
-def _export_params(engine: Any) -> dict[str, Any] | None:
-    """The exporter's parameters recorded with this rank's newest own copy in memory (a
-    copy fetched from a peer's replica records none), else those of the run's
-    :data:`PARAMS_FILE`, or None."""
-    for step in sorted(engine.memory_steps(), reverse=True):
-        params = engine.memory_info(step).get("export", {}).get("params")
-        if params is not None:
-            return params
-    try:
-        with open(os.path.join(engine.storage.root, PARAMS_FILE), encoding="utf-8") as f:
-            params = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return params if isinstance(params, dict) else None
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_FOLDER_COUNTS = ("persist_every", "keep_last")
+"""Options the callback takes as its own arguments: they count steps and folders here."""
 
 
 def _check_positive(name: str, value: int | None, minimum: int) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
         raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
+
+
+def _engine_options(options: Options | None, shorthands: dict[str, Any]) -> Options:
+    """The options of the callback's engine: ``options`` with the keyword shorthands over it,
+    keeping the newest step only (the ``checkpoint-<N>`` folders are the checkpoints)."""
+    defaults = Options()
+    counted = [name for name in _FOLDER_COUNTS
+               if isinstance(options, Options) and getattr(options, name) != getattr(defaults, name)]
+    if counted:
+        raise ValueError(f"FlashCheckpointCallback({counted[0]}=...) is the callback's own argument (it counts "
+                         f"steps and checkpoint-N folders); an Options' {', '.join(counted)} does not apply here")
+    return dataclasses.replace(resolve_options(options, **shorthands), keep_last=1)
+
+
+def _check_local(output_dir: str) -> None:
+    """The Trainer writes and reads its ``checkpoint-<N>`` folders with local file calls."""
+    if _URL_RE.match(output_dir):
+        raise CheckpointError(f"FlashCheckpointCallback: output_dir {output_dir!r} is a URL, but the Trainer writes "
+                              "and reads its checkpoint-N folders on a file system; give a local or mounted path "
+                              "(flashckpt's own checkpointers take object-store URLs)")
 
 
 def _check_writable(path: str) -> None:
@@ -224,11 +174,17 @@ class FlashCheckpointCallback(TrainerCallback):
         persist_every: write a ``checkpoint-<N>`` folder every this many steps (the
             Trainer's save steps are then memory snapshots). None: at the Trainer's save steps.
         keep_last: folders to keep. None: ``save_total_limit``.
+        options: a :class:`flashckpt.Options` for the engine underneath (``job_id``,
+            ``allow_pickle``, ``memory_slots``, ``replicas``); each of its fields may also be
+            given as a keyword, laid over ``options`` (another keyword is a TypeError).
+            ``persist_every`` and ``keep_last`` are the callback's own, above.
         memory_slots: shared-memory copies per rank: 2, or 1 for half the memory (a
             save then waits while the previous folder is read from it).
         replicas: peer-memory replicas: 1 has each node's saver copy the node's newest
             snapshot into the next node's memory, so that a node lost whole resumes from a
             survivor's memory; 0 turns them off. None: 1 when the job spans two or more nodes.
+        job_id: names the job's shared memory (default: a hash of ``<output_dir>/.flashckpt``);
+            a restarted job resumes from memory only under the same ``job_id``.
 
     Attributes:
         resumed_from: after construction, ``{"step": N, "source": "memory"}`` when shared
@@ -239,16 +195,14 @@ class FlashCheckpointCallback(TrainerCallback):
     """
 
     def __init__(self, *, memory_every: int | None = None, persist_every: int | None = None,
-                 keep_last: int | None = None, memory_slots: int = 2, replicas: int | None = None) -> None:
+                 keep_last: int | None = None, options: Options | None = None, **shorthands: Any) -> None:
         _check_positive("memory_every", memory_every, 1)
         _check_positive("persist_every", persist_every, 1)
         _check_positive("keep_last", keep_last, 0)
+        self._options = _engine_options(options, shorthands)
         self.memory_every = memory_every
         self.persist_every = persist_every
         self.keep_last = keep_last
-        check_memory_slots(memory_slots)
-        self.memory_slots = memory_slots
-        self.replicas = Options(replicas=replicas).replicas  # checked as every checkpointer checks it
         self.resumed_from: dict[str, Any] | None = None
         self._trainer: Any = None
         self._stock_save: Any = None
@@ -269,7 +223,7 @@ class FlashCheckpointCallback(TrainerCallback):
         if self._attach(trainer):
             self._open()
             try:
-                self._recover()
+                self.resumed_from = recover(self._ckpt.engine, trainer.args.output_dir)
             except BaseException:
                 self._abandon()  # keep the memory: it may be the only copy of the newest step
                 raise
@@ -378,6 +332,7 @@ class FlashCheckpointCallback(TrainerCallback):
         if args.save_only_model:
             log.info("FlashCheckpointCallback: save_only_model=True: checkpoints (memory and folders) hold the "
                      "model and trainer state only, as the Trainer's own; a resume starts a fresh optimizer")
+        _check_local(args.output_dir)
         _check_writable(args.output_dir)
         self._stock_save = trainer._save_checkpoint
         trainer._save_checkpoint = self._save_checkpoint
@@ -420,8 +375,7 @@ class FlashCheckpointCallback(TrainerCallback):
 
     def _open(self) -> None:
         # only the newest step is kept here: the checkpoint-N folders are the checkpoints
-        self._ckpt = Checkpointer(self._state_dir(), keep_last=1, memory_slots=self.memory_slots,
-                                  replicas=self.replicas)
+        self._ckpt = Checkpointer(self._state_dir(), options=self._options)
         self._ckpt.engine.expect_export("hf")
 
     def _close(self) -> None:
@@ -476,56 +430,6 @@ class FlashCheckpointCallback(TrainerCallback):
             ckpt.engine.close(unlink=False)
         except Exception as exc:  # the error being raised already says what went wrong
             log.debug("closing after a failed recovery: %s", exc)
-
-    # -- resuming -----------------------------------------------------------------
-
-    def _recover(self) -> None:
-        """All ranks: agree on the newest step (this node's memory, a peer's replica, or
-        the scratch's committed step) and, if no folder is as new, write its folder now."""
-        engine = self._ckpt.engine
-        start = time.perf_counter()
-        run_dir = self._trainer.args.output_dir
-        agreement = engine.agree()  # fetches the step from a peer's replica where a node lost it
-        step, source = agreement.step, agreement.source
-        views = engine.on_all_ranks(lambda: (_newest_folder(run_dir) if engine.collective.rank == 0 else None,
-                                             _export_params(engine)), "looking for checkpoint folders")
-        newest = views[0][0]
-        if step is None or (source == Source.STORAGE and step == newest):
-            return  # nothing newer than the folders: the Trainer reads them as usual
-        if newest is not None and step < newest:
-            log.info("%s holds step %d, older than %s/checkpoint-%d: a resume reads the folder", source, step,
-                     run_dir, newest)
-            return
-        if newest != step:
-            log.info("step %d (%s) is newer than the newest folder (%s): writing checkpoint-%d", step, source,
-                     newest, step)
-            params = next((p for _, p in views if p is not None), None) or {"run_dir": run_dir}
-            self._write_folder(step, source, params)
-        self.resumed_from = {"step": step, "source": str(source)}
-        seconds = time.perf_counter() - start
-        log.info("step %d from %s is %s/checkpoint-%d (%.2fs): resume_from_checkpoint=True resumes there",
-                 step, source, run_dir, step, seconds)
-        _events.emit("load", step=step, source=str(source), seconds=seconds)
-
-    def _write_folder(self, step: int, source: Source, params: dict[str, Any]) -> None:
-        """All ranks: ``checkpoint-<step>`` from memory (persisted, which exports it) or,
-        when the exporter did not write it (it died, or the copy came from a peer's
-        replica, which records no exporter), from the committed step by process 0."""
-        engine = self._ckpt.engine
-        run_dir = self._trainer.args.output_dir
-
-        def persist() -> None:
-            engine.persist(step)  # the saver that commits it exports it
-            engine.wait()
-
-        def export() -> None:
-            if engine.collective.rank == 0 and not os.path.isdir(os.path.join(run_dir, _export.folder_name(step))):
-                _export.export(engine.storage.root, step, params)
-
-        what = f"writing step {step} from {source} to {run_dir}/checkpoint-{step}"
-        if source == Source.MEMORY:
-            engine.on_all_ranks(persist, what)  # after it, every rank's shard is committed
-        engine.on_all_ranks(export, what)
 
     # -- saving -------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from .._options import Options, resolve_options
 from ._checkpointer import Checkpointer
 
 __all__ = ["FlashCheckpointCallback"]
@@ -25,14 +26,16 @@ class FlashCheckpointCallback(tf.keras.callbacks.Callback):
     shards complete when their records were trained, and a restore puts model and data
     back together. The step is the number of batches trained (across ``fit`` calls).
     A failed read gives the shard back to the coordinator and raises
-    ``elastic.tf.ShardReadError``. Keyword arguments go to :class:`Checkpointer`.
+    ``elastic.tf.ShardReadError``. ``rollback``, ``background``, ``options`` and the
+    options' keyword shorthands go to :class:`Checkpointer` (another keyword is a TypeError here).
     At the end of ``fit`` the newest step is saved and persisted.
     """
 
     def __init__(self, directory: str | os.PathLike, *, every_steps: int = 100, data: Any = None,
-                 batch_size: int | None = None, checkpoint: Any = None, restore: bool = True,
-                 **options: Any) -> None:
+                 batch_size: int | None = None, checkpoint: Any = None, restore: bool = True, rollback: Any = None,
+                 background: bool = False, options: Options | None = None, **shorthands: Any) -> None:
         super().__init__()
+        resolved = resolve_options(options, **shorthands)
         if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
             raise ValueError(f"every_steps must be an int >= 1, got {every_steps!r}")
         if data is not None and batch_size is None:
@@ -43,7 +46,7 @@ class FlashCheckpointCallback(tf.keras.callbacks.Callback):
         self._batch_size = batch_size
         self._checkpoint = checkpoint
         self._restore = restore
-        self._options = options
+        self._checkpointer_args = {"rollback": rollback, "background": background, "options": resolved}
         self.checkpointer: Checkpointer | None = None
         self.step = 0
         self.restored_step: int | None = None
@@ -53,7 +56,7 @@ class FlashCheckpointCallback(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs: Any = None) -> None:
         if self.checkpointer is None:
             self.checkpointer = Checkpointer(self._directory, self._checkpoint or self.model, data=self._data,
-                                             **self._options)
+                                             **self._checkpointer_args)
             positions = self.checkpointer._positions
             if positions is not None:
                 positions.batch_size = self._batch_size

@@ -11,6 +11,7 @@ import numpy as np
 
 from .._base import EngineCheckpointer
 from .._errors import CheckpointError, StateMismatchError
+from .._options import Options, resolve_options
 from . import _export, _variables
 from ._common import FORMAT, data_state, new_engine, positions_of, restore_data
 
@@ -29,7 +30,11 @@ class Checkpointer(EngineCheckpointer):
     ``persist_every`` saves. ``load()`` restores the newest step from memory, or from
     storage when memory holds nothing newer. ``data`` (an ``elastic.tf.ShardDataset``)
     puts the data positions into every checkpoint, so model and data roll back together
-    (``rollback``: an ``elastic.tf.Rollback``; default ``WORKER``). ``memory_slots=1``
+    (``rollback``: an ``elastic.tf.Rollback``; default ``WORKER``).
+
+    ``options``: a :class:`flashckpt.Options` (``persist_every``, ``keep_last``, ``job_id``,
+    ``allow_pickle``, ``memory_slots``, ``replicas``); any of its fields may also be given
+    as a keyword, laid over ``options``; another keyword is a TypeError. ``memory_slots=1``
     keeps one shared-memory copy instead of two (half the memory; a save then waits
     while storage reads the copy).
 
@@ -48,27 +53,31 @@ class Checkpointer(EngineCheckpointer):
     """
 
     def __init__(self, directory: str | os.PathLike, checkpoint: Any, *, data: Any = None, rollback: Any = None,
-                 persist_every: int = 1, keep_last: int = 3, job_id: str | None = None,
-                 memory_slots: int = 2, background: bool = False) -> None:
+                 background: bool = False, options: Options | None = None, **shorthands: Any) -> None:
+        resolved = resolve_options(options, **shorthands)
         self._background = background
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
         self._root = _variables.as_checkpoint(checkpoint)
         self._positions = positions_of(data)
         self._rollback = rollback  # None: the positions' default (``Rollback.WORKER``)
-        self._engine = new_engine(directory, persist_every=persist_every, keep_last=keep_last, job_id=job_id,
-                                  memory_slots=memory_slots)
+        self._engine = new_engine(directory, resolved)
+        self.extra: Any = None
+        """What ``extra`` held at the step the last ``load`` restored (None before)."""
 
-    def save(self, step: int, *, persist: bool | None = None, export: bool = False) -> None:
+    def save(self, step: int, *, persist: bool | None = None, export: bool = False, extra: Any = None) -> None:
         """Copy every variable into shared memory (the only blocking work; with
         ``background=True`` done by a thread); persist it if due (or if ``persist``).
         ``export``: once committed, the saver also writes a stock TF checkpoint at
-        ``<directory>/step-<N>/tf/ckpt``."""
+        ``<directory>/step-<N>/tf/ckpt``. ``extra``: plain values (int, float, str, bool,
+        None, dict, list, tuple, numpy arrays; other objects pickled with ``allow_pickle``)
+        saved with the step, in :attr:`extra` after a load of it."""
         self._join()
         variables, graph = _variables.collect(self._root)
         state = {"variables": {key: _variables.read_alias(var) for key, var in variables.items()},
                  "tf": {"format": FORMAT, "object_graph": graph,
-                        "bfloat16": _variables.bfloat16_keys({key: var.dtype for key, var in variables.items()})},
+                        "bfloat16": _variables.bfloat16_keys({key: var.dtype for key, var in variables.items()}),
+                        "extra": extra},
                  "data": data_state(self._positions, self._rollback)}
         mark = self._positions.mark() if self._positions is not None else None
         export_to = {"name": "tf", "params": {}} if export else None
@@ -119,6 +128,7 @@ class Checkpointer(EngineCheckpointer):
     def load(self, *, step: int | None = None) -> int | None:
         """Restore the variables (and data positions) of ``step`` (default: the newest in
         memory or on storage) in place; returns the step, or None when there is none.
+        ``extra`` of that step is then in :attr:`extra`.
 
         Keras optimizers that have not taken a step yet get their slots created first (a
         model's compiled optimizer, or one beside a single model; beside several models,
@@ -157,6 +167,7 @@ class Checkpointer(EngineCheckpointer):
         for var, value in assigns:
             var.assign(value.view(var.dtype.as_numpy_dtype))
         restore_data(self._positions, state["data"], loaded)
+        self.extra = state["tf"].get("extra")
         return loaded
 
     def export(self, path: str | os.PathLike, *, step: int | None = None) -> str:

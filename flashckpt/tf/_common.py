@@ -8,8 +8,9 @@ import logging
 import os
 from typing import Any
 
-from .._engine import Engine, Options, Placement, SingleProcess, new_token
+from .._engine import Engine, Placement, SingleProcess, new_token
 from .._errors import CheckpointError
+from .._options import Options, resolve_options
 from ._data import DataPositions
 
 __all__ = ["FORMAT", "data_state", "new_engine", "positions_of", "restore_data"]
@@ -19,10 +20,10 @@ log = logging.getLogger("flashckpt.tf")
 FORMAT = "flashckpt.tf/1"
 
 
-def new_engine(directory: str | os.PathLike, *, persist_every: int, keep_last: int, job_id: str | None,
-               memory_slots: int = 2) -> Engine:
-    """An engine for one TF worker: its own directory, memory slots and shard ``rank-0``."""
-    options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id, memory_slots=memory_slots)
+def new_engine(directory: str | os.PathLike, options: Options | None = None, **shorthands: Any) -> Engine:
+    """An engine for one TF worker: its own directory, memory slots and shard ``rank-0``;
+    ``options`` with its keyword shorthands laid over it (see :func:`resolve_options`)."""
+    options = resolve_options(options, **shorthands)
     placement = Placement(local_rank=0, memory_rank=0, writes_memory=True, storage_rank=0, storage_world=1,
                           persists=True, token=new_token())
     return Engine(os.fspath(directory), options, placement, SingleProcess())

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._errors import CheckpointError
+from .._options import Options, resolve_options
 from . import _variables
 from ._common import FORMAT, data_state, new_engine, positions_of, restore_data
 from ._data import graph_positions
@@ -44,12 +45,15 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
     positions: the hook then counts consumed records itself and commits them to the
     coordinator at each save, so model and data roll back together. ``export``: at
     the end, also write a TF checkpoint (``<directory>/step-<N>/tf/ckpt``) that
-    estimators and ``tf.compat.v1.train.Saver`` restore. Keyword ``options`` go to the
-    engine (``persist_every``, ``keep_last``, ``job_id``, ``memory_slots``).
+    estimators and ``tf.compat.v1.train.Saver`` restore. ``options`` (a
+    :class:`flashckpt.Options`) and its keyword shorthands go to the engine, as for
+    :class:`flashckpt.tf.Checkpointer`.
     """
 
     def __init__(self, directory: str | os.PathLike, *, every_steps: int = 100, data: Any = None,
-                 rollback: Any = None, restore: bool = True, export: bool = False, **options: Any) -> None:
+                 rollback: Any = None, restore: bool = True, export: bool = False, options: Options | None = None,
+                 **shorthands: Any) -> None:
+        self._options = resolve_options(options, **shorthands)
         if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
             raise ValueError(f"every_steps must be an int >= 1, got {every_steps!r}")
         self._directory = os.fspath(directory)
@@ -58,7 +62,6 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
         self._rollback = rollback
         self._restore = restore
         self._export = export
-        self._options = {"persist_every": 1, "keep_last": 3, "job_id": None, "memory_slots": 2, **options}
         self._engine: Any = None
         self.restored_step: int | None = None
         self.last_saved: int | None = None
@@ -87,7 +90,7 @@ class FlashCheckpointHook(tf.estimator.SessionRunHook):
             self._reporter = self._positions.report_hook()
             self._reporter.begin()
         if self._engine is None:
-            self._engine = new_engine(self._directory, **self._options)
+            self._engine = new_engine(self._directory, self._options)
 
     def after_create_session(self, session: Any, coord: Any) -> None:
         self._step = int(session.run(self._global_step))

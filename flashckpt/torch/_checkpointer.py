@@ -8,7 +8,8 @@ from typing import Any
 import torch.distributed as dist
 
 from .._base import EngineCheckpointer
-from .._engine import Collective, Engine, Options, SaveHandle, SingleProcess, place
+from .._engine import Collective, Engine, SaveHandle, SingleProcess, place
+from .._options import Options, resolve_options
 from . import _tensors  # noqa: F401  (registers the torch tensor kind)
 
 __all__ = ["Checkpointer", "DdpCheckpointer", "ProcessGroupCollective", "collective_for"]
@@ -54,17 +55,18 @@ class Checkpointer(EngineCheckpointer):
     restores from a survivor's memory (``load`` counts those copies); 0 turns it off. A
     state is any nesting of dict / list / tuple with tensors and int, float, str, bool
     or None leaves. Also a context manager: leaving it calls :meth:`close`.
+
+    ``options``: a :class:`flashckpt.Options`; any of its fields may also be given as a
+    keyword (``persist_every=10``), laid over ``options``; another keyword is a TypeError.
     """
 
     _replicated = False
 
-    def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
-                 job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
-                 replicas: int | None = None, process_group: Any = None) -> None:
-        options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
-                          memory_slots=memory_slots, replicas=replicas)
+    def __init__(self, directory: str | os.PathLike, *, options: Options | None = None, process_group: Any = None,
+                 **shorthands: Any) -> None:
+        resolved = resolve_options(options, **shorthands)
         collective = collective_for(process_group)
-        self._engine = Engine(os.fspath(directory), options, place(collective, replicated=self._replicated),
+        self._engine = Engine(os.fspath(directory), resolved, place(collective, replicated=self._replicated),
                               collective)
 
     def save(self, step: int, state: Any, *, persist: bool | None = None) -> SaveHandle:

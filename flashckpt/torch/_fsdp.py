@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from .. import _events
 from .._base import EngineCheckpointer
-from .._engine import Engine, LoadInfo, Options, SaveHandle, gc_paused, place
+from .._engine import Engine, SaveHandle, gc_paused, place
 from .._errors import CheckpointError, StateMismatchError
+from .._options import Options, resolve_options
 from ..restore._reshard import (LAYOUT_KEY, Fill, Piece, RangeReader, path_key, read_header, read_layout, read_sources,
                         skeleton_child)
 from ..memory._tree import merge_into
@@ -152,7 +152,7 @@ class FsdpCheckpointer(EngineCheckpointer):
     rank's layout. ``load(model, optimizer)`` fills both in place: from memory or
     storage when the layout is unchanged, else resharded from storage reading only
     the byte ranges each rank needs. Same options as
-    :class:`flashckpt.torch.Checkpointer`.
+    :class:`flashckpt.torch.Checkpointer` (``options=`` and its keyword shorthands).
 
     Call protocol: every rank of the process group constructs the checkpointer and
     calls ``save`` and ``load`` with its part of the same model; ``load`` is collective
@@ -161,13 +161,11 @@ class FsdpCheckpointer(EngineCheckpointer):
     it came from. FSDP1 on CPU needs ``FullyShardedDataParallel(..., device_id=torch.device("cpu"))``.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
-                 job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
-                 replicas: int | None = None, process_group: Any = None) -> None:
-        options = Options(persist_every=persist_every, keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
-                          memory_slots=memory_slots, replicas=replicas)
+    def __init__(self, directory: str | os.PathLike, *, options: Options | None = None, process_group: Any = None,
+                 **shorthands: Any) -> None:
+        resolved = resolve_options(options, **shorthands)
         collective = collective_for(process_group)
-        self._engine = Engine(os.fspath(directory), options, place(collective, replicated=False), collective)
+        self._engine = Engine(os.fspath(directory), resolved, place(collective, replicated=False), collective)
         self.extra: Any = None
         """What ``extra`` held at the step the last ``load`` restored (None before)."""
         self._save_cache: _SaveCache | None = None
@@ -315,12 +313,8 @@ class FsdpCheckpointer(EngineCheckpointer):
                                       f"{eng.storage.root}; only committed steps can be resharded")
             read = self._engine.on_all_ranks(lambda: self._reshard(target, step),
                                       f"resharding step {step} from {eng.storage.root}")[coll.rank]
-            eng.start_line(step)
-            eng.last_load = LoadInfo(step, "storage", time.perf_counter() - start)
-            log.info("restored step %d resharded from storage in %.3fs (%.1f MiB read)", step,
-                     eng.last_load.seconds, read / 2**20)
-            _events.emit("load", step=step, source="storage", seconds=eng.last_load.seconds, resharded=True,
-                         bytes_read=read)
+            log.info("resharded step %d from storage (%.1f MiB read)", step, read / 2**20)
+            eng.finish_load(step, "storage", start, resharded=True, bytes_read=read)
             eng.prepare_for(target.tree)  # size the slots for this world's shards
             loaded = step
         self._apply(model, optimizer if filling else None, target)
