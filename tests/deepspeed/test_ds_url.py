@@ -36,7 +36,8 @@ def test_engine_save_checkpoint_to_a_url_is_refused_before_deepspeed_writes_ther
     assert os.listdir(tmp_path) == []
 
 
-def test_the_exporter_puts_the_tag_and_latest_into_the_bucket_and_retains_there(committed, tmp_path, bucket):  # noqa: F811
+def test_the_exporter_puts_the_tag_and_latest_into_the_bucket_and_retains_there(
+        committed, tmp_path, bucket):  # noqa: F811
     """The saver's path (persist the held slot to the bucket, commit, export from the
     held image): the tag's files are those a local export writes, byte for byte; a tag
     whose step is no longer committed is deleted from the bucket."""
