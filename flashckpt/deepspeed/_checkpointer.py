@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import glob
 import logging
@@ -13,10 +14,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..restore._agreement import Agreement, Source
 from .._errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
-from ..restore._shard_read import open_shard
+from .._options import Options, resolve_options
 from ..memory._tree import Places
+from ..restore._agreement import Agreement, Source
+from ..restore._shard_read import open_shard
+from ..storage._url import parse_location
 from ..torch import Checkpointer
 from . import _objects
 from ._engine import FlashCheckpointEngine
@@ -42,9 +45,15 @@ class DeepSpeedCheckpointer:
     ``zero_to_fp32.py`` read the result. :meth:`load` restores the newest step every
     rank holds in memory (on its node or as a peer's replica), else the newest committed one.
 
+    ``directory`` is a local path (or ``file:///path``): DeepSpeed itself writes files
+    there, and the core engine exports framework layouts from a local checkpoint directory
+    only, so an object-store URL is a :class:`CheckpointError` here (see
+    :func:`flashckpt.storage._url.parse_location`), never a local ``./s3:/...`` directory.
+
     All ranks construct it together (after ``deepspeed.initialize``) and all ranks call
-    :meth:`save`, :meth:`load`, :meth:`wait` and :meth:`close`. Options are those of
-    :class:`flashckpt.torch.Checkpointer`. DeepSpeed's own non-tensor objects (loss
+    :meth:`save`, :meth:`load`, :meth:`wait` and :meth:`close`. ``options`` (a
+    :class:`flashckpt.Options`) are those of every checkpointer; each of its fields can
+    also be given as a keyword, laid over it. DeepSpeed's own non-tensor objects (loss
     scaler, ZeRO stage enum, ...) are stored pickled and read back through an
     allow-list (see ``flashckpt.deepspeed._objects``); ``allow_pickle`` governs
     everything else, e.g. objects in ``client_state``.
@@ -58,16 +67,21 @@ class DeepSpeedCheckpointer:
     path that restores from memory.
     """
 
-    def __init__(self, engine: Any, directory: str | os.PathLike, *, persist_every: int = 1, keep_last: int = 3,
-                 job_id: str | None = None, allow_pickle: bool = False, memory_slots: int = 2,
-                 replicas: int | None = None, process_group: Any = None) -> None:
+    def __init__(self, engine: Any, directory: str | os.PathLike, options: Options | None = None, *,
+                 process_group: Any = None, **shorthands: Any) -> None:
         if not hasattr(engine, "save_checkpoint") or not hasattr(engine, "checkpoint_engine"):
             raise TypeError(f"expected a DeepSpeedEngine, got {type(engine).__qualname__}")
+        resolved = resolve_options(options, **shorthands)
+        where = parse_location(directory)
+        if where.url is not None:
+            raise CheckpointError(
+                f"DeepSpeedCheckpointer: {where.url} is an object-store URL; a DeepSpeed job checkpoints into a "
+                "local or shared directory (a path or file:///path): DeepSpeed writes files of its own there and "
+                "the saver exports DeepSpeed tags from a local checkpoint directory only")
         self.engine = engine
-        self.directory = os.path.abspath(os.fspath(directory))
-        self._ckpt = Checkpointer(os.path.join(self.directory, FLASH_SUBDIR), persist_every=persist_every,
-                                  keep_last=keep_last, job_id=job_id, allow_pickle=allow_pickle,
-                                  memory_slots=memory_slots, replicas=replicas, process_group=process_group)
+        self.directory = where.path
+        self._ckpt = Checkpointer(os.path.join(self.directory, FLASH_SUBDIR), process_group=process_group,
+                                  **{f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved)})
         self._flash = self._ckpt.engine
         self._previous_engine = engine.checkpoint_engine
         self.checkpoint_engine = FlashCheckpointEngine(self._flash_save)

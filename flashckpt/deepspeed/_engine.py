@@ -18,6 +18,7 @@ from typing import Any, Callable
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from .._errors import CheckpointError
+from ..storage._url import is_url
 
 __all__ = ["FlashCheckpointEngine", "OnCommit"]
 
@@ -60,9 +61,10 @@ class FlashCheckpointEngine(CheckpointEngine):
     def create(self, info: CheckpointCommitInfo) -> None:
         if self._pending is not None:
             log.warning("checkpoint tag %s was created but never committed; dropping it", self._pending.tag)
-        self._pending = _Pending(tag=str(info.tag), save_dir=os.path.abspath(info.save_dir))
+        self._pending = _Pending(tag=str(info.tag), save_dir=_local(info.save_dir))
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        _local(path)
         pending = self._pending
         if pending is not None and _inside(os.path.abspath(path), os.path.join(pending.save_dir, pending.tag)):
             return  # the exporter creates the tag directory once the step is durable
@@ -100,6 +102,16 @@ class FlashCheckpointEngine(CheckpointEngine):
 
     def is_data_parallel_writer(self, dp_rank: int) -> bool:
         return dp_rank == 0
+
+
+def _local(save_dir: str) -> str:
+    """The absolute path of a local ``save_dir``; a URL is refused before DeepSpeed opens
+    files under it as a local path (its recovery scripts, ``latest``)."""
+    if is_url(save_dir):
+        raise CheckpointError(f"engine.save_checkpoint({save_dir!r}): DeepSpeed writes files of its own under "
+                              "save_dir, which cannot be an object-store URL; call DeepSpeedCheckpointer.save, "
+                              "which puts the tag into the checkpointer's bucket")
+    return os.path.abspath(save_dir)
 
 
 def _inside(path: str, directory: str) -> bool:

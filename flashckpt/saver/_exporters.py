@@ -4,45 +4,63 @@ An adapter that must leave its framework's own files on storage (Hugging Face
 ``checkpoint-N`` folders, DeepSpeed tags) names an exporter in its saves; the saver
 runs it in the background once the step is committed, reading the committed
 safetensors shards. The saver runs exports on an :class:`ExportQueue`, off the threads
-that persist, so a slow export never holds up the next step's write. Exporters are looked up in this allow-list of flashckpt's own
-modules, never by a module path taken from a message. Each module defines
-``export(directory: str, step: int, params: dict) -> None`` and may define ``warm() -> None``,
-which imports what an export needs (run once, ahead of the first export); one named in
-:data:`MEMORY_EXPORTERS` also takes ``memory=`` (an :class:`ImageHold`): the image of
-the shard just persisted, still held in shared memory, which it reads instead of
-reading that shard back from storage, and lets go (``release()``) once it has read it.
+that persist, so a slow export never holds up the next step's write.
+
+Exporters register themselves: a package names each of its exporter modules under the
+entry-point group :data:`GROUP` (flashckpt's own in its ``pyproject.toml``,
+``[project.entry-points."flashckpt.exporters"]``), and the saver looks a name up there
+(:func:`registered`), never by a module path taken from a message: a client names only
+an exporter an installed package registered. Each module defines
+``export(directory: str, step: int, params: dict, *, memory: ImageHold | None = None) -> None``
+and may define ``warm() -> None``, which imports what an export needs (run once, ahead
+of the first export). ``memory`` is the image of the shard just persisted, still held in
+shared memory (an :class:`ImageHold`), which the exporter reads instead of reading that
+shard back from storage, and lets go (``release()``) once it has read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Callable, Protocol
 
 from .._errors import CheckpointError, CheckpointNotFoundError
 from ..storage._local import LocalStorage, StepHold
 from ..storage._url import open_storage
 
-__all__ = ["EXPORTERS", "MEMORY_EXPORTERS", "Export", "ExportQueue", "ImageHold", "reads_memory", "run_exporter"]
+__all__ = ["GROUP", "Export", "ExportQueue", "ImageHold", "reads_memory", "registered", "run_exporter"]
 
 log = logging.getLogger(__name__)
 
 _RECENT = 64
 """Exports remembered per directory, to run a step's export once (see :class:`ExportQueue`)."""
 
-EXPORTERS = {
-    "hf": "flashckpt.hf._export",
-    "deepspeed": "flashckpt.deepspeed._export",
-    "tf": "flashckpt.tf._export",
-}
+GROUP = "flashckpt.exporters"
+"""The entry-point group exporters register under: name -> module."""
 
-MEMORY_EXPORTERS = frozenset({"hf", "deepspeed", "tf"})
-"""Exporters that read the persisted image from shared memory when given it (``memory=``)."""
+
+@functools.cache
+def registered() -> dict[str, str]:
+    """Exporter name -> module, as the installed packages register them (read once per process)."""
+    return {ep.name: ep.module for ep in entry_points(group=GROUP)}
+
+
+def _module(name: Any) -> str:
+    """The module of the registered exporter ``name``, else a :class:`CheckpointError`."""
+    modules = registered()
+    if not isinstance(name, str) or name not in modules:
+        raise CheckpointError(
+            f"unknown exporter {name!r}; registered: {sorted(modules)} (entry-point group {GROUP!r}); one of an "
+            "installed package missing here means that package's metadata predates it: reinstall the package "
+            "(for flashckpt's own: pip install -e . in its checkout, or pip install flashckpt again)")
+    return modules[name]
 
 
 class ImageHold(Protocol):
@@ -59,8 +77,8 @@ class ImageHold(Protocol):
 
 
 def reads_memory(spec: Any) -> bool:
-    """Whether the exporter ``spec`` names reads a held image (:data:`MEMORY_EXPORTERS`)."""
-    return isinstance(spec, dict) and spec.get("name") in MEMORY_EXPORTERS
+    """Whether ``spec`` names a registered exporter (each reads a held image when given one)."""
+    return isinstance(spec, dict) and spec.get("name") in registered()
 
 
 def run_exporter(spec: dict[str, Any], directory: str, step: int, *, allow_pickle: bool = False,
@@ -68,19 +86,17 @@ def run_exporter(spec: dict[str, Any], directory: str, step: int, *, allow_pickl
     """Run the exporter ``spec["name"]`` with ``spec.get("params", {})`` for a committed step.
 
     ``allow_pickle`` is the job's own option: the exporter may unpickle only when the job
-    passed ``allow_pickle=True``, whatever its params say. ``memory`` (exporters of
-    :data:`MEMORY_EXPORTERS` only) is a rank's image to read instead of its shard."""
+    passed ``allow_pickle=True``, whatever its params say. ``memory`` is a rank's image to
+    read instead of its shard."""
     name = spec.get("name")
-    if name not in EXPORTERS:
-        raise CheckpointError(f"unknown exporter {name!r}; known: {sorted(EXPORTERS)}")
+    module = _module(name)
     params = dict(spec.get("params") or {})
     params["allow_pickle"] = allow_pickle and bool(params.get("allow_pickle", True))
     start = time.perf_counter()
-    exporter = importlib.import_module(EXPORTERS[name]).export
-    from_memory = memory if name in MEMORY_EXPORTERS else None
-    exporter(directory, step, params, **({} if from_memory is None else {"memory": from_memory}))
+    exporter = importlib.import_module(module).export
+    exporter(directory, step, params, **({} if memory is None else {"memory": memory}))
     log.info("exported step %d of %s as %s in %.2fs%s", step, directory, name, time.perf_counter() - start,
-             "" if from_memory is None else f" (rank {from_memory.rank} from memory)")
+             "" if memory is None else f" (rank {memory.rank} from memory)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,11 +163,12 @@ class ExportQueue:
         own: its imports (torch, transformers, DeepSpeed: seconds) then overlap the step's
         write instead of delaying its first export. An exporter that cannot load fails at its export."""
         name = spec.get("name") if isinstance(spec, dict) else None
+        module = registered().get(name) if isinstance(name, str) else None
         with self._cond:
-            if name not in EXPORTERS or name in self._warmed:
+            if module is None or name in self._warmed:
                 return
             self._warmed.add(name)
-        threading.Thread(target=_import, args=(EXPORTERS[name],), name="flashckpt-export-import", daemon=True).start()
+        threading.Thread(target=_import, args=(module,), name="flashckpt-export-import", daemon=True).start()
 
     def submit(self, export: Export, done: Callable[[Exception | None], None]) -> None:
         """Queue ``export``, holding its step from now on; ``done(error)`` is called on its
