@@ -23,7 +23,6 @@ shared-memory metadata it hosts die with the process that saved.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _peer_cli import main  # noqa: E402
 from _state import SPECS, build_state, copy_into, fingerprint  # noqa: E402
 from dlrover.python.common.constants import CheckpointConstant  # noqa: E402
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType  # noqa: E402
@@ -125,20 +125,11 @@ def _restart(args: argparse.Namespace) -> dict[str, Any]:
 _COMMANDS = {"save": _save, "load": _load, "restart": _restart}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=sorted(_COMMANDS))
-    parser.add_argument("--size", choices=sorted(SPECS), required=True)
-    parser.add_argument("--dir", required=True)
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage", choices=["memory", "disk"], default="memory")
-    parser.add_argument("--saves", type=int, default=4, help="first save + steady saves")
     parser.add_argument("--crash", choices=["kill", "raise"], default="kill")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for persist")
-    args = parser.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    result = _COMMANDS[args.command](args)
-    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, _COMMANDS, _arguments)

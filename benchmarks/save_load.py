@@ -2,7 +2,7 @@
 
     python benchmarks/save_load.py [--size small|large|both] [--repeats 5]
                                    [--dir DIR] [--json results/save_load.json]
-                                   [--methods floor,flashckpt,torch,dcp,dlrover,dd]
+                                   [--methods floor,flashckpt,torch,dcp,dlrover,lmres,tckpt,dd]
 
 (``--methods dlrover-memory``: DLRover's MEMORY saves and load only, no DISK runs and
 no torchrun restarts -- its save stall at a fraction of the time.)
@@ -29,11 +29,24 @@ What is timed, and the floor each ratio is taken against:
 - DLRover 0.6.1 ``DdpCheckpointer`` in .bench-venv (subprocess, _dlrover_peer.py).
   (*) Its "persisted" is its tracker file naming the step: the shard itself is written
   by torch.save with no fsync, so that time (and dlrover_persist) is not durability.
+- lm-resiliency 0.2 ``InMemoryCheckpointManager`` (GEMINI) in .bench-lmres (subprocess,
+  _lmres_peer.py): ``save`` into its own process's CPU slots (the second save is the first
+  into its other slot, shown apart), ``flush_to_disk`` + its write thread (torch.save +
+  fsync: durable), ``load`` from memory in the same process; its memory dies with the
+  process, so a new process loads from its node-local disk tier.
+- torch-checkpointing 0.1 ``CheckpointManager`` (async saver) in .bench-tckpt (subprocess,
+  _tckpt_peer.py) with ``use_direct_io=False`` (its default fails on ext4): stall until
+  staged (``lock()`` free again), until its write future resolves (**) and after the
+  driver fsyncs its files (durable); a new process loads from storage (no memory tier).
+  (**) It never fsyncs: that time is not durability.
 - dd to the same directory, buffered + conv=fsync and oflag=direct: the persist floor.
 - the read floor: flashckpt's committed files read cold with ``dd iflag=direct bs=16M``
   and with READ_THREADS threads of 16 MiB ``preadv`` (no checksums, into one reused
   buffer a thread); the faster of the two is the floor of every load from storage
-  (flashckpt's, torch.load's, DCP's: each reads about the same bytes).
+  (flashckpt's, torch.load's, DCP's, the peers': each reads about the same bytes).
+
+A peer whose venv is missing is skipped with a note naming the setup command
+(``benchmarks/setup_peer_venv.sh dlrover|lmres|tckpt``).
 
 n in the table counts samples: a repeat takes several of some (floor copies, steady
 saves), and the torchrun restarts of DLRover run in the first repeat only.
@@ -75,6 +88,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO)]
 
+from _peer_cli import RESULT_PREFIX  # noqa: E402
 from _state import SPECS, ShmFloor, StateSpec, build_state, copy_into, fingerprint, nbytes, tensors  # noqa: E402
 
 from flashckpt._names import job_prefix  # noqa: E402
@@ -88,7 +102,6 @@ FLOOR_COPIES = 3  # floor samples a repeat: every ratio divides by the floor's m
 DD_BLOCK = 16 * 1024 * 1024
 READ_THREADS = 8
 CHILD_TIMEOUT_SECONDS = 900
-RESULT_PREFIX = "RESULT "
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,15 +146,36 @@ METRICS: list[Metric] = [
     Metric("dlrover.disk.load_new_process", "DLRover DISK load, new process", "floor.load"),
     Metric("dlrover.torchrun_kill.load", "DLRover load, torchrun restart after SIGKILL", "floor.load"),
     Metric("dlrover.torchrun_raise.load", "DLRover load, torchrun restart after exception", "floor.load"),
+    Metric("lmres.stall_first", "lm-resiliency save stall, first", "floor.save"),
+    Metric("lmres.stall_second", "lm-resiliency save stall, second (other slot, fresh)", "floor.save"),
+    Metric("lmres.stall_steady", "lm-resiliency save stall, steady", "floor.save"),
+    Metric("lmres.flush_stall", "lm-resiliency flush_to_disk call (clones the slot)", "floor.save"),
+    Metric("lmres.durable_first", "lm-resiliency save+flush until written, first", None),
+    Metric("lmres.durable_steady", "lm-resiliency save+flush until written, steady", None),
+    Metric("lmres.load_same_process", "lm-resiliency load from memory + copy, same process", "floor.load"),
+    Metric("lmres.load_new_process", "lm-resiliency load, new process", "floor.read"),
+    Metric("tckpt.start", "torch-checkpointing manager until its writer is up", None),
+    Metric("tckpt.call_steady", "torch-checkpointing save() returns, steady", "floor.save"),
+    Metric("tckpt.stall_first", "torch-checkpointing save stall until staged, first", "floor.save"),
+    Metric("tckpt.stall_steady", "torch-checkpointing save stall until staged, steady", "floor.save"),
+    Metric("tckpt.written_first", "torch-checkpointing save until written**, first", None),
+    Metric("tckpt.written_steady", "torch-checkpointing save until written**, steady", None),
+    Metric("tckpt.durable_first", "torch-checkpointing written + our fsync, first", None),
+    Metric("tckpt.durable_steady", "torch-checkpointing written + our fsync, steady", None),
+    Metric("tckpt.load_new_process", "torch-checkpointing load, new process", "floor.read"),
     Metric("dd.fsync", "dd bs=16M conv=fsync", None),
     Metric("dd.direct", "dd bs=16M oflag=direct", None),
 ]
 
-# Issue 3's DEVELOPERS notes: the peers' save stall over the floor, as measured there.
+# Issue 3's DEVELOPERS notes and issue 43: the peers' save stall over the floor, as measured there.
 ISSUE_PEER_RATIOS: list[tuple[str, str, str]] = [
     ("DLRover save stall, steady", "1.31x", "dlrover.memory.stall_steady"),
     ("DLRover save stall, first", "3.7x", "dlrover.memory.stall_first"),
     ("DCP async_save stall until staged", "1.5-1.6x", "dcp.async_stall"),
+    # Issue 43: small / large.
+    ("lm-resiliency save stall, steady", "1.42x / 1.51x", "lmres.stall_steady"),
+    ("lm-resiliency save stall, first", "3.5x / 3.7x", "lmres.stall_first"),
+    ("torch-checkpointing staging (stall until staged, steady)", "1.97x / 1.7x", "tckpt.stall_steady"),
 ]
 
 
@@ -451,7 +485,7 @@ def _run_dlrover(ctx: Context, what: str, cmd: list[str], env: dict[str, str]) -
 
 def bench_dlrover(ctx: Context, storages: tuple[str, ...] = ("memory", "disk"), restarts: bool = True) -> None:
     if not PEER_PYTHON.exists():
-        ctx.note("DLRover skipped: no .bench-venv (run benchmarks/setup_peer_venv.sh)")
+        ctx.note("DLRover skipped: no .bench-venv (run benchmarks/setup_peer_venv.sh dlrover)")
         return
     for storage in storages:
         prefix = f"dlrover.{storage}"
@@ -469,7 +503,7 @@ def bench_dlrover(ctx: Context, storages: tuple[str, ...] = ("memory", "disk"), 
                 for durable in saved["durable_steady"]:
                     ctx.add(f"{prefix}.durable_steady", durable)
             evict(directory)
-            _dlrover_load(ctx, f"{prefix}.load_new_process", _peer(ctx, env, "load", directory))
+            _peer_load(ctx, f"{prefix}.load_new_process", _peer(ctx, env, "load", directory))
         shutil.rmtree(directory)
     if ctx.repeat or not restarts:
         return  # the restarts show where a restarted worker finds its bytes: once is enough
@@ -482,17 +516,63 @@ def bench_dlrover(ctx: Context, storages: tuple[str, ...] = ("memory", "disk"), 
                 f"--rdzv-id={run_id}", str(PEER_SCRIPT), "restart", "--crash", crash,
                 "--size", ctx.spec.name, "--dir", str(directory),
             ]  # fmt: skip
-            _dlrover_load(ctx, f"dlrover.torchrun_{crash}.load", _run_dlrover(ctx, f"torchrun {crash}", cmd, env))
+            _peer_load(ctx, f"dlrover.torchrun_{crash}.load", _run_dlrover(ctx, f"torchrun {crash}", cmd, env))
         shutil.rmtree(directory)
 
 
-def _dlrover_load(ctx: Context, key: str, result: dict[str, Any]) -> None:
+def _peer_load(ctx: Context, key: str, result: dict[str, Any]) -> None:
     """Record a load; a load that found nothing has no time, only its source."""
     step = result.get("loaded_step")
     ctx.source(key, result["source"] + (f", step {step}" if step is not None else ""))
     if result["source"] != "none":
         ctx.check(key, result["fingerprint"])
         ctx.add(key, result["load"])
+
+
+# ---- the 2026 peers: lm-resiliency, torch-checkpointing (subprocesses in their venvs) ------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Peer:
+    """A peer checkpointer run by its driver (see _peer_cli.py) in a venv of its own."""
+
+    name: str  # the --methods name, the metrics' prefix and setup_peer_venv.sh's argument
+    label: str
+    venv: str  # under the repository, made by benchmarks/setup_peer_venv.sh NAME
+    saves: int  # saves a run: the first ones (fresh memory), then STEADY_SAVES steady ones
+
+    @property
+    def python(self) -> Path:
+        return REPO / self.venv / "bin" / "python"
+
+    @property
+    def script(self) -> Path:
+        return HERE / f"_{self.name}_peer.py"
+
+
+LMRES = Peer(name="lmres", label="lm-resiliency", venv=".bench-lmres", saves=2 + STEADY_SAVES)
+TCKPT = Peer(name="tckpt", label="torch-checkpointing", venv=".bench-tckpt", saves=1 + STEADY_SAVES)
+_NOT_METRICS = {"fingerprint", "last_step"}
+
+
+def bench_peer(ctx: Context, peer: Peer) -> None:
+    """Its saves in one process (every number it returns is a sample of ``NAME.KEY``),
+    then a load in a new process from a page cache emptied of its files."""
+    if not peer.python.exists():
+        ctx.note(f"{peer.label} skipped: no {peer.venv} (run benchmarks/setup_peer_venv.sh {peer.name})")
+        return
+    directory = ctx.scratch(peer.name)
+    cmd = [str(peer.python), str(peer.script)]
+    where = ["--size", ctx.spec.name, "--dir", str(directory)]
+    saved = run_json(cmd + ["save", *where, "--saves", str(peer.saves)])
+    ctx.check(f"{peer.name} state after its saves", saved["fingerprint"])
+    for key, value in saved.items():
+        for seconds in value if isinstance(value, list) else [value]:
+            if key not in _NOT_METRICS and seconds is not None:
+                ctx.add(f"{peer.name}.{key}", seconds)
+    evict(directory)
+    _peer_load(ctx, f"{peer.name}.load_new_process", run_json(cmd + ["load", *where]))
+    shutil.rmtree(directory)
 
 
 # ---- dd ----------------------------------------------------------------------------------
@@ -519,6 +599,8 @@ METHODS: list[tuple[str, Callable[[Context], None]]] = [
     ("dcp", bench_dcp),
     ("dlrover", bench_dlrover),
     ("dlrover-memory", lambda ctx: bench_dlrover(ctx, ("memory",), restarts=False)),  # its save stall, quickly
+    ("lmres", lambda ctx: bench_peer(ctx, LMRES)),
+    ("tckpt", lambda ctx: bench_peer(ctx, TCKPT)),
     ("dd", bench_dd),
 ]
 
@@ -584,6 +666,12 @@ def summarize(ctx: Context, repeats: int) -> dict[str, Any]:
         ),
         "dlrover_persist": _paired_rate(
             ctx.nbytes, samples.get("dlrover.disk.durable_steady"), samples.get("dlrover.disk.stall_steady")
+        ),
+        "lmres_persist": _paired_rate(
+            ctx.nbytes, samples.get("lmres.durable_steady"), samples.get("lmres.stall_steady")
+        ),
+        "tckpt_persist": _paired_rate(
+            ctx.nbytes, samples.get("tckpt.durable_steady"), samples.get("tckpt.stall_steady")
         ),
         "torch_save_fsync": ctx.nbytes / medians["torch.save_fsync"] if "torch.save_fsync" in medians else None,
         "dcp_save": ctx.nbytes / medians["dcp.save"] if "dcp.save" in medians else None,
