@@ -66,6 +66,20 @@ def test_a_rollback_starts_a_line_that_wins(storage):
     assert storage.metadata(2)["token"] == new and storage.verify(2) == []
 
 
+def test_a_late_commit_of_an_older_line_never_becomes_the_newest(storage):
+    """A crash flush of the older run finishing after the newer run committed: its step is
+    kept (never the newest), and the newer line's next commit abandons it."""
+    old = token()
+    save(storage, 1, old)
+    new = token()
+    save(storage, 2, new, branch=1)
+    save(storage, 5, old)  # the older line's late step, numbered past the newer line's
+    assert storage.newest_key() == (new, 2) and storage.latest_step() == 2
+    assert not storage.newer_than_committed(old, 6)
+    save(storage, 3, new, branch=1)
+    assert storage.steps_in_order() == [1, 2, 3] and storage.latest_step() == 3
+
+
 def test_keep_last_keeps_the_newest_steps(storage):
     run = token()
     for step in (1, 2, 3, 4):
