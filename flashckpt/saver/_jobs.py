@@ -51,9 +51,9 @@ class Job:
     info: dict[str, Any] = field(default_factory=dict)
     reply: dict[str, Any] | None = None
     """Message to send once done (for flush/wait); None sends a ``persisted`` note."""
-    unless_committed: tuple[str, str, int] | None = None
-    """(directory, token, step): a fallback, skipped if that newer step of run ``token`` is
-    committed (or superseded) by then."""
+    unless_committed: tuple[dict[str, Any], int] | None = None
+    """(info, step): a fallback, skipped if that newer step of the save ``info`` describes
+    (its storage and its run's token) is committed (or superseded) by then."""
     later: bool = False
     ticket: int = 0
     """Order in which jobs were taken (replies: how many were taken before them)."""
@@ -96,7 +96,7 @@ class Jobs:
         due = sorted((r for r in slots if r.asked or r.step == newest.step), key=lambda rescue: rescue.step)
         for rescue in due:
             self.put(Job(rescue.slot, rescue.generation, client, rescue.info))
-        fallback = (newest.info["directory"], newest.info["token"], newest.step)
+        fallback = (newest.info, newest.step)
         for rescue in sorted((r for r in slots if r not in due), key=lambda rescue: -rescue.step):
             self.put(Job(rescue.slot, rescue.generation, client, rescue.info, unless_committed=fallback), later=True)
 

@@ -22,7 +22,7 @@ from .._errors import CheckpointError
 from ._exporters import Export, ExportQueue, reads_memory
 from ..memory._slot import RankLock, Slot, SlotState
 from ..storage._local import LocalStorage
-from ..storage._url import open_storage
+from ..storage._spec import storage_for
 
 if TYPE_CHECKING:
     from ..storage._url import Storage
@@ -112,7 +112,7 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
         try:
             start = time.perf_counter()
             info = h.info if info is None else info
-            storage = open_storage(info["directory"])
+            storage = storage_for(info)
             written = _write_unless_durable(storage, h.step, info, slot.image(h.image_len))
             if exports is not None:
                 waited = time.perf_counter()
@@ -210,7 +210,7 @@ def _write_unless_durable(storage: Storage, step: int, info: dict[str, Any], ima
 def _committed_already(info: dict[str, Any], step: int) -> bool:
     """Whether ``step`` of run ``info["token"]`` committed (or a newer step did) while this
     persist waited for another persist of the same slot."""
-    return not open_storage(info["directory"]).newer_than_committed(info["token"], step)
+    return not storage_for(info).newer_than_committed(info["token"], step)
 
 
 def unpersisted_slots(slot_paths: list[str]) -> list[tuple[str, int, str, int]]:
@@ -221,6 +221,6 @@ def unpersisted_slots(slot_paths: list[str]) -> list[tuple[str, int, str, int]]:
     for path in slot_paths:
         h = Slot.peek_header(path)
         if (h is not None and h.state == SlotState.COMPLETE and h.info.get("persist")
-                and open_storage(h.info["directory"]).newer_than_committed(h.info.get("token", ""), h.step)):
+                and storage_for(h.info).newer_than_committed(h.info.get("token", ""), h.step)):
             found.append((path, h.generation, h.info["directory"], h.step))
     return sorted(found, key=lambda found: -found[3])

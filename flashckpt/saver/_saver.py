@@ -44,7 +44,7 @@ from ..replicas._service import ReplicaService
 from ._jobs import Job, Jobs, Rescue
 from ._lock import ServingLock
 from ..memory._slot import Slot, SlotState, pid_alive
-from ..storage._url import open_storage
+from ..storage._spec import storage_for
 
 log = logging.getLogger("flashckpt.saver")
 
@@ -310,7 +310,7 @@ class Saver:
                 continue
             self._adopted.add((path, h.generation))
             info = dict(h.info, allow_pickle=False)
-            if _not_superseded(info["directory"], info.get("token", ""), h.step):
+            if _not_superseded(info, h.step):
                 found.append(Rescue(path, h.generation, info, h.step, asked=h.persist_asked))
         if found:
             log.warning("persisting %d memory checkpoint(s) whose trainers died unheard: %s", len(found),
@@ -328,7 +328,7 @@ class Saver:
             h = Slot.peek_header(path)
             if h is None or h.state != SlotState.COMPLETE or h.generation != generation:
                 continue
-            if _not_superseded(info["directory"], info["token"], h.step):
+            if _not_superseded(info, h.step):
                 found.append(Rescue(path, generation, info, h.step, asked=h.persist_asked))
         return found
 
@@ -413,15 +413,15 @@ class Saver:
         """Persist ``job`` and report the outcome; True when its export was queued, which
         reports and finishes it later."""
         if job.unless_committed is not None:
-            directory, token, newer = job.unless_committed
-            if not _not_superseded(directory, token, newer):
+            newest, newer = job.unless_committed
+            if not _not_superseded(newest, newer):
                 log.info("step %d is committed: %s is not needed on storage", newer, job.slot)
                 return False
         try:
             result = persist_slot(job.slot, job.generation, job.info, exports=self.exports,
                                   already_persisted=self.persisted.get(job.slot) == job.generation)
         except Exception as exc:
-            if job.unless_committed is not None and not _not_superseded(directory, token, newer):
+            if job.unless_committed is not None and not _not_superseded(newest, newer):
                 # another node's saver committed the newer step (and cleared this one's tmp) meanwhile
                 log.info("step %d was committed while its fallback %s was written (%s): not needed", newer,
                          job.slot, exc)
@@ -448,15 +448,15 @@ class Saver:
         return True
 
 
-def _not_superseded(directory: str, token: str, step: int) -> bool:
-    """Whether storage lacks anything newer than ``step`` of run ``token``; True when storage
-    cannot say (a store that is down): a rescue is written rather than lost, and the
-    commit's own ordering still keeps a newer step the newest."""
+def _not_superseded(info: dict[str, Any], step: int) -> bool:
+    """Whether the storage of ``info`` lacks anything newer than ``step`` of run
+    ``info["token"]``; True when storage cannot say (a store that is down): a rescue is
+    written rather than lost, and the commit's own ordering still keeps a newer step the newest."""
     try:
-        return open_storage(directory).newer_than_committed(token, step)
+        return storage_for(info).newer_than_committed(info.get("token", ""), step)
     except Exception as exc:  # noqa: BLE001 -- the serve loop must outlive any storage error
-        log.warning("cannot tell whether step %d is superseded in %s (%s: %s): persisting it", step, directory,
-                    type(exc).__name__, exc)
+        log.warning("cannot tell whether step %d is superseded in %s (%s: %s): persisting it", step,
+                    info.get("directory"), type(exc).__name__, exc)
         return True
 
 

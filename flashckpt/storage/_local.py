@@ -15,15 +15,9 @@ renaming the directory to ``step-<N>``, then moves ``latest`` forward, all under
 ``flock`` on ``<dir>/.commit.lock``. A crash at any moment leaves only ``*.tmp-*``
 directories, which the next commit removes. Readers trust only committed steps.
 
-**Lines.** Every run has a token; new tokens are time ordered (16 hex digits of
-``time.time_ns()`` then 8 random ones), older or foreign tokens sort first. The steps
-committed with one token are a *line*; its ``branch`` is the step the run started from
-(-1: from nothing). Committed steps are ordered by (line, step): the newest line wins
-even with smaller step numbers (a rollback, a rerun into a used directory). When the
-newest line has committed, steps of older lines past its branch are abandoned and
-removed; ``keep_last`` then keeps the newest steps in that order. A late commit of an
-older line (a crash flush finishing after a newer run started) never becomes the newest
-and never replaces or deletes a newer line's step.
+**Lines**, retention (``keep_last``), ``latest``, verify and late commits are
+:mod:`flashckpt.storage._policy`'s, written once for every storage; this module supplies
+the directory's commit by rename and its hooks.
 
 **The directory is the truth.** ``latest`` is only a hint, repaired when wrong. Readers
 open only regular files inside the directory: no symlinks (step directories included),
@@ -43,7 +37,6 @@ import re
 import shutil
 import stat
 import threading
-import time
 import uuid
 from contextlib import contextmanager
 from typing import Iterator
@@ -52,9 +45,9 @@ from ._checksum import BLOCK_SIZE, block_crcs
 from ._files import fsync_dir, open_regular, read_bounded, write_atomic, write_durable
 from ..replicas._node_local import read_scope
 from ._run_lock import RUN_LOCK, RunClaim
-from ._step_meta import (MAX_LATEST, MAX_MARKER, MAX_METADATA, Line, ShardRecord, image_token, line_key, plain_name,
+from ._policy import Policy, commit_record, doomed, late_commit
+from ._step_meta import (MAX_LATEST, MAX_MARKER, MAX_METADATA, ShardRecord, image_token, line_key, plain_name,
                          shard_name, validate_metadata)
-from ..restore._shard_read import ShardReader
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeFileError
 
 __all__ = ["LocalStorage", "RUN_LOCK", "StepHold"]
@@ -90,13 +83,12 @@ class StepHold:
         self.close()
 
 
-class LocalStorage:
+class LocalStorage(Policy):
     """Committed steps of one checkpoint directory on a local or shared file system."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self._run = RunClaim(self.root)
-        self._lines: dict[int, tuple[tuple[int, int, int], Line]] = {}
 
     # -- one live run ---------------------------------------------------------------
 
@@ -234,18 +226,13 @@ class LocalStorage:
                     return False
                 shards[str(rank)] = marker
             final = self.step_dir(step)
-            there = self._line(step)
-            if there is not None and there.key > line_key(token):
+            if late_commit(self._commit(step, self._ident(step)), token):
                 log.warning("discarding a late commit of step %d by an older run (token %s): %s holds that step "
                             "of a newer line", step, token, self.root)
                 shutil.rmtree(pending, ignore_errors=True)
                 return False
-            meta = {"format": "flashckpt/1", "step": step, "world_size": world_size, "token": token,
-                    "branch": branch, "committed_at": time.time(),
-                    "shards": {r: {"file": shard_name(int(r)), "size": s["size"], "block_size": s["block_size"],
-                                   "block_crc32": s["block_crc32"]} for r, s in shards.items()}}
-            if scope is not None:
-                meta["ranks"] = scope
+            meta = commit_record(step, world_size, token, branch,
+                                 {r: {**s, "file": shard_name(int(r))} for r, s in shards.items()}, scope)
             self._drop_parts(pending)
             write_atomic(os.path.join(pending, "metadata.json"), json.dumps(meta, indent=1).encode())
             if os.path.lexists(final):  # the same step saved again (a rollback, a newer line)
@@ -307,12 +294,6 @@ class LocalStorage:
             return None
         return marker
 
-    def _committed_by(self, step: int, token: str) -> bool:
-        try:
-            return self.metadata(step).get("token") == token
-        except CheckpointError:
-            return False
-
     def apply_retention(self, keep_last: int, token: str) -> None:
         """Retire what the newest commit's retention had to leave (a step an exporter
         held then): the retention of that commit, run again under the commit lock, if
@@ -333,20 +314,8 @@ class LocalStorage:
         Each is renamed (atomic) to a ``*.tmp-retired-*`` name that no reader or commit uses,
         so its deletion can run after the lock is released, and a crash mid-delete never
         leaves a committed step with missing shards, nor a pending save that commits torn."""
-        order = self._order()
-        doomed: set[int] = set()
-        if order:
-            newest = order[-1].key
-            branches = [ln.branch for ln in order if ln.key == newest and ln.branch is not None]
-            if branches:
-                doomed = {ln.step for ln in order if ln.key < newest and ln.step > branches[0]}
-            kept = [ln for ln in order if ln.step not in doomed]
-            if keep_last > 0:
-                doomed.update(ln.step for ln in kept[:-keep_last])
-            readable = {ln.step for ln in order if ln.readable}
-            doomed = (doomed & readable) - {step}
         retired = []
-        for old in sorted(doomed):
+        for old in sorted(doomed(self._order(), keep_last, step)):
             fd = os.open(self.step_dir(old), _DIR_FLAGS)
             try:
                 try:  # an exporter reading it holds it (see hold_step): a later commit retires it
@@ -355,7 +324,7 @@ class LocalStorage:
                     log.info("step %d of %s is being read by an exporter: retired by a later commit", old, self.root)
                     continue
                 retired.append(self._retire_path(self.step_dir(old), old))
-                self._lines.pop(old, None)
+                self._cache.pop(old, None)
             finally:
                 os.close(fd)
         mine = line_key(token)
@@ -397,78 +366,31 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def committed_steps(self) -> list[int]:
-        """Committed step numbers, ascending. A step directory must be a real directory
-        (not a symlink) holding a regular ``metadata.json``."""
+    def _idents(self) -> dict[int, tuple[int, int, int]]:
+        """Committed steps and their metadata's identity. A step directory must be a real
+        directory (not a symlink) holding a regular ``metadata.json``."""
         try:
             names = os.listdir(self.root)
         except (FileNotFoundError, NotADirectoryError):
-            return []
-        steps = []
+            return {}
+        found = {}
         for name in names:
             m = _STEP_RE.match(name)
-            if m is None:
-                continue
-            try:
-                if not stat.S_ISDIR(os.lstat(os.path.join(self.root, name)).st_mode):
-                    continue
-                if not stat.S_ISREG(os.lstat(os.path.join(self.root, name, "metadata.json")).st_mode):
-                    continue
-            except OSError:
-                continue
-            steps.append(int(m.group(1)))
-        return sorted(steps)
+            if m is not None and (ident := self._ident(int(m.group(1)))) is not None:
+                found[int(m.group(1))] = ident
+        return found
 
-    def _line(self, step: int) -> Line | None:
-        """The line of a committed step (cached by the metadata file's identity)."""
+    def _ident(self, step: int) -> tuple[int, int, int] | None:
+        """The identity of a committed step's metadata file (None: not committed)."""
         try:
+            if not stat.S_ISDIR(os.lstat(self.step_dir(step)).st_mode):
+                return None
             st = os.lstat(os.path.join(self.step_dir(step), "metadata.json"))
         except OSError:
             return None
-        ident = (st.st_ino, st.st_mtime_ns, st.st_size)
-        cached = self._lines.get(step)
-        if cached is not None and cached[0] == ident:
-            return cached[1]
-        try:
-            meta = self.metadata(step)
-            line = Line(line_key(meta.get("token")), step, meta.get("branch"), True)
-        except CheckpointNotFoundError:
-            return None
-        except CheckpointError as exc:
-            log.info("step %d is ordered as the oldest line: %s", step, exc)
-            line = Line("", step, None, False)
-        self._lines[step] = (ident, line)
-        return line
+        return (st.st_ino, st.st_mtime_ns, st.st_size) if stat.S_ISREG(st.st_mode) else None
 
-    def _order(self) -> list[Line]:
-        lines = [ln for s in self.committed_steps() if (ln := self._line(s)) is not None]
-        return sorted(lines, key=lambda ln: (ln.key, ln.step))
-
-    def steps_in_order(self) -> list[int]:
-        """Committed steps from oldest to newest by (line, step): the last is the newest."""
-        return [ln.step for ln in self._order()]
-
-    def newest_key(self) -> tuple[str, int] | None:
-        """(line, step) of the newest committed step, the order :meth:`steps_in_order` uses."""
-        order = self._order()
-        return (order[-1].key, order[-1].step) if order else None
-
-    def newer_than_committed(self, token: str, step: int) -> bool:
-        """Whether ``step`` saved by run ``token`` would be newer than every committed step
-        (by line, then step): a copy in memory that storage does not supersede."""
-        newest = self.newest_key()
-        return newest is None or (line_key(token), step) > newest
-
-    def latest_step(self) -> int | None:
-        """The newest committed step the directory holds (``latest`` is only a hint; it is
-        repaired, best effort, when it names another step)."""
-        order = self.steps_in_order()
-        newest = order[-1] if order else None
-        if newest is not None and self._read_latest() != newest:
-            self._repair_latest()
-        return newest
-
-    def _repair_latest(self) -> None:
+    def _repair_latest(self, newest: int) -> None:
         try:
             with self._commit_lock(blocking=False) as locked:
                 if not locked:  # a commit is moving it now
@@ -569,44 +491,3 @@ class LocalStorage:
         f, record = self.open_shard(step, rank)
         f.close()
         return os.path.join(self.step_dir(step), record["file"]), record
-
-    def verify(self, step: int) -> list[str]:
-        """Re-read every shard of ``step``; the problems found (empty when intact).
-
-        Bounded by the shards the metadata lists: a huge ``world_size`` is one problem,
-        not a loop. A shard whose header names another run's token is a problem."""
-        meta = self.metadata(step)
-        world, shards = meta["world_size"], meta["shards"]
-        problems = []
-        if isinstance(meta.get("ranks"), list):  # a node-local directory's step: the ranks of its scope
-            missing = [r for r in meta["ranks"] if str(r) not in shards]
-            if missing:
-                problems.append(f"step {step} in {self.root}: ranks {missing[:5]} of its node's scope have no shard")
-        elif len(shards) < world:
-            missing = []
-            rank = 0
-            while len(missing) < 5 and rank < world:
-                if str(rank) not in shards:
-                    missing.append(rank)
-                rank += 1
-            last = [] if str(world - 1) in shards or world - 1 in missing else ["...", world - 1]
-            problems.append(f"step {step} in {self.root}: {world - len(shards)} of {world} ranks have no shard "
-                            f"(missing ranks {', '.join(map(str, missing + last))})")
-        token = meta.get("token")
-        for rank in sorted(shards, key=int):
-            try:
-                reader = ShardReader(*self.open_shard(step, int(rank)))
-            except CheckpointError as exc:
-                problems.append(str(exc))
-                continue
-            with reader:
-                theirs = reader.image.meta.get("token")
-                if token and isinstance(theirs, str) and theirs != token:
-                    problems.append(f"{reader.path} was written by another run (token {theirs}); step {step} was "
-                                    f"committed by run {token}")
-                    continue
-                try:
-                    reader.verify()
-                except CorruptCheckpointError as exc:
-                    problems.append(str(exc))
-        return problems

@@ -47,7 +47,7 @@ from ..memory._slot import pid_alive
 from ._step_meta import MAX_MARKER
 
 if TYPE_CHECKING:
-    from ._object import ObjectStorage
+    from ._fsspec import FsspecBackend
 
 __all__ = ["LEASE", "LEASE_SECONDS", "claim", "release"]
 
@@ -78,9 +78,9 @@ class _Found(NamedTuple):
 class _Lease:
     """This process's hold of one URL's run lease, renewed by a daemon thread."""
 
-    def __init__(self, storage: ObjectStorage, record: dict, seconds: float, etag: str | None) -> None:
+    def __init__(self, storage: FsspecBackend, record: dict, seconds: float, etag: str | None) -> None:
         self.pid, self.record, self.seconds, self.etag = os.getpid(), record, seconds, etag
-        self.holders: weakref.WeakSet[ObjectStorage] = weakref.WeakSet([storage])
+        self.holders: weakref.WeakSet[FsspecBackend] = weakref.WeakSet([storage])
         self.stop = threading.Event()
         self.thread = threading.Thread(target=_renew, args=(storage, self), name="flashckpt-lease", daemon=True)
         self.thread.start()
@@ -92,7 +92,7 @@ _ADVISORY: set[str] = set()
 """URLs whose lease is advisory (already logged)."""
 
 
-def claim(storage: ObjectStorage, token: str, seconds: float) -> None:
+def claim(storage: FsspecBackend, token: str, seconds: float) -> None:
     """Hold ``storage``'s run lease for run ``token`` (see the module docstring)."""
     with _GUARD:
         held = _LEASES.get(storage.root)
@@ -117,7 +117,7 @@ def claim(storage: ObjectStorage, token: str, seconds: float) -> None:
         _LEASES[storage.root] = _Lease(storage, record, seconds, etag)
 
 
-def release(storage: ObjectStorage) -> None:
+def release(storage: FsspecBackend) -> None:
     """Give up ``storage``'s claim; the lease is deleted when the process's last claim goes."""
     with _GUARD:
         held = _LEASES.get(storage.root)
@@ -139,16 +139,16 @@ def release(storage: ObjectStorage) -> None:
         log.warning("could not remove the run lease (it expires by itself): %s", exc)
 
 
-def _conditional(storage: ObjectStorage) -> bool:
+def _conditional(storage: FsspecBackend) -> bool:
     """Whether the lease of ``storage`` is written conditionally (an S3 store that has
     not refused conditional writes); logs once per URL when it is advisory."""
-    if hasattr(storage._fs, "call_s3") and storage.root not in _ADVISORY:
+    if hasattr(storage.fs, "call_s3") and storage.root not in _ADVISORY:
         return True
     _advisory(storage, "the store has no conditional writes")
     return False
 
 
-def _advisory(storage: ObjectStorage, why: str) -> None:
+def _advisory(storage: FsspecBackend, why: str) -> None:
     if storage.root not in _ADVISORY:
         _ADVISORY.add(storage.root)
         log.warning("the run lease %s/%s is advisory (%s): two runs started at the same instant may both claim "
@@ -169,11 +169,11 @@ def _refused(exc: BaseException, *codes: str) -> bool:
     return False
 
 
-def _s3_call(storage: ObjectStorage, what: str, method: str, **kwargs: Any) -> Any:
+def _s3_call(storage: FsspecBackend, what: str, method: str, **kwargs: Any) -> Any:
     """One S3 API call on the lease object, a precondition refusal as :class:`_Lost`."""
-    bucket, key, _ = storage._fs.split_path(storage._key(LEASE))
+    bucket, key, _ = storage.fs.split_path(storage.key(LEASE))
     try:
-        return storage._fs.call_s3(method, Bucket=bucket, Key=key, **kwargs)
+        return storage.fs.call_s3(method, Bucket=bucket, Key=key, **kwargs)
     except FileExistsError as exc:  # s3fs's translation of a refused If-None-Match
         raise _Lost() from exc
     except Exception as exc:
@@ -184,7 +184,7 @@ def _s3_call(storage: ObjectStorage, what: str, method: str, **kwargs: Any) -> A
         raise _translate(exc, f"{what} {storage.root}/{LEASE}") from exc
 
 
-def _write(storage: ObjectStorage, record: dict, if_none_match: str | None, if_match: str | None) -> str | None:
+def _write(storage: FsspecBackend, record: dict, if_none_match: str | None, if_match: str | None) -> str | None:
     """Write ``record`` with a fresh heartbeat: conditionally on S3 (``If-None-Match`` when
     given, else ``If-Match``); its new ETag, or None when written unconditionally."""
     body = json.dumps({**record, "heartbeat_at": time.time()}).encode()
@@ -194,27 +194,27 @@ def _write(storage: ObjectStorage, record: dict, if_none_match: str | None, if_m
             return _s3_call(storage, "writing", "put_object", Body=body, **condition).get("ETag")
         except NotImplementedError as exc:
             _advisory(storage, f"the server refused a conditional write: {exc}")
-    storage._put_small(LEASE, body)
+    storage.write(LEASE, memoryview(body))
     return None
 
 
-def _delete(storage: ObjectStorage, etag: str | None) -> None:
+def _delete(storage: FsspecBackend, etag: str | None) -> None:
     if etag is not None and _conditional(storage):
         try:
             _s3_call(storage, "deleting", "delete_object", IfMatch=etag)
             return
         except NotImplementedError:
             pass  # a conditional delete is newer than conditional writes: delete as read
-    storage._delete([LEASE])
+    storage.delete([LEASE])
 
 
-def _read(storage: ObjectStorage) -> _Found:
+def _read(storage: FsspecBackend) -> _Found:
     """The lease as it is now; on S3 with the ETag of the very bytes read (one GET)."""
     try:
         if _conditional(storage):
             raw, etag = _get_with_etag(storage)
         else:
-            raw, etag = storage._read_small(LEASE, MAX_MARKER), None
+            raw, etag = storage.read_small(LEASE, MAX_MARKER), None
     except CheckpointNotFoundError:
         return _Found(None, False, None)
     try:
@@ -227,18 +227,18 @@ def _read(storage: ObjectStorage) -> _Found:
     return _Found(lease if isinstance(lease, dict) else None, True, etag)
 
 
-def _get_with_etag(storage: ObjectStorage) -> tuple[bytes, str | None]:
+def _get_with_etag(storage: FsspecBackend) -> tuple[bytes, str | None]:
     from fsspec.asyn import sync
 
     async def get() -> tuple[bytes, str | None]:
-        bucket, key, _ = storage._fs.split_path(storage._key(LEASE))
-        resp = await storage._fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{MAX_MARKER}")
+        bucket, key, _ = storage.fs.split_path(storage.key(LEASE))
+        resp = await storage.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{MAX_MARKER}")
         try:
             return await resp["Body"].read(), resp.get("ETag")
         finally:
             resp["Body"].close()
 
-    return _call(f"reading {storage.root}/{LEASE}", sync, storage._fs.loop, get)
+    return _call(f"reading {storage.root}/{LEASE}", sync, storage.fs.loop, get)
 
 
 def _live(lease: dict, seconds: float) -> bool:
@@ -252,13 +252,13 @@ def _live(lease: dict, seconds: float) -> bool:
     return not (host == socket.gethostname() and not pid_alive(pid))
 
 
-def _conflict(storage: ObjectStorage, lease: dict, seconds: float) -> str:
+def _conflict(storage: FsspecBackend, lease: dict, seconds: float) -> str:
     return (f"another run is live in {storage.root}: pid {str(lease.get('pid'))[:20]} on host "
             f"{str(lease.get('host'))[:255]} renewed {LEASE} within the last {seconds:.0f}s; stop it, or give "
             "this run another checkpoint URL")
 
 
-def _renew(storage: ObjectStorage, lease: _Lease) -> None:
+def _renew(storage: FsspecBackend, lease: _Lease) -> None:
     """Renew ``lease`` until stopped, or until another run took the lease over."""
     while not lease.stop.wait(lease.seconds / 4):
         try:
@@ -268,7 +268,7 @@ def _renew(storage: ObjectStorage, lease: _Lease) -> None:
             log.warning("renewing the run lease failed (retrying): %s", exc)
 
 
-def _renew_once(storage: ObjectStorage, lease: _Lease) -> bool:
+def _renew_once(storage: FsspecBackend, lease: _Lease) -> bool:
     """Write a new heartbeat; False (an error logged) if another run holds the lease now."""
     if lease.etag is None:  # advisory: look before writing
         there = _read(storage).record
@@ -286,7 +286,7 @@ def _renew_once(storage: ObjectStorage, lease: _Lease) -> bool:
         return _taken_over(storage, lease, found.record or {})
 
 
-def _taken_over(storage: ObjectStorage, lease: _Lease, there: dict) -> bool:
+def _taken_over(storage: FsspecBackend, lease: _Lease, there: dict) -> bool:
     log.error("the run lease %s/%s was taken over: %s; no longer renewing it", storage.root, LEASE,
               _conflict(storage, there, lease.seconds))
     return False

@@ -1,141 +1,28 @@
-"""Where checkpoints live: a local directory or an object-store URL, parsed and checked.
-
-A location is one of:
-
-- a local path (``/ckpt``, ``runs/a``, ``./odd:name``): :class:`~flashckpt.storage._local.LocalStorage`;
-- a ``file://`` URL of an absolute local path (``file:///ckpt``, ``file://localhost/ckpt``):
-  the same local directory;
-- an object-store URL ``<scheme>://<bucket>[/<prefix>]`` with a scheme of
-  :data:`OBJECT_SCHEMES` (``s3://bucket/run1``, ``gs://``, ``memory://`` for tests):
-  :class:`~flashckpt.storage._object.ObjectStorage` through fsspec.
-
-Anything else that starts like a URL (``word:``) is an error that names the input and
-what is accepted, so ``s3:/x`` or ``s3:bucket`` never becomes a local directory named
-``s3:``; a local directory whose name has a colon is written ``./name:x``.
-
-Credentials and endpoints are never part of a location: they come as fsspec and its
-backends take them (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``,
-``~/.aws``, or fsspec's configuration such as ``FSSPEC_S3='{"endpoint_url": ...}'``). A URL
-with user info (``s3://key:secret@bucket``), a query or a fragment is refused, so no
-secret is ever logged, stored in shared memory or written into metadata.
-
-Parsing imports nothing; only :func:`open_storage` of a URL imports fsspec (and its
-backend, e.g. s3fs from the ``flashckpt[s3]`` extra).
-"""
+"""One constructor from a location: :func:`open_storage` (see :mod:`flashckpt.storage._location`
+for what a location is, :mod:`flashckpt.storage._registry` for new schemes)."""
 
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-from urllib.parse import unquote
 
-from .._errors import CheckpointError
+from . import _registry
 from ._local import LocalStorage
+from ._location import OBJECT_SCHEMES, Location, is_url, parse_location
+from ._protocol import Storage
 
-if TYPE_CHECKING:
-    from ._object import ObjectStorage
-
-    Storage = LocalStorage | ObjectStorage
-    """What :func:`open_storage` returns: both have the same methods (write, commit, list, open)."""
-
-__all__ = ["OBJECT_SCHEMES", "Location", "is_url", "open_storage", "parse_location"]
-
-OBJECT_SCHEMES: dict[str, str] = {
-    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
-    "abfss": "adlfs", "oss": "ossfs", "memory": "fsspec",
-}
-"""Object-store schemes accepted, and the package that serves each (with fsspec)."""
-
-_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
-_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_S3_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_SEGMENT_RE = re.compile(r"^[^\x00-\x1f\x7f\\]+$")
-_ACCEPTED = ("a local path (write ./name for a local name with a colon), file:///absolute/path, or "
-             + ", ".join(f"{s}://bucket/prefix" for s in OBJECT_SCHEMES))
+__all__ = ["OBJECT_SCHEMES", "Location", "Storage", "is_url", "open_storage", "parse_location"]
 
 
-@dataclass(frozen=True, slots=True)
-class Location:
-    """A checked checkpoint location."""
-
-    scheme: str
-    """``""`` for a local directory, else one of :data:`OBJECT_SCHEMES`."""
-    path: str
-    """The absolute local path, or ``bucket[/prefix]`` of the URL."""
-
-    @property
-    def url(self) -> str | None:
-        """The normalized URL (``s3://bucket/prefix``), None for a local directory."""
-        return f"{self.scheme}://{self.path}" if self.scheme else None
-
-
-def _bad(location: str, why: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint location {location[:200]!r}: {why}; accepted: {_ACCEPTED}")
-
-
-def parse_location(location: str | os.PathLike) -> Location:
-    """Check ``location`` and say what it is; a :class:`CheckpointError` naming the input
-    and what is accepted for an unknown scheme, a malformed URL, or a local path that
-    looks like a URL."""
-    text = os.fspath(location)
-    if not isinstance(text, str):
-        raise CheckpointError(f"checkpoint location {text!r} is not text; accepted: {_ACCEPTED}")
-    if not text or "\x00" in text:
-        raise _bad(text, "empty or holds a NUL byte")
-    m = _SCHEME_RE.match(text)
-    if m is None:
-        return Location("", os.path.abspath(text))
-    scheme, rest = m.group(1).lower(), text[m.end():]
-    if scheme == "file":
-        return Location("", _file_path(text, rest))
-    if scheme not in OBJECT_SCHEMES:
-        raise _bad(text, f"unknown scheme {scheme!r} (a local path may not start with '<word>:')")
-    if not rest.startswith("//"):
-        raise _bad(text, f"a {scheme} URL is written {scheme}://bucket/prefix")
-    if "?" in rest or "#" in rest:
-        raise _bad(text, "a query or fragment is not part of a checkpoint location")
-    if any(c in rest for c in "*[]"):  # the fsspec clients expand them, deleting other prefixes' objects
-        raise _bad(text, "'*', '[' and ']' are not allowed: object-store clients read them as patterns")
-    bucket, _, prefix = rest[2:].partition("/")
-    if "@" in bucket:
-        raise _bad(text, "credentials never go into the URL; give them as the storage's client takes them "
-                         "(environment, fsspec configuration)")
-    if not bucket:
-        raise _bad(text, "the URL names no bucket")
-    if not (_S3_BUCKET_RE if scheme in ("s3", "s3a") else _BUCKET_RE).match(bucket):
-        raise _bad(text, f"{bucket[:80]!r} is not a valid bucket name")
-    segments = prefix.split("/") if prefix else []
-    if segments and not segments[-1]:
-        segments.pop()  # one trailing slash
-    if any(s in ("", ".", "..") or not _SEGMENT_RE.match(s) for s in segments):
-        raise _bad(text, "the prefix has an empty, '.', '..' or control-character segment")
-    return Location(scheme, "/".join([bucket, *segments]))
-
-
-def _file_path(text: str, rest: str) -> str:
-    """The local path of a ``file://`` URL (empty host or ``localhost``, absolute path)."""
-    if not rest.startswith("//"):
-        raise _bad(text, "a file URL is written file:///absolute/path")
-    host, slash, path = rest[2:].partition("/")
-    if host not in ("", "localhost") or not slash:
-        raise _bad(text, f"a file URL names no host but this machine (got {host[:80]!r})")
-    if "?" in path or "#" in path:
-        raise _bad(text, "a query or fragment is not part of a checkpoint location")
-    return os.path.abspath("/" + unquote(path))
-
-
-def is_url(location: str | os.PathLike) -> bool:
-    """Whether ``location`` is an object-store URL (checked: a bad location raises)."""
-    return bool(parse_location(location).scheme)
-
-
-def open_storage(location: str | os.PathLike) -> LocalStorage | ObjectStorage:
-    """The storage of a checked location: :class:`LocalStorage` for a local path or
-    ``file://`` URL, :class:`ObjectStorage` for an object-store URL (no I/O yet)."""
+def open_storage(location: str | os.PathLike, **settings: object) -> Storage:
+    """The storage of a checked location (no I/O yet): :class:`LocalStorage` for a local
+    path or ``file://`` URL, the registered factory's storage for a registered scheme,
+    :class:`~flashckpt.storage._object.ObjectStorage` for an object-store URL.
+    ``settings`` (``part_bytes``, ``concurrency``, ``lease_seconds``) go to the object store."""
     where = parse_location(location)
     if not where.scheme:
         return LocalStorage(where.path)
-    from ._object import ObjectStorage
-    return ObjectStorage(where.url)
+    registered = _registry.factory(where.scheme, discover=where.scheme not in OBJECT_SCHEMES)
+    if registered is not None:
+        return registered(where.url)
+    from ._object import ObjectStorage  # imports fsspec's configuration only for an object store
+    return ObjectStorage(where.url, **settings)
