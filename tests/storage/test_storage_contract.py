@@ -16,6 +16,8 @@ from flashckpt import CheckpointError, CorruptCheckpointError, JobConflictError,
 from flashckpt.torch import Checkpointer
 from tests.objectstore.conftest import image, token
 
+from .conftest import KINDS
+
 
 def save(storage, step: int, run: str, world: int = 2, keep_last: int = 0, branch: int | None = None) -> dict:
     """Write and commit ``step`` of run ``run``: every rank's image, by rank."""
@@ -141,9 +143,12 @@ _HOLD = textwrap.dedent("""
 """)
 
 
+# memory:// lives in one process: a second process (another run, the saver) cannot see it
+SHARED_KINDS = pytest.mark.parametrize("location", [k for k in KINDS if k != "memory"], indirect=True)
+
+
+@SHARED_KINDS
 def test_two_live_runs_on_one_location_are_refused(location, storage):
-    if location.startswith("memory://"):
-        pytest.skip("memory:// lives in one process: a second run cannot see it")
     holder = subprocess.Popen([sys.executable, "-c", _HOLD, location, token()], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -157,11 +162,10 @@ def test_two_live_runs_on_one_location_are_refused(location, storage):
     storage.release_run()
 
 
+@SHARED_KINDS
 def test_a_checkpointer_saves_loads_and_falls_back(location, raw, job_id):
     """A real Checkpointer end to end: the saver persists to the location, a new job loads
     from it, and a damaged newest step falls back to the newest that verifies."""
-    if location.startswith("memory://"):
-        pytest.skip("memory:// lives in one process: the saver, a process of its own, cannot reach it")
     with Checkpointer(location, job_id=job_id + "a", keep_last=2) as ck:
         for step in (1, 2, 3):
             ck.save(step, {"w": torch.full((4096,), float(step)), "step": step})
