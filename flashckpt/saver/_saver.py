@@ -32,14 +32,14 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _names
 from ._client import persist_threads
 from .._errors import CheckpointError
 from ._exporters import ExportQueue
-from ._persist import PersistResult, persist_slot
+from ._persist import persist_slot
+from ._trainers import TrainerConnection, report
 from ..replicas._service import ReplicaService
 from ._jobs import Job, Jobs, Rescue
 from ._lock import ServingLock
@@ -51,29 +51,6 @@ log = logging.getLogger("flashckpt.saver")
 PROTOCOL = 2
 _TICK_SECONDS = 0.5
 _LOG_BYTES = 4 << 20
-
-
-@dataclass(eq=False)
-class _Client:
-    conn: socket.socket
-    pid: int
-    pidfd: int = -1
-    slots: list[str] = field(default_factory=list)
-    info: dict[str, Any] = field(default_factory=dict)
-    """Where this trainer's slots go on storage and how (its ``hello``/``info``)."""
-    saved: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """slot -> the newest ``saved`` message for it (what a crash flush writes)."""
-    closed_cleanly: bool = False
-    buffer: bytes = b""
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def send(self, msg: dict[str, Any]) -> None:
-        data = json.dumps(msg).encode() + b"\n"
-        with self.send_lock:
-            try:
-                self.conn.sendall(data)
-            except OSError:
-                pass  # the trainer is gone; what it asked for still happens
 
 
 class Saver:
@@ -88,7 +65,7 @@ class Saver:
         self.threads = threads
         self.sock_path = _names.socket_path(job_id)
         self.sel = selectors.DefaultSelector()
-        self.clients: dict[int, _Client] = {}
+        self.clients: dict[int, TrainerConnection] = {}
         self.jobs = Jobs()
         self.exports = ExportQueue()
         self.persisted: dict[str, int] = {}  # slot path -> generation written to storage
@@ -217,7 +194,7 @@ class Saver:
             conn.close()
             return
         conn.setblocking(False)
-        client = _Client(conn, pid)
+        client = TrainerConnection(conn, pid)
         self.clients[conn.fileno()] = client
         self.sel.register(conn, selectors.EVENT_READ, client)
         try:  # a pidfd turns readable when the process exits, even if a forked child keeps the socket
@@ -237,7 +214,7 @@ class Saver:
             if exited:
                 self._drop(client, "process exited")
 
-    def _read(self, client: _Client) -> None:
+    def _read(self, client: TrainerConnection) -> None:
         try:
             data = client.conn.recv(1 << 16)
         except BlockingIOError:
@@ -250,7 +227,7 @@ class Saver:
         client.buffer += data
         self._handle_lines(client)
 
-    def _handle_lines(self, client: _Client) -> None:
+    def _handle_lines(self, client: TrainerConnection) -> None:
         while b"\n" in client.buffer:
             line, client.buffer = client.buffer.split(b"\n", 1)
             try:
@@ -258,7 +235,7 @@ class Saver:
             except Exception:
                 log.exception("bad message from pid %d: %r", client.pid, line[:200])
 
-    def _read_rest(self, client: _Client) -> None:
+    def _read_rest(self, client: TrainerConnection) -> None:
         """Handle what a trainer sent before it went and this loop had not read: its exit
         (the pidfd) can be seen before its last messages, a ``saved`` among them."""
         while True:
@@ -271,7 +248,7 @@ class Saver:
             client.buffer += data
         self._handle_lines(client)
 
-    def _drop(self, client: _Client, why: str) -> None:
+    def _drop(self, client: TrainerConnection, why: str) -> None:
         if client.conn.fileno() not in self.clients:
             return
         self._read_rest(client)
@@ -317,7 +294,7 @@ class Saver:
                         ", ".join(f"step {r.step} ({os.path.basename(r.slot)})" for r in found))
             self.jobs.put_slots(found, None)
 
-    def _unpersisted(self, client: _Client) -> list[Rescue]:
+    def _unpersisted(self, client: TrainerConnection) -> list[Rescue]:
         """The saves ``client`` reported that its slots still hold complete, meant for
         storage and not there yet."""
         found = []
@@ -332,7 +309,7 @@ class Saver:
                 found.append(Rescue(path, generation, info, h.step, asked=h.persist_asked))
         return found
 
-    def _handle(self, client: _Client, msg: dict[str, Any]) -> None:
+    def _handle(self, client: TrainerConnection, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         if op == "hello":
             if msg.get("v") != PROTOCOL:
@@ -379,7 +356,7 @@ class Saver:
         else:
             client.send({"op": "error", "message": f"unknown op {op!r}"})
 
-    def _replicate(self, client: _Client, msg: dict[str, Any]) -> None:
+    def _replicate(self, client: TrainerConnection, msg: dict[str, Any]) -> None:
         """Start (or join) peer-memory replicas with the job's secret; answer the endpoint."""
         reply: dict[str, Any] = {"op": "replicating", "id": msg.get("id")}
         try:
@@ -404,7 +381,7 @@ class Saver:
                 handed_off = self._run(job)
             except Exception as exc:  # outside persist_slot (a storage check, the export queue): still a failure
                 log.exception("persisting %s failed", job.slot)
-                _report(job, error=exc)
+                report(job, error=exc)
             finally:
                 if not handed_off:
                     self.jobs.finish(job)
@@ -427,17 +404,17 @@ class Saver:
                          job.slot, exc)
                 return False
             log.exception("persisting %s failed", job.slot)
-            _report(job, error=exc)
+            report(job, error=exc)
             return False
         if not result.skipped:
             self.persisted[job.slot] = job.generation
         if result.export is None:
-            _report(job, result=result)
+            report(job, result=result)
             return False
 
         def exported(error: Exception | None) -> None:
             try:
-                _report(job, result=result, error=error)
+                report(job, result=result, error=error)
             finally:
                 self.jobs.finish(job)
 
@@ -458,23 +435,6 @@ def _not_superseded(info: dict[str, Any], step: int) -> bool:
         log.warning("cannot tell whether step %d is superseded in %s (%s: %s): persisting it", step,
                     info.get("directory"), type(exc).__name__, exc)
         return True
-
-
-def _report(job: Job, *, result: PersistResult | None = None, error: Exception | None = None) -> None:
-    """Tell the trainer that asked for ``job`` (if any) how it went."""
-    if job.client is None:
-        return
-    if error is not None:
-        job.client.send({"op": "persisted", "error": f"{type(error).__name__}: {error}", "slot": job.slot,
-                         "generation": job.generation})
-    else:
-        job.client.send(_result_message(result, job.slot, job.generation))
-
-
-def _result_message(result: PersistResult, slot: str, generation: int) -> dict[str, Any]:
-    return {"op": "persisted", "slot": slot, "generation": generation, "step": result.step,
-            "committed": result.committed, "skipped": result.skipped, "seconds": result.seconds,
-            "bytes": result.nbytes, "finished_at": time.time()}
 
 
 def _load_watchdog():
