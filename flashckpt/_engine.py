@@ -59,12 +59,15 @@ class SaveHandle:
     """What :meth:`Engine.save` returns: the step, whether it goes to storage, and calls
     to learn when it is there (the counterpart of the Future of DCP's ``async_save``)."""
 
-    def __init__(self, engine: "Engine", step: int, persisting: bool, slot: str | None, generation: int) -> None:
+    def __init__(self, engine: "Engine", step: int, persisting: bool, slot: str | None, generation: int,
+                 token: str) -> None:
         self.step = step
         self.persisting = persisting
         """True when this save was due for storage (``persist_every``, or ``persist=True``)."""
         self._engine = engine
         self._key = (slot, generation)
+        self._token = token
+        """The line this save belongs to: a step of another line with the same number is not this save."""
 
     def done(self) -> bool:
         """The saver finished with this save (persisted, failed, or nothing to persist);
@@ -75,8 +78,13 @@ class SaveHandle:
         return self._key not in self._engine._client.pending
 
     def durable(self) -> bool:
-        """This step is committed on storage (every rank's shard and the metadata)."""
-        return self.step in self._engine.storage.committed_steps()
+        """This save's (line, step) is committed on storage (every rank's shard and the
+        metadata); the same step number of another line (one abandoned by a rollback, or
+        the line that replaced this one) is not."""
+        try:
+            return self._engine.storage.metadata(self.step).get("token") == self._token
+        except CheckpointError:  # not committed (or unreadable, so not durable either)
+            return False
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until this save (and every persist asked before it) is done, raising what
@@ -245,7 +253,7 @@ class Engine:
         self._raise_persist_errors()
         self._saves += 1
         if not self.placement.writes_memory:
-            return SaveHandle(self, step, False, None, 0)
+            return SaveHandle(self, step, False, None, 0, self._line_token)
         with gc_paused():
             return self._save_to_memory(step, state, persist, export, start)
 
@@ -279,7 +287,7 @@ class Engine:
         blocking = time.perf_counter() - start
         log.debug("saved step %d to memory in %.3fs (%.1f MiB)", step, blocking, image.size / 2**20)
         _events.emit("save", step=step, blocking_seconds=blocking)
-        return SaveHandle(self, step, due, slot.path, header.generation)
+        return SaveHandle(self, step, due, slot.path, header.generation, self._line_token)
 
     def _meta(self, step: int, flat: Flat) -> dict[str, Any]:
         return {"format": "flashckpt/1", "step": step, "tree": flat.skeleton, "token": self._line_token,
