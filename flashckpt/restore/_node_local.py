@@ -22,23 +22,19 @@ never a silent start from nothing.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._agreement import Agreement, Source
+from ._sources import Agreement, Key, Source, Sources
 from ..storage._checksum import block_crcs
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..replicas._protocol import ReplicaError
 from ..storage._step_meta import line_key
 from ..storage._local import LocalStorage
 
-if TYPE_CHECKING:
-    from .._engine import Engine
-
 __all__ = ["agree_node_local", "choose", "disk_copies", "lacking"]
 
 log = logging.getLogger("flashckpt")
 
-Key = tuple[str, int]
 _CHUNK = 64 << 20
 
 
@@ -74,11 +70,11 @@ def lacking(copies: list[set[Key]]) -> str:
             f"{', '.join(map(str, ranks))}, and no older step has a copy for every rank")
 
 
-def agree_node_local(engine: "Engine", views: list[dict[str, Any]], step: int | None) -> Agreement:
+def agree_node_local(sources: Sources, views: list[dict[str, Any]], step: int | None) -> Agreement:
     """The agreement of the module docstring, from every rank's ``views`` (see
     ``flashckpt.restore._agreement.agree``); all ranks call it with the same views."""
-    nodes = engine.placement.nodes
-    endpoints = engine.replicas.endpoints
+    nodes = sources.placement.nodes
+    endpoints = sources.replicas.endpoints
     replicas: dict[tuple[int, Key], list] = {}
     disks: dict[str, dict[Key, set[int]]] = {}
     for rank, view in enumerate(views):
@@ -98,67 +94,67 @@ def agree_node_local(engine: "Engine", views: list[dict[str, Any]], step: int | 
     key = choose(anywhere, step)
     if key is None:
         if step is not None or any(anywhere):
-            raise CheckpointNotFoundError(f"cannot restore {what} of the node-local directories {engine.storage.root} "
+            raise CheckpointNotFoundError(f"cannot restore {what} of the node-local directories {sources.storage.root} "
                                           f"on every rank: {lacking(anywhere) if any(anywhere) else 'none'}")
         return Agreement(None, None, None)
     if all(key in have for have in in_memory):
         agreed = key[1]
-        holders, _ = engine.replicas.holders(views)
-        fetched, where = engine.replicas.fetch_missing(key[1], holders, committed)
+        holders, _ = sources.replicas.holders(views)
+        fetched, where = sources.replicas.fetch_missing(key[1], holders, committed)
         if where == Source.MEMORY:
             return Agreement(key[1], Source.MEMORY, committed, tuple(k[1] for k in stored if k != key))
         key = choose(on_disks, step)  # fetching failed (warned): the newest step some directory holds for every rank
         if key is None:
             raise CheckpointNotFoundError(
                 f"fetching step {agreed} from peer memory failed, and no node-local directory under "
-                f"{engine.storage.root} can give every rank {what}: "
+                f"{sources.storage.root} can give every rank {what}: "
                 f"{lacking(on_disks) if any(on_disks) else 'no step is on disk'}")
     if key in stored:
         return Agreement(key[1], Source.STORAGE, committed, tuple(k[1] for k in stored if k != key))
-    me, where = engine.collective.rank, views[engine.collective.rank]
+    me, where = sources.collective.rank, views[sources.collective.rank]
     peers = [endpoints[node] for node, d in disks.items()
              if node != nodes[me] and key in d and where["storage_rank"] in d[key] and node in endpoints]
-    engine.on_all_ranks(lambda: None if key in mine[me] else _bring(engine, key, replicas.get(
+    sources.on_all_ranks(lambda: None if key in mine[me] else _bring(sources, key, replicas.get(
         (where["storage_rank"], key), []), key in own_disk[me], peers), f"restoring step {key[1]} on every rank")
     return Agreement(key[1], Source.MEMORY, committed, ())
 
 
-def _bring(engine: "Engine", key: Key, holders: list, own: bool, peers: list) -> None:
+def _bring(sources: Sources, key: Key, holders: list, own: bool, peers: list) -> None:
     """Bring this rank's copy of ``key`` into its own memory slot: from a peer's replica, its
     own node's directory, or a peer node's directory, the first that works."""
     step, failures = key[1], []
     for endpoint in [e for e in holders if e is not None]:
         try:
-            engine.replicas._fetch_from(endpoint, step)
+            sources.replicas.fetch_from(endpoint, step)
             return
         except (CheckpointError, OSError) as exc:
             failures.append(f"replica on {endpoint[0]}:{endpoint[1]}: {exc}")
     if own:
         try:
-            _read_own(engine, step)
+            _read_own(sources, step)
             return
         except (CheckpointError, OSError) as exc:
-            failures.append(f"{engine.storage.root}: {exc}")
+            failures.append(f"{sources.storage.root}: {exc}")
     for endpoint in peers:
         try:
-            engine.replicas._fetch_from(endpoint, step, op="fetch_shard", line=key[0])
+            sources.replicas.fetch_from(endpoint, step, op="fetch_shard", line=key[0])
             log.info("fetched step %d of rank %d from the directory of %s:%d", step,
-                     engine.placement.storage_rank, *endpoint)
+                     sources.placement.storage_rank, *endpoint)
             return
         except (CheckpointError, OSError) as exc:
             failures.append(f"directory of {endpoint[0]}:{endpoint[1]}: {exc}")
-    raise ReplicaError(f"no copy of step {step} rank {engine.placement.storage_rank} could be restored: "
+    raise ReplicaError(f"no copy of step {step} rank {sources.placement.storage_rank} could be restored: "
                        + "; ".join(failures))
 
 
-def _read_own(engine: "Engine", step: int) -> None:
+def _read_own(sources: Sources, step: int) -> None:
     """Read this rank's committed shard of ``step`` from its own node's directory into its
     slot, verifying every block against the checksums recorded at commit."""
-    storage, rank = engine.storage, engine.placement.storage_rank
+    storage = sources.storage
     meta = storage.metadata(step)
-    f, record = storage.open_shard(step, rank)
+    f, record = storage.open_shard(step, sources.placement.storage_rank)
     with f:
-        into, done = engine.replicas.slot_writer(step)
+        into, done = sources.replicas.slot_writer(step)
         view = into(record["size"], {"token": meta.get("token"), "branch": meta.get("branch", -1)})
         got = 0
         while got < len(view):
