@@ -24,9 +24,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ._shard_read import open_shard
 from ._sources import Agreement, Key, Source, Sources
-from ..storage._checksum import block_crcs
-from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError
 from ..replicas._protocol import ReplicaError
 from ..storage._step_meta import line_key
 from ..storage._local import LocalStorage
@@ -34,8 +34,6 @@ from ..storage._local import LocalStorage
 __all__ = ["agree_node_local", "choose", "disk_copies", "lacking"]
 
 log = logging.getLogger("flashckpt")
-
-_CHUNK = 64 << 20
 
 
 def disk_copies(storage: LocalStorage, world: int) -> list[tuple[Key, list[int]]]:
@@ -149,19 +147,10 @@ def _bring(sources: Sources, key: Key, holders: list, own: bool, peers: list) ->
 
 def _read_own(sources: Sources, step: int) -> None:
     """Read this rank's committed shard of ``step`` from its own node's directory into its
-    slot, verifying every block against the checksums recorded at commit."""
-    storage = sources.storage
-    meta = storage.metadata(step)
-    f, record = storage.open_shard(step, sources.placement.storage_rank)
-    with f:
+    slot through the shard reader a load from storage uses (every block verified against
+    the checksums recorded at commit)."""
+    meta = sources.storage.metadata(step)
+    with open_shard(sources.storage, step, sources.placement.storage_rank, whole=True) as reader:
         into, done = sources.replicas.slot_writer(step)
-        view = into(record["size"], {"token": meta.get("token"), "branch": meta.get("branch", -1)})
-        got = 0
-        while got < len(view):
-            n = f.readinto(view[got:got + _CHUNK])
-            if not n:
-                raise CorruptCheckpointError(f"{f.name}: ends after {got} of {len(view)} bytes")
-            got += n
-        if block_crcs(view, record["block_size"]) != record["block_crc32"]:
-            raise CorruptCheckpointError(f"{f.name}: does not match the checksums recorded at commit")
+        reader.read_all([(0, into(reader.size, {"token": meta.get("token"), "branch": meta.get("branch", -1)}))])
         done()
