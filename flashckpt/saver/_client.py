@@ -82,7 +82,8 @@ def process_state(pid: int) -> str:
 
 def _spawn_saver(job_id: str) -> subprocess.Popen:
     log_file = _names.saver_log_path(job_id)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.abspath(__file__)  # <package root>/flashckpt/saver/_client.py
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     log.info("starting the flashckpt saver for job %s (log: %s)", job_id, log_file)
