@@ -265,7 +265,7 @@ class Engine:
         Waits for the saver to finish a crash flush of the previous run first, at most
         ``FLASHCKPT_SAVER_TIMEOUT`` seconds (:class:`~flashckpt.CheckpointTimeoutError`)."""
         start = time.perf_counter()
-        return self.load_agreed(state, self.agree(step), start)
+        return self.load_agreed(state, agree(self._sources(), step, direct=True), start)  # reads own_disk
 
     def _sources(self) -> Sources:
         return Sources(self.collective, self.placement, self.storage, self.slots, self.replicas, self.node_local,

@@ -30,10 +30,11 @@ from ._sources import Agreement, Source, Sources, memory_keys, memory_not_older
 __all__ = ["Agreement", "Source", "agree", "memory_not_older"]
 
 
-def agree(sources: Sources, step: int | None = None) -> Agreement:
+def agree(sources: Sources, step: int | None = None, *, direct: bool = False) -> Agreement:
     """Agree with every rank on the step to load (see the module docstring); fetches the
     agreed step from peer replicas on ranks whose node lacks it. All ranks must call this.
-    Node-local directories follow ``flashckpt.restore._node_local``."""
+    Node-local directories follow ``flashckpt.restore._node_local`` (``direct``: a loader
+    that reads ``Agreement.own_disk``, see there)."""
     sources.ready()  # no slot is prepared while a replica is fetched into one; a crash flush finished
     rank0 = sources.collective.rank == 0
     node_local = sources.node_local is not None
@@ -52,7 +53,7 @@ def agree(sources: Sources, step: int | None = None) -> Agreement:
 
     views = sources.on_all_ranks(look, f"looking for checkpoints of {sources.storage.root} to load")
     if node_local:
-        return agree_node_local(sources, views, step)
+        return agree_node_local(sources, views, step, direct=direct)
     order: list[int] = views[0]["committed"]
     committed = order[0] if order else None
     holders, keys = sources.replicas.holders(views)  # a peer's replica counts as a copy in memory

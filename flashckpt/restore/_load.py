@@ -1,8 +1,10 @@
 """Loading an agreed step in the engine's own format into the caller's state, in place.
 
-From memory: every rank copies its slot's tensors into the caller's tensors (one copy),
-and only once every rank's copy succeeded are the plain values written; if any rank's copy
-fails, every rank loads the newest committed step instead. From storage: the step's world
+From memory: every rank copies its slot's tensors into the caller's tensors (one copy) --
+or, named in ``Agreement.own_disk`` (node-local directories), reads its shard from its own
+node's directory straight into them -- and only once every rank's copy succeeded are the
+plain values written; if any rank's copy fails, every rank loads the newest committed step
+instead. From storage: the step's world
 must be this job's (per-rank state cannot be split or merged), and a damaged step gives way
 to the next older committed one (``Agreement.fallbacks``), warning with the file named.
 Recording the load (line, ``last_load``, event) is the engine's ``finish_load``, once.
@@ -39,7 +41,8 @@ def load_agreed(sources: Sources, state: Any, agreement: Agreement,
         return None, None
     if source == Source.MEMORY:
         loaded: list[Merge] = []  # plain values are written once every rank's copy succeeded
-        _, errors = gather(sources.collective, lambda: loaded.append(_load_memory(sources, state, step, places)))
+        read = _load_own_disk if sources.placement.storage_rank in agreement.own_disk else _load_memory
+        _, errors = gather(sources.collective, lambda: loaded.append(read(sources, state, step, places)))
         if errors:
             if committed is None:
                 raise_errors(errors, f"loading step {step} from memory failed and nothing is committed "
@@ -65,6 +68,19 @@ def _load_memory(sources: Sources, state: Any, step: int, places: Places | None)
     index, generation = sources.slots.locate(step)
     with sources.slots.reading(index) as slot:
         return sources.slots.copy_out(slot, generation, lambda image: _merge(sources, state, image, places))
+
+
+def _load_own_disk(sources: Sources, state: Any, step: int, places: Places | None) -> Merge:
+    """Read this rank's shard of ``step`` from its own node's directory straight into
+    ``state`` (one copy, every block verified); the plain values are the caller's, as from memory."""
+    merged: list[Merge] = []
+
+    def merge(image: Image) -> Merge:
+        merged.append(_merge(sources, state, image, places))
+        return Merge(merged[0].fills, [])  # the plain values wait until every rank's copy succeeded
+
+    read_shard_into(sources.storage, step, sources.placement.storage_rank, merge)
+    return merged[0]
 
 
 def _check_world(sources: Sources, step: int) -> None:

@@ -13,7 +13,9 @@ peer's memory replica, its own node's directory, or a peer node's directory. The
   own node's directory, with older such steps as fallbacks;
 - else each rank without a memory copy first brings its shard into its own memory slot --
   from a peer's replica, its own directory, or a peer node's directory over the replica
-  channel (checksums verified on both ends) -- and every rank loads from **memory**.
+  channel (checksums verified on both ends) -- and every rank loads from **memory**; a
+  loader that asks for it (``direct``, the engine's own load) has a rank whose own
+  directory holds its shard read it from there straight into its tensors instead.
 
 A rank for which no copy of any step the others hold survives is an error naming it,
 never a silent start from nothing.
@@ -68,9 +70,13 @@ def lacking(copies: list[set[Key]]) -> str:
             f"{', '.join(map(str, ranks))}, and no older step has a copy for every rank")
 
 
-def agree_node_local(sources: Sources, views: list[dict[str, Any]], step: int | None) -> Agreement:
+def agree_node_local(sources: Sources, views: list[dict[str, Any]], step: int | None, *,
+                     direct: bool = False) -> Agreement:
     """The agreement of the module docstring, from every rank's ``views`` (see
-    ``flashckpt.restore._agreement.agree``); all ranks call it with the same views."""
+    ``flashckpt.restore._agreement.agree``); all ranks call it with the same views.
+    ``direct``: a rank without a memory copy whose own node's directory holds its shard
+    reads it from there at load, straight into the caller's tensors (one copy), rather than
+    bringing it into its slot first (``Agreement.own_disk``)."""
     nodes = sources.placement.nodes
     endpoints = sources.replicas.endpoints
     replicas: dict[tuple[int, Key], list] = {}
@@ -112,9 +118,10 @@ def agree_node_local(sources: Sources, views: list[dict[str, Any]], step: int | 
     me, where = sources.collective.rank, views[sources.collective.rank]
     peers = [endpoints[node] for node, d in disks.items()
              if node != nodes[me] and key in d and where["storage_rank"] in d[key] and node in endpoints]
-    sources.on_all_ranks(lambda: None if key in mine[me] else _bring(sources, key, replicas.get(
+    reads_disk = [r for r in range(len(views)) if direct and key not in mine[r] and key in own_disk[r]]
+    sources.on_all_ranks(lambda: None if key in mine[me] or me in reads_disk else _bring(sources, key, replicas.get(
         (where["storage_rank"], key), []), key in own_disk[me], peers), f"restoring step {key[1]} on every rank")
-    return Agreement(key[1], Source.MEMORY, committed, ())
+    return Agreement(key[1], Source.MEMORY, committed, (), frozenset(views[r]["storage_rank"] for r in reads_disk))
 
 
 def _bring(sources: Sources, key: Key, holders: list, own: bool, peers: list) -> None:

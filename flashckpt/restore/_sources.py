@@ -45,6 +45,10 @@ class Agreement:
     fallbacks: tuple[int, ...] = ()
     """Older committed steps to try, newest first, should ``step`` fail to load from
     storage as damaged; empty when the step was asked for."""
+    own_disk: frozenset[int] = frozenset()
+    """With ``source`` memory: the storage ranks that read ``step`` from their own node's
+    directory straight into the caller's tensors instead (node-local directories, when the
+    loader asked for it: ``agree(direct=True)``); every other rank holds it in memory."""
 
     def pinned(self) -> "Agreement":
         """This agreement without fallbacks: for a caller that checked ``step`` already
@@ -53,7 +57,7 @@ class Agreement:
 
     def from_storage(self) -> "Agreement":
         """The same step read from storage (memory does not serve this caller)."""
-        return replace(self, source=Source.STORAGE)
+        return replace(self, source=Source.STORAGE, own_disk=frozenset())
 
 
 def memory_not_older(memory: Key, newest: Key | None) -> bool:
