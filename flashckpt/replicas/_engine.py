@@ -89,21 +89,17 @@ class PeerReplicas:
                 for _, h in replica_index(self._slots.job_id)
                 if h.info.get("directory") == self._directory and h.info.get("storage_world") == p.storage_world]
 
-    def holders(self, views: list[dict[str, Any]]
-                ) -> tuple[dict[tuple[int, int], list[Endpoint]], dict[int, tuple[str, int]]]:
+    def holders(self, views: list[dict[str, Any]]) -> dict[tuple[int, int], list[Endpoint]]:
         """From every rank's load view: (storage rank, step) -> endpoints of the nodes that
-        hold its replica, and step -> (line, step) of every copy known (rank 0's memory wins)."""
+        hold its replica."""
         nodes = self._placement.nodes
         holders: dict[tuple[int, int], list[Endpoint]] = {}
-        keys: dict[int, tuple[str, int]] = {}
         for rank, view in enumerate(views):
             endpoint = self.endpoints.get(nodes[rank]) if nodes else None
-            for storage_rank, step, key in view["replicas"]:
+            for storage_rank, step, _ in view["replicas"]:
                 if endpoint is not None:
                     holders.setdefault((storage_rank, step), []).append(endpoint)
-                    keys[step] = tuple(key)
-        keys.update(views[0]["keys"] or {})
-        return holders, keys
+        return holders
 
     def fetch_missing(self, step: int, holders: dict[tuple[int, int], list[Endpoint]],
                       committed: int | None) -> tuple[int | None, str]:

@@ -9,6 +9,10 @@ All ranks of a job must load the same step. The rule (DESIGN.md, "Agreement on l
   first) as fallbacks should it prove damaged;
 - ``step=`` asked explicitly: memory if every rank holds it, else storage, no fallbacks.
 
+A copy in memory is named by its (line, step) key, the same for shared and node-local
+directories (``flashckpt.restore._node_local.memory_copies``): the newest key every rank
+holds is the memory candidate, so a step number of an abandoned line never stands for it.
+
 Node-local directories (no directory shared by the nodes, see ``flashckpt.replicas._node_local``)
 count every node's directory and a peer node's directory as sources too
 (``flashckpt.restore._node_local``).
@@ -24,7 +28,7 @@ rank's parts (:class:`~flashckpt.restore._sources.Sources`), never the engine.
 
 from __future__ import annotations
 
-from ._node_local import agree_node_local, disk_copies
+from ._node_local import agree_node_local, choose, disk_copies, memory_copies
 from ._sources import Agreement, Source, Sources, memory_keys, memory_not_older
 
 __all__ = ["Agreement", "Source", "agree", "memory_not_older"]
@@ -42,13 +46,12 @@ def agree(sources: Sources, step: int | None = None, *, direct: bool = False) ->
     def look() -> dict:
         storage, p = sources.storage, sources.placement
         keys = memory_keys(sources.slots)
-        view = {"memory": sorted(keys), "keys": keys if rank0 else None,
+        view = {"memory": sorted(keys), "mine": sorted(keys.values()),
                 "committed": storage.steps_in_order()[::-1] if rank0 else None,
                 "newest": storage.newest_key() if rank0 else None,
                 "storage_rank": p.storage_rank, "replicas": sources.replicas.here()}
         if node_local:  # every node's directory differs: each node's first rank reports its own
-            view.update(mine=sorted(keys.values()),
-                        disk=disk_copies(storage, p.storage_world) if p.local_rank == 0 else None)
+            view.update(disk=disk_copies(storage, p.storage_world) if p.local_rank == 0 else None)
         return view
 
     views = sources.on_all_ranks(look, f"looking for checkpoints of {sources.storage.root} to load")
@@ -56,19 +59,18 @@ def agree(sources: Sources, step: int | None = None, *, direct: bool = False) ->
         return agree_node_local(sources, views, step, direct=direct)
     order: list[int] = views[0]["committed"]
     committed = order[0] if order else None
-    holders, keys = sources.replicas.holders(views)  # a peer's replica counts as a copy in memory
-    common = set.intersection(*(set(v["memory"]) | {s for r, s in holders if r == v["storage_rank"]}
-                                for v in views))
+    in_memory = choose(memory_copies(views, sources.placement.nodes, sources.replicas.endpoints), step)
     if step is not None:
-        source = Source.MEMORY if step in common else Source.STORAGE
+        source = Source.MEMORY if in_memory is not None else Source.STORAGE
         fallbacks: tuple[int, ...] = ()
-    elif common and memory_not_older(keys[max(common)], views[0]["newest"]):
-        step, source, fallbacks = max(common), Source.MEMORY, tuple(order)
+    elif in_memory is not None and memory_not_older(in_memory, views[0]["newest"]):
+        step, source, fallbacks = in_memory[1], Source.MEMORY, tuple(order)
     elif committed is not None:
         step, source, fallbacks = committed, Source.STORAGE, tuple(order)
     else:
         return Agreement(None, None, None)
     if source == Source.MEMORY and any(step not in v["memory"] for v in views):
+        holders = sources.replicas.holders(views)
         fetched, where = sources.replicas.fetch_missing(step, holders, committed)
         if where != Source.MEMORY:
             step, source = fetched, Source.STORAGE

@@ -33,7 +33,7 @@ from ..replicas._protocol import ReplicaError
 from ..storage._step_meta import line_key
 from ..storage._local import LocalStorage
 
-__all__ = ["agree_node_local", "choose", "disk_copies", "lacking"]
+__all__ = ["agree_node_local", "choose", "disk_copies", "lacking", "memory_copies"]
 
 log = logging.getLogger("flashckpt")
 
@@ -62,6 +62,15 @@ def choose(copies: list[set[Key]], step: int | None = None) -> Key | None:
     return max(common, default=None)
 
 
+def memory_copies(views: list[dict[str, Any]], nodes: tuple[str, ...], endpoints: dict[str, Any]) -> list[set[Key]]:
+    """Per rank, the keys it can load from memory: its own slots' (``mine``) and the replicas of
+    its storage rank that a node with a replica endpoint keeps. Pure: the one definition of a
+    copy in memory, for shared and node-local directories alike."""
+    held = {(storage_rank, tuple(key)) for r, view in enumerate(views) if nodes and endpoints.get(nodes[r])
+            for storage_rank, _, key in view["replicas"]}
+    return [{tuple(k) for k in view["mine"]} | {k for sr, k in held if sr == view["storage_rank"]} for view in views]
+
+
 def lacking(copies: list[set[Key]]) -> str:
     """Why no key is common: the newest key anyone holds, and the ranks that cannot get it."""
     newest = max(set().union(*copies))
@@ -87,7 +96,7 @@ def agree_node_local(sources: Sources, views: list[dict[str, Any]], step: int | 
         if view["disk"] is not None:
             disks[nodes[rank]] = {tuple(key): set(ranks) for key, ranks in view["disk"]}
     mine = [{tuple(k) for k in view["mine"]} for view in views]
-    in_memory = [mine[r] | {k for (sr, k) in replicas if sr == view["storage_rank"]} for r, view in enumerate(views)]
+    in_memory = memory_copies(views, nodes, endpoints)
     own_disk = [{k for k, ranks in disks.get(nodes[r], {}).items() if view["storage_rank"] in ranks}
                 for r, view in enumerate(views)]
     on_disks = [{k for d in disks.values() for k, ranks in d.items() if view["storage_rank"] in ranks} for view in views]
@@ -103,7 +112,7 @@ def agree_node_local(sources: Sources, views: list[dict[str, Any]], step: int | 
         return Agreement(None, None, None)
     if all(key in have for have in in_memory):
         agreed = key[1]
-        holders, _ = sources.replicas.holders(views)
+        holders = sources.replicas.holders(views)
         fetched, where = sources.replicas.fetch_missing(key[1], holders, committed)
         if where == Source.MEMORY:
             return Agreement(key[1], Source.MEMORY, committed, tuple(k[1] for k in stored if k != key))
