@@ -57,13 +57,14 @@ class SaveHandle:
     """What :meth:`Engine.save` returns: the step, whether it goes to storage, and calls
     to learn when it is there (the counterpart of the Future of DCP's ``async_save``)."""
 
-    def __init__(self, engine: "Engine", step: int, persisting: bool, slot: str | None, generation: int,
-                 token: str) -> None:
+    def __init__(self, step: int, persisting: bool, key: tuple[str | None, int], token: str, *,
+                 saver: SaverClient, storage: Any, wait: Callable[[float | None], None]) -> None:
         self.step = step
         self.persisting = persisting
         """True when this save was due for storage (``persist_every``, or ``persist=True``)."""
-        self._engine = engine
-        self._key = (slot, generation)
+        self._key = key
+        """(slot path, generation) of the copy the saver persists."""
+        self._saver, self._storage, self._wait = saver, storage, wait
         self._token = token
         """The line this save belongs to: a step of another line with the same number is not this save."""
 
@@ -72,15 +73,15 @@ class SaveHandle:
         never blocks."""
         if not self.persisting:
             return True
-        self._engine._client.drain()
-        return self._key not in self._engine._client.pending
+        self._saver.drain()
+        return self._key not in self._saver.pending
 
     def durable(self) -> bool:
         """This save's (line, step) is committed on storage (every rank's shard and the
         metadata); the same step number of another line (one abandoned by a rollback, or
         the line that replaced this one) is not."""
         try:
-            return self._engine.storage.metadata(self.step).get("token") == self._token
+            return self._storage.metadata(self.step).get("token") == self._token
         except CheckpointError:  # not committed (or unreadable, so not durable either)
             return False
 
@@ -88,7 +89,7 @@ class SaveHandle:
         """Block until this save (and every persist asked before it) is done, raising what
         failed; ``timeout`` as :meth:`Engine.wait`."""
         if not self.done():
-            self._engine.wait(timeout)
+            self._wait(timeout)
 
     def __repr__(self) -> str:
         return f"SaveHandle(step={self.step}, persisting={self.persisting}, done={self.done()})"
@@ -160,7 +161,7 @@ class Engine:
         self._raise_persist_errors()
         self._saves += 1
         if not self.placement.writes_memory:
-            return SaveHandle(self, step, False, None, 0, self._line_token)
+            return self._handle(step, False, (None, 0))
         with gc_paused():
             return self._save_to_memory(step, state, persist, export, start)
 
@@ -192,7 +193,11 @@ class Engine:
         blocking = time.perf_counter() - start
         log.debug("saved step %d to memory in %.3fs (%.1f MiB)", step, blocking, image.size / 2**20)
         _events.emit("save", step=step, blocking_seconds=blocking)
-        return SaveHandle(self, step, due, slot.path, header.generation, self._line_token)
+        return self._handle(step, due, (slot.path, header.generation))
+
+    def _handle(self, step: int, persisting: bool, key: tuple[str | None, int]) -> SaveHandle:
+        return SaveHandle(step, persisting, key, self._line_token, saver=self._client, storage=self.storage,
+                          wait=self.wait)
 
     def _meta(self, step: int, flat: Flat) -> dict[str, Any]:
         return {"format": "flashckpt/1", "step": step, "tree": flat.skeleton, "token": self._line_token,
