@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from .._errors import CheckpointError
+from .._placement import Collective, Placement
 from ._protocol import ReplicaError, advertised_host, fetch
 from ._store import replica_index
-from ..memory._slot import SlotHeader, SlotState, mark_writing
+from ..memory._rank_slots import RankSlots, Saver, Writer
+from ..restore._ranks import gather, raise_errors
+from ..saver._client import saver_timeout
 from ..storage._step_meta import line_key
 
-if TYPE_CHECKING:
-    from .._engine import Engine
-
-__all__ = ["PeerReplicas"]
+__all__ = ["PeerReplicas", "ReplicaSaver"]
 
 log = logging.getLogger("flashckpt")
 
@@ -34,81 +33,88 @@ ADDR_ENV = "FLASHCKPT_REPLICA_ADDR"
 Endpoint = tuple[str, int]
 
 
-class PeerReplicas:
-    """One engine's peer-memory replicas: the nodes' endpoints, and fetching at load."""
+class ReplicaSaver(Saver, Protocol):
+    """What replicas need of the node's saver (``flashckpt.saver._client.SaverClient``)."""
 
-    def __init__(self, engine: "Engine") -> None:
-        self._engine = engine
-        self.endpoints: dict[str, Endpoint] = self._start()
+    def replicate(self, secret: str, bind: str, advertise: str) -> Endpoint: ...
+
+    def replica_peer(self, peer: Endpoint) -> None: ...
+
+
+class PeerReplicas:
+    """One rank's peer-memory replicas: the nodes' endpoints, and fetching at load.
+
+    ``info`` gives what a copy written into this rank's ``slots`` records (the engine's
+    directory, ranks and line); ``replicas`` is :attr:`flashckpt.Options.replicas`."""
+
+    def __init__(self, collective: Collective, placement: Placement, saver: ReplicaSaver, slots: RankSlots, *,
+                 directory: str, replicas: int | None, info: Callable[[], dict[str, Any]]) -> None:
+        self._collective, self._placement, self._saver, self._slots = collective, placement, saver, slots
+        self._directory, self._info = directory, info
+        self.endpoints: dict[str, Endpoint] = self._start(replicas)
         """node -> its saver's replica endpoint; empty when replicas are off."""
 
-    def _start(self) -> dict[str, Endpoint]:
+    def _start(self, replicas: int | None) -> dict[str, Endpoint]:
         """Peer-memory replicas on a ring (a collective call, when the job spans two or more
         nodes and ``replicas`` is not 0): every rank hands its saver the run's secret and
         learns its endpoint, the ranks gather each node's endpoint, and each saver is told to
         push to the next node (nodes in the order of their first rank)."""
-        eng = self._engine
-        p, rank = eng.placement, eng.collective.rank
+        p, rank = self._placement, self._collective.rank
         nodes = list(dict.fromkeys(p.nodes))
-        if eng.options.replicas == 0 or len(nodes) < 2 or not p.secret:
+        if replicas == 0 or len(nodes) < 2 or not p.secret:
             return {}
         chosen = os.environ.get(ADDR_ENV)
         bind, advertise = (chosen, chosen) if chosen else advertised_host(os.environ.get("MASTER_ADDR"))
         try:
-            mine: Endpoint | None = eng._client.replicate(p.secret, bind, advertise)
+            mine: Endpoint | None = self._saver.replicate(p.secret, bind, advertise)
         except CheckpointError as exc:
             log.warning("peer-memory replicas are off on this node: %s", exc)
             mine = None
         endpoints: dict[str, Endpoint] = {}
-        for node, endpoint in eng.collective.all_gather((p.nodes[rank], mine)):
+        for node, endpoint in self._collective.all_gather((p.nodes[rank], mine)):
             if endpoint is not None:
                 endpoints.setdefault(node, (str(endpoint[0]), int(endpoint[1])))
         peer = endpoints.get(nodes[(nodes.index(p.nodes[rank]) + 1) % len(nodes)])
         if mine is not None and peer is not None:
-            eng._client.replica_peer(peer)
+            self._saver.replica_peer(peer)
         return endpoints
 
     def here(self) -> list[tuple[int, int, tuple[str, int]]]:
         """(storage rank, step, (line, step)) of the complete replicas of this run's directory
         that this node keeps for other nodes' ranks (reported by local rank 0 only)."""
-        eng = self._engine
-        if not self.endpoints or eng.placement.local_rank != 0:
+        p = self._placement
+        if not self.endpoints or p.local_rank != 0:
             return []
         return [(h.info.get("storage_rank"), h.step, (line_key(h.info.get("token")), h.step))
-                for _, h in replica_index(eng.job_id)
-                if h.info.get("directory") == eng.storage.root
-                and h.info.get("storage_world") == eng.placement.storage_world]
+                for _, h in replica_index(self._slots.job_id)
+                if h.info.get("directory") == self._directory and h.info.get("storage_world") == p.storage_world]
 
-    def holders(self, views: list[dict[str, Any]]
-                ) -> tuple[dict[tuple[int, int], list[Endpoint]], dict[int, tuple[str, int]]]:
+    def holders(self, views: list[dict[str, Any]]) -> dict[tuple[int, int], list[Endpoint]]:
         """From every rank's load view: (storage rank, step) -> endpoints of the nodes that
-        hold its replica, and step -> (line, step) of every copy known (rank 0's memory wins)."""
-        nodes = self._engine.placement.nodes
+        hold its replica."""
+        nodes = self._placement.nodes
         holders: dict[tuple[int, int], list[Endpoint]] = {}
-        keys: dict[int, tuple[str, int]] = {}
         for rank, view in enumerate(views):
             endpoint = self.endpoints.get(nodes[rank]) if nodes else None
-            for storage_rank, step, key in view["replicas"]:
+            for storage_rank, step, _ in view["replicas"]:
                 if endpoint is not None:
                     holders.setdefault((storage_rank, step), []).append(endpoint)
-                    keys[step] = tuple(key)
-        keys.update(views[0]["keys"] or {})
-        return holders, keys
+        return holders
 
     def fetch_missing(self, step: int, holders: dict[tuple[int, int], list[Endpoint]],
                       committed: int | None) -> tuple[int | None, str]:
         """Ranks whose node lacks ``step`` in memory write it into their slot from a peer's
         replica (a collective call). If that fails on any rank, (committed, "storage") with a
         warning; else (step, "memory")."""
-        eng = self._engine
-        p = eng.placement
-        need = p.writes_memory and step not in eng.memory_steps()
-        _, errors = eng._gather(lambda: self._fetch(step, holders.get((p.storage_rank, step), [])) if need else None)
+        p = self._placement
+        need = p.writes_memory and step not in self._slots.steps()
+        _, errors = gather(self._collective,
+                           lambda: self._fetch(step, holders.get((p.storage_rank, step), [])) if need else None)
         if not errors:
             return step, "memory"
         if committed is None:
-            eng._raise(errors, f"restoring step {step} from peer replicas failed and nothing is committed "
-                               f"in {eng.storage.root}")
+            raise_errors(errors, f"restoring step {step} from peer replicas failed and nothing is committed "
+                                 f"in {self._directory}")
         log.warning("restoring step %d from peer replicas failed on some ranks (%s); falling back to committed "
                     "step %d", step, "; ".join(m for _, m in errors), committed)
         return committed, "storage"
@@ -116,11 +122,11 @@ class PeerReplicas:
     def _fetch(self, step: int, endpoints: list[Endpoint]) -> None:
         """Write this rank's replica of ``step`` into one of its slots from the first peer
         that sends one whose checksum verifies."""
-        rank = self._engine.placement.storage_rank
+        rank = self._placement.storage_rank
         failures = []
         for endpoint in endpoints:
             try:
-                self._fetch_from(endpoint, step)
+                self.fetch_from(endpoint, step)
                 log.info("fetched step %d of rank %d from the replica on %s:%d", step, rank, *endpoint)
                 return
             except (CheckpointError, OSError) as exc:
@@ -128,11 +134,10 @@ class PeerReplicas:
         raise ReplicaError(f"no peer sent a verified replica of step {step} rank {rank}"
                            f"{': ' + '; '.join(failures) if failures else ' (none holds one)'}")
 
-    def _fetch_from(self, endpoint: Endpoint, step: int, op: str = "fetch", **want: Any) -> None:
+    def fetch_from(self, endpoint: Endpoint, step: int, op: str = "fetch", **want: Any) -> None:
         """Write this rank's copy of ``step`` into one of its slots from the peer at ``endpoint``
         (``op`` "fetch": its memory replica; "fetch_shard": its node-local directory)."""
-        eng = self._engine
-        p = eng.placement
+        p = self._placement
         into, done = self.slot_writer(step)
 
         def check(header: dict[str, Any]) -> memoryview:
@@ -142,33 +147,10 @@ class PeerReplicas:
                                    f"not {step}")
             return into(size, info)
 
-        fetch(endpoint, p.secret, {"directory": eng.storage.root, "storage_rank": p.storage_rank,
+        fetch(endpoint, p.secret, {"directory": self._directory, "storage_rank": p.storage_rank,
                                    "storage_world": p.storage_world, "step": step, **want}, check, op=op)
         done()
 
-    def slot_writer(self, step: int) -> tuple[Callable[[int, dict[str, Any]], memoryview], Callable[[], None]]:
-        """Where a copy of ``step`` for this rank goes: ``into(size, info)`` readies one of its
-        slots (marked WRITING, recording ``info``'s token and branch) and returns the view to
-        fill; ``done()`` marks it COMPLETE and tells the saver."""
-        eng = self._engine
-        index = eng._choose_slot()
-        slot = eng._slot(index, create=True)
-        written: list[SlotHeader] = []
-
-        def into(size: int, info: dict[str, Any]) -> memoryview:
-            if slot.ensure_capacity(size):
-                eng._views = {k: v for k, v in eng._views.items() if k[0] != index}
-            mine = dict(eng._info(None), token=str(info.get("token")), branch=info.get("branch", -1))
-            with eng._lock.held():
-                written.append(mark_writing(slot, step, size, mine))
-            return slot.image(size)
-
-        def done() -> None:
-            header = written[0]
-            with eng._lock.held():
-                header.state = SlotState.COMPLETE
-                header.saved_at = time.time()
-                slot.write_header(header)
-            eng._client.saved(slot.path, header.generation, step, header.info, persist=False)
-
-        return into, done
+    def slot_writer(self, step: int) -> Writer:
+        """Where a copy of ``step`` for this rank goes (:meth:`flashckpt.memory._rank_slots.RankSlots.writer`)."""
+        return self._slots.writer(step, self._info(), self._saver, saver_timeout())

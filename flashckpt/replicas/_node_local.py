@@ -36,17 +36,14 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .._errors import CheckpointError
 from ..storage._files import open_regular, read_bounded, write_atomic
 from .._placement import Collective, Placement, node_id
 from ._protocol import ReplicaError, connect_peer
 
-if TYPE_CHECKING:
-    from .._engine import Engine
-
-__all__ = ["SCOPE_FILE", "NodeLocal", "check_directory", "read_scope", "write_scope"]
+__all__ = ["SCOPE_FILE", "Flushing", "NodeLocal", "check_directory", "read_scope", "write_scope"]
 
 log = logging.getLogger("flashckpt")
 
@@ -103,6 +100,22 @@ def write_scope(root: str, token: str, ranks: list[int]) -> None:
     write_atomic(where, json.dumps(kept, indent=1).encode())
 
 
+class Flushing(Protocol):
+    """The rank a node-local flush persists (the engine's public side)."""
+
+    storage: Any
+    """This node's directory (``flashckpt.storage._local.LocalStorage``)."""
+    placement: Placement
+
+    def memory_keys(self) -> dict[int, tuple[str, int]]: ...
+
+    def memory_info(self, step: int) -> dict[str, Any]: ...
+
+    def persist(self, step: int) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class NodeLocal:
     """This run's node-local mode: which storage ranks each node's directory commits."""
@@ -117,23 +130,24 @@ class NodeLocal:
         """The storage ranks this node's directory commits."""
         return self.scopes[self.node]
 
-    def flush(self, engine: "Engine", timeout: float | None) -> None:
+    def flush(self, rank: Flushing, timeout: float | None) -> None:
         """Node-local flush (a persisting rank): this rank's newest in-memory step goes to this
         node's directory and, as a save due for storage, to the next node's, unless it is
         there already; then waits, at most ``_COMMIT_SECONDS``, until this node commits it (its
         predecessor's shards arrive as replicas), warning if it does not."""
-        engine._client.wait(timeout)
-        keys = engine.memory_keys()
+        rank.wait(timeout)
+        keys = rank.memory_keys()
         if not keys:
             return
         step = max(keys, key=keys.__getitem__)
-        storage, rank = engine.storage, engine.placement.storage_rank
-        token = engine.memory_info(step).get("token")
+        storage = rank.storage
+        token = rank.memory_info(step).get("token")
         if not storage.newer_than_committed(token, step):  # committed, or a newer line's step is
             return
-        if not os.path.exists(os.path.join(storage.root, f"step-{step}.tmp-{token}", f"rank-{rank}.done")):
-            engine.persist(step)  # the saver writes it here and sends it to the next node as due for storage
-            engine._client.wait(timeout)
+        done = os.path.join(storage.root, f"step-{step}.tmp-{token}", f"rank-{rank.placement.storage_rank}.done")
+        if not os.path.exists(done):
+            rank.persist(step)  # the saver writes it here and sends it to the next node as due for storage
+            rank.wait(timeout)
         deadline = time.monotonic() + _COMMIT_SECONDS
         while storage.newer_than_committed(token, step):
             if time.monotonic() > deadline:
@@ -143,11 +157,12 @@ class NodeLocal:
                 return
             time.sleep(0.02)
 
-    def require_replicas(self, engine: "Engine") -> None:
+    def require_replicas(self, endpoints: dict[str, tuple[str, int]], collective: Collective,
+                         placement: Placement) -> None:
         """Node-local directories need every node's replica endpoint, and each node's saver able
         to reach the next one's (else its shards would live on that node alone and the next
         node's directory would never commit): a collective call, every rank raises alike."""
-        endpoints, nodes = engine.replicas.endpoints, list(self.scopes)
+        nodes = list(self.scopes)
         missing = sorted(node for node in nodes if node not in endpoints)
         if missing:
             raise CheckpointError(
@@ -155,13 +170,13 @@ class NodeLocal:
                 f"not start on node(s) {', '.join(missing)} (see their saver logs), so a node's shards would live "
                 f"on that node alone; {_REMEDY}")
         unreachable = None
-        if engine.placement.local_rank == 0:  # one handshake per node, with its ring successor
+        if placement.local_rank == 0:  # one handshake per node, with its ring successor
             succ = nodes[(nodes.index(self.node) + 1) % len(nodes)]
             try:
-                connect_peer(endpoints[succ], engine.placement.secret).close()
+                connect_peer(endpoints[succ], placement.secret).close()
             except ReplicaError as exc:
                 unreachable = f"node {self.node} cannot reach node {succ}'s: {exc}"
-        failed = [why for why in engine.collective.all_gather(unreachable) if why]
+        failed = [why for why in collective.all_gather(unreachable) if why]
         if failed:
             raise CheckpointError(f"the checkpoint directory is node-local (not shared between nodes) and the peer "
                                   f"replica endpoints do not connect ({'; '.join(failed)}); {_REMEDY}")

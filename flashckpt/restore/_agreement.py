@@ -9,6 +9,10 @@ All ranks of a job must load the same step. The rule (DESIGN.md, "Agreement on l
   first) as fallbacks should it prove damaged;
 - ``step=`` asked explicitly: memory if every rank holds it, else storage, no fallbacks.
 
+A copy in memory is named by its (line, step) key, the same for shared and node-local
+directories (``flashckpt.restore._node_local.memory_copies``): the newest key every rank
+holds is the memory candidate, so a step number of an abandoned line never stands for it.
+
 Node-local directories (no directory shared by the nodes, see ``flashckpt.replicas._node_local``)
 count every node's directory and a peer node's directory as sources too
 (``flashckpt.restore._node_local``).
@@ -17,104 +21,57 @@ count every node's directory and a peer node's directory as sources too
 :class:`Agreement`); a rank's failure while looking (storage unreadable, a fetch that
 fails) reaches every rank as one exception, never a rank left waiting in a collective.
 It only decides (and fetches missing replicas): loading the bytes is the adapter's
-(``Engine.load_agreed`` for the engine's own format, the FSDP and megatron readers for
-theirs), since adapters read different things from the same step.
+(``flashckpt.restore._load`` for the engine's own format, the FSDP and megatron readers
+for theirs), since adapters read different things from the same step. It works with the
+rank's parts (:class:`~flashckpt.restore._sources.Sources`), never the engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from enum import Enum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .._engine import Engine
+from ._node_local import agree_node_local, choose, disk_copies, memory_copies
+from ._sources import Agreement, Source, Sources, memory_keys, memory_not_older
 
 __all__ = ["Agreement", "Source", "agree", "memory_not_older"]
 
 
-class Source(str, Enum):
-    """Where an agreed step is read from."""
-
-    MEMORY = "memory"
-    STORAGE = "storage"
-
-    def __str__(self) -> str:  # "memory" in messages and events, on every Python
-        return self.value
-
-    __format__ = str.__format__
-
-
-@dataclass(frozen=True, slots=True)
-class Agreement:
-    """What every rank loads; the same object on every rank."""
-
-    step: int | None
-    """The step to load; None when nothing is in memory or on storage (a fresh start)."""
-    source: Source | None
-    """Memory (every rank holds ``step`` in its slots now) or storage; None with no step."""
-    committed: int | None
-    """The newest committed step (what a failed load from memory falls back to)."""
-    fallbacks: tuple[int, ...] = ()
-    """Older committed steps to try, newest first, should ``step`` fail to load from
-    storage as damaged; empty when the step was asked for."""
-
-    def pinned(self) -> "Agreement":
-        """This agreement without fallbacks: for a caller that checked ``step`` already
-        (its layout) and must load exactly that step."""
-        return replace(self, fallbacks=())
-
-    def from_storage(self) -> "Agreement":
-        """The same step read from storage (memory does not serve this caller)."""
-        return replace(self, source=Source.STORAGE)
-
-
-def memory_not_older(memory: tuple[str, int], newest: tuple[str, int] | None) -> bool:
-    """Memory wins unless storage holds a newer (line, step)."""
-    return newest is None or memory >= newest
-
-
-def agree(engine: "Engine", step: int | None = None) -> Agreement:
+def agree(sources: Sources, step: int | None = None, *, direct: bool = False) -> Agreement:
     """Agree with every rank on the step to load (see the module docstring); fetches the
     agreed step from peer replicas on ranks whose node lacks it. All ranks must call this.
-    Node-local directories follow ``flashckpt.restore._node_local``."""
-    from ._node_local import agree_node_local, disk_copies  # it builds on this module
-    engine._prepared()  # no slot is being created in the background while a replica is fetched into one
-    engine._client.wait()  # a crash flush of the previous run finishes first
-    rank0 = engine.collective.rank == 0
-
-    node_local = engine.node_local is not None
+    Node-local directories follow ``flashckpt.restore._node_local`` (``direct``: a loader
+    that reads ``Agreement.own_disk``, see there)."""
+    sources.ready()  # no slot is prepared while a replica is fetched into one; a crash flush finished
+    rank0 = sources.collective.rank == 0
+    node_local = sources.node_local is not None
 
     def look() -> dict:
-        storage, p = engine.storage, engine.placement
-        view = {"memory": sorted(engine.memory_steps()), "keys": engine.memory_keys() if rank0 else None,
+        storage, p = sources.storage, sources.placement
+        keys = memory_keys(sources.slots)
+        view = {"memory": sorted(keys), "mine": sorted(keys.values()),
                 "committed": storage.steps_in_order()[::-1] if rank0 else None,
                 "newest": storage.newest_key() if rank0 else None,
-                "storage_rank": p.storage_rank, "replicas": engine.replicas.here()}
+                "storage_rank": p.storage_rank, "replicas": sources.replicas.here()}
         if node_local:  # every node's directory differs: each node's first rank reports its own
-            view.update(mine=sorted(engine.memory_keys().values()),
-                        disk=disk_copies(storage, p.storage_world) if p.local_rank == 0 else None)
+            view.update(disk=disk_copies(storage, p.storage_world) if p.local_rank == 0 else None)
         return view
 
-    views = engine.on_all_ranks(look, f"looking for checkpoints of {engine.storage.root} to load")
+    views = sources.on_all_ranks(look, f"looking for checkpoints of {sources.storage.root} to load")
     if node_local:
-        return agree_node_local(engine, views, step)
+        return agree_node_local(sources, views, step, direct=direct)
     order: list[int] = views[0]["committed"]
     committed = order[0] if order else None
-    holders, keys = engine.replicas.holders(views)  # a peer's replica counts as a copy in memory
-    common = set.intersection(*(set(v["memory"]) | {s for r, s in holders if r == v["storage_rank"]}
-                                for v in views))
+    in_memory = choose(memory_copies(views, sources.placement.nodes, sources.replicas.endpoints), step)
     if step is not None:
-        source = Source.MEMORY if step in common else Source.STORAGE
+        source = Source.MEMORY if in_memory is not None else Source.STORAGE
         fallbacks: tuple[int, ...] = ()
-    elif common and memory_not_older(keys[max(common)], views[0]["newest"]):
-        step, source, fallbacks = max(common), Source.MEMORY, tuple(order)
+    elif in_memory is not None and memory_not_older(in_memory, views[0]["newest"]):
+        step, source, fallbacks = in_memory[1], Source.MEMORY, tuple(order)
     elif committed is not None:
         step, source, fallbacks = committed, Source.STORAGE, tuple(order)
     else:
         return Agreement(None, None, None)
     if source == Source.MEMORY and any(step not in v["memory"] for v in views):
-        fetched, where = engine.replicas.fetch_missing(step, holders, committed)
+        holders = sources.replicas.holders(views)
+        fetched, where = sources.replicas.fetch_missing(step, holders, committed)
         if where != Source.MEMORY:
             step, source = fetched, Source.STORAGE
     return Agreement(step, source, committed, tuple(s for s in fallbacks if s != step))

@@ -13,7 +13,9 @@ peer's memory replica, its own node's directory, or a peer node's directory. The
   own node's directory, with older such steps as fallbacks;
 - else each rank without a memory copy first brings its shard into its own memory slot --
   from a peer's replica, its own directory, or a peer node's directory over the replica
-  channel (checksums verified on both ends) -- and every rank loads from **memory**.
+  channel (checksums verified on both ends) -- and every rank loads from **memory**; a
+  loader that asks for it (``direct``, the engine's own load) has a rank whose own
+  directory holds its shard read it from there straight into its tensors instead.
 
 A rank for which no copy of any step the others hold survives is an error naming it,
 never a silent start from nothing.
@@ -22,24 +24,18 @@ never a silent start from nothing.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._agreement import Agreement, Source
-from ..storage._checksum import block_crcs
-from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ._shard_read import open_shard
+from ._sources import Agreement, Key, Source, Sources
+from .._errors import CheckpointError, CheckpointNotFoundError
 from ..replicas._protocol import ReplicaError
 from ..storage._step_meta import line_key
 from ..storage._local import LocalStorage
 
-if TYPE_CHECKING:
-    from .._engine import Engine
-
-__all__ = ["agree_node_local", "choose", "disk_copies", "lacking"]
+__all__ = ["agree_node_local", "choose", "disk_copies", "lacking", "memory_copies"]
 
 log = logging.getLogger("flashckpt")
-
-Key = tuple[str, int]
-_CHUNK = 64 << 20
 
 
 def disk_copies(storage: LocalStorage, world: int) -> list[tuple[Key, list[int]]]:
@@ -66,6 +62,15 @@ def choose(copies: list[set[Key]], step: int | None = None) -> Key | None:
     return max(common, default=None)
 
 
+def memory_copies(views: list[dict[str, Any]], nodes: tuple[str, ...], endpoints: dict[str, Any]) -> list[set[Key]]:
+    """Per rank, the keys it can load from memory: its own slots' (``mine``) and the replicas of
+    its storage rank that a node with a replica endpoint keeps. Pure: the one definition of a
+    copy in memory, for shared and node-local directories alike."""
+    held = {(storage_rank, tuple(key)) for r, view in enumerate(views) if nodes and endpoints.get(nodes[r])
+            for storage_rank, _, key in view["replicas"]}
+    return [{tuple(k) for k in view["mine"]} | {k for sr, k in held if sr == view["storage_rank"]} for view in views]
+
+
 def lacking(copies: list[set[Key]]) -> str:
     """Why no key is common: the newest key anyone holds, and the ranks that cannot get it."""
     newest = max(set().union(*copies))
@@ -74,11 +79,15 @@ def lacking(copies: list[set[Key]]) -> str:
             f"{', '.join(map(str, ranks))}, and no older step has a copy for every rank")
 
 
-def agree_node_local(engine: "Engine", views: list[dict[str, Any]], step: int | None) -> Agreement:
+def agree_node_local(sources: Sources, views: list[dict[str, Any]], step: int | None, *,
+                     direct: bool = False) -> Agreement:
     """The agreement of the module docstring, from every rank's ``views`` (see
-    ``flashckpt.restore._agreement.agree``); all ranks call it with the same views."""
-    nodes = engine.placement.nodes
-    endpoints = engine.replicas.endpoints
+    ``flashckpt.restore._agreement.agree``); all ranks call it with the same views.
+    ``direct``: a rank without a memory copy whose own node's directory holds its shard
+    reads it from there at load, straight into the caller's tensors (one copy), rather than
+    bringing it into its slot first (``Agreement.own_disk``)."""
+    nodes = sources.placement.nodes
+    endpoints = sources.replicas.endpoints
     replicas: dict[tuple[int, Key], list] = {}
     disks: dict[str, dict[Key, set[int]]] = {}
     for rank, view in enumerate(views):
@@ -87,7 +96,7 @@ def agree_node_local(engine: "Engine", views: list[dict[str, Any]], step: int | 
         if view["disk"] is not None:
             disks[nodes[rank]] = {tuple(key): set(ranks) for key, ranks in view["disk"]}
     mine = [{tuple(k) for k in view["mine"]} for view in views]
-    in_memory = [mine[r] | {k for (sr, k) in replicas if sr == view["storage_rank"]} for r, view in enumerate(views)]
+    in_memory = memory_copies(views, nodes, endpoints)
     own_disk = [{k for k, ranks in disks.get(nodes[r], {}).items() if view["storage_rank"] in ranks}
                 for r, view in enumerate(views)]
     on_disks = [{k for d in disks.values() for k, ranks in d.items() if view["storage_rank"] in ranks} for view in views]
@@ -98,74 +107,66 @@ def agree_node_local(engine: "Engine", views: list[dict[str, Any]], step: int | 
     key = choose(anywhere, step)
     if key is None:
         if step is not None or any(anywhere):
-            raise CheckpointNotFoundError(f"cannot restore {what} of the node-local directories {engine.storage.root} "
+            raise CheckpointNotFoundError(f"cannot restore {what} of the node-local directories {sources.storage.root} "
                                           f"on every rank: {lacking(anywhere) if any(anywhere) else 'none'}")
         return Agreement(None, None, None)
     if all(key in have for have in in_memory):
         agreed = key[1]
-        holders, _ = engine.replicas.holders(views)
-        fetched, where = engine.replicas.fetch_missing(key[1], holders, committed)
+        holders = sources.replicas.holders(views)
+        fetched, where = sources.replicas.fetch_missing(key[1], holders, committed)
         if where == Source.MEMORY:
             return Agreement(key[1], Source.MEMORY, committed, tuple(k[1] for k in stored if k != key))
         key = choose(on_disks, step)  # fetching failed (warned): the newest step some directory holds for every rank
         if key is None:
             raise CheckpointNotFoundError(
                 f"fetching step {agreed} from peer memory failed, and no node-local directory under "
-                f"{engine.storage.root} can give every rank {what}: "
+                f"{sources.storage.root} can give every rank {what}: "
                 f"{lacking(on_disks) if any(on_disks) else 'no step is on disk'}")
     if key in stored:
         return Agreement(key[1], Source.STORAGE, committed, tuple(k[1] for k in stored if k != key))
-    me, where = engine.collective.rank, views[engine.collective.rank]
+    me, where = sources.collective.rank, views[sources.collective.rank]
     peers = [endpoints[node] for node, d in disks.items()
              if node != nodes[me] and key in d and where["storage_rank"] in d[key] and node in endpoints]
-    engine.on_all_ranks(lambda: None if key in mine[me] else _bring(engine, key, replicas.get(
+    reads_disk = [r for r in range(len(views)) if direct and key not in mine[r] and key in own_disk[r]]
+    sources.on_all_ranks(lambda: None if key in mine[me] or me in reads_disk else _bring(sources, key, replicas.get(
         (where["storage_rank"], key), []), key in own_disk[me], peers), f"restoring step {key[1]} on every rank")
-    return Agreement(key[1], Source.MEMORY, committed, ())
+    return Agreement(key[1], Source.MEMORY, committed, (), frozenset(views[r]["storage_rank"] for r in reads_disk))
 
 
-def _bring(engine: "Engine", key: Key, holders: list, own: bool, peers: list) -> None:
+def _bring(sources: Sources, key: Key, holders: list, own: bool, peers: list) -> None:
     """Bring this rank's copy of ``key`` into its own memory slot: from a peer's replica, its
     own node's directory, or a peer node's directory, the first that works."""
     step, failures = key[1], []
     for endpoint in [e for e in holders if e is not None]:
         try:
-            engine.replicas._fetch_from(endpoint, step)
+            sources.replicas.fetch_from(endpoint, step)
             return
         except (CheckpointError, OSError) as exc:
             failures.append(f"replica on {endpoint[0]}:{endpoint[1]}: {exc}")
     if own:
         try:
-            _read_own(engine, step)
+            _read_own(sources, step)
             return
         except (CheckpointError, OSError) as exc:
-            failures.append(f"{engine.storage.root}: {exc}")
+            failures.append(f"{sources.storage.root}: {exc}")
     for endpoint in peers:
         try:
-            engine.replicas._fetch_from(endpoint, step, op="fetch_shard", line=key[0])
+            sources.replicas.fetch_from(endpoint, step, op="fetch_shard", line=key[0])
             log.info("fetched step %d of rank %d from the directory of %s:%d", step,
-                     engine.placement.storage_rank, *endpoint)
+                     sources.placement.storage_rank, *endpoint)
             return
         except (CheckpointError, OSError) as exc:
             failures.append(f"directory of {endpoint[0]}:{endpoint[1]}: {exc}")
-    raise ReplicaError(f"no copy of step {step} rank {engine.placement.storage_rank} could be restored: "
+    raise ReplicaError(f"no copy of step {step} rank {sources.placement.storage_rank} could be restored: "
                        + "; ".join(failures))
 
 
-def _read_own(engine: "Engine", step: int) -> None:
+def _read_own(sources: Sources, step: int) -> None:
     """Read this rank's committed shard of ``step`` from its own node's directory into its
-    slot, verifying every block against the checksums recorded at commit."""
-    storage, rank = engine.storage, engine.placement.storage_rank
-    meta = storage.metadata(step)
-    f, record = storage.open_shard(step, rank)
-    with f:
-        into, done = engine.replicas.slot_writer(step)
-        view = into(record["size"], {"token": meta.get("token"), "branch": meta.get("branch", -1)})
-        got = 0
-        while got < len(view):
-            n = f.readinto(view[got:got + _CHUNK])
-            if not n:
-                raise CorruptCheckpointError(f"{f.name}: ends after {got} of {len(view)} bytes")
-            got += n
-        if block_crcs(view, record["block_size"]) != record["block_crc32"]:
-            raise CorruptCheckpointError(f"{f.name}: does not match the checksums recorded at commit")
+    slot through the shard reader a load from storage uses (every block verified against
+    the checksums recorded at commit)."""
+    meta = sources.storage.metadata(step)
+    with open_shard(sources.storage, step, sources.placement.storage_rank, whole=True) as reader:
+        into, done = sources.replicas.slot_writer(step)
+        reader.read_all([(0, into(reader.size, {"token": meta.get("token"), "branch": meta.get("branch", -1)}))])
         done()

@@ -54,7 +54,7 @@ def test_rank_without_memory_makes_all_ranks_load_storage(tmp_path, job_id):
 
 def _fallback_into_an_empty_dict(rank: int, world: int, directory: str, job: str):
     from flashckpt import CheckpointError
-    from flashckpt._engine import Engine
+    from flashckpt.memory._rank_slots import RankSlots
     ck = Checkpointer(directory, job_id=job, persist_every=1000)
     ck.save(1, {"w1": torch.full((10,), 1.0 + rank), "tag": "one"}, persist=True)
     ck.wait()
@@ -64,7 +64,7 @@ def _fallback_into_an_empty_dict(rank: int, world: int, directory: str, job: str
     if rank == 1:
         def changed(*args, **kwargs):
             raise CheckpointError("memory slot changed while loading")
-        Engine._copy_out = changed
+        RankSlots.copy_out = changed
     restarted = Checkpointer(directory, job_id=job)
     target: dict = {}
     step = restarted.load(target)

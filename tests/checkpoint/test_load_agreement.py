@@ -17,13 +17,13 @@ def _one_rank_cannot_look(rank: int, world: int, directory: str, job: str):
         if rank == 1:
             def broken():
                 raise OSError("shared memory unreadable")
-            ck.engine.memory_steps = broken
+            ck.engine.slots.copies = broken
         try:
             ck.load({"w": torch.zeros(4)})
         except CheckpointError as exc:
             return str(exc)
         finally:
-            ck.engine.__dict__.pop("memory_steps", None)
+            ck.engine.slots.__dict__.pop("copies", None)
     return None
 
 

@@ -19,7 +19,6 @@ class _Engine:
     def __init__(self, storage: LocalStorage, step: int, tok: str) -> None:
         self.storage, self.step, self.tok = storage, step, tok
         self.placement = SimpleNamespace(storage_rank=0)
-        self._client = SimpleNamespace(wait=lambda timeout: None)
         self.persisted: list[int] = []
 
     def memory_keys(self) -> dict[int, tuple[str, int]]:
@@ -27,6 +26,9 @@ class _Engine:
 
     def memory_info(self, step: int) -> dict:
         return {"token": self.tok}
+
+    def wait(self, timeout: float | None = None) -> None:
+        pass
 
     def persist(self, step: int) -> None:
         self.persisted.append(step)

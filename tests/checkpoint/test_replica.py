@@ -270,7 +270,7 @@ def test_a_stalled_receiver_never_makes_save_wait_then_a_live_one_gets_the_newes
         worker.start()
         worker.join(120)
         assert done.is_set(), "save() waited for a stalled replica receiver"
-        for path in ck.engine._slot_paths:  # the replication held no slot
+        for path in ck.engine.slots.paths:  # the replication held no slot
             assert Slot.peek_header(path).reader_pid == 0
         # the receiver recovers: the newest save (11) arrives, the stale ones are skipped
         stalled.close()

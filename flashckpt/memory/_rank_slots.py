@@ -1,0 +1,318 @@
+"""One rank's shared-memory slots: which slot a save takes, copies in and out, the copies held.
+
+A rank keeps ``memory_slots`` slots (``flashckpt.memory._slot``). The engine's save copies a
+state into the slot :meth:`RankSlots.choose` picks; a load copies a held copy out into the
+caller's tensors (:meth:`RankSlots.copy_out`); a copy from elsewhere (a peer's replica, a
+node-local directory) is written into a slot through :meth:`RankSlots.writer`. Headers change
+only under the rank's lock. Mapping fresh slots costs more than a copy, so slots are
+prepared (mapped, page-locked) on a background thread, and slots read once are unmapped
+there too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Protocol
+
+from .. import _names
+from .._errors import CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError, JobConflictError
+from ._format import Entry, Image, parse_header
+from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
+from ._tree import Flat, Merge, TensorKind, kind_named
+
+__all__ = ["RankSlots", "Saver", "page_locker"]
+
+log = logging.getLogger("flashckpt")
+
+Writer = tuple[Callable[[int, dict[str, Any]], memoryview], Callable[[], None]]
+
+
+class Saver(Protocol):
+    """What the slots need of the node's saver (``flashckpt.saver._client.SaverClient``)."""
+
+    saver_pid: int
+    last_committed: int | None
+
+    def drain(self) -> None: ...
+
+    def saved(self, path: str, generation: int, step: int, info: dict[str, Any], *, persist: bool) -> None: ...
+
+
+class RankSlots:
+    """This rank's slots of job ``job_id``; ``owner`` (directory, storage rank and world)
+    names the copies that are this rank's own state (:meth:`copies`)."""
+
+    def __init__(self, job_id: str, memory_rank: int, count: int, owner: dict[str, Any]) -> None:
+        self.job_id = job_id
+        self.paths = [_names.slot_path(job_id, memory_rank, i) for i in range(count)]
+        self.lock = RankLock(_names.lock_path(self.paths[0]))
+        self._owner = owner
+        self._slots: list[Slot | None] = [None] * count
+        self._views: dict[tuple, list[Any]] = {}
+        self._preparing: threading.Thread | None = None
+        self._retired: list[Slot] = []
+        self.locker: PageLocker | None = None
+        """Page-locks the slots when the state lives on a GPU (see :class:`flashckpt.memory._slot.PageLocker`)."""
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def slot(self, i: int, *, create: bool) -> Slot | None:
+        if self._slots[i] is None:
+            self._slots[i] = Slot.open(self.paths[i], writable=True, create=create)
+        return self._slots[i]
+
+    def capacity(self, i: int) -> int:
+        """Slot ``i``'s mapped capacity (0 when it is not mapped)."""
+        slot = self._slots[i]
+        return 0 if slot is None else slot.capacity
+
+    def exist(self) -> bool:
+        """Whether this rank has any slot (mapped, or left in shared memory by an earlier process)."""
+        return any(slot is not None for slot in self._slots) or any(os.path.exists(p) for p in self.paths)
+
+    def headers(self) -> list[SlotHeader]:
+        """Every slot's header, reading unmapped slots without mapping them."""
+        return [slot.read_header() if (slot := self._slots[i]) is not None
+                else Slot.peek_header(self.paths[i]) or SlotHeader() for i in range(len(self._slots))]
+
+    def check_other_job(self, directory: str) -> None:
+        """Refuse slots that a live process of another run writes for another directory
+        (two jobs given one job id)."""
+        me = os.getpid()
+        for path, h in zip(self.paths, self.headers()):
+            other = h.info.get("directory")
+            if h.writer_pid not in (0, me) and pid_alive(h.writer_pid) and other not in (None, directory):
+                raise JobConflictError(
+                    f"job id {self.job_id!r} is in use by pid {h.writer_pid}, which checkpoints {other} "
+                    f"({path}); give this job another job_id")
+
+    def other_writer(self) -> bool:
+        """Another live process wrote these slots (a second checkpointer of the same job
+        that only loaded must not free the memory of the one that saves)."""
+        me = os.getpid()
+        return any(h.writer_pid not in (0, me) and pid_alive(h.writer_pid) for h in self.headers())
+
+    def choose(self, saver: Saver, bound: float) -> int:
+        """A slot the saver is not holding (reading, or due to read) that does not hold
+        the newest complete copy, so a crash during this save still leaves that copy.
+        With one slot, or when the newest copy is committed, its slot may be reused.
+        Waits only when storage lags the requested persists, and at most ``bound`` seconds."""
+        waited = time.perf_counter()
+        warned = False
+        while True:
+            with self.lock.held():
+                headers = self.headers()
+                free = [i for i, h in enumerate(headers) if not (h.reader_pid and pid_alive(h.reader_pid))]
+                complete = [i for i, h in enumerate(headers) if h.state == SlotState.COMPLETE]
+                newest = max(complete, key=lambda i: (headers[i].saved_at, headers[i].generation), default=None)
+                choice = [i for i in free if i != newest]
+                committed = saver.last_committed is not None and newest is not None and \
+                    saver.last_committed >= headers[newest].step  # its memory copy is not the only one
+                if not choice and (len(headers) == 1 or committed):
+                    choice = free
+                if choice:
+                    return choice[0]
+            waiting = time.perf_counter() - waited
+            if not warned and waiting > 1.0:
+                log.warning("save waits for storage: persisting is slower than the saves asked to persist "
+                            "(raise persist_every to keep saves from waiting)")
+                warned = True
+            if waiting > bound:
+                raise CheckpointTimeoutError(
+                    f"save waited {bound:g}s for the saver (pid {saver.saver_pid}) to release a "
+                    f"memory slot of job {self.job_id}; see {_names.saver_log_path(self.job_id)}")
+            saver.drain()
+            time.sleep(0.001)
+
+    def reserve(self, index: int, size: int) -> Slot:
+        """Slot ``index`` mapped with room for an image of ``size`` bytes."""
+        slot = self.slot(index, create=True)
+        if slot.ensure_capacity(size):
+            self._views = {k: v for k, v in self._views.items() if k[0] != index}
+        return slot
+
+    def prepare(self, indices: list[int], size: int) -> None:
+        """Reserve and map slots in the background, so later saves do not pay for fresh
+        pages (the first touch of shared memory costs more than the copy itself)."""
+        retired, self._retired = self._retired, []
+
+        def run() -> None:
+            for slot in retired:
+                slot.close()
+            try:
+                for i in indices:
+                    slot = self.slot(i, create=True)
+                    slot.ensure_capacity(size)
+                    if self.locker is not None:
+                        slot.lock_pages(self.locker)
+            except Exception:  # the next save raises it in the foreground
+                log.debug("preparing slots %s failed", indices, exc_info=True)
+
+        self._preparing = threading.Thread(target=run, name="flashckpt-prepare", daemon=True)
+        self._preparing.start()
+
+    def prepared(self) -> None:
+        """Wait for the slots being prepared in the background."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+
+    def _lock_pages(self, slot: Slot, kind: TensorKind, objs: list[Any]) -> None:
+        locker = page_locker(kind, objs)
+        if locker is not None:
+            self.locker = locker  # the slots prepared after this are locked too
+            slot.lock_pages(locker)
+
+    def copy_in(self, index: int, slot: Slot, image: Image, flat: Flat) -> None:
+        """Copy ``flat``'s tensors into the image ``image`` of slot ``index`` (views cached per layout)."""
+        by_name = {leaf.name: leaf for leaf in flat.leaves}
+        groups: dict[str, list[Entry]] = {}
+        for entry in image.entries:
+            groups.setdefault(by_name[entry.name].kind.name, []).append(entry)
+        for kind_name, entries in groups.items():
+            key = (index, kind_name, len(image.header), tuple((e.name, e.dtype, e.shape, e.offset) for e in entries))
+            views = self._views.get(key)
+            kind = kind_named(kind_name)
+            srcs = [by_name[e.name].obj for e in entries]
+            self._lock_pages(slot, kind, srcs)
+            if views is None:
+                views = self._views[key] = kind.views(slot.mm, HEADER_SIZE + len(image.header), entries)
+            kind.copy(views, srcs)
+
+    @contextmanager
+    def reading(self, index: int) -> Iterator[Slot]:
+        """Slot ``index`` to read a copy from: mapped already if this process saved it, else
+        mapped once without page-table setup and unmapped in the background afterwards."""
+        own = self._slots[index]
+        if own is not None and own.mm is not None:
+            yield own
+            return
+        slot = Slot.open(self.paths[index], populate=False)
+        if slot is None:
+            raise CheckpointError(f"memory slot {self.paths[index]} vanished")
+        try:
+            yield slot
+        finally:
+            self._retired.append(slot)  # unmapping costs a third of the copy: done in the background
+
+    def copy_out(self, slot: Slot, generation: int, merge: Callable[[Image], Merge]) -> Merge:
+        """Copy the slot's tensors into the tensors ``merge`` of its image chooses; returns the
+        merge, whose plain values the caller writes once every rank's copy succeeded."""
+        header = slot.read_header()
+        image = parse_header(slot.image(header.image_len), slot.path)
+        merged = merge(image)
+        kinds = image.meta["kinds"]
+        groups: dict[str, list[Entry]] = {}
+        for entry in image.entries:
+            groups.setdefault(kinds[entry.name], []).append(entry)
+        for kind_name, entries in groups.items():
+            kind = kind_named(kind_name)
+            views = dict(zip((e.name for e in entries), kind.views(slot.mm, HEADER_SIZE + len(image.header), entries)))
+            fills = [(obj, views[name]) for name, obj in merged.fills if name in views]
+            dsts = [dst for dst, _ in fills]
+            self._lock_pages(slot, kind, dsts)
+            kind.copy(dsts, [src for _, src in fills])
+        with self.lock.held():
+            after = slot.read_header()
+        if after.generation != generation or after.state != SlotState.COMPLETE:
+            raise CheckpointError(f"memory slot {slot.path} changed while loading")
+        return merged
+
+    # -- the copies held --------------------------------------------------------------
+
+    def copies(self) -> list[tuple[int, SlotHeader]]:
+        """(slot, header) of this rank's complete copies of its own state, read once under the lock."""
+        if not self.exist():
+            return []
+        with self.lock.held():
+            return [(i, h) for i, h in enumerate(self.headers())
+                    if h.state == SlotState.COMPLETE and all(h.info.get(k) == v for k, v in self._owner.items())]
+
+    def steps(self) -> dict[int, tuple[int, int]]:
+        """Steps held complete: step -> (slot, generation)."""
+        return {h.step: (i, h.generation) for i, h in self.copies()}
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(slot, generation) of this rank's copy of ``step``."""
+        found = self.steps().get(step)
+        if found is None:
+            raise CheckpointNotFoundError(f"step {step} of {self._owner.get('directory')} is not in this rank's memory")
+        return found
+
+    def info(self, step: int) -> dict[str, Any]:
+        """What was recorded with this rank's copy of ``step``."""
+        index, _ = self.locate(step)
+        with self.lock.held():
+            return self.headers()[index].info
+
+    def image(self, step: int) -> Image:
+        """The parsed header (tensor entries and saved tree) of this rank's copy of ``step``."""
+        path = self.paths[self.locate(step)[0]]
+        with open(path, "rb", buffering=0) as f:  # pread: mapping the slot would cost more than the read
+            (n,) = struct.unpack("<Q", os.pread(f.fileno(), 8, HEADER_SIZE))
+            return parse_header(os.pread(f.fileno(), 8 + n, HEADER_SIZE), path)
+
+    def discard_newer_than(self, step: int) -> None:
+        """Mark copies of steps after ``step`` empty (``-1`` discards every copy)."""
+        if not self.exist():
+            return
+        with self.lock.held():
+            for i, h in enumerate(self.headers()):
+                if h.state == SlotState.COMPLETE and h.step > step:
+                    h.state = SlotState.EMPTY
+                    self.slot(i, create=False).write_header(h)
+
+    def writer(self, step: int, base: dict[str, Any], saver: Saver, bound: float) -> Writer:
+        """Where a copy of ``step`` from elsewhere goes: ``into(size, info)`` readies a slot
+        (marked WRITING, recording ``base`` with ``info``'s token and branch) and returns the
+        view to fill; ``done()`` marks it COMPLETE and tells the saver."""
+        index = self.choose(saver, bound)
+        written: list[tuple[Slot, SlotHeader]] = []
+
+        def into(size: int, info: dict[str, Any]) -> memoryview:
+            slot = self.reserve(index, size)
+            mine = dict(base, token=str(info.get("token")), branch=info.get("branch", -1))
+            with self.lock.held():
+                written.append((slot, mark_writing(slot, step, size, mine)))
+            return slot.image(size)
+
+        def done() -> None:
+            slot, header = written[0]
+            with self.lock.held():
+                header.state = SlotState.COMPLETE
+                header.saved_at = time.time()
+                slot.write_header(header)
+            saver.saved(slot.path, header.generation, step, header.info, persist=False)
+
+        return into, done
+
+    def close(self, *, unlink: bool) -> None:
+        """Unmap every slot; ``unlink``: remove them and the lock file too."""
+        self.prepared()
+        self._views.clear()
+        for slot in self._retired:
+            slot.close()
+        self._retired.clear()
+        for i, slot in enumerate(self._slots):
+            if slot is not None:
+                slot.close()
+                self._slots[i] = None
+        if unlink:
+            for path in self.paths + [self.lock.path]:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        self.lock.close()
+
+
+def page_locker(kind: TensorKind, objs: list[Any]) -> PageLocker | None:
+    """The page locker ``kind`` wants for copies to or from ``objs`` (GPU tensors), if any."""
+    locker = getattr(kind, "page_locker", None)
+    return locker(objs) if locker is not None else None

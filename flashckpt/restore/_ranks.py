@@ -1,0 +1,44 @@
+"""Collective steps that never hang a rank: every rank gets every rank's result or the same
+exception naming each rank that failed (DCP's rule for collective steps)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .. import _errors
+from .._errors import CheckpointError
+from .._placement import Collective
+
+__all__ = ["Errors", "gather", "on_all_ranks", "raise_errors"]
+
+Errors = list[tuple[str, str]]
+"""(error class name, "rank R: message") of each rank that failed."""
+
+
+def gather(collective: Collective, fn: Callable[[], Any]) -> tuple[list[Any], Errors]:
+    """Every rank's result of ``fn`` (None where it failed) and every failed rank's error.
+    All ranks must call this."""
+    try:
+        mine: tuple[Any, tuple[str, str] | None] = (fn(), None)
+    except Exception as exc:  # any rank's failure must reach all ranks, never hang them
+        mine = (None, (type(exc).__name__, f"rank {collective.rank}: {exc}"))
+    views = collective.all_gather(mine)
+    return [result for result, _ in views], [error for _, error in views if error]
+
+
+def raise_errors(errors: Errors, prefix: str) -> None:
+    """One exception on every rank, of the ranks' common flashckpt class if they share one."""
+    names = {name for name, _ in errors}
+    cls = getattr(_errors, names.pop(), CheckpointError) if len(names) == 1 else CheckpointError
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        cls = CheckpointError
+    raise cls(f"{prefix}: " + "; ".join(message for _, message in errors))
+
+
+def on_all_ranks(collective: Collective, fn: Callable[[], Any], what: str) -> list[Any]:
+    """Run ``fn`` on every rank; every rank gets every rank's result, or the same exception
+    naming each rank that failed. All ranks must call this."""
+    results, errors = gather(collective, fn)
+    if errors:
+        raise_errors(errors, f"{what} failed")
+    return results
