@@ -205,7 +205,7 @@ class RankSlots:
         """Copy the slot's tensors into the tensors ``merge`` of its image chooses; returns the
         merge, whose plain values the caller writes once every rank's copy succeeded."""
         header = slot.read_header()
-        image = parse_header(slot.image(header.image_len), slot.path)
+        image = parse_header(slot.image(header.image_len), slot.path, header.image_len)
         merged = merge(image)
         kinds = image.meta["kinds"]
         groups: dict[str, list[Entry]] = {}

@@ -157,7 +157,7 @@ class SlotHold:
 
     Held as the persist held it: the slot's persist ``flock`` (another process's persist
     of it waits), and this saver named as its reader, so the trainer's slot choice
-    passes it over (``Engine._choose_slot``: a live reader) and no save writes into it
+    passes it over (``RankSlots.choose``: a live reader) and no save writes into it
     until :meth:`release`. A saver killed meanwhile lets it go with its death: the kernel
     drops the ``flock``, and a reader that is not alive holds nothing."""
 
