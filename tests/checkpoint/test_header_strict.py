@@ -184,7 +184,7 @@ def test_a_lying_header_in_memory_falls_back_to_storage(tmp_path, job_id, caplog
             ck.save(step, _state(float(step)))
         ck.wait()
         index, _ = ck.engine.memory_steps()[2]
-        slot = ck.engine._slot_paths[index]
+        slot = ck.engine.slots.paths[index]
         with open(slot, "r+b") as f:
             f.seek(HEADER_SIZE)
             head = f.read(1 << 16)
