@@ -110,7 +110,7 @@ class Engine:
             self.storage.check_writable()
         self.node_local: NodeLocal | None = None
         """Set when the nodes do not share the directory (see ``flashckpt.replicas._node_local``)."""
-        if self.collective.world_size > 1 and isinstance(self.storage, LocalStorage):  # an object store is shared
+        if self.collective.world_size > 1 and not self.storage.shared:
             self.node_local = check_directory(self.storage.root, self.collective, placement,
                                               replicas=options.replicas)  # a collective call
         if (placement.persists and placement.storage_rank == 0 and self.collective.rank == 0) or \

@@ -36,7 +36,6 @@ from .._errors import CheckpointError, CorruptCheckpointError, StateMismatchErro
 from ..memory._format import DTYPE_SIZES, Entry, Image
 from ._shard_file import file_header
 from ._shard_read import Scratch, ShardReader, open_shard, run_chunks
-from ..storage._local import LocalStorage
 
 if TYPE_CHECKING:
     from ..storage._url import Storage
@@ -263,7 +262,7 @@ def read_sources(storage: Storage, step: int, *, verify_headers: bool = True, la
     def one(rank: int) -> Source:
         return source_of(rank, open_shard(storage, step, rank), layout=layout, verify=verify_headers)
 
-    if isinstance(storage, LocalStorage) or world <= 1:
+    if not storage.remote or world <= 1:
         sources: list[Source] = []
         try:
             for rank in range(world):

@@ -79,6 +79,9 @@ def _upload_token(name: str) -> str | None:
 class CommittedStore(Policy):
     """Committed steps under one location of ``backend``. Construction does no I/O."""
 
+    shared = True
+    remote = True
+
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.root = backend.root

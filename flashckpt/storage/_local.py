@@ -86,6 +86,9 @@ class StepHold:
 class LocalStorage(Policy):
     """Committed steps of one checkpoint directory on a local or shared file system."""
 
+    shared = False
+    remote = False
+
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self._run = RunClaim(self.root)

@@ -89,6 +89,11 @@ class Storage(Protocol):
     """Committed steps of one checkpoint location (see :mod:`flashckpt.storage._policy`)."""
 
     root: str
+    shared: bool
+    """Every node sees the same steps (an object store). False: a path each node may
+    resolve to a disk of its own, which the engine checks at construction."""
+    remote: bool
+    """Opening an object costs a network round trip, so readers open many at once."""
 
     def claim_run(self, token: str) -> None: ...
 
