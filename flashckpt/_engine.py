@@ -103,7 +103,10 @@ class Engine:
         self.options = options
         self.placement = placement
         self.collective = collective or SingleProcess()
-        self.storage = open_storage(directory)
+        self.storage = open_storage(directory, **(options.storage_settings or {}))
+        if options.storage_settings and not self.storage.remote:
+            raise ValueError(f"storage_settings {sorted(options.storage_settings)} apply to object stores, "
+                             f"not to {self.storage.root}")
         self.job_id = options.job_id or _names.default_job_id(self.storage.root)
         _names.job_prefix(self.job_id)  # validates the name
         if placement.persists:
@@ -209,6 +212,8 @@ class Engine:
         info = {"directory": self.storage.root, "storage_rank": p.storage_rank, "storage_world": p.storage_world,
                 "persist": p.persists, "token": self._line_token, "keep_last": self.options.keep_last,
                 "branch": -1 if self._branch is None else self._branch, "allow_pickle": self.options.allow_pickle}
+        if self.options.storage_settings:
+            info["storage_settings"] = dict(self.options.storage_settings)
         if export is not None:
             info["export"] = export
         return info

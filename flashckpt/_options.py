@@ -7,6 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ._errors import CheckpointError
+from .storage._settings import settings_of
+
 __all__ = ["Options", "check_memory_slots", "env_count", "resolve_options"]
 
 
@@ -32,12 +35,24 @@ class Options:
     from a survivor's memory; 0 turns them off. None (default): 1 when the job spans two or
     more nodes, else 0."""
 
+    storage_settings: dict[str, int | float] | None = None
+    """Settings of an object store, for the training process and its saver alike:
+    ``part_bytes`` (multipart part size, at least 5 MiB), ``concurrency`` (parts in flight),
+    ``lease_seconds`` (the run lease). None: the defaults. A local directory takes none."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.persist_every, int) or self.persist_every < 1:
             raise ValueError(f"persist_every must be an int >= 1, got {self.persist_every!r}")
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(f"keep_last must be an int >= 0, got {self.keep_last!r}")
         check_memory_slots(self.memory_slots)
+        if self.storage_settings is not None:
+            if not isinstance(self.storage_settings, dict):
+                raise ValueError(f"storage_settings must be a dict, got {type(self.storage_settings).__name__}")
+            try:
+                settings_of({"storage_settings": self.storage_settings})
+            except CheckpointError as exc:  # names the setting that is wrong
+                raise ValueError(str(exc)) from None
         if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas not in (0, 1)):
             raise ValueError(f"replicas must be 0 (off), 1 (a copy of each node's newest step on the next node) "
                              f"or None (1 on two or more nodes), got {self.replicas!r}")

@@ -12,35 +12,14 @@ from __future__ import annotations
 import threading
 from typing import Any, Mapping
 
-from .._errors import CheckpointError
 from ._protocol import Storage
+from ._settings import settings_of
 from ._url import open_storage
 
-__all__ = ["SETTINGS", "settings_of", "storage_for"]
-
-SETTINGS = {"part_bytes": int, "concurrency": int, "lease_seconds": float}
-"""The settings a storage message may carry, and their types."""
+__all__ = ["storage_for"]
 
 _OPENED: dict[tuple[str, tuple[tuple[str, Any], ...]], Storage] = {}
 _GUARD = threading.Lock()
-
-
-def settings_of(info: Mapping[str, Any]) -> dict[str, Any]:
-    """The checked settings of a message (a :class:`CheckpointError` for an unknown or
-    ill-typed one)."""
-    raw = info.get("storage_settings") or {}
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"storage settings must be an object, got {type(raw).__name__}")
-    settings = {}
-    for key, value in raw.items():
-        kind = SETTINGS.get(key)
-        if kind is None or isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or (kind is int and not isinstance(value, int)):
-            raise CheckpointError(f"storage setting {key!r}={value!r} is not one of {sorted(SETTINGS)} "
-                                  "with a number")
-        settings[key] = kind(value)
-    return settings
-
 
 def storage_for(info: Mapping[str, Any]) -> Storage:
     """The storage a message names (``info["directory"]`` and its settings), opened once
