@@ -1,0 +1,71 @@
+"""flashckpt.tf.Checkpointer on an S3 URL (moto): the step commits in the bucket, the
+saver's export puts a stock TF checkpoint into it (``step-<N>/tf/``: the files a local
+export of the step writes, and a ``checkpoint`` state file that finds them), a new
+checkpointer loads from memory and, once memory is gone, from the bucket; exporting
+from the trainer to a URL is a clear error (TF writes that prefix's files itself)."""
+
+import os
+
+import pytest
+import tensorflow as tf
+
+from flashckpt import CheckpointError, _events
+from flashckpt.tf import Checkpointer
+from tests.objectstore.conftest import bucket, moto_server, raw_fs, s3, url  # noqa: F401 -- fixtures
+
+from ._models import dense_model, same, values
+
+
+@pytest.fixture
+def sources():
+    seen = []
+
+    def listen(event, **info):
+        if event == "load":
+            seen.append(info["source"])
+
+    _events.subscribe(listen)
+    yield seen
+    _events.unsubscribe(listen)
+
+
+def test_save_export_and_load_through_the_bucket(url, bucket, tmp_path, job_id, sources):  # noqa: F811
+    model = dense_model()
+    saved = values(model)
+    with Checkpointer(url, model, job_id=job_id + "a") as ckpt:
+        ckpt.save(4, export=True)
+        ckpt.wait()
+        local = ckpt.export(tmp_path / "local" / "ckpt", step=4)  # read from the bucket's shard
+        again = dense_model(trained=False, seed=1)
+        assert Checkpointer(url, again, job_id=job_id + "a").load() == 4 and sources[-1] == "memory"
+        assert same(values(again), saved)
+    fresh = dense_model(trained=False, seed=2)
+    with Checkpointer(url, fresh, job_id=job_id + "b") as other:
+        assert other.load() == 4 and sources[-1] == "storage"
+    assert same(values(fresh), saved)
+
+    fs = raw_fs()
+    fs.invalidate_cache()
+    top = f"{url[len('s3://'):]}/step-4"
+    assert fs.exists(f"{top}/metadata.json")
+    names = sorted(os.path.basename(k) for k in fs.find(f"{top}/tf"))
+    assert names == sorted(os.listdir(tmp_path / "local")), names
+    for name in names:
+        if name != "checkpoint":  # the state file records when it was written
+            assert fs.cat_file(f"{top}/tf/{name}") == (tmp_path / "local" / name).read_bytes(), name
+    fs.get(f"{top}/tf/", str(tmp_path / "downloaded") + "/", recursive=True)
+    restored = dense_model(trained=False, seed=3)
+    restored.optimizer.build(restored.trainable_variables)
+    found = tf.train.latest_checkpoint(str(tmp_path / "downloaded"))
+    assert found is not None and os.path.basename(found) == os.path.basename(local)
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(found).assert_consumed()
+    assert same(values(restored), saved)
+
+
+def test_exporting_from_the_trainer_to_a_url_is_a_clear_error(tmp_path, job_id, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with Checkpointer(tmp_path / "flash", dense_model(), job_id=job_id) as ckpt:
+        ckpt.save(1)
+        with pytest.raises(CheckpointError, match=r"local prefix, not s3://bucket/out/ckpt"):
+            ckpt.export("s3://bucket/out/ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["flash"], "a local directory was made for the URL"
