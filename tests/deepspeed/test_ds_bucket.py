@@ -74,3 +74,32 @@ def test_a_zero1_job_saves_exports_and_loads_through_the_bucket(bucket, tmp_path
     assert len(names) == 1 + world  # model states, one optimizer state file per rank
     for name in names:
         assert fs.cat_file(f"{bucket}/run/{TAG}/{name}") == (local / TAG / name).read_bytes(), name
+
+
+def _stock_tag(rank, world, url, job):
+    from flashckpt import CheckpointNotFoundError
+    from flashckpt.deepspeed import DeepSpeedCheckpointer
+    _ds_train.join_group(rank)
+    engine = _ds_train.make_engine(1)
+    with DeepSpeedCheckpointer(engine, f"{url}/empty", job_id=job + "e") as ck:
+        out = {"empty": ck.load()}
+    with DeepSpeedCheckpointer(engine, url, job_id=job + "s") as ck:
+        try:
+            ck.load()
+            out["stock"] = "loaded"
+        except CheckpointNotFoundError as exc:
+            out["stock"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_a_bucket_with_no_flash_step_loads_nothing_and_a_stock_tag_there_is_a_clear_error(
+        bucket, tmp_path, monkeypatch, job_id):  # noqa: F811
+    monkeypatch.chdir(tmp_path)
+    url = f"s3://{bucket}/run"
+    raw_fs().pipe({f"{bucket}/run/latest": b"global_step9",
+                   f"{bucket}/run/global_step9/mp_rank_00_model_states.pt": b"stock"})
+    [out] = run_ranks(_stock_tag, 1, url, job_id, timeout=180)
+    assert out["empty"] is None
+    assert "holds DeepSpeed tag 'global_step9'" in out["stock"] and "loads from its flash step only" in out["stock"]
+    assert os.listdir(tmp_path) == []
