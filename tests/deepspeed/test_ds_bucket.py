@@ -15,38 +15,39 @@ from . import _ds_train
 from .test_ds_engine_kinds import _state
 
 
-def _equal(a: dict, b: dict):
+def _equal(live: dict, saved: dict):
+    """Whether ``live`` (tensors by path) equals ``saved`` (numpy arrays: they pickle
+    between processes), else what differs."""
     import torch
-    if sorted(a) != sorted(b):
-        return f"keys differ: {sorted(set(a) ^ set(b))}"
-    return sorted(k for k in a if not torch.equal(a[k], b[k])) or True
+    if sorted(live) != sorted(saved):
+        return f"keys differ: {sorted(set(live) ^ set(saved))}"
+    return sorted(k for k in live if not torch.equal(live[k], torch.from_numpy(saved[k]))) or True
 
 TAG = "global_step2"
 
 
-def _through_the_bucket(rank, world, url, job):
+def _train_and_exit(rank, world, url, job):
+    """Saves steps 1 (memory only) and 2 (persisted, exported) and exits without closing:
+    its memory outlives the process."""
+    from flashckpt.deepspeed import DeepSpeedCheckpointer
+    _ds_train.join_group(rank)
+    engine = _ds_train.make_engine(1)
+    ck = DeepSpeedCheckpointer(engine, url, job_id=job, persist_every=2)
+    for step in (1, 2):
+        _ds_train.train_step(engine, rank, step)
+        ck.save(step, client_state={"seen": 8 * step})
+    ck.wait()
+    return {"latest_step": ck.latest_step(), "state": {k: v.numpy() for k, v in _state(engine).items()}}
+
+
+def _load_in_a_new_process(rank, world, url, job, reference):
     from flashckpt.deepspeed import DeepSpeedCheckpointer
     sources = _ds_train.join_group(rank)
-
-    engine = _ds_train.make_engine(1)
-    ck = DeepSpeedCheckpointer(engine, url, job_id=job + "a", persist_every=2)
-    _ds_train.train_step(engine, rank, 1)
-    ck.save(1)
-    _ds_train.train_step(engine, rank, 2)
-    ck.save(2, client_state={"seen": 16})
-    ck.wait()
-    reference = _state(engine)
-    out = {"latest_step": ck.latest_step()}
-    for name, suffix in (("memory", "a"), ("storage", "b")):  # "b": a new job, nothing in memory
-        if suffix == "b":
-            ck.close()
-        fresh = _ds_train.make_engine(1)
-        other = DeepSpeedCheckpointer(fresh, url, job_id=job + suffix)
-        step = other.load()
-        out[name] = {"step": step, "source": sources[-1], "client": other.client_state.get("seen"),
-                     "equal": _equal(_state(fresh), reference)}
-        other.close()
-    return out
+    fresh = _ds_train.make_engine(1)
+    with DeepSpeedCheckpointer(fresh, url, job_id=job) as ck:
+        step = ck.load()
+        return {"step": step, "source": sources[-1], "client": ck.client_state.get("seen"),
+                "equal": _equal(_state(fresh), reference[rank])}
 
 
 @pytest.mark.timeout(300)
@@ -57,11 +58,13 @@ def test_a_zero1_job_saves_exports_and_loads_through_the_bucket(bucket, tmp_path
 
     monkeypatch.chdir(tmp_path)
     url = f"s3://{bucket}/run"
-    for out in run_ranks(_through_the_bucket, world, url, job_id, timeout=280):
-        assert out["latest_step"] == 2
-        for name in ("memory", "storage"):
-            assert out[name]["step"] == 2 and out[name]["source"] == name, out[name]
-            assert out[name]["client"] == 16 and out[name]["equal"] is True, out[name]
+    saved = run_ranks(_train_and_exit, world, url, job_id + "a", timeout=280)
+    assert [out["latest_step"] for out in saved] == [2] * world
+    reference = [out["state"] for out in saved]
+    for name, suffix in (("memory", "a"), ("storage", "b")):  # "a" closes: its memory is gone for "b"
+        for out in run_ranks(_load_in_a_new_process, world, url, job_id + suffix, reference, timeout=280):
+            assert out["step"] == 2 and out["source"] == name, out
+            assert out["client"] == 16 and out["equal"] is True, out
     assert os.listdir(tmp_path) == [], "a local directory was made for the URL"
     fs = raw_fs()
     fs.invalidate_cache()
@@ -103,3 +106,26 @@ def test_a_bucket_with_no_flash_step_loads_nothing_and_a_stock_tag_there_is_a_cl
     assert out["empty"] is None
     assert "holds DeepSpeed tag 'global_step9'" in out["stock"] and "loads from its flash step only" in out["stock"]
     assert os.listdir(tmp_path) == []
+
+
+def _retained(rank, world, url, job):
+    from flashckpt.deepspeed import DeepSpeedCheckpointer
+    _ds_train.join_group(rank)
+    engine = _ds_train.make_engine(1)
+    with DeepSpeedCheckpointer(engine, url, job_id=job, persist_every=1, keep_last=1) as ck:
+        for step in (1, 2, 3):
+            _ds_train.train_step(engine, rank, step)
+            ck.save(step)
+            ck.wait()
+        return ck.latest_step()
+
+
+@pytest.mark.timeout(200)
+def test_keep_last_retires_the_tags_in_the_bucket_with_their_steps(bucket, job_id):  # noqa: F811
+    url = f"s3://{bucket}/run"
+    assert run_ranks(_retained, 1, url, job_id, timeout=180) == [3]
+    fs = raw_fs()
+    fs.invalidate_cache()
+    assert sorted(k.rsplit("/", 1)[-1] for k in fs.ls(f"{bucket}/run/flashckpt") if "step-" in k) == ["step-3"]
+    tags = sorted(k.rsplit("/", 1)[-1] for k in fs.ls(f"{bucket}/run") if "global_step" in k)
+    assert tags == ["global_step3"] and fs.cat_file(f"{bucket}/run/latest") == b"global_step3"
