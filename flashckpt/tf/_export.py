@@ -42,6 +42,9 @@ __all__ = ["export", "read_step", "write_tf_checkpoint"]
 log = logging.getLogger("flashckpt.tf")
 
 _OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+_MANIFEST = ".flashckpt-tf-exports.json"
+"""Beside the steps: ``[[step, token], ...]``, the ``step-<N>/tf`` folders the saver wrote."""
+_MAX_MANIFEST = 1 << 20
 
 
 
@@ -156,7 +159,9 @@ def export(directory: str, step: int, params: dict[str, Any], *, memory: ImageHo
     """Saver-process entry point: the prefix ``params["path"]`` or ``<dir>/step-<N>/tf/ckpt``
     (a local path or a URL), written from ``memory`` (rank 0's image, held in shared
     memory) when given; the prefix's folder (``tf``) is staged and published whole,
-    replacing one of that name."""
+    replacing one of that name. The default folders of steps no longer committed go (see
+    :func:`_retain`)."""
+    beside_step = not params.get("path")
     prefix = params.get("path") or f"{directory.rstrip('/')}/step-{step}/tf/ckpt"
     if not is_url(prefix):
         prefix = os.path.abspath(prefix)
@@ -175,3 +180,38 @@ def export(directory: str, step: int, params: dict[str, Any], *, memory: ImageHo
         if memory is not None:
             memory.release()
     log.info("published the TF checkpoint of step %d as %s", step, prefix)
+    if beside_step:
+        _retain(directory, step)
+
+
+def _retain(directory: str, step: int) -> None:
+    """Delete the ``step-<K>/tf`` folders this exporter wrote whose step is no longer
+    committed as written (an object store's retention deletes only a step's own objects;
+    a local one removes the whole step directory, and this finds nothing left), and record
+    ``step``'s in the manifest."""
+    storage = open_storage(directory)
+    folders = folders_at(directory)
+    try:
+        entries = [e for e in json.loads(folders.read_small(_MANIFEST, _MAX_MANIFEST) or b"[]")
+                   if isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and e[0] != step]
+    except (ValueError, TypeError):
+        entries = []
+    committed = set(storage.committed_steps())
+
+    def still_committed(at: int, token: Any) -> bool:
+        try:
+            return at in committed and storage.metadata(at).get("token") == token
+        except CheckpointError:
+            return False
+
+    try:
+        mine = [[step, storage.metadata(step).get("token")]]
+    except CheckpointError:  # retired by a newer commit while it was exported
+        mine, entries = [], [*entries, [step, None]]
+    keep = []
+    for at, token in entries:
+        if still_committed(at, token):
+            keep.append([at, token])
+        else:
+            folders_at(f"{directory.rstrip('/')}/step-{at}").remove("tf")
+    folders.write_atomic(_MANIFEST, json.dumps(keep + mine).encode())

@@ -69,3 +69,15 @@ def test_exporting_from_the_trainer_to_a_url_is_a_clear_error(tmp_path, job_id, 
         with pytest.raises(CheckpointError, match=r"local prefix, not s3://bucket/out/ckpt"):
             ckpt.export("s3://bucket/out/ckpt")
     assert sorted(os.listdir(tmp_path)) == ["flash"], "a local directory was made for the URL"
+
+
+def test_keep_last_retires_the_tf_checkpoints_in_the_bucket_with_their_steps(url, job_id):  # noqa: F811
+    with Checkpointer(url, dense_model(), job_id=job_id, keep_last=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, export=True)
+            ckpt.wait()
+    fs = raw_fs()
+    fs.invalidate_cache()
+    root = url[len("s3://"):]
+    assert sorted({k[len(root) + 1:].split("/")[0] for k in fs.find(root) if "/step-" in k}) == ["step-3"]
+    assert fs.exists(f"{root}/step-3/tf/checkpoint")
