@@ -5,7 +5,11 @@ checkpointer loads from memory and, once memory is gone, from the bucket; export
 from the trainer to a URL is a clear error (TF writes that prefix's files itself)."""
 
 import os
+import subprocess
+import sys
+import textwrap
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -81,3 +85,31 @@ def test_keep_last_retires_the_tf_checkpoints_in_the_bucket_with_their_steps(url
     root = url[len("s3://"):]
     assert sorted({k[len(root) + 1:].split("/")[0] for k in fs.find(root) if "/step-" in k}) == ["step-3"]
     assert fs.exists(f"{root}/step-3/tf/checkpoint")
+
+
+_TRAINER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from flashckpt.tf import Checkpointer
+    from tests.tf._models import dense_model, values
+    url, job, out = sys.argv[1:]
+    model = dense_model()
+    ckpt = Checkpointer(url, model, job_id=job)
+    ckpt.save(5, export=True)
+    ckpt.wait()
+    np.savez(out, *values(model))
+""")  # exits without close: the step stays in memory
+
+
+def test_a_new_process_loads_from_memory_then_from_the_bucket(url, tmp_path, job_id, sources):  # noqa: F811
+    out = tmp_path / "saved.npz"
+    done = subprocess.run([sys.executable, "-c", _TRAINER, url, job_id, str(out)], capture_output=True, text=True,
+                          timeout=240, cwd=os.getcwd())
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(out) as f:
+        saved = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+    for suffix, source in (("", "memory"), ("b", "storage")):  # the first closes: memory is gone for "b"
+        model = dense_model(trained=False, seed=4)
+        with Checkpointer(url, model, job_id=job_id + suffix) as ckpt:
+            assert ckpt.load() == 5 and sources[-1] == source
+        assert same(values(model), saved)
