@@ -117,13 +117,13 @@ def _retained(rank, world, url, job):
             _ds_train.train_step(engine, rank, step)
             ck.save(step)
             ck.wait()
-        return ck.latest_step()
+        return ck.latest_step(), ck.load(tag="global_step3")  # the tag's step, found in the bucket
 
 
 @pytest.mark.timeout(200)
 def test_keep_last_retires_the_tags_in_the_bucket_with_their_steps(bucket, job_id):  # noqa: F811
     url = f"s3://{bucket}/run"
-    assert run_ranks(_retained, 1, url, job_id, timeout=180) == [3]
+    assert run_ranks(_retained, 1, url, job_id, timeout=180) == [(3, 3)]
     fs = raw_fs()
     fs.invalidate_cache()
     assert sorted(k.rsplit("/", 1)[-1] for k in fs.ls(f"{bucket}/run/flashckpt") if "step-" in k) == ["step-3"]
