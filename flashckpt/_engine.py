@@ -157,9 +157,6 @@ class Engine:
             raise CheckpointError("save() on a closed checkpointer")
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        if export is not None and not isinstance(self.storage, LocalStorage):
-            raise CheckpointError(f"exporting the {export.get('name')!r} layout needs a local checkpoint directory, "
-                                  f"not {self.storage.root}")
         start = time.perf_counter()
         self._raise_persist_errors()
         self._saves += 1

@@ -19,6 +19,7 @@ from .._options import Options, resolve_options
 from ..memory._tree import Places
 from ..restore._agreement import Agreement, Source
 from ..restore._shard_read import open_shard
+from ..storage._folders import folders_at
 from ..storage._url import parse_location
 from ..torch import Checkpointer
 from . import _objects
@@ -31,6 +32,8 @@ __all__ = ["DeepSpeedCheckpointer"]
 log = logging.getLogger(__name__)
 
 FLASH_SUBDIR = "flashckpt"
+_MAX_LATEST = 4096
+"""The most bytes of DeepSpeed's ``latest`` read (a tag name)."""
 
 
 class DeepSpeedCheckpointer:
@@ -45,10 +48,14 @@ class DeepSpeedCheckpointer:
     ``zero_to_fp32.py`` read the result. :meth:`load` restores the newest step every
     rank holds in memory (on its node or as a peer's replica), else the newest committed one.
 
-    ``directory`` is a local path (or ``file:///path``): DeepSpeed itself writes files
-    there, and the core engine exports framework layouts from a local checkpoint directory
-    only, so an object-store URL is a :class:`CheckpointError` here (see
-    :func:`flashckpt.storage._url.parse_location`), never a local ``./s3:/...`` directory.
+    ``directory`` is a local path (or ``file:///path``) or an object-store URL (see
+    :func:`flashckpt.storage._url.parse_location`). With a URL the flash steps commit in
+    the bucket (``<url>/flashckpt/``) and the saver uploads each tag and then ``latest``
+    there (:mod:`flashckpt.storage._folders`); DeepSpeed's own file calls during a save
+    or load (its directories, the ``zero_to_fp32.py`` it copies beside the tags) go to a
+    private local scratch directory, removed by :meth:`close`. A load reads the flash
+    shards from the bucket, never the tag; a tag in a bucket that no flash step holds
+    (stock DeepSpeed's) is not loaded from there.
 
     All ranks construct it together (after ``deepspeed.initialize``) and all ranks call
     :meth:`save`, :meth:`load`, :meth:`wait` and :meth:`close`. ``options`` (a
@@ -73,16 +80,16 @@ class DeepSpeedCheckpointer:
             raise TypeError(f"expected a DeepSpeedEngine, got {type(engine).__qualname__}")
         resolved = resolve_options(options, **shorthands)
         where = parse_location(directory)
-        if where.url is not None:
-            raise CheckpointError(
-                f"DeepSpeedCheckpointer: {where.url} is an object-store URL; a DeepSpeed job checkpoints into a "
-                "local or shared directory (a path or file:///path): DeepSpeed writes files of its own there and "
-                "the saver exports DeepSpeed tags from a local checkpoint directory only")
         self.engine = engine
-        self.directory = where.path
-        self._ckpt = Checkpointer(os.path.join(self.directory, FLASH_SUBDIR), process_group=process_group,
+        self.directory = where.url or where.path
+        """The checkpoint location: a local directory or an object-store URL."""
+        self._folders = folders_at(self.directory)
+        flash_dir = f"{where.url}/{FLASH_SUBDIR}" if where.url else os.path.join(where.path, FLASH_SUBDIR)
+        self._ckpt = Checkpointer(flash_dir, process_group=process_group,
                                   **{f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved)})
         self._flash = self._ckpt.engine
+        self._scratch = tempfile.mkdtemp(prefix="flashckpt-deepspeed-") if where.url else None
+        """DeepSpeed's save_dir for its own file calls when the location is a URL (private, local)."""
         self._previous_engine = engine.checkpoint_engine
         self.checkpoint_engine = FlashCheckpointEngine(self._flash_save)
         engine.checkpoint_engine = self.checkpoint_engine
@@ -109,14 +116,17 @@ class DeepSpeedCheckpointer:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._step, self._persist, self._latest_on_export = step, persist, True
         try:
-            self.engine.save_checkpoint(self.directory, tag=tag or f"global_step{step}",
+            self.engine.save_checkpoint(self._scratch or self.directory, tag=tag or f"global_step{step}",
                                         client_state=client_state or {}, save_latest=False)
         finally:
             self._step, self._persist, self._latest_on_export = None, None, False
 
     def _flash_save(self, tag: str, save_dir: str, files: dict[str, Any], save_latest: bool) -> None:
-        """Called by the checkpoint engine's ``commit``: one flash save of the rank's files."""
+        """Called by the checkpoint engine's ``commit``: one flash save of the rank's files.
+        DeepSpeed's scratch ``save_dir`` stands for the URL (the same on every rank)."""
         step = self._step if self._step is not None else int(self.engine.global_steps)
+        if self._scratch is not None and save_dir == os.path.abspath(self._scratch):
+            save_dir = self.directory
         state = {"deepspeed": {"tag": tag, "save_dir": save_dir,
                                "files": {rel: _objects.encode(sd) for rel, sd in files.items()}}}
         options = self._flash.options
@@ -163,23 +173,20 @@ class DeepSpeedCheckpointer:
         target: dict[str, Any] = {}
         got = self._flash.load_agreed(target, agreement, start, places=places)
         if got is None:
-            latest = os.path.join(self.directory, "latest")
-            if os.path.isfile(latest):
-                with open(latest) as f:
-                    return self._load_stock(f.read().strip(), load_optimizer_states, load_lr_scheduler_states,
-                                            load_module_only)
+            latest = self._folders.read_small("latest", _MAX_LATEST)
+            if latest is not None:
+                return self._load_stock(latest.decode(errors="replace").strip(), load_optimizer_states,
+                                        load_lr_scheduler_states, load_module_only)
             return None
         ds = target["deepspeed"]
         save_dir, loaded_tag = ds["save_dir"], ds["tag"]
         files = self._checked_files(ds, got)
         # DeepSpeed globs and stats its files before asking the checkpoint engine for them:
-        # it reads a scratch tag of empty placeholders, and the engine serves the states. Its
-        # globs do not escape the directory's name, so one like "run[lr=0.1]" is not used.
-        root = self._flash.storage.root
-        scratch = tempfile.mkdtemp(prefix=".load-", dir=root if glob.escape(root) == root else None)
+        # it reads a scratch tag of empty placeholders, and the engine serves the states.
+        scratch = self._new_scratch(".load-")
         try:
             served = {}
-            for path, state in files.items():
+            for path, state in files.items():  # paths are save_dir joined with relative ones, also for a URL
                 placeholder = os.path.join(scratch, os.path.relpath(path, save_dir))
                 os.makedirs(os.path.dirname(placeholder), exist_ok=True)
                 open(placeholder, "wb").close()
@@ -204,7 +211,7 @@ class DeepSpeedCheckpointer:
 
         def prepare() -> None:
             layout.append(memory_layout(self._flash, step))
-            scratch.append(tempfile.mkdtemp(prefix=".live-", dir=self._flash.storage.root))
+            scratch.append(self._new_scratch(".live-"))
 
         try:
             self._flash.on_all_ranks(prepare, f"reading the layout of step {step} in memory")
@@ -221,6 +228,15 @@ class DeepSpeedCheckpointer:
             raise
         return live_places(engine, scratch[0], ds["tag"], ds["files"])
 
+    def _new_scratch(self, prefix: str) -> str:
+        """A new local directory for DeepSpeed's file calls of one load: in the checkpoint
+        directory (DeepSpeed's globs do not escape its name, so one like "run[lr=0.1]" is
+        not used), or in the private scratch of a URL."""
+        if self._scratch is not None:
+            return tempfile.mkdtemp(prefix=prefix, dir=self._scratch)
+        root = self._flash.storage.root
+        return tempfile.mkdtemp(prefix=prefix, dir=root if glob.escape(root) == root else None)
+
     def _checked_files(self, ds: dict[str, Any], step: int) -> dict[str, Any]:
         """The ``deepspeed`` part of a step as DeepSpeed's files by path (each rank also given
         the files it reads but another rank wrote), once :meth:`_check` passed on every
@@ -234,6 +250,10 @@ class DeepSpeedCheckpointer:
     def _load_stock(self, tag: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
                     load_module_only: bool) -> int:
         """A tag that only exists in DeepSpeed's layout (stock DeepSpeed saved it)."""
+        if self._scratch is not None:
+            raise CheckpointNotFoundError(
+                f"no flash step of {self.directory}/{FLASH_SUBDIR} holds DeepSpeed tag {tag!r}: a tag in an object "
+                "store loads from its flash step only; copy the tag to a local directory to load it with DeepSpeed")
         tag_dir = os.path.join(self.directory, tag)
         if not os.path.isdir(tag_dir):
             known = sorted(n for n in os.listdir(self.directory)
@@ -357,6 +377,8 @@ class DeepSpeedCheckpointer:
         finally:
             if self.engine.checkpoint_engine is self.checkpoint_engine:
                 self.engine.checkpoint_engine = self._previous_engine
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
 
     def __enter__(self) -> "DeepSpeedCheckpointer":
         return self

@@ -28,7 +28,7 @@ import tempfile
 from .._errors import CheckpointError, CheckpointNotFoundError
 from ._files import fsync_dir, write_atomic
 from ._object_shard import _call
-from ._url import parse_location
+from ._location import OBJECT_SCHEMES, parse_location
 
 __all__ = ["Folders", "LocalFolders", "ObjectFolders", "folders_at"]
 
@@ -90,13 +90,13 @@ class ObjectFolders:
     :class:`~flashckpt.storage._object.ObjectStorage`)."""
 
     def __init__(self, url: str) -> None:
-        from ._object import _filesystem
+        from ._fsspec import _filesystem  # imports fsspec only for an object store
 
         location = parse_location(url)
-        if location.url is None:
-            raise CheckpointError(f"{url!r} is a local path, not an object-store URL; use LocalFolders")
+        if location.url is None or location.scheme not in OBJECT_SCHEMES:
+            raise CheckpointError(f"{url!r} is not an object-store URL; use LocalFolders")
         self.root = location.url
-        self._fs, self._base = _filesystem(location.url, location.scheme)
+        self._fs, self._base = _filesystem(location.url, OBJECT_SCHEMES[location.scheme])
 
     def _name(self, name: str) -> str:
         if _PATTERN_CHARS & set(_plain(name, self.root)):

@@ -69,7 +69,7 @@ class Checkpointer(EngineCheckpointer):
         """Copy every variable into shared memory (the only blocking work; with
         ``background=True`` done by a thread); persist it if due (or if ``persist``).
         ``export``: once committed, the saver also writes a stock TF checkpoint at
-        ``<directory>/step-<N>/tf/ckpt``. ``extra``: plain values (int, float, str, bool,
+        ``<directory>/step-<N>/tf/ckpt`` (in the bucket when ``directory`` is a URL). ``extra``: plain values (int, float, str, bool,
         None, dict, list, tuple, numpy arrays; other objects pickled with ``allow_pickle``)
         saved with the step, in :attr:`extra` after a load of it."""
         self._join()
@@ -172,8 +172,8 @@ class Checkpointer(EngineCheckpointer):
 
     def export(self, path: str | os.PathLike, *, step: int | None = None) -> str:
         """Write committed ``step`` (default: the newest, after flushing memory) as a stock
-        TF checkpoint with prefix ``path``, which ``tf.train.Checkpoint.restore(path)``
-        reads without flashckpt. Returns the prefix."""
+        TF checkpoint with prefix ``path`` (a local path: TF writes the files itself),
+        which ``tf.train.Checkpoint.restore(path)`` reads without flashckpt. Returns the prefix."""
         self._join()
         if step is None:
             self._engine.flush()

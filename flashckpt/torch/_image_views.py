@@ -2,7 +2,8 @@
 
 An exporter writes a committed step as a framework's own files (``torch.save``,
 safetensors) without copying the state: from the image the saver just persisted, still
-held in shared memory, or from a committed shard mapped from storage. Every tensor is
+held in shared memory, or from a committed shard mapped from storage (a shard in an
+object store, which has no file to map, is read whole into memory). Every tensor is
 built over exactly its own bytes (a storage of its own, as the saved tensor had), so
 ``torch.save`` and safetensors write those bytes and no more. The views are read-only:
 only ever read.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import mmap
 import pickle
 import warnings
@@ -29,7 +31,7 @@ from ._tensors import _DTYPES as _TORCH_DTYPES
 
 if TYPE_CHECKING:
     from ..saver._exporters import ImageHold
-    from ..storage._local import LocalStorage
+    from ..storage._protocol import Storage
 
 __all__ = ["image_tree", "memory_tree", "read_shard", "step_trees", "unpickler"]
 
@@ -76,19 +78,26 @@ def memory_tree(memory: ImageHold, unpickle: Unpickle) -> Any:
     return image_tree(view, image, len(image.header), unpickle)
 
 
-def read_shard(reader: ShardReader, unpickle: Unpickle) -> tuple[Any, mmap.mmap]:
+def read_shard(reader: ShardReader, unpickle: Unpickle) -> tuple[Any, mmap.mmap | bytearray]:
     """The state tree of one committed shard, once every block verified, its tensors
-    viewing the mapped file (keep the map open while they are used)."""
+    viewing the mapped file (keep the map open while they are used), or the bytes read
+    into memory when the shard is not a local file (an object in a bucket)."""
+    try:
+        reader.fileno()
+    except io.UnsupportedOperation:
+        buf = bytearray(reader.size)
+        reader.read_all([(0, memoryview(buf))])
+        return image_tree(buf, reader.image, reader.body_start, unpickle), buf
     mm = reader.map_verified()
     return image_tree(mm, reader.image, reader.body_start, unpickle), mm
 
 
 @contextlib.contextmanager
-def step_trees(storage: LocalStorage, step: int, world_size: int, memory: ImageHold | None,
+def step_trees(storage: Storage, step: int, world_size: int, memory: ImageHold | None,
                unpickle: Unpickle) -> Iterator[list[Any]]:
     """Every rank's state tree of committed ``step`` for the ``with`` block: rank
-    ``memory.rank``'s viewing the held image, the others' their mapped shards (each
-    verified). On leaving, the list is emptied, the maps close and the image is let go
+    ``memory.rank``'s viewing the held image, the others' their shards (each verified,
+    see :func:`read_shard`). On leaving, the list is emptied, the maps close and the image is let go
     (a save may write into its slot again): no view may be used after the block."""
     trees: list[Any] = []
     maps: list[mmap.mmap] = []
@@ -97,11 +106,12 @@ def step_trees(storage: LocalStorage, step: int, world_size: int, memory: ImageH
             if memory is not None and memory.rank == rank:
                 trees.append(memory_tree(memory, unpickle))
                 continue
-            with open_shard(storage, step, rank) as reader:
-                tree, mm = read_shard(reader, unpickle)
+            with open_shard(storage, step, rank, whole=True) as reader:
+                tree, buf = read_shard(reader, unpickle)
             trees.append(tree)
-            maps.append(mm)
-            tree = None
+            if isinstance(buf, mmap.mmap):
+                maps.append(buf)
+            tree = buf = None
         yield trees
     finally:
         trees.clear()  # the views must go before their maps can close and the slot be let go

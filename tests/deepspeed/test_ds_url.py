@@ -1,6 +1,8 @@
-"""DeepSpeed and object-store URLs: the checkpointer refuses a URL (it never becomes a
-local ``./s3:/...`` directory), and the saver's DeepSpeed exporter writes a tag into a
-bucket through the storage layer when the step was committed there."""
+"""DeepSpeed and object-store URLs: a URL that cannot be served is a clear error (it never
+becomes a local ``./s3:/...`` directory), ``engine.save_checkpoint`` to a URL is refused
+before DeepSpeed writes there, and the saver's DeepSpeed exporter writes a tag into a
+bucket through the storage layer when the step was committed there (the whole job:
+``test_ds_bucket.py``)."""
 
 import os
 import types
@@ -20,10 +22,13 @@ def _engine() -> types.SimpleNamespace:
     return types.SimpleNamespace(save_checkpoint=None, checkpoint_engine="stock")
 
 
-def test_a_url_is_refused_at_construction_and_never_becomes_a_local_directory(tmp_path, monkeypatch, job_id):
+def test_a_url_that_cannot_be_served_is_a_clear_error_and_never_becomes_a_local_directory(
+        tmp_path, monkeypatch, job_id):
     monkeypatch.chdir(tmp_path)
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "FSSPEC_S3"):
+        monkeypatch.delenv(var, raising=False)
     engine = _engine()
-    with pytest.raises(CheckpointError, match=r"s3://bucket/run1 is an object-store URL.*local or shared directory"):
+    with pytest.raises(CheckpointError, match=r"s3://bucket/run1/flashckpt is not writable"):
         DeepSpeedCheckpointer(engine, "s3://bucket/run1", job_id=job_id)
     assert os.listdir(tmp_path) == [] and engine.checkpoint_engine == "stock"
 
