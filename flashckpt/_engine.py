@@ -34,7 +34,6 @@ from ._placement import (Collective, Placement, SingleProcess, new_token,  # noq
                          next_line_token, place)
 from .replicas._engine import PeerReplicas
 from .memory._slot import HEADER_SIZE, SlotState, mark_writing
-from .storage._local import LocalStorage
 from .storage._url import open_storage
 from .memory._tree import Flat, Places, flatten
 
