@@ -229,7 +229,7 @@ class Engine:
 
     def memory_keys(self) -> dict[int, tuple[str, int]]:
         """step -> (line, step) of this rank's in-memory copies, comparable with
-        :meth:`LocalStorage.newest_key`: a copy of a newer line beats higher step numbers
+        the storage's ``newest_key``: a copy of a newer line beats higher step numbers
         of an abandoned one on storage."""
         return memory_keys(self.slots)
 
