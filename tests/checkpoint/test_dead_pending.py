@@ -1,5 +1,5 @@
 """Pending directories (``step-N.tmp-<token>``) of persists killed mid-write are removed by
-the next commit; one a live writer is writing is never removed.
+the next commit and by ``flashckpt gc DIR``; one a live writer is writing is never removed.
 
 A writer is a real process stopped at a chosen point (its shard's part file open and half
 written), then killed with SIGKILL or left alive."""
@@ -84,3 +84,34 @@ def test_a_newer_lines_commit_keeps_a_live_writer_of_an_older_line(tmp_path, wri
     writers.append(start_writer(tmp_path, 3, A))  # a saver still persisting a dead trainer's step
     assert commit(storage, 2, B, branch=1)
     assert pending(tmp_path) == [f"step-3.tmp-{A}"]
+
+
+def flashckpt(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flashckpt.cli", *args], capture_output=True, text=True,
+                          timeout=30, cwd=REPO)
+
+
+def test_gc_removes_pending_directories_of_killed_persists(tmp_path, writers):
+    storage = LocalStorage(tmp_path)
+    commit(storage, 1, A, branch=-1)
+    for step in (2, 3):
+        kill(start_writer(tmp_path, step, A))  # an older line's killed persists
+    assert commit(storage, 4, B, branch=1)
+    kill(start_writer(tmp_path, 3, A))  # a late one, after the newer line's commit
+    kill(start_writer(tmp_path, 3, B))  # the newer line's own, superseded by its step 4
+    writers.append(start_writer(tmp_path, 2, A, rank=1))  # alive
+    writers.append(start_writer(tmp_path, 5, B))  # alive, newer than every commit
+    before = pending(tmp_path)
+    assert before == [f"step-2.tmp-{A}", f"step-3.tmp-{A}", f"step-3.tmp-{B}", f"step-5.tmp-{B}"]
+
+    out = flashckpt("gc", str(tmp_path), "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert pending(tmp_path) == before
+    assert f"would remove {tmp_path / f'step-3.tmp-{A}'}" in out.stdout, out.stdout
+    assert f"would remove {tmp_path / f'step-3.tmp-{B}'}" in out.stdout, out.stdout
+
+    out = flashckpt("gc", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert pending(tmp_path) == [f"step-2.tmp-{A}", f"step-5.tmp-{B}"], out.stdout
+    assert f"keeping {tmp_path / f'step-2.tmp-{A}'}" in out.stdout and "being written" in out.stdout, out.stdout
+    assert storage.committed_steps() == [1, 4] and storage.verify(4) == []
