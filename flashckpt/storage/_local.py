@@ -238,12 +238,15 @@ class LocalStorage(Policy):
             if other.startswith(("replaced-", "retired-")):
                 found.append((path, False))  # being deleted, or left by a crash mid-delete
             elif superseded(other, int(m.group(1)), token, step):
-                found.append(self._retire_dead(path, int(m.group(1)), dry_run))
+                found.append(self._retire_unheld(path, int(m.group(1)), dry_run))
+                if found[-1][1]:
+                    log.info("%s is being written by a live process: left to a later commit", path)
         return [(path, live) for path, live in found if path is not None]
 
-    def _retire_dead(self, path: str, step: int, dry_run: bool) -> tuple[str | None, bool]:
-        """(retired path, False) for a pending directory no writer holds; (path, True) for
-        one a live writer holds; (None, False) if it is gone."""
+    def _retire_unheld(self, path: str, step: int, dry_run: bool = False) -> tuple[str | None, bool]:
+        """Retire the directory ``path`` unless a process holds it (an ``flock``: a writer of
+        a pending save, an exporter reading a committed step): (its retired path, or ``path``
+        with ``dry_run``, False), (path, True) when held, (None, False) when gone."""
         try:
             fd = os.open(path, _DIR_FLAGS)
         except FileNotFoundError:
@@ -254,7 +257,6 @@ class LocalStorage(Policy):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                log.info("%s is being written by a live process: left to a later commit", path)
                 return path, True
             return (path if dry_run else self._retire_path(path, step)), False
         finally:
@@ -417,17 +419,12 @@ class LocalStorage(Policy):
         leaves a committed step with missing shards, nor a pending save that commits torn."""
         retired = []
         for old in sorted(doomed(self._order(), keep_last, step)):
-            fd = os.open(self.step_dir(old), _DIR_FLAGS)
-            try:
-                try:  # an exporter reading it holds it (see hold_step): a later commit retires it
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    log.info("step %d of %s is being read by an exporter: retired by a later commit", old, self.root)
-                    continue
-                retired.append(self._retire_path(self.step_dir(old), old))
-                self._cache.pop(old, None)
-            finally:
-                os.close(fd)
+            path, held = self._retire_unheld(self.step_dir(old), old)
+            if held:  # an exporter reading it holds it (see hold_step): a later commit retires it
+                log.info("step %d of %s is being read by an exporter: retired by a later commit", old, self.root)
+                continue
+            retired.append(path)
+            self._cache.pop(old, None)
         retired += [path for path, live in self._sweep(token, step) if not live]
         return list(dict.fromkeys(path for path in retired if path is not None))
 
