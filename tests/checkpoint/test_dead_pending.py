@@ -1,18 +1,24 @@
 """Pending directories (``step-N.tmp-<token>``) of persists killed mid-write are removed by
 the next commit and by ``flashckpt gc DIR``; one a live writer is writing is never removed.
 
-A writer is a real process stopped at a chosen point (its shard's part file open and half
-written), then killed with SIGKILL or left alive."""
+A writer is a real process (a saver, or a process calling ``write_shard``) stopped at a
+chosen point (its shard's part file open and half written), then killed with SIGKILL or
+left alive."""
 
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
+from flashckpt._engine import Engine, Options, Placement, new_token
 from flashckpt.storage._local import LocalStorage
+from flashckpt.torch import _tensors  # noqa: F401  (registers torch tensors as leaves)
 
+from .test_ckpt_crash import saver_pids
 from .test_storage_lineage import A, B, REPO, commit
 
 pytestmark = pytest.mark.timeout(60)
@@ -115,3 +121,80 @@ def test_gc_removes_pending_directories_of_killed_persists(tmp_path, writers):
     assert pending(tmp_path) == [f"step-2.tmp-{A}", f"step-5.tmp-{B}"], out.stdout
     assert f"keeping {tmp_path / f'step-2.tmp-{A}'}" in out.stdout and "being written" in out.stdout, out.stdout
     assert storage.committed_steps() == [1, 4] and storage.verify(4) == []
+
+
+STALL = '''
+import os, threading
+from flashckpt.storage import _local
+
+_where, _real = os.environ["FLASHCKPT_TEST_STALL"], _local.write_durable
+
+
+def _stall(path, data):  # once per arming: stop with the shard's part file half written
+    try:
+        os.rename(os.path.join(_where, "armed"), os.path.join(_where, "fired"))
+    except FileNotFoundError:
+        return _real(path, data)
+    with open(path, "wb") as f:
+        f.write(bytes(data[:len(data) // 2]))
+        f.flush()
+    open(os.path.join(_where, "stalled"), "w").close()
+    threading.Event().wait()  # until the test kills this saver
+
+
+_local.write_durable = _stall
+'''
+
+
+def until_exited(pid: int) -> None:
+    """Wait (bounded) until every thread of ``pid`` has exited, so its files are closed: a
+    zombie with no other thread left (the leader turns zombie before the others end), or gone."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+            if zombie and os.listdir(f"/proc/{pid}/task") == [str(pid)]:
+                return
+        except FileNotFoundError:
+            return
+        assert time.monotonic() < deadline, f"pid {pid} still runs 30s after SIGKILL"
+        time.sleep(0.01)
+
+
+def test_a_saver_killed_mid_persist_again_and_again_leaves_nothing_after_the_next_commit(tmp_path, job_id,
+                                                                                         monkeypatch):
+    """A real saver stopped mid-shard (``sitecustomize`` in its path) and SIGKILLed, three
+    times: each new saver is told the saves again; the next commit leaves no pending
+    directory and no part file. (This held before the writers' flock: a regression test.)"""
+    site, stall = tmp_path / "site", tmp_path / "stall"
+    site.mkdir()
+    stall.mkdir()
+    (site / "sitecustomize.py").write_text(STALL)  # runs first in the savers this test starts
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("FLASHCKPT_TEST_STALL", str(stall))
+    monkeypatch.setenv("FLASHCKPT_SAVER_TIMEOUT", "30")
+    placement = Placement(local_rank=0, memory_rank=0, writes_memory=True, storage_rank=0, storage_world=1,
+                          persists=True, token=new_token())
+    engine = Engine(str(tmp_path / "ck"), Options(persist_every=1, keep_last=1, job_id=job_id), placement)
+    state = lambda step: {"w": torch.full((1 << 18,), float(step))}  # noqa: E731
+    try:
+        engine.save(1, state(1)).wait(timeout=30)
+        for step in (2, 3, 4):
+            (stall / "armed").touch()
+            engine.save(step, state(step))
+            deadline = time.monotonic() + 30
+            while not (stall / "stalled").exists():
+                assert time.monotonic() < deadline, "the saver never reached the shard"
+                time.sleep(0.02)
+            (stall / "stalled").unlink()
+            assert pending(engine.storage.root)  # the stalled persist's (this step, or one told again)
+            for pid in saver_pids(job_id):
+                os.kill(pid, signal.SIGKILL)
+                until_exited(pid)  # its socket is closed: the next save finds it gone, not a buffer
+        engine.save(5, state(5)).wait(timeout=30)
+        storage = LocalStorage(engine.storage.root)
+        assert storage.latest_step() == 5 and storage.verify(5) == []
+        assert pending(engine.storage.root) == []
+    finally:
+        engine.close()
