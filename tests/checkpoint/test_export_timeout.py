@@ -63,3 +63,12 @@ def test_a_stuck_export_times_out_naming_it_and_later_commits_go_on(tmp_path, jo
         engine.flush()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("raw", ["soon", "0", "-1", "nan"])
+def test_a_bad_export_timeout_is_a_clear_error(monkeypatch, raw):
+    from flashckpt.saver._exporters import export_timeout
+
+    monkeypatch.setenv("FLASHCKPT_EXPORT_TIMEOUT", raw)
+    with pytest.raises(ValueError, match="FLASHCKPT_EXPORT_TIMEOUT must be"):
+        export_timeout()
