@@ -4,6 +4,7 @@
     flashckpt verify DIR [--step N]  re-read shards and check their headers and checksums
     flashckpt gc [--dry-run] [--force]
                                      remove shared memory of jobs whose processes are gone
+    flashckpt gc DIR... [--dry-run]  remove pending step directories of dead persists
     flashckpt persist [--job-id J]   write what a dead job left in shared memory to storage
     flashckpt convert DIR OUT --to torch|safetensors|dcp|flashckpt [--step N] [--from flashckpt|dcp]
                                      one consolidated checkpoint that stock tools load
@@ -184,7 +185,28 @@ def _why_keep(job: str, paths: list[str]) -> str | None:
     return f"steps {steps} are in memory only (run `flashckpt persist --job-id {job}` first, or gc --force)"
 
 
+def _gc_directories(directories: list[str], dry_run: bool) -> int:
+    """Remove what killed persists left in checkpoint directories (``step-N.tmp-*``) and
+    their newest commit supersedes; a directory a live process writes into is kept."""
+    removed = kept = 0
+    for directory in directories:
+        storage = _storage(directory)
+        if not isinstance(storage, LocalStorage):
+            raise CheckpointError(f"{storage.root}: gc cleans local directories; an object store's stale uploads "
+                                  "go at its next commit")
+        dead, live = storage.remove_dead_pending(dry_run=dry_run)
+        for path in dead:
+            print(f"{'would remove' if dry_run else 'removing'} {path}")
+        for path in live:
+            print(f"keeping {path}: being written by a live process")
+        removed, kept = removed + len(dead), kept + len(live)
+    print(f"{removed} dead pending directories {'found' if dry_run else 'removed'}, {kept} kept")
+    return 0
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
+    if args.directories:
+        return _gc_directories(args.directories, args.dry_run)
     removed = kept = 0
     for job, paths in sorted(_segments().items()):
         if _job_alive(job, paths):
@@ -269,10 +291,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("directory", help=_DIRECTORY)
     p.add_argument("--step", type=int, metavar="N", help="verify only step N (default: every committed step)")
     p.set_defaults(run=cmd_verify)
-    p = sub.add_parser("gc", help="remove stale shared memory of dead jobs", description=(
+    p = sub.add_parser("gc", help="remove stale shared memory of dead jobs, or dead pending saves", description=(
         "Remove this user's shared-memory objects of jobs with no live process. Jobs whose memory holds steps "
         "not yet on storage, or whose storage cannot be reached to tell, are kept unless --force (run "
-        "`flashckpt persist` first)."))
+        "`flashckpt persist` first). Given checkpoint directories, remove instead what killed persists left "
+        "there (step-N.tmp-* directories) that the newest committed step supersedes, as the next commit would; "
+        "a directory a live process is writing, and pending saves newer than every commit, are kept."))
+    p.add_argument("directories", nargs="*", metavar="DIR", help=_DIRECTORY)
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     p.add_argument("--force", action="store_true", help="also remove steps that exist only in memory")
     p.set_defaults(run=cmd_gc)

@@ -16,6 +16,11 @@ and may define ``warm() -> None``, which imports what an export needs (run once,
 of the first export). ``memory`` is the image of the shard just persisted, still held in
 shared memory (an :class:`ImageHold`), which the exporter reads instead of reading that
 shard back from storage, and lets go (``release()``) once it has read it.
+
+An export runs at most ``FLASHCKPT_EXPORT_TIMEOUT`` seconds (:func:`export_timeout`):
+then its step is reported failed, naming the exporter, and its directory's later exports
+and commits go on. A thread cannot be stopped, so the stuck one is abandoned: it keeps
+its step (from retention) and its image (one slot of its rank) until it ends.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -31,11 +37,12 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable, Protocol
 
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError
 from ..storage._local import LocalStorage, StepHold
 from ..storage._url import open_storage
 
-__all__ = ["GROUP", "Export", "ExportQueue", "ImageHold", "reads_memory", "registered", "run_exporter"]
+__all__ = ["GROUP", "Export", "ExportQueue", "ImageHold", "export_timeout", "reads_memory", "registered",
+           "run_exporter"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,22 @@ _RECENT = 64
 
 GROUP = "flashckpt.exporters"
 """The entry-point group exporters register under: name -> module."""
+
+_TIMEOUT_ENV = "FLASHCKPT_EXPORT_TIMEOUT"
+
+
+def export_timeout() -> float:
+    """The bound, in seconds, on one export (``FLASHCKPT_EXPORT_TIMEOUT``, default 600, the
+    trainer's default wait); the saver takes it from the environment of the trainer that
+    started it."""
+    raw = os.environ.get(_TIMEOUT_ENV, "600")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"{_TIMEOUT_ENV} must be positive, got {raw!r}")
+    return value
 
 
 @functools.cache
@@ -148,13 +171,18 @@ class ExportQueue:
     submission until its export ran, and a commit leaves a held step to a later commit,
     or to the export's end, which applies the directory's retention again.
     Persist threads also wait (:meth:`wait_idle`, bounded) for the exports before
-    committing, so that retention keeps exactly ``keep_last`` steps while exports keep up,
-    and a stuck export delays commits by the bound only."""
+    committing, so that retention keeps exactly ``keep_last`` steps while exports keep up.
+    An export running past ``timeout`` seconds fails (``done`` gets a
+    :class:`~flashckpt.CheckpointTimeoutError`) and leaves the queue; while it still runs,
+    its directory's exports read storage, not memory (a rank's other slot stays free)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = export_timeout() if timeout is None else timeout
         self._cond = threading.Condition()
         self._queues: dict[str, deque[_Queued]] = {}
         """directory -> exports not finished yet (the first one runs); present while its thread runs."""
+        self._stuck: dict[str, int] = {}
+        """directory -> exports that timed out and still run."""
         self._exported: dict[str, deque[tuple[Any, ...]]] = {}
         self._warmed: set[str] = set()
 
@@ -191,11 +219,12 @@ class ExportQueue:
             raise
         with self._cond:
             queue = self._queues.get(export.directory)
+            waits = queue is not None or self._stuck.get(export.directory, 0) > 0
             if queue is None:
                 queue = self._queues[export.directory] = deque()
                 threading.Thread(target=self._drain, args=(export.directory, queue), name="flashckpt-export",
                                  daemon=True).start()
-            elif export.memory is not None:
+            if waits and export.memory is not None:
                 export.release()
                 queued.export = dataclasses.replace(export, memory=None)
             queue.append(queued)
@@ -208,23 +237,56 @@ class ExportQueue:
                     self._cond.notify_all()
                     return
                 queued = queue[0]
-            error: Exception | None = None
-            try:
-                self._run(queued)
-            except Exception as exc:  # noqa: BLE001 -- reported to the trainer that saved the step
-                log.exception("exporting step %d of %s failed", queued.export.step, directory)
-                error = exc
-            finally:
-                queued.export.release()  # a save may use its slot again
-                if queued.hold is not None:
-                    queued.hold.close()
-                    _retire_released(queued.export)
+            error = self._run_bounded(queued)
             try:
                 queued.done(error)
             finally:
                 with self._cond:
                     queue.popleft()
                     self._cond.notify_all()
+
+    def _run_bounded(self, queued: _Queued) -> Exception | None:
+        """Run ``queued`` on a thread of its own, at most :attr:`timeout` seconds; its error,
+        or a :class:`CheckpointTimeoutError` naming it when it is still running then."""
+        export = queued.export
+        finished = threading.Event()
+        outcome: list[Exception | None] = []
+
+        def run() -> None:
+            error: Exception | None = None
+            try:
+                self._run(queued)
+            except Exception as exc:  # noqa: BLE001 -- reported to the trainer that saved the step
+                log.exception("exporting step %d of %s failed", export.step, export.directory)
+                error = exc
+            finally:
+                queued.export.release()  # a save may use its slot again
+                if queued.hold is not None:
+                    queued.hold.close()
+                    _retire_released(queued.export)
+                with self._cond:
+                    outcome.append(error)
+                    finished.set()
+                    if len(outcome) > 1:  # it had timed out: no longer stuck
+                        self._stuck[export.directory] -= 1
+                        log.warning("the export of step %d of %s that timed out ended after all", export.step,
+                                    export.directory)
+
+        threading.Thread(target=run, name="flashckpt-export-run", daemon=True).start()
+        if finished.wait(self.timeout):
+            return outcome[0]
+        with self._cond:
+            if finished.is_set():
+                return outcome[0]
+            outcome.append(None)  # tells run() it timed out
+            self._stuck[export.directory] = self._stuck.get(export.directory, 0) + 1
+        name = export.spec.get("name")
+        log.error("the exporter %r of step %d of %s is still running after %.0fs: abandoned (it keeps its step "
+                  "and image until it ends); later exports and commits go on", name, export.step,
+                  export.directory, self.timeout)
+        return CheckpointTimeoutError(f"exporter {name!r} of step {export.step} of {export.directory} is still "
+                                      f"running after {self.timeout:.0f}s ({_TIMEOUT_ENV}): abandoned, later "
+                                      "exports and commits go on")
 
     def _run(self, queued: _Queued) -> None:
         export = queued.export

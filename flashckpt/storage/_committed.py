@@ -34,9 +34,9 @@ from typing import Any
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._checksum import block_crcs
-from ._policy import Policy, commit_record, doomed, in_order, late_commit
+from ._policy import Policy, commit_record, doomed, in_order, late_commit, superseded
 from ._protocol import Backend, ObjectInfo
-from ._step_meta import MAX_LATEST, MAX_MARKER, MAX_METADATA, ShardRecord, image_token, line_key, plain_name, \
+from ._step_meta import MAX_LATEST, MAX_MARKER, MAX_METADATA, ShardRecord, image_token, plain_name, \
     validate_metadata
 
 __all__ = ["BLOCK_BYTES", "CommittedStore", "block_bytes"]
@@ -257,12 +257,11 @@ class CommittedStore(Policy):
         for s in retired:
             self._cache.pop(s, None)
         self._delete([f"step-{s}/metadata.json" for s in sorted(retired)])
-        mine = line_key(token)
 
         def stale(s: int, other: str) -> bool:
             if s in commits and (not commits[s].line.readable or commits[s].token == other):
                 return False  # committed (or unreadable: which uploads it commits is unknown)
-            return other == retired.get(s) or line_key(other) < mine or (line_key(other) == mine and s < step)
+            return other == retired.get(s) or superseded(other, s, token, step)
 
         self._delete([f"step-{s}/{n}" for s, names in tree.items() for n in names
                       if (other := _upload_token(n)) is not None and stale(s, other)])

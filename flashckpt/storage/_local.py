@@ -13,7 +13,12 @@ temporary name, then renamed: a shard already there stays whole) with a small do
 marker per rank; whoever writes the last marker commits by writing the metadata and
 renaming the directory to ``step-<N>``, then moves ``latest`` forward, all under an
 ``flock`` on ``<dir>/.commit.lock``. A crash at any moment leaves only ``*.tmp-*``
-directories, which the next commit removes. Readers trust only committed steps.
+directories, which the next commit (or ``flashckpt gc DIR``) removes once superseded
+(:func:`~flashckpt.storage._policy.superseded`), except while a writer is live: each
+writer holds a shared ``flock`` on the pending directory, which the kernel drops when it
+dies, and a cleanup takes it exclusively before removing. A write that finds the disk
+full first removes the pending saves it would supersede that no writer holds, then
+tries again. Readers trust only committed steps.
 
 **Lines**, retention (``keep_last``), ``latest``, verify and late commits are
 :mod:`flashckpt.storage._policy`'s, written once for every storage; this module supplies
@@ -45,9 +50,9 @@ from ._checksum import BLOCK_SIZE, block_crcs
 from ._files import fsync_dir, open_regular, read_bounded, write_atomic, write_durable
 from ..replicas._node_local import read_scope
 from ._run_lock import RUN_LOCK, RunClaim
-from ._policy import Policy, commit_record, doomed, late_commit
-from ._step_meta import (MAX_LATEST, MAX_MARKER, MAX_METADATA, ShardRecord, image_token, line_key, plain_name,
-                         shard_name, validate_metadata)
+from ._policy import Policy, commit_record, doomed, late_commit, superseded
+from ._step_meta import (MAX_LATEST, MAX_MARKER, MAX_METADATA, ShardRecord, image_token, plain_name, shard_name,
+                         validate_metadata)
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeFileError
 
 __all__ = ["LocalStorage", "RUN_LOCK", "StepHold"]
@@ -58,6 +63,28 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-(\d+)\.tmp-(.+)$")
 _PART = ".tmp-"  # a file being written: <name>.tmp-<pid>-<random>, renamed to <name> once durable
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _enter(pending: str) -> tuple[bool, int]:
+    """Make or open the pending directory and hold it for writing (a shared ``flock``):
+    (created by this call, the held descriptor). A cleanup that retired it just before
+    the hold is noticed (another inode there, or none) and a fresh one is made."""
+    while True:
+        created = False
+        try:
+            os.mkdir(pending, 0o755)
+            created = True
+        except FileExistsError:
+            if not stat.S_ISDIR(os.lstat(pending).st_mode):
+                raise UnsafeFileError(f"{pending} is not a directory; refusing to write into it") from None
+        fd = os.open(pending, _DIR_FLAGS)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.lstat(pending).st_ino == os.fstat(fd).st_ino:
+                return created, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 def _marker_path(pending: str, rank: int) -> str:
@@ -132,27 +159,32 @@ class LocalStorage(Policy):
         The image (page-aligned in shared memory) goes to disk with ``O_DIRECT`` where the
         file system allows it: no page-cache copy, and the data is on the device when the
         last write returns. Its block checksums are computed in a second thread meanwhile.
-        An image whose header names another run's token is refused. On failure (a full
-        disk) the partial file and a pending directory this call created are removed and
-        a :class:`CheckpointError` is raised with the cause chained.
+        An image whose header names another run's token is refused. On failure the partial
+        file and a pending directory this call created are removed and a
+        :class:`CheckpointError` is raised with the cause chained; a full disk first gives
+        way (the pending saves this step supersedes that no writer holds are removed, see
+        :meth:`_give_way`) and the write is tried once more.
         """
         theirs = image_token(image)
         if theirs is not None and theirs != token:
             raise CheckpointError(f"rank {rank} of step {step} was written by another run (token {theirs}); "
                                   f"this save's token is {token}: shards of two runs never commit together")
+        try:
+            return self._write_shard(step, rank, token, image)
+        except CheckpointError as exc:
+            if getattr(exc.__cause__, "errno", None) != errno.ENOSPC or not self._give_way(step, token):
+                raise
+        return self._write_shard(step, rank, token, image)
+
+    def _write_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord:
         pending = self._tmp_dir(step, token)
         path = os.path.join(pending, shard_name(rank))
         part = f"{path}{_PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         marker = _marker_path(pending, rank)
         undo = [part]  # what a failure removes
-        created = False
+        created, held = False, -1
         try:
-            try:
-                os.mkdir(pending, 0o755)
-                created = True
-            except FileExistsError:
-                if not stat.S_ISDIR(os.lstat(pending).st_mode):
-                    raise UnsafeFileError(f"{pending} is not a directory; refusing to write into it") from None
+            created, held = _enter(pending)
             crcs: list[list[int]] = []
             summer = threading.Thread(target=lambda: crcs.append(block_crcs(image, BLOCK_SIZE)),
                                       name="flashckpt-crc32")
@@ -175,6 +207,77 @@ class LocalStorage(Policy):
         except BaseException:
             self._undo_write(pending, undo, marker, created)
             raise
+        finally:
+            if held >= 0:
+                os.close(held)  # the directory is no longer being written by this process
+
+    def _give_way(self, step: int, token: str) -> bool:
+        """Remove the pending saves that step ``step`` of run ``token`` would supersede
+        (older lines, older steps of its line) and no writer holds: a full disk, and the
+        newer step needs their space more. Whether any went."""
+        own = os.path.basename(self._tmp_dir(step, token))
+        if not any(_TMP_RE.match(name) and name != own for name in os.listdir(self.root)):
+            return False  # nothing to free: no lock file made on a full disk
+        with self._commit_lock():
+            gone = [path for path, live in self._sweep(token, step) if not live]
+        for path in gone:
+            shutil.rmtree(path, ignore_errors=True)
+        if gone:
+            log.warning("the disk of %s is full: removed %d older pending save(s) to write step %d",
+                        self.root, len(gone), step)
+        return bool(gone)
+
+    def _sweep(self, token: str, step: int, *, dry_run: bool = False) -> list[tuple[str, bool]]:
+        """Pending directories that step ``step`` of run ``token`` supersedes, and leftovers
+        of deletes: (path, live). Dead ones are renamed to a retired name (the path given is
+        that name), unless ``dry_run``; live ones (a writer holds them) are left. Caller
+        holds the commit lock."""
+        found = []
+        for name in os.listdir(self.root):
+            m = _TMP_RE.match(name)
+            if m is None:
+                continue
+            path, other = os.path.join(self.root, name), m.group(2)
+            if other.startswith(("replaced-", "retired-")):
+                found.append((path, False))  # being deleted, or left by a crash mid-delete
+            elif superseded(other, int(m.group(1)), token, step):
+                found.append(self._retire_unheld(path, int(m.group(1)), dry_run))
+                if found[-1][1]:
+                    log.info("%s is being written by a live process: left to a later commit", path)
+        return [(path, live) for path, live in found if path is not None]
+
+    def _retire_unheld(self, path: str, step: int, dry_run: bool = False) -> tuple[str | None, bool]:
+        """Retire the directory ``path`` unless a process holds it (an ``flock``: a writer of
+        a pending save, an exporter reading a committed step): (its retired path, or ``path``
+        with ``dry_run``, False), (path, True) when held, (None, False) when gone."""
+        try:
+            fd = os.open(path, _DIR_FLAGS)
+        except FileNotFoundError:
+            return None, False
+        except OSError:  # not a directory (or a symlink): nobody writes there
+            return (path if dry_run else self._retire_path(path, step)), False
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return path, True
+            return (path if dry_run else self._retire_path(path, step)), False
+        finally:
+            os.close(fd)
+
+    def remove_dead_pending(self, *, dry_run: bool = False) -> tuple[list[str], list[str]]:
+        """Remove what the newest commit supersedes and no writer holds, as its next commit
+        would (``flashckpt gc DIR``): (removed, or would be with ``dry_run``; kept because a
+        live process writes them). Pending saves newer than every commit are left alone."""
+        with self._commit_lock():
+            order = self.steps_in_order()
+            newest = (self.metadata(order[-1]).get("token") or "", order[-1]) if order else ("", -1)
+            swept = self._sweep(*newest, dry_run=dry_run)
+        dead = [path for path, live in swept if not live]
+        if not dry_run:
+            for path in dead:
+                shutil.rmtree(path, ignore_errors=True)
+        return dead, [path for path, live in swept if live]
 
     @staticmethod
     def _undo_write(pending: str, files: list[str], marker: str, created: bool) -> None:
@@ -319,27 +422,13 @@ class LocalStorage(Policy):
         leaves a committed step with missing shards, nor a pending save that commits torn."""
         retired = []
         for old in sorted(doomed(self._order(), keep_last, step)):
-            fd = os.open(self.step_dir(old), _DIR_FLAGS)
-            try:
-                try:  # an exporter reading it holds it (see hold_step): a later commit retires it
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    log.info("step %d of %s is being read by an exporter: retired by a later commit", old, self.root)
-                    continue
-                retired.append(self._retire_path(self.step_dir(old), old))
-                self._cache.pop(old, None)
-            finally:
-                os.close(fd)
-        mine = line_key(token)
-        for name in os.listdir(self.root):
-            m = _TMP_RE.match(name)
-            if m is None:
+            path, held = self._retire_unheld(self.step_dir(old), old)
+            if held:  # an exporter reading it holds it (see hold_step): a later commit retires it
+                log.info("step %d of %s is being read by an exporter: retired by a later commit", old, self.root)
                 continue
-            other = m.group(2)
-            if other.startswith(("replaced-", "retired-")):
-                retired.append(os.path.join(self.root, name))  # being deleted, or left by a crash mid-delete
-            elif line_key(other) < mine or (line_key(other) == mine and int(m.group(1)) < step):
-                retired.append(self._retire_path(os.path.join(self.root, name), int(m.group(1))))
+            retired.append(path)
+            self._cache.pop(old, None)
+        retired += [path for path, live in self._sweep(token, step) if not live]
         return list(dict.fromkeys(path for path in retired if path is not None))
 
     def _retire_path(self, path: str, step: int) -> str | None:

@@ -28,7 +28,7 @@ from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoin
 from ..restore._shard_read import ShardReader
 from ._step_meta import Line, line_key
 
-__all__ = ["Commit", "Policy", "commit_record", "doomed", "in_order", "late_commit"]
+__all__ = ["Commit", "Policy", "commit_record", "doomed", "in_order", "late_commit", "superseded"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,13 @@ def late_commit(there: Commit | None, token: str) -> bool:
     """Whether committing a step that ``there`` holds, for run ``token``, is a late commit
     of an older line (discarded)."""
     return there is not None and there.line.key > line_key(token)
+
+
+def superseded(token: str, step: int, mine: str, committed: int) -> bool:
+    """Whether a pending save of ``step`` by run ``token`` can no longer become the newest
+    once step ``committed`` of run ``mine`` is: it is of an older line, or an older step of
+    that line. Its uploads (or directory) are then removed, unless a writer is live."""
+    return line_key(token) < line_key(mine) or (line_key(token) == line_key(mine) and step < committed)
 
 
 def commit_record(step: int, world_size: int, token: str, branch: int | None, shards: dict[str, dict],

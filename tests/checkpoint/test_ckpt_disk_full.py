@@ -1,5 +1,6 @@
 """A full disk: the failed save is reported, the committed step stays, commits resume once
-space is freed, and close() never frees the only copy of an unpersisted step silently."""
+space is freed (what the failed persist left does not keep the disk full), and close()
+never frees the only copy of an unpersisted step silently."""
 
 import os
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from flashckpt import CheckpointError
+from flashckpt._engine import Engine, Options, Placement, new_token
 from flashckpt._names import job_prefix
 from flashckpt.storage._local import LocalStorage
 from flashckpt.torch import Checkpointer
@@ -52,6 +54,43 @@ def test_commits_resume_once_space_is_freed_and_nothing_is_left_behind(small_dis
         ck.save(3, _state(3)).wait(timeout=60)
         assert LocalStorage(str(ck_dir)).latest_step() == 3
     assert sorted(os.listdir(ck_dir)) == [".commit.lock", ".flashckpt-run.lock", "latest", "step-3"]
+
+
+def _rank(directory, job_id: str, rank: int, token: str) -> Engine:
+    """Rank ``rank`` of a two-rank job in this process (a hand-made placement: one node)."""
+    placement = Placement(local_rank=rank, memory_rank=rank, writes_memory=True, storage_rank=rank,
+                          storage_world=2, persists=True, token=token)
+    return Engine(str(directory), Options(persist_every=1, keep_last=1, job_id=job_id), placement)
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_filled_between_two_ranks_shards_commits_again_once_freed(small_disk, job_id):
+    """Rank 0's shard of step 2 is durable when the disk fills and rank 1's fails: the pending
+    step 2 holds a shard no commit will use. Once space is freed, step 3 must fit beside the
+    committed step 1 (keep_last=1 retires it only at step 3's commit): 2 + 2 shards of 1.75
+    MiB fill 7 of the 8 MiB, and step 2's leftover would take 1.75 more."""
+    ck_dir = small_disk / "ck"
+    token = new_token()
+    ranks = [_rank(ck_dir, job_id, rank, token) for rank in (0, 1)]
+    state = lambda step: {"w": torch.full((7 << 16,), float(step))}  # noqa: E731  1.75 MiB
+    try:
+        for engine in ranks:
+            engine.save(1, state(1)).wait(timeout=60)
+        ranks[0].save(2, state(2)).wait(timeout=60)
+        filler = _fill(small_disk)  # mid-persist: rank 0's shard of step 2 is written, rank 1's is not
+        ranks[1].save(2, state(2))
+        with pytest.raises(CheckpointError, match="No space left"):
+            ranks[1].wait(timeout=60)
+        assert LocalStorage(str(ck_dir)).latest_step() == 1
+        os.unlink(filler)
+        for engine in ranks:
+            engine.save(3, state(3)).wait(timeout=60)
+        assert LocalStorage(str(ck_dir)).latest_step() == 3
+        assert LocalStorage(str(ck_dir)).verify(3) == []
+        assert [n for n in os.listdir(ck_dir) if n.startswith("step-")] == ["step-3"]
+    finally:
+        for engine in ranks:
+            engine.close()
 
 
 @pytest.mark.timeout(120)
