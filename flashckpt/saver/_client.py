@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from .. import _names
+from ._exporters import export_timeout
 from .._errors import CheckpointTimeoutError, SaverError
 from .._options import env_count
 from ..memory._slot import pid_alive
@@ -103,6 +104,7 @@ class SaverClient:
 
     def __init__(self, job_id: str, slots: list[str], info: dict[str, Any]) -> None:
         persist_threads()  # a bad setting fails here, not in the saver this may start
+        export_timeout()
         self.job_id = job_id
         self._ids = itertools.count()
         self._buffer = b""

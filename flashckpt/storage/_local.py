@@ -50,7 +50,8 @@ from ._checksum import BLOCK_SIZE, block_crcs
 from ._files import fsync_dir, open_regular, read_bounded, write_atomic, write_durable
 from ..replicas._node_local import read_scope
 from ._run_lock import RUN_LOCK, RunClaim
-from ._policy import Policy, commit_record, doomed, late_commit, superseded
+from ._pending import DIR_FLAGS, PendingDirs, enter_pending
+from ._policy import Policy, commit_record, doomed, late_commit
 from ._step_meta import (MAX_LATEST, MAX_MARKER, MAX_METADATA, ShardRecord, image_token, plain_name, shard_name,
                          validate_metadata)
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeFileError
@@ -60,31 +61,7 @@ __all__ = ["LocalStorage", "RUN_LOCK", "StepHold"]
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_TMP_RE = re.compile(r"^step-(\d+)\.tmp-(.+)$")
 _PART = ".tmp-"  # a file being written: <name>.tmp-<pid>-<random>, renamed to <name> once durable
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _enter(pending: str) -> tuple[bool, int]:
-    """Make or open the pending directory and hold it for writing (a shared ``flock``):
-    (created by this call, the held descriptor). A cleanup that retired it just before
-    the hold is noticed (another inode there, or none) and a fresh one is made."""
-    while True:
-        created = False
-        try:
-            os.mkdir(pending, 0o755)
-            created = True
-        except FileExistsError:
-            if not stat.S_ISDIR(os.lstat(pending).st_mode):
-                raise UnsafeFileError(f"{pending} is not a directory; refusing to write into it") from None
-        fd = os.open(pending, _DIR_FLAGS)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        try:
-            if os.lstat(pending).st_ino == os.fstat(fd).st_ino:
-                return created, fd
-        except FileNotFoundError:
-            pass
-        os.close(fd)
 
 
 def _marker_path(pending: str, rank: int) -> str:
@@ -110,7 +87,7 @@ class StepHold:
         self.close()
 
 
-class LocalStorage(Policy):
+class LocalStorage(PendingDirs, Policy):
     """Committed steps of one checkpoint directory on a local or shared file system."""
 
     shared = False
@@ -184,7 +161,7 @@ class LocalStorage(Policy):
         undo = [part]  # what a failure removes
         created, held = False, -1
         try:
-            created, held = _enter(pending)
+            created, held = enter_pending(pending)
             crcs: list[list[int]] = []
             summer = threading.Thread(target=lambda: crcs.append(block_crcs(image, BLOCK_SIZE)),
                                       name="flashckpt-crc32")
@@ -210,89 +187,6 @@ class LocalStorage(Policy):
         finally:
             if held >= 0:
                 os.close(held)  # the directory is no longer being written by this process
-
-    def _give_way(self, step: int, token: str) -> bool:
-        """Remove the pending saves that step ``step`` of run ``token`` would supersede
-        (older lines, older steps of its line) and no writer holds: a full disk, and the
-        newer step needs their space more. Whether any went."""
-        own = os.path.basename(self._tmp_dir(step, token))
-        if not any(_TMP_RE.match(name) and name != own for name in os.listdir(self.root)):
-            return False  # nothing to free: no lock file made on a full disk
-        with self._commit_lock():
-            gone = [path for path, live in self._sweep(token, step) if not live]
-        for path in gone:
-            shutil.rmtree(path, ignore_errors=True)
-        if gone:
-            log.warning("the disk of %s is full: removed %d older pending save(s) to write step %d",
-                        self.root, len(gone), step)
-        return bool(gone)
-
-    def _sweep(self, token: str, step: int, *, dry_run: bool = False) -> list[tuple[str, bool]]:
-        """Pending directories that step ``step`` of run ``token`` supersedes, and leftovers
-        of deletes: (path, live). Dead ones are renamed to a retired name (the path given is
-        that name), unless ``dry_run``; live ones (a writer holds them) are left. Caller
-        holds the commit lock."""
-        found = []
-        for name in os.listdir(self.root):
-            m = _TMP_RE.match(name)
-            if m is None:
-                continue
-            path, other = os.path.join(self.root, name), m.group(2)
-            if other.startswith(("replaced-", "retired-")):
-                found.append((path, False))  # being deleted, or left by a crash mid-delete
-            elif superseded(other, int(m.group(1)), token, step):
-                found.append(self._retire_unheld(path, int(m.group(1)), dry_run))
-                if found[-1][1]:
-                    log.info("%s is being written by a live process: left to a later commit", path)
-        return [(path, live) for path, live in found if path is not None]
-
-    def _retire_unheld(self, path: str, step: int, dry_run: bool = False) -> tuple[str | None, bool]:
-        """Retire the directory ``path`` unless a process holds it (an ``flock``: a writer of
-        a pending save, an exporter reading a committed step): (its retired path, or ``path``
-        with ``dry_run``, False), (path, True) when held, (None, False) when gone."""
-        try:
-            fd = os.open(path, _DIR_FLAGS)
-        except FileNotFoundError:
-            return None, False
-        except OSError:  # not a directory (or a symlink): nobody writes there
-            return (path if dry_run else self._retire_path(path, step)), False
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return path, True
-            return (path if dry_run else self._retire_path(path, step)), False
-        finally:
-            os.close(fd)
-
-    def remove_dead_pending(self, *, dry_run: bool = False) -> tuple[list[str], list[str]]:
-        """Remove what the newest commit supersedes and no writer holds, as its next commit
-        would (``flashckpt gc DIR``): (removed, or would be with ``dry_run``; kept because a
-        live process writes them). Pending saves newer than every commit are left alone."""
-        with self._commit_lock():
-            order = self.steps_in_order()
-            newest = (self.metadata(order[-1]).get("token") or "", order[-1]) if order else ("", -1)
-            swept = self._sweep(*newest, dry_run=dry_run)
-        dead = [path for path, live in swept if not live]
-        if not dry_run:
-            for path in dead:
-                shutil.rmtree(path, ignore_errors=True)
-        return dead, [path for path, live in swept if live]
-
-    @staticmethod
-    def _undo_write(pending: str, files: list[str], marker: str, created: bool) -> None:
-        if os.path.lexists(marker):  # renamed into place before the failure: the shard it describes stays
-            files = files[:1]
-        for name in files:
-            try:
-                os.unlink(name)
-            except OSError:
-                pass
-        if created:
-            try:
-                os.rmdir(pending)
-            except OSError:
-                pass
 
     @contextmanager
     def _commit_lock(self, *, blocking: bool = True) -> Iterator[bool]:
@@ -431,15 +325,6 @@ class LocalStorage(Policy):
         retired += [path for path, live in self._sweep(token, step) if not live]
         return list(dict.fromkeys(path for path in retired if path is not None))
 
-    def _retire_path(self, path: str, step: int) -> str | None:
-        """``path`` renamed to a retired name; None if it is gone (a failed write undid itself)."""
-        retired = os.path.join(self.root, f"step-{step}.tmp-retired-{uuid.uuid4().hex[:8]}")
-        try:
-            os.replace(path, retired)
-        except FileNotFoundError:
-            return None
-        return retired
-
     # -- reading ------------------------------------------------------------------
 
     def _read_latest(self) -> int | None:
@@ -517,7 +402,7 @@ class LocalStorage(Policy):
         """A descriptor of the committed step's directory, which must not be a symlink."""
         where = self.step_dir(step)
         try:
-            return os.open(where, _DIR_FLAGS)
+            return os.open(where, DIR_FLAGS)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {where})") from None
         except OSError as exc:

@@ -72,3 +72,13 @@ def test_a_bad_export_timeout_is_a_clear_error(monkeypatch, raw):
     monkeypatch.setenv("FLASHCKPT_EXPORT_TIMEOUT", raw)
     with pytest.raises(ValueError, match="FLASHCKPT_EXPORT_TIMEOUT must be"):
         export_timeout()
+
+
+def test_a_bad_export_timeout_fails_the_checkpointer_not_its_saver(monkeypatch, tmp_path, job_id):
+    """The saver reads the bound from the environment of the trainer that starts it: a bad
+    value is the trainer's clear error at construction, not a saver that dies unseen."""
+    from flashckpt.torch import Checkpointer
+
+    monkeypatch.setenv("FLASHCKPT_EXPORT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="FLASHCKPT_EXPORT_TIMEOUT must be"):
+        Checkpointer(tmp_path, job_id=job_id)
