@@ -28,7 +28,6 @@ from . import _names
 from ._errors import CheckpointError, CheckpointNotFoundError
 from .saver._persist import persist_slot, unpersisted_slots
 from .memory._slot import Slot, SlotState, pid_alive
-from .storage._local import LocalStorage
 from .storage._url import open_storage
 
 if TYPE_CHECKING:
@@ -63,7 +62,7 @@ def _storage(directory: str) -> Storage:
     """The storage of an existing checkpoint directory (or object-store URL), else a
     CheckpointNotFoundError."""
     storage = open_storage(directory)
-    if isinstance(storage, LocalStorage) and not os.path.isdir(storage.root):
+    if not storage.remote and not os.path.isdir(storage.root):
         what = "no such directory" if not os.path.lexists(storage.root) else "not a directory"
         raise CheckpointNotFoundError(f"{storage.root}: {what}")
     return storage
@@ -191,7 +190,7 @@ def _gc_directories(directories: list[str], dry_run: bool) -> int:
     removed = kept = 0
     for directory in directories:
         storage = _storage(directory)
-        if not isinstance(storage, LocalStorage):
+        if storage.remote:
             raise CheckpointError(f"{storage.root}: gc cleans local directories; an object store's stale uploads "
                                   "go at its next commit")
         dead, live = storage.remove_dead_pending(dry_run=dry_run)

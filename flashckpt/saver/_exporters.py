@@ -38,7 +38,7 @@ from importlib.metadata import entry_points
 from typing import Any, Callable, Protocol
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError
-from ..storage._local import LocalStorage, StepHold
+from ..storage._local import StepHold
 from ..storage._url import open_storage
 
 __all__ = ["GROUP", "Export", "ExportQueue", "ImageHold", "export_timeout", "reads_memory", "registered",
@@ -167,7 +167,7 @@ class ExportQueue:
     its metadata) this queue exported already is skipped.
 
     Retention runs in the commit, so a commit must not retire a step whose export still
-    waits: a step in a local directory is held (:meth:`LocalStorage.hold_step`) from its
+    waits: a step in a local directory is held (the storage's ``hold_step``) from its
     submission until its export ran, and a commit leaves a held step to a later commit,
     or to the export's end, which applies the directory's retention again.
     Persist threads also wait (:meth:`wait_idle`, bounded) for the exports before
@@ -208,12 +208,10 @@ class ExportQueue:
         on into the other."""
         queued = _Queued(export, done)
         try:
-            storage = open_storage(export.directory)
-            if isinstance(storage, LocalStorage):
-                try:
-                    queued.hold = storage.hold_step(export.step)
-                except CheckpointNotFoundError as exc:  # _run says why
-                    queued.missing = exc
+            try:
+                queued.hold = open_storage(export.directory).hold_step(export.step)
+            except CheckpointNotFoundError as exc:  # _run says why
+                queued.missing = exc
         except BaseException:
             export.release()
             raise
@@ -329,7 +327,7 @@ def _retire_released(export: Export) -> None:
     if export.keep_last <= 0:
         return
     try:
-        LocalStorage(export.directory).apply_retention(export.keep_last, export.token)
+        open_storage(export.directory).apply_retention(export.keep_last, export.token)
     except Exception:  # noqa: BLE001 -- a later commit retires them; the export itself succeeded
         log.exception("retention of %s after exporting step %d failed", export.directory, export.step)
 

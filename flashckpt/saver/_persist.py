@@ -21,7 +21,6 @@ from .. import _names
 from .._errors import CheckpointError
 from ._exporters import Export, ExportQueue, reads_memory
 from ..memory._slot import RankLock, Slot, SlotState
-from ..storage._local import LocalStorage
 from ..storage._spec import storage_for
 
 if TYPE_CHECKING:
@@ -196,8 +195,7 @@ def _write_unless_durable(storage: Storage, step: int, info: dict[str, Any], ima
     frame kept alive below (an exception a library caught in a reference cycle) must not
     keep the slot mapped, nor, through the mapping's copy of its descriptor, locked."""
     with image:
-        if isinstance(storage, LocalStorage) and storage.shard_written(step, info["storage_rank"], info["token"],
-                                                                      image):
+        if storage.shard_written(step, info["storage_rank"], info["token"], image):
             # an earlier persist of this save (a saver that died, or the one waited for) wrote
             # it and ended before the step's commit: never write a durable shard again
             log.info("rank %d of step %d is durable in %s already; not writing it again", info["storage_rank"],

@@ -82,6 +82,17 @@ class CommittedStore(Policy):
     shared = True
     remote = True
 
+    def shard_written(self, step: int, rank: int, token: str, image: memoryview) -> bool:
+        """An object store cannot tell a durable shard of this save from another: False."""
+        return False
+
+    def hold_step(self, step: int) -> None:
+        """An object store has no lock to hold a step with: None (retention is not held off)."""
+        return None
+
+    def apply_retention(self, keep_last: int, token: str) -> None:
+        """Nothing is ever held here, so every commit's retention ran whole: nothing to do."""
+
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.root = backend.root

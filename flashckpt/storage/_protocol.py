@@ -121,3 +121,17 @@ class Storage(Protocol):
     def open_shard(self, step: int, rank: int) -> tuple[Any, dict]: ...
 
     def verify(self, step: int) -> list[str]: ...
+
+    def shard_written(self, step: int, rank: int, token: str, image: memoryview) -> bool:
+        """Whether this save's shard of ``step`` is durable already (an earlier persist of it
+        ended before the commit); False where the storage cannot tell, and it is written again."""
+        ...
+
+    def hold_step(self, step: int) -> Any:
+        """Keep committed ``step`` from retention until the returned hold is closed; None
+        where the storage cannot hold a step (a commit may then retire it while it is read)."""
+        ...
+
+    def apply_retention(self, keep_last: int, token: str) -> None:
+        """Retire what a commit's retention had to leave because a step was held."""
+        ...
