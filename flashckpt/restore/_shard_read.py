@@ -112,7 +112,6 @@ class ShardReader:
         if isinstance(self._file, io.FileIO):
             os.posix_fadvise(self._file.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
 
-
     def close(self) -> None:
         self._file.close()
 
@@ -215,6 +214,15 @@ class ShardReader:
         if length != self.size:  # a map past the end of the file faults (SIGBUS) when read
             raise CorruptCheckpointError(f"{self.path}: {length} bytes, the commit recorded {self.size} (truncated?)")
         return mmap.mmap(self.fileno(), self.size, prot=mmap.PROT_READ)
+
+    def verified_whole(self) -> mmap.mmap | bytearray:
+        """The whole shard, every block verified: mapped (:meth:`map_verified`) when it is a
+        local file, else read into memory (an object in a bucket has no file to map)."""
+        if isinstance(self._file, io.FileIO):
+            return self.map_verified()
+        buf = bytearray(self.size)
+        self.read_all([(0, memoryview(buf))])
+        return buf
 
     def _preadv(self, pieces: list[memoryview], offset: int) -> None:
         self._read_pieces([p for p in pieces if len(p)], offset)

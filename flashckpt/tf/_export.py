@@ -18,7 +18,6 @@ Checkpoints of the estimator hook have no object graph: they export as name-base
 from __future__ import annotations
 
 import base64
-import io
 import json
 import logging
 import mmap
@@ -58,7 +57,7 @@ def read_step(directory: str, step: int) -> tuple[dict[str, np.ndarray], dict[st
     the mapped file (close it when done), or the bytes of a shard in an object store
     (bfloat16 variables come as ``uint16``)."""
     with open_shard(open_storage(directory), step, 0, whole=True) as reader:
-        buf = _verified(reader)
+        buf = reader.verified_whole()
         path, image = reader.path, reader.image
     try:
         arrays, tf_node = _variables(image, buf, path)
@@ -66,18 +65,6 @@ def read_step(directory: str, step: int) -> tuple[dict[str, np.ndarray], dict[st
         _close(buf)
         raise
     return arrays, tf_node, buf
-
-
-def _verified(reader: ShardReader) -> mmap.mmap | bytearray:
-    """The whole shard, every block verified: mapped when it is a local file, else read
-    into memory (an object has no file to map)."""
-    try:
-        reader.fileno()
-    except io.UnsupportedOperation:
-        buf = bytearray(reader.size)
-        reader.read_all([(0, memoryview(buf))])
-        return buf
-    return reader.map_verified()
 
 
 def _close(buf: Any) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import io
 import mmap
 import pickle
 import warnings
@@ -82,14 +81,8 @@ def read_shard(reader: ShardReader, unpickle: Unpickle) -> tuple[Any, mmap.mmap 
     """The state tree of one committed shard, once every block verified, its tensors
     viewing the mapped file (keep the map open while they are used), or the bytes read
     into memory when the shard is not a local file (an object in a bucket)."""
-    try:
-        reader.fileno()
-    except io.UnsupportedOperation:
-        buf = bytearray(reader.size)
-        reader.read_all([(0, memoryview(buf))])
-        return image_tree(buf, reader.image, reader.body_start, unpickle), buf
-    mm = reader.map_verified()
-    return image_tree(mm, reader.image, reader.body_start, unpickle), mm
+    whole = reader.verified_whole()
+    return image_tree(whole, reader.image, reader.body_start, unpickle), whole
 
 
 @contextlib.contextmanager
