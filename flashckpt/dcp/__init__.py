@@ -1,0 +1,14 @@
+"""Flash checkpoints for callers of ``torch.distributed.checkpoint`` (DCP).
+
+``dcp.save(state, storage_writer=FlashStorageWriter(path))`` blocks only for one copy of
+this rank's items into shared memory; flashckpt's saver writes stock DCP files into
+``path`` in the background (any DCP reader reads them), and
+``dcp.load(state, storage_reader=FlashStorageReader(path))`` reads from memory when a
+restarted process finds the save there. :func:`close` persists and frees the runs (also at exit).
+"""
+
+from ._reader import FlashStorageReader
+from ._run import close_all as close
+from ._writer import FlashStorageWriter
+
+__all__ = ["FlashStorageReader", "FlashStorageWriter", "close"]

@@ -1,0 +1,121 @@
+"""Where a DCP checkpoint id's saved images are: in this node's shared memory, or in the
+run's store (committed).
+
+A DCP save is one flashckpt step of the run, each rank's image holding its ``.distcp``
+bytes and the id it was saved as (see :mod:`flashckpt.dcp._writer`). A reader looks the
+id up in every local rank's slots first (a restarted process on the node finds them all),
+then among the store's committed steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _names
+from .._errors import CheckpointError, CorruptCheckpointError
+from ..memory._format import parse_header
+from ..memory._slot import HEADER_SIZE, Slot, SlotState
+from ..restore._shard_read import open_shard
+from ..storage._protocol import Storage
+from ..torch._image_views import image_tree, unpickler
+
+__all__ = ["MemoryCopy", "committed_step", "memory_copies", "memory_tree"]
+
+_MAX_LOCAL_RANKS = 1024
+_SCAN = 32
+"""Committed steps looked through, newest first, for an id that names no step."""
+
+_REFUSE = unpickler(False, "a DCP step holds no pickled entries")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryCopy:
+    """A complete copy in a local slot of one rank's image of a DCP save."""
+
+    path: str
+    generation: int
+    step: int
+    storage_rank: int
+    storage_world: int
+    saved_at: float
+
+
+def _saved_id(info: dict[str, Any]) -> Any:
+    export = info.get("export")
+    return export.get("params", {}).get("checkpoint_id") if isinstance(export, dict) else None
+
+
+def memory_copies(job_id: str, store: str, checkpoint_id: str, slots_per_rank: int) -> dict[int, MemoryCopy]:
+    """storage rank -> its newest complete copy in this node's memory of the save of
+    ``checkpoint_id`` into ``store``, all of one step (that of the newest copy)."""
+    found: list[MemoryCopy] = []
+    for local_rank in range(_MAX_LOCAL_RANKS):
+        paths = [_names.slot_path(job_id, local_rank, i) for i in range(slots_per_rank)]
+        if not any(os.path.exists(p) for p in paths):
+            break
+        for path in paths:
+            h = Slot.peek_header(path)
+            if h is None or h.state != SlotState.COMPLETE or h.info.get("directory") != store:
+                continue
+            if _saved_id(h.info) == checkpoint_id:
+                found.append(MemoryCopy(path, h.generation, h.step, int(h.info.get("storage_rank", 0)),
+                                        int(h.info.get("storage_world", 1)), h.saved_at))
+    if not found:
+        return {}
+    step = max(found, key=lambda c: c.saved_at).step
+    copies: dict[int, MemoryCopy] = {}
+    for copy in sorted(found, key=lambda c: c.saved_at):
+        if copy.step == step:
+            copies[copy.storage_rank] = copy
+    return copies
+
+
+@contextlib.contextmanager
+def memory_tree(copy: MemoryCopy) -> Iterator[dict[str, Any]]:
+    """The ``dcp`` tree of ``copy``, its tensors viewing the slot, for the ``with`` block;
+    raises :class:`CheckpointError` if the slot was written again meanwhile."""
+    slot = Slot.open(copy.path, populate=False)
+    if slot is None:
+        raise CheckpointError(f"memory slot {copy.path} vanished")
+    try:
+        header = slot.read_header()
+        if header.generation != copy.generation or header.state != SlotState.COMPLETE:
+            raise CheckpointError(f"memory slot {copy.path} was written again")
+        image = parse_header(slot.image(header.image_len), copy.path, header.image_len)
+        yield image_tree(slot.mm, image, HEADER_SIZE + len(image.header), _REFUSE)["dcp"]
+        after = slot.read_header()
+        if after.generation != copy.generation or after.state != SlotState.COMPLETE:
+            raise CheckpointError(f"memory slot {copy.path} changed while loading")
+    finally:
+        with contextlib.suppress(BufferError):
+            slot.close()
+
+
+def _id_in_skeleton(skeleton: Any) -> Any:
+    """The ``checkpoint_id`` a saved tree's skeleton holds (see ``flashckpt.memory._tree.flatten``)."""
+    try:
+        top = dict(skeleton["d"])
+        return dict(top["dcp"]["d"])["checkpoint_id"]["v"]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def committed_step(storage: Storage, checkpoint_id: str, named: int | None) -> int | None:
+    """The newest committed step of ``storage`` saved as ``checkpoint_id`` (only ``named``
+    when the id names its step), else None; reads only shard headers."""
+    steps = storage.committed_steps()
+    candidates = [named] if named is not None else sorted(steps, reverse=True)[:_SCAN]
+    for step in candidates:
+        if step not in steps:
+            continue
+        try:
+            with open_shard(storage, step, 0) as reader:
+                if _id_in_skeleton(reader.image.meta.get("tree")) == checkpoint_id:
+                    return step
+        except (CheckpointError, CorruptCheckpointError, OSError):
+            continue
+    return None

@@ -1,0 +1,185 @@
+"""``FlashStorageReader``: DCP loads that read a flash save from shared memory first.
+
+A file of the checkpoint (``__<rank>_0.distcp``) is read from its rank's image in this
+node's shared memory when a local slot holds the save, else from the stock file on
+storage. A save that committed but whose stock files were never written (its saver was
+killed between the two) is exported first, here.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import time
+from torch.futures import Future
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+from .._errors import CheckpointNotFoundError
+from .._options import Options
+from ._export import METADATA, export
+from ._images import MemoryCopy, committed_step, memory_copies, memory_tree
+from ._run import Run, normalize_id, run_for, step_of, store_of
+from ._writer import distcp_name
+
+__all__ = ["FlashStorageReader"]
+
+log = logging.getLogger(__name__)
+
+
+def _rank_of(relative_path: str) -> int | None:
+    for rank_text in (relative_path[2:].split("_", 1)[0],):
+        if relative_path.startswith("__") and rank_text.isdigit() and relative_path == distcp_name(int(rank_text)):
+            return int(rank_text)
+    return None
+
+
+class FlashStorageReader(StorageReader):
+    """A DCP ``StorageReader`` for checkpoints written by :class:`~flashckpt.dcp.FlashStorageWriter`:
+    reads each rank's file from this node's shared memory when it is there (a restart on the
+    same node), else the stock files in ``path`` (which it also reads when flashckpt never
+    saved them: any DCP checkpoint). ``store``, ``options``: as the writer's."""
+
+    def __init__(self, path: str | os.PathLike, *, store: str | os.PathLike | None = None,
+                 options: Options | None = None, process_group: Any = None, **shorthands: Any) -> None:
+        super().__init__()
+        self._store_arg = None if store is None else os.fspath(store)
+        self._options = options
+        self._shorthands = shorthands
+        self._group = process_group
+        self.path = normalize_id(path)
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self.storage_data: dict[Any, _StorageInfo] = {}
+        self._copies: dict[int, MemoryCopy] = {}
+        self._step: int | None = None
+        self._start = time.perf_counter()
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = normalize_id(checkpoint_id)
+        self._reset_state()
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            normalize_id(checkpoint_id)
+        except ValueError:
+            return False
+        return True
+
+    def _run(self) -> Run:
+        return run_for(store_of(self.path, self._store_arg), self._options, self._group, **self._shorthands)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise FileNotFoundError("flashckpt writes one global .metadata, no per-rank ones")
+        self._start = time.perf_counter()
+        run = self._run()
+        engine = run.engine
+        self._copies = memory_copies(engine.job_id, engine.storage.root, self.path, engine.options.memory_slots)
+        if 0 in self._copies:
+            self._step = self._copies[0].step
+            with memory_tree(self._copies[0]) as saved:
+                metadata = pickle.loads(memoryview(saved["metadata"].numpy()))
+        else:
+            self._ensure_files(run)
+            metadata = FileSystemReader(self.path).read_metadata()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+    def _ensure_files(self, run: Run) -> None:
+        """Make sure the stock files exist: export a committed save that was never exported."""
+        if os.path.exists(os.path.join(self.path, METADATA)):
+            if self._step is None:
+                self._step = step_of(self.path)
+            return
+        step = committed_step(run.engine.storage, self.path, step_of(self.path))
+        if step is None:
+            raise CheckpointNotFoundError(
+                f"no DCP checkpoint {self.path}: not in this node's memory, no {METADATA} there, and "
+                f"nothing committed as it in {run.store}")
+        log.warning("DCP checkpoint %s is committed as step %d of %s but its files were never written: "
+                    "writing them now", self.path, step, run.store)
+        export(run.store, step, {"checkpoint_id": self.path})
+        self._step = step
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        from_files: list[ReadItem] = []
+        for relative_path, items in per_file.items():
+            rank = _rank_of(relative_path)
+            copy = self._copies.get(rank) if rank is not None else None
+            if copy is None:
+                from_files += items
+                continue
+            with memory_tree(copy) as saved:
+                self._read_from_memory(saved, items, planner)
+        if from_files:
+            run = self._run()
+            self._ensure_files(run)
+            files = FileSystemReader(self.path)
+            files.storage_data = self.storage_data
+            files.read_data(LoadPlan(from_files), planner).result()
+        source = "storage" if from_files else "memory"
+        run = self._run()
+        if self._step is not None:
+            run.saw(self._step)
+            run.engine.finish_load(self._step, source, self._start, checkpoint_id=self.path)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_from_memory(self, saved: dict[str, Any], items: list[ReadItem], planner: LoadPlanner) -> None:
+        frames = memoryview(saved["frames"].numpy())
+        data = saved["data"]
+        recipe = saved["recipe"].tolist()
+        places: dict[int, tuple[int, int, int]] = {}  # file offset -> (data index, frames start, length)
+        at = offset = 0
+        for i in range(0, len(recipe), 3):
+            before, index, after = recipe[i:i + 3]
+            size = before + after + (data[index].numel() * data[index].element_size() if index >= 0 else 0)
+            places[offset] = (index, at, before)
+            at += before + after
+            offset += size
+        for item in items:
+            index, start, length = places[self.storage_data[item.storage_index].offset]
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(bytes(frames[start:start + length])))
+                continue
+            source = narrow_tensor_by_index(data[index], item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != source.size():
+                raise RuntimeError(f"{item.storage_index} has shape {tuple(source.size())} in memory, "
+                                   f"the load wants {tuple(target.size())}")
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_group"] = None
+        return state

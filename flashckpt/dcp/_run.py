@@ -1,0 +1,144 @@
+"""The flashckpt run behind DCP checkpoint ids: one engine per backing store and process.
+
+DCP callers give every save a checkpoint id of its own (torchtitan writes
+``<folder>/step-<N>``, one writer object per save). The shared-memory slots belong to the
+run, not to the id, so every writer and reader of a process that names the same store
+shares one :class:`Run`: the steady save stall holds with a new id and a new writer each
+time. A run's store is flashckpt's own directory (default ``<parent of the id>/.flashckpt``);
+the stock DCP files of each id are written from it by the ``dcp`` exporter.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import threading
+from typing import Any
+
+from .._errors import CheckpointError
+from .._options import Options, resolve_options
+from ..storage._location import is_url
+
+__all__ = ["Run", "close_all", "normalize_id", "run_for", "store_of", "step_of"]
+
+log = logging.getLogger(__name__)
+
+STORE_NAME = ".flashckpt"
+"""The store's folder beside the checkpoint ids, unless the caller names one."""
+
+_STEP = re.compile(r"(\d+)(?:\.[A-Za-z]+)?$")
+
+
+def normalize_id(checkpoint_id: str | os.PathLike) -> str:
+    """The id as a key: an absolute, normalized path (a URL as given, without a trailing ``/``)."""
+    text = os.fspath(checkpoint_id)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"a checkpoint id must be a non-empty path, got {checkpoint_id!r}")
+    if is_url(text):
+        return text.rstrip("/")
+    return os.path.normpath(os.path.abspath(text))
+
+
+def store_of(checkpoint_id: str, store: str | os.PathLike | None) -> str:
+    """The run's store for ``checkpoint_id``: ``store`` if given, else ``.flashckpt`` beside the id."""
+    if store is not None:
+        return normalize_id(store)
+    parent = checkpoint_id.rsplit("/", 1)[0] if is_url(checkpoint_id) else os.path.dirname(checkpoint_id)
+    if not parent or parent == checkpoint_id:
+        raise ValueError(f"checkpoint id {checkpoint_id!r} has no parent folder to keep flashckpt's store in; "
+                         "pass store=")
+    return f"{parent}/{STORE_NAME}"
+
+
+def step_of(checkpoint_id: str) -> int | None:
+    """The step a checkpoint id names (``step-100`` -> 100, ``epoch=0-step=7.ckpt`` -> 7), else None."""
+    found = _STEP.search(checkpoint_id.rstrip("/").rsplit("/", 1)[-1])
+    return int(found.group(1)) if found else None
+
+
+class Run:
+    """One process's flashckpt run over a store: a torch :class:`~flashckpt.torch.Checkpointer`
+    (every rank its own shard) and the step numbers its DCP saves take."""
+
+    def __init__(self, store: str, options: Options, process_group: Any) -> None:
+        from ..torch import Checkpointer
+
+        self.store = store
+        self.options = options
+        self.checkpointer = Checkpointer(store, options=options, process_group=process_group)
+        self.engine = self.checkpointer.engine
+        self._last_step: int | None = None
+        self.lock = threading.Lock()
+
+    @property
+    def rank(self) -> int:
+        return self.engine.collective.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.collective.world_size
+
+    def next_step(self, checkpoint_id: str) -> int:
+        """The flashckpt step of a save of ``checkpoint_id``: the number the id ends with,
+        else one past the newest step this run knows (the same on every rank: the ranks
+        agree on it at the run's first such save). All ranks must call this."""
+        named = step_of(checkpoint_id)
+        if named is not None:
+            step = named
+        else:
+            if self._last_step is None:
+                known = self.engine.on_all_ranks(self._newest_known, "finding the newest step of the run")
+                self._last_step = max((k for k in known if k is not None), default=-1)
+            step = self._last_step + 1
+        self._last_step = step if self._last_step is None else max(self._last_step, step)
+        return step
+
+    def _newest_known(self) -> int | None:
+        steps = list(self.engine.memory_steps())
+        committed = self.engine.latest_step()
+        if committed is not None:
+            steps.append(committed)
+        return max(steps, default=None)
+
+    def saw(self, step: int) -> None:
+        """A load of ``step``: later saves without a number in their id count from it."""
+        self._last_step = step
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
+_RUNS: dict[str, Run] = {}
+_RUNS_LOCK = threading.Lock()
+
+
+def run_for(store: str, options: Options | None, process_group: Any = None, **shorthands: Any) -> Run:
+    """The process's run over ``store``, made at the first call (a collective: every rank
+    must make its first writer or reader of a store together); later calls must pass the
+    same options or none."""
+    resolved = resolve_options(options, **shorthands) if (options is not None or shorthands) else None
+    with _RUNS_LOCK:
+        run = _RUNS.get(store)
+        if run is None:
+            run = _RUNS[store] = Run(store, resolved or Options(), process_group)
+            if len(_RUNS) == 1:
+                atexit.register(close_all)
+        elif resolved is not None and resolved != run.options:
+            raise CheckpointError(f"the flashckpt run over {store} was opened with other options ({run.options}); "
+                                  "give every writer and reader of one store the same options")
+    return run
+
+
+def close_all() -> None:
+    """Persist each run's newest step if needed, wait for storage and free the shared memory
+    (also run at exit). The next writer or reader of a store opens a new run."""
+    with _RUNS_LOCK:
+        runs = list(_RUNS.values())
+        _RUNS.clear()
+    for run in runs:
+        try:
+            run.close()
+        except CheckpointError as exc:
+            log.error("closing the flashckpt run over %s: %s", run.store, exc)

@@ -1,0 +1,170 @@
+"""``FlashStorageWriter``: DCP's planned write items into the rank's shared memory in one copy.
+
+Each rank's items become the bytes of one stock DCP file, ``__<rank>_0.distcp``: a
+tensor item is ``torch.save``'s framing around its raw bytes (see
+:mod:`flashckpt.dcp._framing`), a bytes item its bytes. The save copies them into the
+rank's slot as one flashckpt step (the framing and bytes items as one ``uint8`` tensor, the
+tensors as themselves, and a recipe of how they interleave); the coordinator's step also
+holds the pickled ``.metadata``. The node's saver persists and commits the step across
+ranks like any flashckpt save, then the ``dcp`` exporter writes the stock files into the
+checkpoint id's folder (see :mod:`flashckpt.dcp._export`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import time
+from torch.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from .._options import Options
+from ._framing import framing
+from ._run import Run, normalize_id, run_for, store_of
+
+__all__ = ["FlashStorageWriter", "distcp_name"]
+
+log = logging.getLogger(__name__)
+
+EXPORTER = "dcp"
+
+
+def distcp_name(rank: int) -> str:
+    """The stock DCP file of ``rank``'s items."""
+    return f"__{rank}_0.distcp"
+
+
+class FlashStorageWriter(StorageWriter):
+    """A DCP ``StorageWriter`` with flash semantics: ``dcp.save`` (or ``async_save``) blocks
+    only for one copy of this rank's items into shared memory; flashckpt's saver writes
+    the stock DCP files (``.metadata``, ``__<rank>_0.distcp``) into ``path`` in the
+    background, and a restarted process reads them from memory
+    (:class:`~flashckpt.dcp.FlashStorageReader`).
+
+    ``path`` is the checkpoint id (a folder; ``dcp.save(checkpoint_id=...)`` may change it).
+    ``store``: flashckpt's own directory for the run (default: ``.flashckpt`` beside
+    ``path``); one run per store. ``options`` / keyword shorthands: :class:`flashckpt.Options`
+    (``persist_every``, ``keep_last`` of the store, ...). The step a save takes is the
+    number its id ends with (``step-100``), else one past the newest.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, store: str | os.PathLike | None = None,
+                 options: Options | None = None, process_group: Any = None, **shorthands: Any) -> None:
+        super().__init__()
+        self._store_arg = None if store is None else os.fspath(store)
+        self._options = options
+        self._shorthands = shorthands
+        self._group = process_group
+        self.path = normalize_id(path)
+        self._coordinator = True
+        self._rank = 0
+        self._pending: tuple[Run, int, dict[str, Any]] | None = None
+
+    # -- DCP's calls -----------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = normalize_id(checkpoint_id)
+        self._pending = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._coordinator = is_coordinator
+        self._rank = kwargs.get("rank", dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            normalize_id(checkpoint_id)
+        except ValueError:
+            return False
+        return True
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        start = time.perf_counter()
+        run = self._run()
+        step = run.next_step(self.path)
+        name = distcp_name(self._rank)
+        frames = bytearray()
+        data: list[torch.Tensor] = []
+        recipe: list[int] = []
+        results: list[WriteResult] = []
+        offset = 0
+        for item in plan.items:
+            resolved = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = resolved.getbuffer()
+                frames += raw
+                recipe += (len(raw), -1, 0)
+                length = len(raw)
+            else:
+                tensor = resolved.detach()
+                prefix, suffix = framing(tensor.dtype, tuple(tensor.shape))
+                frames += prefix
+                frames += suffix
+                recipe += (len(prefix), len(data), len(suffix))
+                data.append(tensor)
+                length = len(prefix) + tensor.numel() * tensor.element_size() + len(suffix)
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(name, offset, length)))
+            offset += length
+        tree = {"dcp": {"checkpoint_id": self.path, "file": name, "file_bytes": offset,
+                        "frames": torch.frombuffer(frames, dtype=torch.uint8) if frames else torch.empty(0, dtype=torch.uint8),
+                        "recipe": torch.tensor(recipe, dtype=torch.int64), "data": data}}
+        if self._coordinator:  # saved with the .metadata once every rank wrote (finish)
+            self._pending = (run, step, tree)
+        else:
+            self._save(run, step, tree, start)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        start = time.perf_counter()
+        if self._pending is None:
+            raise RuntimeError("finish() without write_data() on the coordinator")
+        run, step, tree = self._pending
+        self._pending = None
+        metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        metadata.storage_meta = self.storage_meta()
+        tree["dcp"]["metadata"] = torch.frombuffer(bytearray(pickle.dumps(metadata)), dtype=torch.uint8)
+        self._save(run, step, tree, start)
+
+    # -- flashckpt -----------------------------------------------------------------
+
+    def _run(self) -> Run:
+        return run_for(store_of(self.path, self._store_arg), self._options, self._group, **self._shorthands)
+
+    def _save(self, run: Run, step: int, tree: dict[str, Any], start: float) -> None:
+        export = {"name": EXPORTER, "params": {"checkpoint_id": self.path}}
+        with run.lock:
+            run.engine.save(step, tree, export=export)
+        log.debug("dcp save of %s as step %d: %d bytes of rank %d into memory in %.3fs", self.path, step,
+                  tree["dcp"]["file_bytes"], self._rank, time.perf_counter() - start)
+
+    def __getstate__(self) -> dict[str, Any]:  # async_save's process executor pickles the writer
+        state = self.__dict__.copy()
+        state["_pending"] = None
+        state["_group"] = None
+        return state
