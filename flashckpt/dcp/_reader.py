@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
+from .._engine import LoadInfo
 from .._errors import CheckpointNotFoundError
 from .._options import Options
 from ._export import METADATA, export
@@ -61,6 +62,7 @@ class FlashStorageReader(StorageReader):
         self.storage_data: dict[Any, _StorageInfo] = {}
         self._copies: dict[int, MemoryCopy] = {}
         self._step: int | None = None
+        self._last_load: LoadInfo | None = None
         self._start = time.perf_counter()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -71,6 +73,11 @@ class FlashStorageReader(StorageReader):
     @property
     def checkpoint_id(self) -> str:
         return self.path
+
+    @property
+    def last_load(self) -> LoadInfo | None:
+        """Step, source ("memory" / "storage") and seconds of this reader's last load."""
+        return self._last_load
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -150,6 +157,7 @@ class FlashStorageReader(StorageReader):
         if self._step is not None:
             run.saw(self._step)
             run.engine.finish_load(self._step, source, self._start, checkpoint_id=self.path)
+        self._last_load = LoadInfo(self._step, source, time.perf_counter() - self._start)
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -1,0 +1,57 @@
+"""The flash DCP writer and reader with real DCP, gloo and FSDP2: a save that returned
+survives ``kill -9`` of every rank and loads from memory; the files on storage are stock
+DCP files that stock readers load, also at another world size."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .._fork import run_ranks
+from ..fsdp._fsdp_common import Net
+from . import _ranks
+
+
+def _wait_for(path: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout:g}s"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def killed_then_restored(tmp_path_factory):
+    """2 FSDP2 ranks save steps 2 and 3 and are killed; 2 new ranks load step 3."""
+    root = str(tmp_path_factory.mktemp("dcp"))
+    with pytest.raises(AssertionError, match="exited with code -9"):
+        run_ranks(_ranks.save_then_die, 2, root)
+    return root, run_ranks(_ranks.restore, 2, root)
+
+
+def test_a_returned_save_survives_kill_9_and_loads_from_memory(killed_then_restored):
+    _, results = killed_then_restored
+    assert [r["source"] for r in results] == ["memory", "memory"]
+    assert all(r["same"] and r["step"] == 3 and r["saved_step"] == 3 for r in results)
+
+
+def test_storage_holds_stock_dcp_files(killed_then_restored):
+    root, _ = killed_then_restored
+    for step in (2, 3):
+        _wait_for(f"{root}/step-{step}/.metadata")
+        assert sorted(os.listdir(f"{root}/step-{step}")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_stock_reader_reshards_two_ranks_to_one(killed_then_restored):
+    """No flashckpt on the read side: DCP's FileSystemReader in one process."""
+    root, _ = killed_then_restored
+    _wait_for(f"{root}/step-3/.metadata")
+    state = {"model": Net().state_dict(), "step": 0}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(f"{root}/step-3"), no_dist=True)
+    want = torch.load(f"{root}/expected.pt", weights_only=True)["model"]
+    assert state["step"] == 3
+    for name, tensor in want.items():
+        assert torch.equal(state["model"][name], tensor), name
