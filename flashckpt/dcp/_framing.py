@@ -15,6 +15,7 @@ import functools
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.serialization import config as _serialization_config
 
@@ -27,16 +28,16 @@ _LOCK = threading.Lock()
 
 
 class _Recorder:
-    """A write-only stream keeping what is written, except the one write of ``nbytes``
-    (the tensor's data), which it marks with None."""
+    """A write-only stream keeping what is written, except the write of the tensor's data
+    (``torch.save`` hands over a view of the tensor's own memory), which it marks with None."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, tensor: torch.Tensor) -> None:
         self.parts: list[bytes | None] = []
-        self._nbytes = nbytes
+        self._data = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
     def write(self, b: Any) -> int:
         view = memoryview(b)
-        if view.nbytes == self._nbytes and self._nbytes and None not in self.parts:
+        if view.nbytes and (np.frombuffer(view, dtype=np.uint8).ctypes.data, view.nbytes) == self._data:
             self.parts.append(None)
         else:
             self.parts.append(bytes(view))
@@ -50,7 +51,7 @@ class _Recorder:
 def framing(dtype: torch.dtype, shape: tuple[int, ...]) -> Framing:
     """``torch.save``'s bytes before and after the data of a contiguous ``dtype`` tensor of ``shape``."""
     template = torch.empty(shape, dtype=dtype)
-    recorder = _Recorder(template.numel() * template.element_size())
+    recorder = _Recorder(template)
     with _LOCK:  # the option is process-wide: set it only around this save
         crc = _serialization_config.save.compute_crc32
         _serialization_config.save.compute_crc32 = False
@@ -59,5 +60,8 @@ def framing(dtype: torch.dtype, shape: tuple[int, ...]) -> Framing:
         finally:
             _serialization_config.save.compute_crc32 = crc
     parts = recorder.parts
+    if template.numel() and parts.count(None) != 1:
+        raise RuntimeError(f"torch.save wrote the data of a {dtype} tensor of shape {shape} "
+                           f"{parts.count(None)} times; this torch's archive layout is not supported")
     at = parts.index(None) if None in parts else len(parts)
     return b"".join(p for p in parts[:at] if p is not None), b"".join(p for p in parts[at + 1:] if p is not None)

@@ -56,6 +56,7 @@ class FlashStorageReader(StorageReader):
         self._shorthands = shorthands
         self._group = process_group
         self.path = normalize_id(path)
+        self._run()  # here, not inside DCP's calls: a refused store is a plain error (a collective at a store's first use)
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -90,9 +91,7 @@ class FlashStorageReader(StorageReader):
     def _run(self) -> Run:
         return run_for(store_of(self.path, self._store_arg), self._options, self._group, **self._shorthands)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise FileNotFoundError("flashckpt writes one global .metadata, no per-rank ones")
+    def read_metadata(self) -> Metadata:  # no **kwargs: DCP then never asks for per-rank metadata
         self._start = time.perf_counter()
         run = self._run()
         engine = run.engine
@@ -151,7 +150,7 @@ class FlashStorageReader(StorageReader):
             self._ensure_files(run)
             files = FileSystemReader(self.path)
             files.storage_data = self.storage_data
-            files.read_data(LoadPlan(from_files), planner).result()
+            files.read_data(LoadPlan(from_files), planner).wait()
         source = "storage" if from_files else "memory"
         run = self._run()
         if self._step is not None:

@@ -19,7 +19,6 @@ from typing import Any
 
 from .._errors import CheckpointError
 from .._options import Options, resolve_options
-from ..storage._location import is_url
 
 __all__ = ["Run", "close_all", "normalize_id", "run_for", "store_of", "step_of"]
 
@@ -32,12 +31,13 @@ _STEP = re.compile(r"(\d+)(?:\.[A-Za-z]+)?$")
 
 
 def normalize_id(checkpoint_id: str | os.PathLike) -> str:
-    """The id as a key: an absolute, normalized path (a URL as given, without a trailing ``/``)."""
+    """The id as a key: an absolute, normalized local path."""
     text = os.fspath(checkpoint_id)
     if not isinstance(text, str) or not text:
         raise ValueError(f"a checkpoint id must be a non-empty path, got {checkpoint_id!r}")
-    if is_url(text):
-        return text.rstrip("/")
+    if "://" in text:
+        raise ValueError(f"checkpoint id {text!r}: the flash DCP writer and reader take local paths (the "
+                         "backing folder of a node, shared or not); object-store URLs are not supported yet")
     return os.path.normpath(os.path.abspath(text))
 
 
@@ -45,8 +45,8 @@ def store_of(checkpoint_id: str, store: str | os.PathLike | None) -> str:
     """The run's store for ``checkpoint_id``: ``store`` if given, else ``.flashckpt`` beside the id."""
     if store is not None:
         return normalize_id(store)
-    parent = checkpoint_id.rsplit("/", 1)[0] if is_url(checkpoint_id) else os.path.dirname(checkpoint_id)
-    if not parent or parent == checkpoint_id:
+    parent = os.path.dirname(checkpoint_id)
+    if parent == checkpoint_id:
         raise ValueError(f"checkpoint id {checkpoint_id!r} has no parent folder to keep flashckpt's store in; "
                          "pass store=")
     return f"{parent}/{STORE_NAME}"

@@ -65,6 +65,7 @@ class FlashStorageWriter(StorageWriter):
         self._shorthands = shorthands
         self._group = process_group
         self.path = normalize_id(path)
+        self._run()  # here, not inside DCP's calls: a refused store is a plain error (a collective at a store's first use)
         self._coordinator = True
         self._rank = 0
         self._pending: tuple[Run, int, dict[str, Any]] | None = None

@@ -1,0 +1,143 @@
+"""The flash DCP writer and reader in one process: ``async_save``, bytes items and
+non-contiguous tensors, ids with and without a step, a committed save whose stock files
+were never written, and bad input."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import flashckpt
+from flashckpt.dcp import FlashStorageReader, FlashStorageWriter, close
+
+from .._fork import Forked
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture(autouse=True)
+def _closed():
+    yield
+    close()
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g), "half": torch.randn(7, generator=g).to(torch.bfloat16),
+            "t": torch.randn(5, 3, generator=g).t(),  # not contiguous
+            "n": torch.tensor(seed), "sched": {"lr": 0.1 * seed, "name": f"run{seed}"}}
+
+
+def _blank() -> dict:
+    return {"w": torch.zeros(64, 32), "half": torch.zeros(7, dtype=torch.bfloat16), "t": torch.zeros(3, 5),
+            "n": torch.tensor(0), "sched": {"lr": 0.0, "name": ""}}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in ("w", "half", "t", "n")) and a["sched"] == b["sched"]
+
+
+def test_async_save_then_load_from_memory(tmp_path):
+    saved = _state(1)
+    dcp.async_save(saved, storage_writer=FlashStorageWriter(tmp_path / "step-1")).result()
+    loaded, reader = _blank(), FlashStorageReader(tmp_path / "step-1")
+    dcp.load(loaded, storage_reader=reader)
+    assert _equal(loaded, saved)
+    assert reader.last_load.source == "memory" and reader.last_load.step == 1
+
+
+def test_stock_files_load_with_the_stock_reader(tmp_path):
+    saved = _state(2)
+    dcp.save(saved, storage_writer=FlashStorageWriter(tmp_path / "step-2"))
+    close()  # persisted and committed; the export follows
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "step-2" / ".metadata").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    loaded = _blank()
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(tmp_path / "step-2"))
+    assert _equal(loaded, saved)
+
+
+def test_ids_without_a_step_take_the_next_one(tmp_path):
+    for i, name in enumerate(["first", "second", "step-10", "third"]):
+        dcp.save(_state(i + 1), storage_writer=FlashStorageWriter(tmp_path / name, keep_last=0))
+    close()
+    steps = sorted(int(n.split("-")[1]) for n in os.listdir(tmp_path / ".flashckpt") if n.startswith("step-")
+                   and n.split("-")[1].isdigit())
+    assert steps == [0, 1, 10, 11]
+    loaded = _blank()
+    dcp.load(loaded, storage_reader=FlashStorageReader(tmp_path / "second"))
+    assert _equal(loaded, _state(2))
+
+
+def test_a_committed_save_never_exported_is_written_by_the_reader(tmp_path):
+    saved = _state(3)
+    dcp.save(saved, storage_writer=FlashStorageWriter(tmp_path / "step-3"))
+    close()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "step-3" / ".metadata").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    shutil.rmtree(tmp_path / "step-3")  # as if the saver died between the commit and the export
+    loaded, reader = _blank(), FlashStorageReader(tmp_path / "step-3")
+    dcp.load(loaded, storage_reader=reader)
+    assert _equal(loaded, saved)
+    assert reader.last_load.source == "storage"
+    assert sorted(os.listdir(tmp_path / "step-3")) == [".metadata", "__0_0.distcp"]
+
+
+@pytest.mark.parametrize("bad", ["s3://user:secret@bucket/ckpt/step-1", "file:///ckpt/step-1?x=1",
+                                 "http://host/ckpt/step-1"])
+def test_a_url_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="local paths"):
+        FlashStorageWriter(bad)
+    with pytest.raises(ValueError, match="local paths"):
+        FlashStorageReader(bad)
+
+
+def test_nothing_saved_is_not_found(tmp_path):
+    with pytest.raises(BaseException) as failed:  # DCP's CheckpointException is a BaseException
+        dcp.load(_blank(), storage_reader=FlashStorageReader(tmp_path / "step-4"))
+    assert f"no DCP checkpoint {tmp_path / 'step-4'}: not in this node's memory" in str(failed.value), str(failed.value)
+
+
+def _hold_the_store(path: str) -> None:
+    dcp.save(_state(5), storage_writer=FlashStorageWriter(path))
+    print("saved", flush=True)
+    sys.stdin.readline() if False else time.sleep(120)
+
+
+def test_a_store_another_live_run_holds_is_refused(tmp_path):
+    other = Forked(_hold_the_store, str(tmp_path / "step-5"))
+    try:
+        assert other.stdout.readline().strip() == "saved", other.stderr.read()
+        with pytest.raises(flashckpt.JobConflictError, match="another run is live"):
+            FlashStorageWriter(tmp_path / "step-6")
+        assert not (tmp_path / "step-6").exists()
+    finally:
+        other.kill()
+        other.wait(30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.bool,
+                                   torch.int64, torch.float64, torch.uint8])
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (14,), (3, 5), (0,), (2, 0, 3)])
+def test_the_framing_is_what_torch_save_writes(dtype, shape):
+    """``prefix + raw bytes + suffix`` loads with ``torch.load`` as the tensor, for sizes that
+    equal another record's length (14 bytes is also the length of ``archive/data/0``)."""
+    import io
+
+    from flashckpt.dcp._framing import framing
+
+    tensor = (torch.arange(max(1, int(torch.tensor(shape).prod())) if shape else 1) % 3).to(dtype).reshape(shape)
+    prefix, suffix = framing(dtype, shape)
+    raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    back = torch.load(io.BytesIO(prefix + raw + suffix), weights_only=True)
+    assert back.dtype == dtype and back.shape == tensor.shape and torch.equal(back, tensor)
