@@ -1,0 +1,258 @@
+"""Flash DCP saves side by side with stock ``torch.distributed.checkpoint``, one run, interleaved.
+
+    python benchmarks/dcp.py [--size small|large|both] [--repeats 3] [--dir DIR]
+                             [--json results/dcp.json]
+
+The state is the GPT-2-shaped AdamW state of ``save_load.py`` (357 MB "small", 1.49 GB
+"large"), saved with ``dcp.save`` and no process group. Each repeat runs every method
+once, in an order rotated per repeat; the table shows medians and ratios to the floor.
+
+- floor: one copy of every tensor into an already-touched /dev/shm file (the save floor),
+  and a new process mapping that file and copying out (the floor of a load from memory
+  after a restart).
+- dcp.save: stock ``FileSystemWriter``, blocking until durable (it fsyncs).
+- dcp.async_save (thread executor): stall until staged, total until the future resolves;
+  with its default per-call stager, and with one ``DefaultStager`` kept across saves
+  (cached staging buffers: first and steady).
+- flashckpt writer: ``dcp.save(state, storage_writer=FlashStorageWriter(f"{dir}/step-N"))``
+  in a process of its own, a new id and a new writer object every save (as torchtitan
+  does): stall (first, steady), time until the stock files of the last save are on storage
+  (``.metadata`` published, every file fsynced), then the process exits without closing,
+  as a crash would; a NEW process loads it with ``FlashStorageReader`` from memory (the
+  reader's construction timed apart); then a cold ``dcp.load`` of the stock files with
+  stock ``FileSystemReader`` (page cache dropped with posix_fadvise).
+- ml-flashpoint's ``MemoryStorageWriter``: not measured (see the README's benchmark notes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _state import SPECS, ShmFloor, build_state, fingerprint, nbytes, tensors  # noqa: E402
+
+RESULT = "RESULT "
+STEADY = 3
+SHM = Path("/dev/shm")
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _evict(path: Path) -> None:
+    for file in (p for p in path.rglob("*") if p.is_file()):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _child(*argv: str) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+
+
+# ---- methods (each adds samples to ``samples``) --------------------------------------------
+
+def bench_floor(size: str, state: dict[str, Any], work: Path, samples: dict[str, list[float]]) -> None:
+    ts = tensors(state)
+    path = SHM / f"flashckpt-dcp-floor-{os.getpid()}"
+    floor = ShmFloor(path, ts, create=True)
+    try:
+        for _ in range(3):
+            samples.setdefault("floor.save", []).append(_timed(lambda: floor.save(ts)))
+        result = _child("floor-load", "--size", size, "--path", str(path))
+        samples.setdefault("floor.load_new_process", []).append(result["seconds"])
+    finally:
+        floor.close(unlink=True)
+
+
+def bench_stock(size: str, state: dict[str, Any], work: Path, samples: dict[str, list[float]]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    def add(key: str, value: float) -> None:
+        samples.setdefault(key, []).append(value)
+
+    add("dcp.save", _timed(lambda: dcp.save(state, checkpoint_id=work / "sync")))
+    _evict(work / "sync")
+    add("dcp.load_cold", _timed(lambda: dcp.load(state, checkpoint_id=work / "sync")))
+    stall, total = _async(dcp, state, work / "async", None)
+    add("dcp.async_stall", stall)
+    add("dcp.async_total", total)
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for i in range(1 + STEADY):
+            stall, total = _async(dcp, state, work / f"reused-{i}", stager)
+            add("dcp.reused_stall_first" if i == 0 else "dcp.reused_stall_steady", stall)
+    finally:
+        stager.close()
+
+
+def _async(dcp: Any, state: dict[str, Any], path: Path, stager: Any) -> tuple[float, float]:
+    gc.collect()
+    start = time.perf_counter()
+    future = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
+    stall = time.perf_counter() - start
+    future.result()
+    return stall, time.perf_counter() - start
+
+
+def bench_flash(size: str, state: dict[str, Any], work: Path, samples: dict[str, list[float]]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    saved = _child("flash-save", "--size", size, "--dir", str(work))
+    for key in ("first", "steady", "durable"):
+        samples.setdefault(f"flash.{key}", []).extend(saved[key])
+    loaded = _child("flash-load", "--size", size, "--dir", str(work), "--id", saved["id"])
+    if loaded["fingerprint"] != fingerprint(state) or loaded["source"] != "memory":
+        raise RuntimeError(f"the flash load in a new process read {loaded['source']}, fingerprint "
+                           f"{loaded['fingerprint']} (saved {fingerprint(state)})")
+    samples.setdefault("flash.open_new_process", []).append(loaded["open"])
+    samples.setdefault("flash.load_new_process", []).append(loaded["seconds"])
+    _evict(Path(saved["id"]))
+    samples.setdefault("flash.load_cold_stock_reader", []).append(
+        _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(saved["id"]))))
+
+
+METHODS = {"floor": bench_floor, "dcp": bench_stock, "flash": bench_flash}
+
+
+# ---- child processes -----------------------------------------------------------------------
+
+def child_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("kind", choices=["floor-load", "flash-save", "flash-load"])
+    parser.add_argument("--size", required=True)
+    parser.add_argument("--path")
+    parser.add_argument("--dir")
+    parser.add_argument("--id")
+    args = parser.parse_args(argv)
+    import warnings
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    state = build_state(SPECS[args.size], seed=0 if args.kind == "flash-save" else 1)
+    if args.kind == "floor-load":
+        ts = tensors(state)
+        gc.collect()
+        start = time.perf_counter()
+        floor = ShmFloor(Path(args.path), ts, create=False)
+        floor.load(ts)
+        result: dict[str, Any] = {"seconds": time.perf_counter() - start}
+        floor.close(unlink=False)
+    elif args.kind == "flash-save":
+        result = _flash_save(state, Path(args.dir))
+    else:
+        result = _flash_load(state, args.id)
+    result["fingerprint"] = fingerprint(state)
+    print(RESULT + json.dumps(result), flush=True)
+    if args.kind == "flash-save":
+        os._exit(0)  # no close: the memory stays, as after a crash
+
+
+def _flash_save(state: dict[str, Any], work: Path) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from flashckpt.dcp import FlashStorageWriter
+
+    stalls: list[float] = []
+    target = ""
+    for step in range(1 + STEADY):
+        target = str(work / f"step-{step}")
+        writer = FlashStorageWriter(target, keep_last=2)
+        stalls.append(_timed(lambda: dcp.save(state, storage_writer=writer)))
+    start = time.perf_counter() - stalls[-1]
+    while not os.path.exists(os.path.join(target, ".metadata")):
+        time.sleep(0.002)
+    return {"first": stalls[:1], "steady": stalls[1:], "durable": [time.perf_counter() - start], "id": target}
+
+
+def _flash_load(state: dict[str, Any], target: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from flashckpt.dcp import FlashStorageReader, close
+
+    gc.collect()
+    start = time.perf_counter()
+    reader = FlashStorageReader(target)
+    opened = time.perf_counter()
+    dcp.load(state, storage_reader=reader)
+    loaded = time.perf_counter()
+    source = reader.last_load.source
+    close()
+    return {"open": opened - start, "seconds": loaded - opened, "source": source}
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def run_size(size: str, repeats: int, root: Path) -> dict[str, Any]:
+    state = build_state(SPECS[size], seed=0)
+    samples: dict[str, list[float]] = {}
+    order = list(METHODS)
+    for repeat in range(repeats):
+        for name in order[repeat % len(order):] + order[:repeat % len(order)]:
+            work = root / f"{size}-{name}-{repeat}"
+            work.mkdir(parents=True)
+            try:
+                METHODS[name](size, state, work, samples)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            print(f"  {size} repeat {repeat + 1}/{repeats}: {name} done", flush=True)
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    floor_save, floor_load = medians["floor.save"], medians["floor.load_new_process"]
+    ratios = {k: v / (floor_load if "load_new_process" in k or "open_new" in k else floor_save)
+              for k, v in medians.items() if not k.startswith("floor.") and "cold" not in k and "durable" not in k
+              and k not in ("dcp.save", "dcp.async_total")}
+    return {"bytes": nbytes(state), "samples": samples, "medians": medians, "ratios_to_floor": ratios}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child_main(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=["small", "large", "both"], default="small")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    sizes = ["small", "large"] if args.size == "both" else [args.size]
+    root = Path(tempfile.mkdtemp(prefix="flashckpt-dcp-bench-", dir=args.dir))
+    results: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count(), "sizes": {}}
+    try:
+        for size in sizes:
+            results["sizes"][size] = result = run_size(size, args.repeats, root)
+            print(f"\n{size}: {result['bytes'] / 1e6:.0f} MB, medians over {args.repeats} repeats")
+            for key, value in sorted(result["medians"].items()):
+                ratio = result["ratios_to_floor"].get(key)
+                print(f"  {key:32s} {value:8.3f} s" + (f"   {ratio:5.2f}x floor" if ratio is not None else ""))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
