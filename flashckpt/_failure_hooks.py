@@ -68,6 +68,7 @@ class FailureHooks:
         w.setblocking(False)
         self._prev_fd = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
         self._wake_r, self._wake_w = r, w
+        os.register_at_fork(after_in_child=self._give_back_wakeup_fd)
         self._watcher = threading.Thread(target=self._watch, name="flashckpt-capture", daemon=True)
         self._watcher.start()
 
@@ -82,16 +83,24 @@ class FailureHooks:
         for sig in SIGNALS:
             if signal.getsignal(sig) == self._on_signal:
                 signal.signal(sig, self._prev[sig])
+        self._give_back_wakeup_fd()
+        self._stopping = True
+        self._wake_w.close()  # the watcher's recv returns b""
+        self._watcher.join(5.0)
+        self._wake_r.close()
+
+    def _give_back_wakeup_fd(self) -> None:
+        """The previous wakeup descriptor again, where ours is still set. Also in a forked
+        child (a data-loader worker), first thing: it shares our socket, and a signal to it
+        would wake this process's watcher."""
+        if self._wake_w is None or self._stopping:
+            return
         try:
             current = signal.set_wakeup_fd(self._prev_fd)
         except ValueError:  # the previous descriptor was closed meanwhile
             current = signal.set_wakeup_fd(-1)
         if current != self._wake_w.fileno():  # someone took it after us: leave it theirs
             signal.set_wakeup_fd(current)
-        self._stopping = True
-        self._wake_w.close()  # the watcher's recv returns b""
-        self._watcher.join(5.0)
-        self._wake_r.close()
 
     # -- signals ---------------------------------------------------------------
 

@@ -90,3 +90,29 @@ def test_capture_writes_the_last_finished_step(tmp_path, job_id):
         assert ckpt.load(_state(model2, opt2)) == 7
         for k, v in model2.state_dict().items():
             assert torch.equal(v, expected[k])
+
+
+def _forked_child_takes_sigterm(directory: str, job: str) -> str:
+    """In a worker: a child forked after ``save_on_failure`` (a data-loader worker) gets
+    SIGTERM; this process must neither capture nor end."""
+    import os
+    import time
+    model, opt = _model()
+    with Checkpointer(directory, job_id=job) as ckpt:
+        ckpt.save_on_failure(lambda: _state(model, opt), optimizer=opt)
+        _step(model, opt)
+        pid = os.fork()
+        if pid == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(3)  # not reached: the child ends by the signal
+        _, status = os.waitpid(pid, 0)
+        time.sleep(1.5)  # past the watcher's grace for the main thread
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+        assert ckpt.engine.memory_steps() == {}, ckpt.engine.memory_steps()
+    return "alive"
+
+
+def test_a_forked_childs_signal_is_not_this_processs_failure(tmp_path, job_id):
+    from .._fork import Forked
+    proc = Forked(_forked_child_takes_sigterm, str(tmp_path), job_id)
+    assert proc.wait(60) == 0, proc.stderr.read()
