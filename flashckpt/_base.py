@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from ._capture import FailureCapture
 from ._engine import Engine, LoadInfo
+from ._errors import CheckpointError
 from ._failure_hooks import FailureHooks
 
 __all__ = ["EngineCheckpointer"]
@@ -17,6 +18,9 @@ class EngineCheckpointer:
     their own ``save``/``load``."""
 
     _engine: Engine
+    _captures_failures = False
+    """Subclasses whose ``save`` hands the engine the caller's tree as it is set this, so
+    that ``state_fn`` of :meth:`save_on_failure` gives what ``save`` would."""
     _capture: FailureCapture | None = None
     _hooks: FailureHooks | None = None
 
@@ -65,6 +69,9 @@ class EngineCheckpointer:
         Replicated state (``DdpCheckpointer``): local rank 0's capture serves its node;
         per-rank or sharded state loads a capture only where every rank captured it.
         """
+        if not self._captures_failures:
+            raise CheckpointError(f"{type(self).__name__} has no failure capture yet (the torch Checkpointer and "
+                                  "DdpCheckpointer have)")
         if self._capture is not None:
             raise RuntimeError("save_on_failure() was called already on this checkpointer")
         engine = self._engine

@@ -116,3 +116,13 @@ def test_a_forked_childs_signal_is_not_this_processs_failure(tmp_path, job_id):
     from .._fork import Forked
     proc = Forked(_forked_child_takes_sigterm, str(tmp_path), job_id)
     assert proc.wait(60) == 0, proc.stderr.read()
+
+
+def test_a_checkpointer_without_capture_says_so():
+    from flashckpt._base import EngineCheckpointer
+
+    class Other(EngineCheckpointer):
+        pass
+
+    with pytest.raises(CheckpointError, match="Other has no failure capture yet"):
+        Other().save_on_failure(lambda: {}, optimizer=None)
