@@ -85,6 +85,13 @@ class EngineCheckpointer:
         self._capture, self._hooks = capture, hooks
         return capture
 
+    def capture_failure(self, reason: str = "capture_failure()") -> int | None:
+        """Capture the last finished step now, as on a failure (an agent's hang or failure
+        verdict, from any thread); the step written, or None (no :meth:`save_on_failure`,
+        or nothing to capture: see ``FailureCapture.capture``)."""
+        capture = self._capture
+        return capture.capture(reason) if capture is not None else None
+
     def close(self) -> None:
         """Persist the newest step if needed, wait for storage, free shared memory
         (while an exception unwinds, after a failure capture: see :meth:`save_on_failure`)."""
