@@ -96,8 +96,9 @@ class EngineCheckpointer:
         """Persist the newest step if needed, wait for storage, free shared memory
         (while an exception unwinds, after a failure capture: see :meth:`save_on_failure`)."""
         capture, hooks = self._capture, self._hooks
-        if capture is not None and sys.exc_info()[0] is not None:
-            capture.capture(f"{sys.exc_info()[0].__name__} at close")
+        unwinding = sys.exc_info()[0]
+        if capture is not None and unwinding is not None and not issubclass(unwinding, SystemExit):
+            capture.capture(f"{unwinding.__name__} at close")
         if capture is not None and hooks is not None:
             self._capture = self._hooks = None
             self._engine.save_guard = None
@@ -109,6 +110,7 @@ class EngineCheckpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if exc[0] is not None and self._capture is not None:  # before close, which flushes the newest step
+        if exc[0] is not None and not issubclass(exc[0], SystemExit) and self._capture is not None:
+            # before close, which flushes the newest step
             self._capture.capture(f"{exc[0].__name__} leaving the checkpointer's with block")
         self.close()

@@ -126,3 +126,17 @@ def test_a_checkpointer_without_capture_says_so():
 
     with pytest.raises(CheckpointError, match="Other has no failure capture yet"):
         Other().save_on_failure(lambda: {}, optimizer=None)
+
+
+def test_an_exception_leaving_the_with_block_captures_before_close(tmp_path, job_id):
+    model, opt = _model()
+    with pytest.raises(RuntimeError, match="lost"):
+        with Checkpointer(tmp_path, job_id=job_id, persist_every=1000) as ckpt:
+            ckpt.save_on_failure(lambda: _state(model, opt), optimizer=opt)
+            _step(model, opt)
+            ckpt.save(1, _state(model, opt))
+            _step(model, opt), _step(model, opt)
+            raise RuntimeError("lost the peer")
+    with Checkpointer(tmp_path, job_id=job_id) as ckpt:
+        assert ckpt.latest_step() == 3  # captured, then persisted by close's flush
+        assert ckpt.load(_state(*_model())) == 3
