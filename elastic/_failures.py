@@ -13,6 +13,9 @@ checkpoint, exit with a code the launcher understands.
   overlapping the restart (``AgentOptions.wait_for_storage``);
 - on a hang with ``on_hang="exit"``: flushes and exits with ``ExitCode.HANG``.
 
+Each flush first asks a flashckpt checkpointer to capture the last finished step
+(``capture_failure``: a no-op without ``save_on_failure``), so that the flush persists it.
+
 A failure is recorded and flushed once per process, whichever thread comes first.
 """
 
@@ -185,6 +188,11 @@ class Failures:
         ckpt = self._checkpointer()
         if ckpt is None or not hasattr(ckpt, "flush"):
             return
+        if callable(getattr(ckpt, "capture_failure", None)):  # the last finished step first (flashckpt's save_on_failure)
+            try:
+                ckpt.capture_failure(f"elastic agent, rank {self._rank}")
+            except Exception as err:
+                log.error("capturing the last finished step failed: %s", err)
         if handoff:
             log.warning("rank %d: the node's saver persists the newest checkpoint after this "
                         "process exits (wait_for_storage='auto')", self._rank)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Callable
 
+from ._capture import FailureCapture
 from ._engine import Engine, LoadInfo
+from ._errors import CheckpointError
+from ._failure_hooks import FailureHooks
 
 __all__ = ["EngineCheckpointer"]
 
@@ -14,6 +18,11 @@ class EngineCheckpointer:
     their own ``save``/``load``."""
 
     _engine: Engine
+    _captures_failures = False
+    """Subclasses whose ``save`` hands the engine the caller's tree as it is set this, so
+    that ``state_fn`` of :meth:`save_on_failure` gives what ``save`` would."""
+    _capture: FailureCapture | None = None
+    _hooks: FailureHooks | None = None
 
     @property
     def engine(self) -> Engine:
@@ -46,12 +55,62 @@ class EngineCheckpointer:
         """The newest step committed on storage."""
         return self._engine.latest_step()
 
+    def save_on_failure(self, state_fn: Callable[[], Any], *, optimizer: Any) -> FailureCapture:
+        """On a failure, save the last finished optimizer step: call once, from the main
+        thread, after ``load`` (see ``flashckpt._capture``).
+
+        ``state_fn()`` returns the tree ``save`` takes (checked at the next save: a clear
+        error there, not at the failure). The optimizer's step hooks give the boundary:
+        the step is the last saved (or loaded) one plus the updates finished since. On
+        SIGTERM or SIGINT (also while the main thread is blocked in a C call), an uncaught
+        exception, or ``capture()`` of the returned object (the agent's hang verdict), a
+        process not inside an update writes ``state_fn()`` as that step into its memory
+        slot and has it persisted, once; the signal or exception then goes on as before.
+        Replicated state (``DdpCheckpointer``): local rank 0's capture serves its node;
+        per-rank or sharded state loads a capture only where every rank captured it.
+        """
+        if not self._captures_failures:
+            raise CheckpointError(f"{type(self).__name__} has no failure capture yet (the torch Checkpointer and "
+                                  "DdpCheckpointer have)")
+        if self._capture is not None:
+            raise RuntimeError("save_on_failure() was called already on this checkpointer")
+        engine = self._engine
+        capture = FailureCapture(state_fn, optimizer, writes=engine.placement.writes_memory,
+                                 save=lambda step, state: engine.save(step, state, persist=True, captured=True),
+                                 last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle)
+        hooks = FailureHooks(capture.capture, capture.busy_here)
+        capture.on_idle = hooks.run_deferred
+        engine.save_guard = capture.saving
+        hooks.install()
+        self._capture, self._hooks = capture, hooks
+        return capture
+
+    def capture_failure(self, reason: str = "capture_failure()") -> int | None:
+        """Capture the last finished step now, as on a failure (an agent's hang or failure
+        verdict, from any thread); the step written, or None (no :meth:`save_on_failure`,
+        or nothing to capture: see ``FailureCapture.capture``)."""
+        capture = self._capture
+        return capture.capture(reason) if capture is not None else None
+
     def close(self) -> None:
-        """Persist the newest step if needed, wait for storage, free shared memory."""
+        """Persist the newest step if needed, wait for storage, free shared memory
+        (while an exception unwinds, after a failure capture: see :meth:`save_on_failure`)."""
+        capture, hooks = self._capture, self._hooks
+        unwinding = sys.exc_info()[0]
+        if capture is not None and unwinding is not None and not issubclass(unwinding, SystemExit):
+            capture.capture(f"{unwinding.__name__} at close")
+        if capture is not None and hooks is not None:
+            self._capture = self._hooks = None
+            self._engine.save_guard = None
+            capture.close()
+            hooks.uninstall()
         self._engine.close()
 
     def __enter__(self) -> "EngineCheckpointer":
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if exc[0] is not None and not issubclass(exc[0], SystemExit) and self._capture is not None:
+            # before close, which flushes the newest step
+            self._capture.capture(f"{exc[0].__name__} leaving the checkpointer's with block")
         self.close()

@@ -14,7 +14,7 @@ import gc
 import logging
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -124,6 +124,9 @@ class Engine:
         """This rank's shared-memory slots."""
         self._saves = 0
         self._closed = False
+        self.save_guard: Callable[[int, Any], AbstractContextManager[Any]] | None = None
+        """Wraps every save but a capture's, given (step, state): failure capture
+        (``flashckpt._capture``) counts optimizer steps from the last save."""
         self._branch: int | None = None
         """The step this run's line starts from: the step it loaded (-1: none), or, if it
         never loaded, the step before its first save."""
@@ -145,13 +148,21 @@ class Engine:
     # -- save ---------------------------------------------------------------------
 
     def save(self, step: int, state: Any, *, persist: bool | None = None,
-             export: dict[str, Any] | None = None) -> SaveHandle:
+             export: dict[str, Any] | None = None, captured: bool = False) -> SaveHandle:
         """Copy ``state`` into shared memory and, if due, have it persisted; returns a
         :class:`SaveHandle` to learn when it is on storage.
 
         ``export`` (``{"name": ..., "params": {...}}``, see ``flashckpt.saver._exporters``) has
         the saver also write the framework's own layout once this step is committed.
+        ``captured``: a failure capture's save (``flashckpt._capture``): recorded as such
+        (``"captured": True`` in the slot's info and the image's metadata), not guarded.
         """
+        guard = self.save_guard if self.save_guard is not None and not captured else None
+        with guard(step, state) if guard is not None else nullcontext():
+            return self._save(step, state, persist, export, captured)
+
+    def _save(self, step: int, state: Any, persist: bool | None, export: dict[str, Any] | None,
+              captured: bool) -> SaveHandle:
         if self._closed:
             raise CheckpointError("save() on a closed checkpointer")
         if not isinstance(step, int) or step < 0:
@@ -162,20 +173,21 @@ class Engine:
         if not self.placement.writes_memory:
             return self._handle(step, False, (None, 0))
         with gc_paused():
-            return self._save_to_memory(step, state, persist, export, start)
+            return self._save_to_memory(step, state, persist, export, start, captured)
 
     def _save_to_memory(self, step: int, state: Any, persist: bool | None, export: dict[str, Any] | None,
-                        start: float) -> SaveHandle:
+                        start: float, captured: bool = False) -> SaveHandle:
         flat = flatten(state, allow_pickle=self.options.allow_pickle)
+        mark = {"captured": True} if captured else {}
         image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves],
-                           self._meta(step, flat))
+                           dict(self._meta(step, flat), **mark))
         self.slots.prepared()
         if self._branch is None:  # a run that never loaded starts its line here
             self.start_line(step - 1)
         index = self.slots.choose(self._client, saver_timeout())
         slot = self.slots.reserve(index, image.size)
         with self.slots.lock.held():
-            header = mark_writing(slot, step, image.size, self._info(export))
+            header = mark_writing(slot, step, image.size, dict(self._info(export), **mark))
         slot.mm[HEADER_SIZE:HEADER_SIZE + len(image.header)] = image.header
         self.slots.copy_in(index, slot, image, flat)
         due = persist if persist is not None else self._saves % self.options.persist_every == 0
@@ -325,9 +337,19 @@ class Engine:
         self.start_line(-1 if step is None else step)
         source = None if source is None else str(source)
         self.last_load = LoadInfo(step, source, time.perf_counter() - start)
+        captured = source == "memory" and step is not None and self._captured(step)
         if step is not None:
-            log.info("restored step %d from %s in %.3fs", step, source, self.last_load.seconds)
-        _events.emit("load", step=step, source=source, seconds=self.last_load.seconds, **details)
+            log.info("restored step %d from %s in %.3fs%s", step, source, self.last_load.seconds,
+                     " (a failure capture)" if captured else "")
+        _events.emit("load", step=step, source=source, seconds=self.last_load.seconds, **details,
+                     **({"captured": True} if captured else {}))
+
+    def _captured(self, step: int) -> bool:
+        """This node's memory copy of ``step`` was written by a failure capture."""
+        try:
+            return bool(self.slots.info(step).get("captured"))
+        except CheckpointError:  # not in this node's slots (a peer's replica)
+            return False
 
     def on_all_ranks(self, fn: Callable[[], Any], what: str) -> list[Any]:
         """Run ``fn`` on every rank; every rank gets every rank's result, or the same

@@ -61,6 +61,7 @@ class Checkpointer(EngineCheckpointer):
     """
 
     _replicated = False
+    _captures_failures = True
 
     def __init__(self, directory: str | os.PathLike, *, options: Options | None = None, process_group: Any = None,
                  **shorthands: Any) -> None:

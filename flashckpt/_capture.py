@@ -1,0 +1,243 @@
+"""Failure capture: at a failure, save the last finished optimizer step (issue 42).
+
+Parameters and optimizer state change only inside ``optimizer.step()``. The optimizer's
+step pre- and post-hooks tell whether an update is in progress and count the updates
+finished since the last save (or load): the current step is ``k = last saved step +
+updates since``. At a failure (:mod:`flashckpt._failure_hooks` calls :meth:`FailureCapture.capture`
+on a signal, an uncaught exception, or the agent's verdict) a process with no update in
+progress writes ``state_fn()`` as step k into its slot through the engine's ordinary save
+(``captured=True``, persisted), from whichever thread comes first; one caught inside an
+update writes nothing and says so. While a capture copies, the optimizer's pre-hook and
+any save wait, so the parameters never change under the copy. At most one capture per
+process: a second failure, even during the capture, adds nothing.
+
+Trade-offs, plainly: step numbers must count optimizer steps (no gradient accumulation
+over several ``save`` steps); state that ``forward`` changes (BatchNorm statistics) or a
+sampler that drew the next batch may be a step ahead when the main thread keeps running
+while another thread captures; a data-loader or RNG position of step k is the user's
+``state_fn``'s to give.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from ._errors import CheckpointError, StateMismatchError
+from .memory._tree import flatten
+
+__all__ = ["FailureCapture"]
+
+log = logging.getLogger("flashckpt")
+
+WAIT_SECONDS = 120.0
+"""How long a capture waits for a save in flight on another thread (and another
+thread's capture waits for this one) before it gives up."""
+
+
+class FailureCapture:
+    """The step boundary of one optimizer and the one capture of this process.
+
+    ``save(step, state)`` writes a captured step (the engine's save with ``captured=True``,
+    persisted); ``last_load()`` is the engine's ``last_load`` (a load restarts the count
+    from the loaded step); ``writes`` is False where this process keeps no copy of its
+    own (a replicated state's other local ranks): it counts, and captures nothing.
+    """
+
+    def __init__(self, state_fn: Callable[[], Any], optimizer: Any, *, save: Callable[[int, Any], Any],
+                 last_load: Callable[[], Any], writes: bool, allow_pickle: bool = False) -> None:
+        if not callable(state_fn):
+            raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
+        for name in ("register_step_pre_hook", "register_step_post_hook"):
+            if not callable(getattr(optimizer, name, None)):
+                raise TypeError(f"optimizer {type(optimizer).__qualname__} has no {name}() (a torch.optim.Optimizer has)")
+        self._state_fn, self._save, self._last_load = state_fn, save, last_load
+        self._writes, self._allow_pickle = writes, allow_pickle
+        self._pid = os.getpid()
+        self._cond = threading.Condition(threading.Lock())
+        self._updating = False
+        self._seen_load = last_load()
+        loaded = self._seen_load
+        self._base = loaded.step if loaded is not None and loaded.step is not None else 0
+        """The last saved (or loaded) step; 0 for a run that neither loaded nor saved yet."""
+        self._steps = 0
+        """Optimizer updates finished since ``_base``."""
+        self._checked = False
+        self._saving: int | None = None  # the thread inside a save
+        self._capturing: int | None = None  # the thread inside the capture
+        self._decided = False
+        self._captured: int | None = None
+        self._closed = False
+        self.on_idle: Callable[[], None] = lambda: None
+        """Called on a thread that ends a save or the capture (signals deferred meanwhile)."""
+        self._handles = [optimizer.register_step_pre_hook(self._pre_step),
+                         optimizer.register_step_post_hook(self._post_step)]
+
+    # -- the step boundary -------------------------------------------------------
+
+    def _sync_load(self) -> None:
+        """A load since the last save restarts the count from the loaded step (caller holds the lock)."""
+        loaded = self._last_load()
+        if loaded is not self._seen_load:
+            self._seen_load = loaded
+            self._base, self._steps = (loaded.step or 0) if loaded is not None else 0, 0
+
+    def _pre_step(self, *_: Any) -> None:
+        with self._cond:
+            self._wait_for(lambda: self._capturing is None or self._capturing == threading.get_ident(), "the capture")
+            self._sync_load()
+            self._updating = True
+
+    def _post_step(self, *_: Any) -> None:
+        with self._cond:
+            self._updating = False
+            self._steps += 1
+
+    @contextmanager
+    def saving(self, step: int, state: Any) -> Iterator[None]:
+        """Wraps every save (the engine's ``save_guard``): the first checks ``state_fn``
+        against ``state``; a save that returns makes ``step`` the count's base."""
+        me = threading.get_ident()
+        with self._cond:
+            self._wait_for(lambda: self._capturing is None, "the capture")
+            self._saving = me
+        done = False
+        try:
+            if not self._checked:
+                self._check(state)
+                self._checked = True
+            yield
+            done = True
+        finally:
+            with self._cond:
+                self._saving = None
+                if done:
+                    self._sync_load()
+                    self._base, self._steps = step, 0
+                self._cond.notify_all()
+            self.on_idle()
+
+    def _check(self, state: Any) -> None:
+        """``state_fn()`` gives the tree ``save`` takes: its tensors' names, dtypes and
+        shapes are those of ``state``; else a clear error now, not at the failure."""
+        try:
+            mine = self._state_fn()
+        except Exception as exc:
+            raise CheckpointError(f"save_on_failure: state_fn() raised {type(exc).__name__}: {exc} "
+                                  "(it must return the tree save() takes)") from exc
+        try:
+            got = _signature(mine, self._allow_pickle)
+        except CheckpointError as exc:
+            raise CheckpointError(f"save_on_failure: state_fn() returned a state save() cannot take: {exc}") from exc
+        want = _signature(state, self._allow_pickle)
+        if got != want:
+            missing = sorted(set(want) - set(got))
+            extra = sorted(set(got) - set(want))
+            other = sorted(n for n in set(want) & set(got) if want[n] != got[n])
+            parts = [f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                     for label, names in (("missing", missing), ("not saved", extra), ("dtype/shape", other))
+                     if names]
+            raise StateMismatchError("save_on_failure: state_fn() returns another tree than save() "
+                                     f"got ({'; '.join(parts)})")
+
+    # -- the capture -------------------------------------------------------------
+
+    def busy_here(self) -> bool:
+        """This thread is inside a save or the capture (a signal handler must defer)."""
+        me = threading.get_ident()
+        return self._saving == me or self._capturing == me
+
+    @property
+    def current_step(self) -> int:
+        """The step of the last finished update (``last saved + updates since``)."""
+        with self._cond:
+            self._sync_load()
+            return self._base + self._steps
+
+    def capture(self, reason: str = "capture()") -> int | None:
+        """Write the last finished step as a captured save, once per process; returns its
+        step, or None when nothing was written (an update in progress, no update since the
+        last save, a process that keeps no copy, closed). Any thread may call it; a second
+        call returns the first's answer (waiting for it, where another thread captures)."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._closed or os.getpid() != self._pid or self._capturing == me or self._saving == me:
+                return None
+            if self._decided:
+                self._wait_for(lambda: self._capturing is None, "the capture")
+                return self._captured
+            self._decided = True
+            if not self._wait_for(lambda: self._saving is None, "a save in flight"):
+                return None
+            self._sync_load()
+            step = self._base + self._steps
+            if self._updating:
+                log.warning("failure (%s) inside an optimizer update of step %d: nothing captured, the state is "
+                            "part old, part new; a restart loads the newest save", reason, step)
+                return None
+            if self._steps == 0:
+                log.info("failure (%s): no optimizer step since step %d, nothing to capture", reason, step)
+                return None
+            if not self._writes:
+                log.info("failure (%s) at step %d: this process keeps no copy of its own (replicated state: local "
+                         "rank 0 captures for the node)", reason, step)
+                return None
+            self._capturing = me
+        try:
+            self._save(step, self._state_fn())
+            self._captured = step
+            log.warning("failure (%s): captured step %d into memory (persisting)", reason, step)
+        except BaseException as exc:  # never let a capture turn one failure into another
+            log.error("failure (%s): capturing step %d failed: %s: %s", reason, step, type(exc).__name__, exc)
+        finally:
+            with self._cond:
+                self._capturing = None
+                self._cond.notify_all()
+            self.on_idle()
+        return self._captured
+
+    def _wait_for(self, ready: Callable[[], bool], what: str) -> bool:
+        """Wait (caller holds the lock) until ``ready()``; False after ``WAIT_SECONDS``."""
+        if not self._cond.wait_for(ready, WAIT_SECONDS):
+            log.error("waited %.0fs for %s; going on without it", WAIT_SECONDS, what)
+            return False
+        return True
+
+    def close(self) -> None:
+        """Remove the optimizer hooks; later captures do nothing."""
+        with self._cond:
+            self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _signature(state: Any, allow_pickle: bool) -> dict[str, Any]:
+    """Path -> what is there (a tensor's dtype and shape, "value", "pickled", an empty
+    container): the structure of a state, whatever its plain values."""
+    flat = flatten(state, allow_pickle=allow_pickle)
+    tensors = {leaf.name: (leaf.dtype, leaf.shape) for leaf in flat.leaves}
+    out: dict[str, Any] = {}
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        if "t" in node:
+            out[path] = tensors.get(node["t"], "tensor")
+        elif "v" in node or "p" in node:
+            out[path] = "value" if "v" in node else "pickled"
+        elif "d" in node:
+            for key, child in node["d"]:
+                walk(child, f"{path}/{key}")
+            if not node["d"]:
+                out[path] = "{}"
+        else:
+            items = node.get("l", node.get("u", []))
+            for i, child in enumerate(items):
+                walk(child, f"{path}/{i}")
+            if not items:
+                out[path] = "[]"
+
+    walk(flat.skeleton, "")
+    return out

@@ -1,0 +1,83 @@
+"""Failure capture end to end: a failed run's restart loads the last finished step.
+
+One ``torchrun --nproc-per-node=2 --max-restarts=2`` DDP job (gloo) takes two failures:
+rank 1 SIGKILLed inside step 33's backward (attempt 0), then a RuntimeError in rank 1's
+forward at step 47 (attempt 1). Saves go to memory every 20 steps, so without capture the
+restarts load 20 and 40; with it, 32 and 46. Single-process runs take SIGTERM after a
+step, inside an update, before the first step and while the main thread waits in C++.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from .._fork import Forked, run_script
+from ._train import reference
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "_train.py")
+
+
+def _report(out, attempt: int, rank: int = 0) -> dict:
+    return json.loads((out / f"attempt{attempt}-rank{rank}.json").read_text())
+
+
+def _assert_final(out, world: int, steps: int) -> None:
+    ref = reference(world, steps)  # the same training, uninterrupted
+    for rank in range(world):
+        final = torch.load(out / f"final{rank}.pt")
+        assert torch.equal(final["weight"], ref["weight"]) and torch.equal(final["bias"], ref["bias"]), rank
+
+
+def test_ddp_restart_loads_the_captured_steps(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+           "--monitor-interval=0.1", SCRIPT, str(tmp_path / "ckpt"), str(out), "60", "-",
+           "kill9:1:33:0", "raise:1:47:1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        assert _report(out, 0, rank)["step"] is None
+        assert _report(out, 1, rank) == {"step": 32, "source": "memory", "captured": True}, proc.stderr[-4000:]
+        assert _report(out, 2, rank) == {"step": 46, "source": "memory", "captured": True}, proc.stderr[-4000:]
+    assert "captured step 32" in proc.stderr and "captured step 46" in proc.stderr
+    assert "restored step 46 from memory" in proc.stderr and "(a failure capture)" in proc.stderr
+    _assert_final(out, 2, 60)
+
+
+def _run(tmp_path, attempt: int, *faults: str, steps: int = 40, timeout: float = 60) -> tuple[int, str]:
+    proc = Forked(run_script, SCRIPT, [str(tmp_path / "ckpt"), str(tmp_path / "out"), str(steps), str(attempt),
+                                        *faults])
+    began = time.monotonic()
+    code = proc.wait(timeout)
+    err = proc.stderr.read()
+    return code, err + f"\n[exit {code} after {time.monotonic() - began:.1f}s]"
+
+
+@pytest.mark.parametrize("fault, loaded, captured", [
+    ("term:0:25:0", 25, True),           # SIGTERM after step 25's update: 25 is captured
+    ("term-update:0:25:0", 20, False),   # SIGTERM inside step 25's update: nothing, the save of 20 loads
+    ("term-early:0:0:0", None, False),   # before the first step: nothing to capture, a fresh start
+    ("term-blocked:0:25:0", 25, True),   # the main thread in a C++ wait: the watcher thread captures
+])
+def test_single_process_sigterm(tmp_path, fault, loaded, captured):
+    (tmp_path / "out").mkdir()
+    code, err = _run(tmp_path, 0, fault)
+    assert code in (-signal.SIGTERM, 128 + signal.SIGTERM), err
+    assert "the C++ wait returned" not in err
+    assert ("captured step" in err) == captured, err
+    if fault.startswith("term-update"):
+        assert "inside an optimizer update" in err, err
+    code, err = _run(tmp_path, 1)
+    assert code == 0, err
+    report = _report(tmp_path / "out", 1)
+    assert report["step"] == loaded and report["captured"] == captured, err
+    _assert_final(tmp_path / "out", 1, 40)
