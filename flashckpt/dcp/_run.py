@@ -14,13 +14,15 @@ import atexit
 import logging
 import os
 import re
+import socket
 import threading
 from typing import Any
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, JobConflictError
 from .._options import Options, resolve_options
+from ..storage._run_lock import holder
 
-__all__ = ["Run", "close_all", "normalize_id", "run_for", "store_of", "step_of"]
+__all__ = ["Run", "check_store_free", "close_all", "normalize_id", "run_for", "store_of", "step_of"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,24 @@ def store_of(checkpoint_id: str, store: str | os.PathLike | None) -> str:
         raise ValueError(f"checkpoint id {checkpoint_id!r} has no parent folder to keep flashckpt's store in; "
                          "pass store=")
     return f"{parent}/{STORE_NAME}"
+
+
+def check_store_free(store: str) -> None:
+    """Raise :class:`~flashckpt.JobConflictError` if another live run holds ``store``; a
+    child of this process (``dcp.async_save``'s checkpoint process, which saves for it) may."""
+    other = holder(store)
+    if other is None or (other["host"] == socket.gethostname() and _parent_of(int(other["pid"])) == os.getpid()):
+        return
+    raise JobConflictError(f"another run is live in {store}: pid {other['pid']} on host {other['host']} holds it; "
+                           "stop it, or give this run another folder (store=)")
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def step_of(checkpoint_id: str) -> int | None:

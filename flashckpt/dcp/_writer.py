@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._options import Options
 from ._framing import framing
-from ._run import Run, normalize_id, run_for, store_of
+from ._run import Run, check_store_free, normalize_id, run_for, store_of
 
 __all__ = ["FlashStorageWriter", "distcp_name"]
 
@@ -65,7 +65,9 @@ class FlashStorageWriter(StorageWriter):
         self._shorthands = shorthands
         self._group = process_group
         self.path = normalize_id(path)
-        self._run()  # here, not inside DCP's calls: a refused store is a plain error (a collective at a store's first use)
+        # the run opens at the first write, in the process that writes (async_save's process
+        # executor saves from a child); a store another run holds is refused here, outside DCP's wrapping
+        check_store_free(store_of(self.path, self._store_arg))
         self._coordinator = True
         self._rank = 0
         self._pending: tuple[Run, int, dict[str, Any]] | None = None

@@ -19,7 +19,7 @@ import time
 
 from .._errors import CheckpointError, JobConflictError, UnsafeFileError
 
-__all__ = ["RUN_LOCK", "RunClaim"]
+__all__ = ["RUN_LOCK", "RunClaim", "holder"]
 
 RUN_LOCK = ".flashckpt-run.lock"
 
@@ -108,3 +108,29 @@ class RunClaim:
                 except OSError:
                     pass
                 os.close(held.fd)
+
+
+def holder(root: str) -> dict[str, object] | None:
+    """``{"pid", "host"}`` of another process holding ``root``'s run lock now, else None
+    (free, or held by this process); takes nothing."""
+    with _HELD_GUARD:
+        held = _HELD.get(root)
+        if held is not None and held.pid == os.getpid():
+            return None
+    try:
+        fd = os.open(os.path.join(root, RUN_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None  # no lock file yet (or an unsafe one, refused when the run claims it)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                record = json.loads(os.pread(fd, 4096, 0))
+                return {"pid": int(record["pid"]), "host": str(record["host"])[:255]}
+            except (OSError, ValueError, TypeError, KeyError):
+                return {"pid": 0, "host": ""}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

@@ -50,3 +50,23 @@ def restore(rank: int, world: int, root: str) -> dict:
     info = reader.last_load
     close()  # persists the newest step if it is not yet, and frees the memory
     return {"source": info.source, "step": info.step, "same": same, "saved_step": state["step"]}
+
+
+def async_save_in_a_process(rank: int, world: int, root: str) -> list[float]:
+    """``dcp.async_save`` with DCP's process executor: its checkpoint process opens the run
+    and copies into shared memory; returns the saved tensor's values."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    state = {"w": torch.arange(12.0).reshape(3, 4) * (rank + 1), "epoch": 4}
+    dcp.async_save(state, storage_writer=FlashStorageWriter(f"{root}/step-4"),
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    return state["w"].flatten().tolist()
+
+
+def load_step_4(rank: int, world: int, root: str) -> dict:
+    state = {"w": torch.zeros(3, 4), "epoch": 0}
+    reader = FlashStorageReader(f"{root}/step-4")
+    dcp.load(state, storage_reader=reader)
+    info = reader.last_load
+    close()
+    return {"w": state["w"].flatten().tolist(), "epoch": state["epoch"], "source": info.source}

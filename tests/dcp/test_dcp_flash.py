@@ -55,3 +55,11 @@ def test_stock_reader_reshards_two_ranks_to_one(killed_then_restored):
     assert state["step"] == 3
     for name, tensor in want.items():
         assert torch.equal(state["model"][name], tensor), name
+
+
+def test_async_save_with_the_process_executor(tmp_path):
+    """DCP's checkpoint process (a child of the trainer) holds the run and writes the slots;
+    a new process loads the save from memory."""
+    saved = run_ranks(_ranks.async_save_in_a_process, 1, str(tmp_path))
+    loaded = run_ranks(_ranks.load_step_4, 1, str(tmp_path))
+    assert loaded == [{"w": saved[0], "epoch": 4, "source": "memory"}]
