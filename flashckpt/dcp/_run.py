@@ -55,8 +55,14 @@ def store_of(checkpoint_id: str, store: str | os.PathLike | None) -> str:
 
 
 def check_store_free(store: str) -> None:
-    """Raise :class:`~flashckpt.JobConflictError` if another live run holds ``store``; a
-    child of this process (``dcp.async_save``'s checkpoint process, which saves for it) may."""
+    """On global rank 0 (whose run holds a store), raise :class:`~flashckpt.JobConflictError`
+    if another live run holds ``store``; a child of this process (``dcp.async_save``'s
+    checkpoint process, which saves for it) may."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        return
     other = holder(store)
     if other is None or (other["host"] == socket.gethostname() and _parent_of(int(other["pid"])) == os.getpid()):
         return
