@@ -116,6 +116,24 @@ def test_a_damaged_newest_step_is_found_and_an_older_one_verifies(storage, scope
     shard.close()
 
 
+@pytest.mark.parametrize("lost", ["a shard", "every shard and the scope"])
+def test_a_step_without_a_shard_it_needs_never_verifies(storage, scope, raw, lost):
+    """Metadata rewritten to drop a shard, or every shard with an empty node-local scope
+    (``ranks``): verify names the missing rank, or the metadata is refused."""
+    save(storage, scope, 1, token())
+    meta = storage.metadata(1)
+    if lost == "a shard":
+        del meta["shards"][max(meta["shards"], key=int)]
+    else:
+        meta["shards"], meta["ranks"] = {}, []
+    raw.put("step-1/metadata.json", json.dumps(meta).encode())
+    if lost == "a shard":
+        assert any("no shard" in p for p in storage.verify(1))
+    else:
+        with pytest.raises(CorruptCheckpointError, match="ranks"):
+            storage.verify(1)
+
+
 def test_the_latest_hint_is_repaired_from_what_the_location_holds(storage, scope, raw):
     run = token()
     for step in (1, 2):
