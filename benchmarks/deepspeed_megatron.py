@@ -349,7 +349,7 @@ def main() -> None:
     parser.add_argument("--json", default=str(ROOT / "results" / "deepspeed_megatron.json"))
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    from tests.checkpoint._dist import free_port
+    from tests._net import free_port
     os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
     import deepspeed

@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO)]
 
-from tests.checkpoint._dist import run_ranks  # noqa: E402
+from tests._fork import run_ranks  # noqa: E402
 
 HIDDEN = 2048
 STEADY_SAVES = 5

@@ -52,7 +52,7 @@ from .restore._shard_read import open_shard
 from .storage._url import open_storage
 
 if TYPE_CHECKING:
-    from .storage._url import Storage
+    from .storage._protocol import Storage
 
 __all__ = ["Format", "convert", "convert_all", "rank_output"]
 

@@ -3,7 +3,8 @@
     flashckpt ls DIR                 committed steps with sizes and ranks
     flashckpt verify DIR [--step N]  re-read shards and check their headers and checksums
     flashckpt gc [--dry-run] [--force]
-                                     remove shared memory of jobs whose processes are gone
+                                     remove shared memory and scratch directories of jobs whose
+                                     processes are gone
     flashckpt gc DIR... [--dry-run]  remove pending step directories of dead persists
     flashckpt persist [--job-id J]   write what a dead job left in shared memory to storage
     flashckpt convert DIR OUT --to torch|safetensors|dcp|flashckpt [--step N] [--from flashckpt|dcp]
@@ -28,10 +29,11 @@ from . import _names
 from ._errors import CheckpointError, CheckpointNotFoundError
 from .saver._persist import persist_slot, unpersisted_slots
 from .memory._slot import Slot, SlotState, pid_alive
+from .storage._scratch import remove_dead_scratch
 from .storage._url import open_storage
 
 if TYPE_CHECKING:
-    from .storage._url import Storage
+    from .storage._protocol import Storage
 
 __all__ = ["main"]
 
@@ -224,6 +226,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     pass
             removed += 1
     print(f"{removed} stale objects {'found' if args.dry_run else 'removed'}, {kept} kept")
+    dead, _ = remove_dead_scratch(dry_run=args.dry_run)
+    for path in dead:
+        print(f"{'would remove' if args.dry_run else 'removing'} {path} (the scratch directory of a dead process)")
     return 0
 
 
@@ -291,7 +296,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, metavar="N", help="verify only step N (default: every committed step)")
     p.set_defaults(run=cmd_verify)
     p = sub.add_parser("gc", help="remove stale shared memory of dead jobs, or dead pending saves", description=(
-        "Remove this user's shared-memory objects of jobs with no live process. Jobs whose memory holds steps "
+        "Remove this user's shared-memory objects of jobs with no live process, and the local scratch "
+        "directories (flashckpt-deepspeed-* in the temporary directory) dead processes left. Jobs whose memory holds steps "
         "not yet on storage, or whose storage cannot be reached to tell, are kept unless --force (run "
         "`flashckpt persist` first). Given checkpoint directories, remove instead what killed persists left "
         "there (step-N.tmp-* directories) that the newest committed step supersedes, as the next commit would; "

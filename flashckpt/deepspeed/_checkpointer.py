@@ -17,10 +17,11 @@ import torch.distributed as dist
 from .._errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
 from .._options import Options, resolve_options
 from ..memory._tree import Places
-from ..restore._agreement import Agreement, Source
+from ..restore._sources import Agreement, Source
 from ..restore._shard_read import open_shard
 from ..storage._folders import folders_at
-from ..storage._url import parse_location
+from ..storage._location import parse_location
+from ..storage._scratch import make_scratch
 from ..torch import Checkpointer
 from . import _objects
 from ._engine import FlashCheckpointEngine
@@ -49,11 +50,12 @@ class DeepSpeedCheckpointer:
     rank holds in memory (on its node or as a peer's replica), else the newest committed one.
 
     ``directory`` is a local path (or ``file:///path``) or an object-store URL (see
-    :func:`flashckpt.storage._url.parse_location`). With a URL the flash steps commit in
+    :func:`flashckpt.storage._location.parse_location`). With a URL the flash steps commit in
     the bucket (``<url>/flashckpt/``) and the saver uploads each tag and then ``latest``
     there (:mod:`flashckpt.storage._folders`); DeepSpeed's own file calls during a save
     or load (its directories, the ``zero_to_fp32.py`` it copies beside the tags) go to a
-    private local scratch directory, removed by :meth:`close`. A load reads the flash
+    private local scratch directory, removed by :meth:`close` (or, after a crash, by the
+    next checkpointer's construction or ``flashckpt gc``). A load reads the flash
     shards from the bucket, never the tag; a tag in a bucket that no flash step holds
     (stock DeepSpeed's) is not loaded from there.
 
@@ -88,8 +90,10 @@ class DeepSpeedCheckpointer:
         self._ckpt = Checkpointer(flash_dir, process_group=process_group,
                                   **{f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved)})
         self._flash = self._ckpt.engine
-        self._scratch = tempfile.mkdtemp(prefix="flashckpt-deepspeed-") if where.url else None
-        """DeepSpeed's save_dir for its own file calls when the location is a URL (private, local)."""
+        self._scratch_hold = make_scratch("deepspeed") if where.url else None
+        self._scratch = self._scratch_hold.path if self._scratch_hold is not None else None
+        """DeepSpeed's save_dir for its own file calls when the location is a URL (private, local;
+        held while this process lives, see ``flashckpt.storage._scratch``)."""
         self._previous_engine = engine.checkpoint_engine
         self.checkpoint_engine = FlashCheckpointEngine(self._flash_save)
         engine.checkpoint_engine = self.checkpoint_engine
@@ -377,8 +381,8 @@ class DeepSpeedCheckpointer:
         finally:
             if self.engine.checkpoint_engine is self.checkpoint_engine:
                 self.engine.checkpoint_engine = self._previous_engine
-            if self._scratch is not None:
-                shutil.rmtree(self._scratch, ignore_errors=True)
+            if self._scratch_hold is not None:
+                self._scratch_hold.close()
 
     def __enter__(self) -> "DeepSpeedCheckpointer":
         return self

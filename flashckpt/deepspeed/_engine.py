@@ -18,7 +18,7 @@ from typing import Any, Callable
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from .._errors import CheckpointError
-from ..storage._url import is_url
+from ..storage._location import is_url
 
 __all__ = ["FlashCheckpointEngine", "OnCommit"]
 

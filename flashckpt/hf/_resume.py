@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 from .._engine import Engine
-from ..restore._agreement import Source
+from ..restore._sources import Source
 from . import _export
 
 __all__ = ["PARAMS_FILE", "last_checkpoint", "newest_folder", "recover"]

@@ -16,7 +16,7 @@ from .._base import EngineCheckpointer
 from .._engine import Engine, place
 from .._errors import CheckpointError, StateMismatchError
 from .._options import Options, resolve_options
-from ..restore._agreement import Source
+from ..restore._sources import Source
 from ..restore._reshard import Fill, Piece, Source as SavedShard, byte_shape, close_sources, read_sources, source_of
 from ..restore._shard_read import MemoryImage, ShardReader
 from ..memory._slot import HEADER_SIZE, Slot, SlotState

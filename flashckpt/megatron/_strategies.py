@@ -25,7 +25,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
 
 from .._errors import CheckpointError
-from ..restore._agreement import Source
+from ..restore._sources import Source
 from ..storage._url import open_storage
 from ..torch._tensors import DTYPE_NAMES
 from ._checkpointer import MegatronCheckpointer

@@ -31,7 +31,7 @@ from __future__ import annotations
 from ._node_local import agree_node_local, choose, disk_copies, memory_copies
 from ._sources import Agreement, Source, Sources, memory_keys, memory_not_older
 
-__all__ = ["Agreement", "Source", "agree", "memory_not_older"]
+__all__ = ["agree"]
 
 
 def agree(sources: Sources, step: int | None = None, *, direct: bool = False) -> Agreement:

@@ -38,7 +38,7 @@ from ._shard_file import file_header
 from ._shard_read import Scratch, ShardReader, open_shard, run_chunks
 
 if TYPE_CHECKING:
-    from ..storage._url import Storage
+    from ..storage._protocol import Storage
 
 __all__ = ["LAYOUT_KEY", "Fill", "Piece", "Source", "RangeReader", "chunk_pieces", "path_key", "tensor_names",
            "plain_value", "skeleton_child", "read_sources", "source_of", "close_sources", "byte_shape"]

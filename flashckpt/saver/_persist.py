@@ -24,7 +24,7 @@ from ..memory._slot import RankLock, Slot, SlotState
 from ..storage._spec import storage_for
 
 if TYPE_CHECKING:
-    from ..storage._url import Storage
+    from ..storage._protocol import Storage
 
 __all__ = ["PersistResult", "SlotHold", "persist_slot", "unpersisted_slots"]
 

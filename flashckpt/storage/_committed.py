@@ -36,8 +36,7 @@ from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoin
 from ._checksum import block_crcs
 from ._policy import Policy, commit_record, doomed, in_order, late_commit, superseded
 from ._protocol import Backend, ObjectInfo
-from ._step_meta import MAX_LATEST, MAX_MARKER, MAX_METADATA, ShardRecord, image_token, plain_name, \
-    validate_metadata
+from ._step_meta import MAX_MARKER, ShardRecord, image_token, plain_name, validate_metadata
 
 __all__ = ["BLOCK_BYTES", "CommittedStore", "block_bytes"]
 
@@ -98,9 +97,6 @@ class CommittedStore(Policy):
         self.root = backend.root
 
     # -- the backend, by name -------------------------------------------------------
-
-    def _url(self, name: str) -> str:
-        return f"{self.root}/{name}"
 
     def _read_small(self, name: str, limit: int) -> bytes:
         return self.backend.read_small(name, limit)
@@ -287,31 +283,11 @@ class CommittedStore(Policy):
 
     # -- reading ------------------------------------------------------------------
 
-    def _read_latest(self) -> int | None:
-        try:
-            return int(self._read_small("latest", MAX_LATEST).strip())
-        except (CheckpointError, ValueError):
-            return None
-
     def _repair_latest(self, newest: int) -> None:
         try:
             self._put_small("latest", f"{newest}\n".encode())
         except CheckpointError as exc:  # a read-only bucket: the hint stays stale
             log.debug("cannot repair the latest hint in %s: %s", self.root, exc)
-
-    def metadata(self, step: int) -> dict:
-        """The committed step's metadata, read bounded and checked for types."""
-        where = f"step-{step}/metadata.json"
-        try:
-            raw = self._read_small(where, MAX_METADATA)
-        except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {self._url(where)})"
-                                          ) from None
-        try:
-            meta = json.loads(raw)
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{self._url(where)}: unreadable metadata: {exc}") from exc
-        return validate_metadata(meta, step, self._url(where))
 
     def open_shard(self, step: int, rank: int) -> tuple[Any, dict]:
         """A committed shard opened for ranged reads (``.name`` is its URL) and its record

@@ -21,8 +21,11 @@ full first removes the pending saves it would supersede that no writer holds, th
 tries again. Readers trust only committed steps.
 
 **Lines**, retention (``keep_last``), ``latest``, verify and late commits are
-:mod:`flashckpt.storage._policy`'s, written once for every storage; this module supplies
-the directory's commit by rename and its hooks.
+:mod:`flashckpt.storage._policy`'s, written once for every storage over the
+:class:`~flashckpt.storage._protocol.Backend` primitives, which a directory implements
+(:class:`~flashckpt.storage._directory.DirectoryBackend`: metadata, markers, ``latest``
+and the run lock go through it); this module supplies the directory's own ``O_DIRECT``
+shard writes, commit by rename, step holds and pending directories.
 
 **The directory is the truth.** ``latest`` is only a hint, repaired when wrong. Readers
 open only regular files inside the directory: no symlinks (step directories included),
@@ -47,14 +50,14 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from ._checksum import BLOCK_SIZE, block_crcs
-from ._files import fsync_dir, open_regular, read_bounded, write_atomic, write_durable
+from ._directory import DirectoryBackend
+from ._files import fsync_dir, write_durable
 from ..replicas._node_local import read_scope
-from ._run_lock import RUN_LOCK, RunClaim
-from ._pending import DIR_FLAGS, PendingDirs, enter_pending
+from ._run_lock import RUN_LOCK
+from ._pending import PendingDirs, enter_pending
 from ._policy import Policy, commit_record, doomed, late_commit
-from ._step_meta import (MAX_LATEST, MAX_MARKER, MAX_METADATA, ShardRecord, image_token, plain_name, shard_name,
-                         validate_metadata)
-from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeFileError
+from ._step_meta import MAX_MARKER, ShardRecord, image_token, plain_name, shard_name
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["LocalStorage", "RUN_LOCK", "StepHold"]
 
@@ -95,18 +98,18 @@ class LocalStorage(PendingDirs, Policy):
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = os.path.abspath(os.fspath(root))
-        self._run = RunClaim(self.root)
+        self.backend = DirectoryBackend(self.root)
 
     # -- one live run ---------------------------------------------------------------
 
     def claim_run(self, token: str) -> None:
         """Hold ``<dir>/.flashckpt-run.lock`` for this run until :meth:`release_run` or exit
         (see :class:`flashckpt.storage._run_lock.RunClaim`). Called once per run, by rank 0."""
-        self._run.take(token)
+        self.backend.claim(token)
 
     def release_run(self) -> None:
         """Give up this object's claim; the lock is released when the process's last claim goes."""
-        self._run.release()
+        self.backend.release()
 
     # -- writing ------------------------------------------------------------------
 
@@ -175,7 +178,7 @@ class LocalStorage(PendingDirs, Policy):
             os.replace(part, path)  # a shard already here stays whole until this one is
             undo.append(path)
             record = ShardRecord(rank, len(image), crcs[0], BLOCK_SIZE)
-            write_atomic(marker, json.dumps({**record.to_json(), "token": token}).encode())
+            self.backend.write(self._name(marker), json.dumps({**record.to_json(), "token": token}).encode())
             return record
         except OSError as exc:
             self._undo_write(pending, undo, marker, created)
@@ -234,7 +237,7 @@ class LocalStorage(PendingDirs, Policy):
             meta = commit_record(step, world_size, token, branch,
                                  {r: {**s, "file": shard_name(int(r))} for r, s in shards.items()}, scope)
             self._drop_parts(pending)
-            write_atomic(os.path.join(pending, "metadata.json"), json.dumps(meta, indent=1).encode())
+            self.backend.write(f"{self._name(pending)}/metadata.json", json.dumps(meta, indent=1).encode())
             if os.path.lexists(final):  # the same step saved again (a rollback, a newer line)
                 os.replace(final, f"{final}.tmp-replaced-{uuid.uuid4().hex[:8]}")
             os.replace(pending, final)
@@ -242,7 +245,7 @@ class LocalStorage(PendingDirs, Policy):
             retired = self._retire(keep_last, step, token)
             order = self.steps_in_order()
             if order and self._read_latest() != order[-1]:
-                write_atomic(os.path.join(self.root, "latest"), f"{order[-1]}\n".encode())
+                self.backend.write("latest", f"{order[-1]}\n".encode())
         for path in retired:  # off the lock: another rank's commit does not wait for the deletes
             shutil.rmtree(path, ignore_errors=True)
         log.info("committed step %d (%d shards, %.1f MiB) in %s", step, world_size,
@@ -276,19 +279,19 @@ class LocalStorage(PendingDirs, Policy):
             return False
         return marker.get("block_crc32") == block_crcs(image, marker["block_size"])
 
+    def _name(self, path: str) -> str:
+        """The backend's name of ``path``, inside the directory."""
+        return os.path.relpath(path, self.root).replace(os.sep, "/")
+
     def _read_marker(self, pending: str, rank: int, token: str) -> dict | None:
         where = _marker_path(pending, rank)
         try:
-            fd = open_regular(where, where)
+            marker = json.loads(self.backend.read_small(self._name(where), MAX_MARKER))
         except CheckpointNotFoundError:
             return None
-        try:
-            marker = json.loads(read_bounded(fd, MAX_MARKER, where))
         except ValueError:
             log.warning("%s is unreadable; rank %d of this save is not durable", where, rank)
             return None
-        finally:
-            os.close(fd)
         if not isinstance(marker, dict) or marker.get("token", token) != token:
             log.error("%s belongs to another run; shards of two runs never commit together", where)
             return None
@@ -327,22 +330,6 @@ class LocalStorage(PendingDirs, Policy):
 
     # -- reading ------------------------------------------------------------------
 
-    def _read_latest(self) -> int | None:
-        where = os.path.join(self.root, "latest")
-        try:
-            fd = open_regular(where, where)
-        except CheckpointNotFoundError:
-            return None
-        except CheckpointError as exc:
-            log.info("ignoring the latest hint: %s", exc)
-            return None
-        try:
-            return int(read_bounded(fd, MAX_LATEST, where).strip())
-        except (CheckpointError, ValueError):
-            return None
-        finally:
-            os.close(fd)
-
     def _idents(self) -> dict[int, tuple[int, int, int]]:
         """Committed steps and their metadata's identity. A step directory must be a real
         directory (not a symlink) holding a regular ``metadata.json``."""
@@ -375,7 +362,7 @@ class LocalStorage(PendingDirs, Policy):
                 order = self.steps_in_order()
                 if order and self._read_latest() != order[-1]:
                     log.info("repairing %s: newest committed step is %d", os.path.join(self.root, "latest"), order[-1])
-                    write_atomic(os.path.join(self.root, "latest"), f"{order[-1]}\n".encode())
+                    self.backend.write("latest", f"{order[-1]}\n".encode())
         except OSError as exc:  # a read-only directory: the hint stays stale
             log.debug("cannot repair the latest hint in %s: %s", self.root, exc)
 
@@ -400,66 +387,31 @@ class LocalStorage(PendingDirs, Policy):
 
     def _open_step(self, step: int) -> int:
         """A descriptor of the committed step's directory, which must not be a symlink."""
-        where = self.step_dir(step)
         try:
-            return os.open(where, DIR_FLAGS)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {where})") from None
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise UnsafeFileError(f"{where} is a symbolic link or not a directory; step directories are "
-                                      "never followed out of the checkpoint directory") from None
-            raise CheckpointError(f"cannot open {where}: {exc.strerror}") from exc
-
-    def _metadata_at(self, dir_fd: int, step: int) -> dict:
-        where = os.path.join(self.step_dir(step), "metadata.json")
-        try:
-            fd = open_regular("metadata.json", where, dir_fd=dir_fd)
+            return self.backend.open_dir(f"step-{step}")
         except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {where})") from None
-        try:
-            raw = read_bounded(fd, MAX_METADATA, where)
-        finally:
-            os.close(fd)
-        try:
-            meta = json.loads(raw)
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{where}: unreadable metadata: {exc}") from exc
-        return validate_metadata(meta, step, where)
-
-    def metadata(self, step: int) -> dict:
-        """The committed step's metadata, read safely and checked for types."""
-        dir_fd = self._open_step(step)
-        try:
-            return self._metadata_at(dir_fd, step)
-        finally:
-            os.close(dir_fd)
+            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} "
+                                          f"(no {self.step_dir(step)})") from None
 
     def open_shard(self, step: int, rank: int) -> tuple[io.FileIO, dict]:
         """A committed shard opened for reading (raw, unbuffered; ``.name`` is its path)
         and its record (size, block checksums). The only way readers open shards: a
         regular file named by a plain name inside a real step directory, its size checked."""
-        dir_fd = self._open_step(step)
+        meta = self.metadata(step)
+        record = meta["shards"].get(str(rank))
+        if record is None:
+            raise CheckpointNotFoundError(
+                f"step {step} in {self.root} has no shard for rank {rank} (world size {meta['world_size']})")
+        name = f"step-{step}/{plain_name(record['file'], step, rank)}"
         try:
-            meta = self._metadata_at(dir_fd, step)
-            record = meta["shards"].get(str(rank))
-            if record is None:
-                raise CheckpointNotFoundError(
-                    f"step {step} in {self.root} has no shard for rank {rank} (world size {meta['world_size']})")
-            where = os.path.join(self.step_dir(step), record["file"])
-            name = plain_name(record["file"], step, rank)
-            try:
-                fd = open_regular(name, where, dir_fd=dir_fd)
-            except CheckpointNotFoundError:
-                raise CheckpointNotFoundError(f"missing shard file {where} of committed step {step}") from None
-        finally:
-            os.close(dir_fd)
-        size = os.fstat(fd).st_size
+            f = self.backend.open_range(name, record["size"])
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"missing shard file {self.backend.path(name)} of committed step {step}"
+                                          ) from None
+        size = os.fstat(f.fileno()).st_size
         if size != record["size"]:
-            os.close(fd)
-            raise CorruptCheckpointError(f"{where}: {size} bytes, the commit recorded {record['size']} (truncated?)")
-        f = io.FileIO(fd, "rb", closefd=True)
-        f.name = where
+            f.close()
+            raise CorruptCheckpointError(f"{f.name}: {size} bytes, the commit recorded {record['size']} (truncated?)")
         return f, record
 
     def shard_path(self, step: int, rank: int) -> tuple[str, dict]:

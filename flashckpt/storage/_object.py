@@ -27,18 +27,14 @@ take that generic path, a shard in one unchunked PUT, and an advisory run lease.
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import _object_lease
 from ._committed import BLOCK_BYTES, CommittedStore
-from ._committed import block_bytes as _block_bytes
 from ._fsspec import MAX_CONNECTIONS, PART_BYTES, FsspecBackend
 from ._location import OBJECT_SCHEMES, parse_location
 from ._object_shard import CONCURRENCY, ObjectShard
 from .._errors import CheckpointError
 
-__all__ = ["BLOCK_BYTES", "CONCURRENCY", "MAX_CONNECTIONS", "PART_BYTES", "ObjectShard", "ObjectStorage",
-           "_block_bytes"]
+__all__ = ["BLOCK_BYTES", "CONCURRENCY", "MAX_CONNECTIONS", "PART_BYTES", "ObjectShard", "ObjectStorage"]
 
 
 class ObjectStorage(CommittedStore):
@@ -53,13 +49,3 @@ class ObjectStorage(CommittedStore):
             raise CheckpointError(f"{url!r} is not an object-store URL; use LocalStorage or open_storage")
         super().__init__(FsspecBackend(location.url, OBJECT_SCHEMES[location.scheme], part_bytes=part_bytes,
                                        concurrency=concurrency, lease_seconds=lease_seconds))
-
-    @property
-    def _fs(self) -> Any:
-        """The fsspec filesystem (tests look at and damage the store through it)."""
-        return self.backend.fs
-
-    @property
-    def _base(self) -> str:
-        """The root's path in :attr:`_fs`."""
-        return self.backend.base

@@ -13,20 +13,23 @@ newest and never replaces a newer line's step (:func:`late_commit`).
 step. A step's line is read from its metadata once per metadata identity
 (:class:`Policy` caches it per location).
 
-:class:`Policy` is the part both storages share; each supplies four hooks: the committed
-steps' metadata identities, ``metadata``, ``open_shard`` and the ``latest`` hint's
-read and repair.
+:class:`Policy` is the part both storages share, over their
+:class:`~flashckpt.storage._protocol.Backend` (``backend``: metadata and the ``latest``
+hint are read through its primitives); each storage supplies three hooks: the committed
+steps' metadata identities, ``open_shard`` and the ``latest`` hint's repair.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Iterable, NamedTuple
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..restore._shard_read import ShardReader
-from ._step_meta import Line, line_key
+from ._protocol import Backend
+from ._step_meta import MAX_LATEST, MAX_METADATA, Line, line_key, validate_metadata
 
 __all__ = ["Commit", "Policy", "commit_record", "doomed", "in_order", "late_commit", "superseded"]
 
@@ -94,6 +97,7 @@ class Policy:
     """Order, ``latest``, verify and the line cache over a storage's hooks."""
 
     root: str
+    backend: Backend
 
     # -- hooks ----------------------------------------------------------------------
 
@@ -101,13 +105,7 @@ class Policy:
         """Each committed step's metadata identity, listed afresh."""
         raise NotImplementedError
 
-    def metadata(self, step: int) -> dict:
-        raise NotImplementedError
-
     def open_shard(self, step: int, rank: int) -> tuple[Any, dict]:
-        raise NotImplementedError
-
-    def _read_latest(self) -> int | None:
         raise NotImplementedError
 
     def _repair_latest(self, newest: int) -> None:
@@ -115,6 +113,30 @@ class Policy:
         raise NotImplementedError
 
     # -- the policy -----------------------------------------------------------------
+
+    def _url(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _read_latest(self) -> int | None:
+        """The step the ``latest`` hint names; None when it is missing or unreadable."""
+        try:
+            return int(self.backend.read_small("latest", MAX_LATEST).strip())
+        except (CheckpointError, ValueError):
+            return None
+
+    def metadata(self, step: int) -> dict:
+        """The committed step's metadata, read bounded and checked for types."""
+        where = f"step-{step}/metadata.json"
+        try:
+            raw = self.backend.read_small(where, MAX_METADATA)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} (no {self._url(where)})"
+                                          ) from None
+        try:
+            meta = json.loads(raw)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{self._url(where)}: unreadable metadata: {exc}") from exc
+        return validate_metadata(meta, step, self._url(where))
 
     @property
     def _cache(self) -> dict[int, tuple[Any, Commit]]:

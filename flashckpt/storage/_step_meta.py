@@ -74,8 +74,8 @@ def validate_metadata(meta: Any, step: int, where: str) -> dict:
     if not isinstance(meta.get("token", ""), str):
         raise bad("token is not a string")
     ranks = meta.get("ranks")
-    if ranks is not None and not (isinstance(ranks, list) and all(_is_int(r) and 0 <= r < ws for r in ranks)):
-        raise bad(f"ranks {str(ranks)[:80]} is not a list of ranks below world_size {ws}")
+    if ranks is not None and not (isinstance(ranks, list) and ranks and all(_is_int(r) and 0 <= r < ws for r in ranks)):
+        raise bad(f"ranks {str(ranks)[:80]} is not a non-empty list of ranks below world_size {ws}")
     if meta.get("branch") is not None and not _is_int(meta["branch"]):
         raise bad(f"branch {meta['branch']!r} is not an integer")
     if "committed_at" in meta and (not isinstance(meta["committed_at"], (int, float))

@@ -7,10 +7,10 @@ import os
 
 from . import _registry
 from ._local import LocalStorage
-from ._location import OBJECT_SCHEMES, Location, is_url, parse_location
+from ._location import OBJECT_SCHEMES, parse_location
 from ._protocol import Storage
 
-__all__ = ["OBJECT_SCHEMES", "Location", "Storage", "is_url", "open_storage", "parse_location"]
+__all__ = ["open_storage"]
 
 
 def open_storage(location: str | os.PathLike, **settings: object) -> Storage:

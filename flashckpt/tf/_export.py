@@ -31,7 +31,8 @@ from ..memory._format import Image, parse_header
 from ..memory._numpy_kind import _DTYPES
 from ..restore._shard_read import ShardReader, open_shard
 from ..storage._folders import folders_at
-from ..storage._url import is_url, open_storage
+from ..storage._location import is_url
+from ..storage._url import open_storage
 
 if TYPE_CHECKING:
     from ..saver._exporters import ImageHold

@@ -69,7 +69,7 @@ def explain(proc: subprocess.CompletedProcess) -> str:
 
 
 def node_check_worker(rank: int, world: int) -> dict:
-    """Under a gloo group (tests.elastic_data._spawn): two node checks, rank 1 made slow."""
+    """Under a gloo group (tests._fork.run_ranks): two node checks, rank 1 made slow."""
     import dataclasses
 
     import elastic

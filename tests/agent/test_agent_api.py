@@ -147,9 +147,9 @@ def test_find_stragglers_compares_each_node_with_the_others():
 def test_check_node_under_torch_distributed_shares_results_and_flags_the_slow_rank():
     pytest.importorskip("torch")
     from tests.agent.agent_helpers import node_check_worker
-    from tests.elastic_data._spawn import run_group
+    from tests._fork import run_ranks
 
-    out = run_group(node_check_worker, 2)
+    out = run_ranks(node_check_worker, 2)
     assert out[0] == out[1]  # every rank holds every rank's result
     first = [NodeCheckResult(**r) for r in out[0]["first"]]
     assert [r.rank for r in first] == [0, 1]

@@ -4,7 +4,8 @@ stands for the newest copy (it would lose to storage and a newer line's memory c
 
 from types import SimpleNamespace
 
-from flashckpt.restore._agreement import Source, agree
+from flashckpt.restore._agreement import agree
+from flashckpt.restore._sources import Source
 
 OLD, NEW = "0000000000001000abcdef01", "0000000000002000abcdef01"
 A6, B4, B5 = [OLD, 6], [NEW, 4], [NEW, 5]

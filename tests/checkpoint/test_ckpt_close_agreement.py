@@ -11,7 +11,7 @@ import torch
 from flashckpt._names import private_dir
 from flashckpt.torch import Checkpointer
 
-from ._dist import run_ranks
+from tests._fork import run_ranks
 
 
 def _save_and_close(rank: int, world: int, directory: str, job: str) -> int | None:

@@ -12,7 +12,7 @@ import torch
 
 from flashckpt.torch import Checkpointer
 
-from ._dist import run_ranks
+from tests._fork import run_ranks
 from .test_ckpt_roundtrip import assert_same, rich_state, zeros_like_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

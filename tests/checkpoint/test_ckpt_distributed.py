@@ -10,7 +10,7 @@ import torch
 
 from flashckpt.torch import Checkpointer, DdpCheckpointer
 
-from ._dist import run_ranks
+from tests._fork import run_ranks
 from ._torchrun_train import train_reference
 from flashckpt._names import job_prefix
 

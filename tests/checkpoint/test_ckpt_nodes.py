@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ._dist import free_port
+from tests._net import free_port
 
 WORKER = os.path.join(os.path.dirname(__file__), "_node_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -6,7 +6,7 @@ import torch
 from flashckpt import StateMismatchError
 from flashckpt.torch import Checkpointer, DdpCheckpointer
 
-from ._dist import run_ranks
+from tests._fork import run_ranks
 
 
 def _save(rank: int, world: int, directory: str, job: str, replicated: bool) -> None:

@@ -4,7 +4,7 @@ leaving the others waiting in the agreement's collective."""
 
 import torch
 
-from ._dist import run_ranks
+from tests._fork import run_ranks
 
 
 def _one_rank_cannot_look(rank: int, world: int, directory: str, job: str):

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashckpt.restore._agreement import Source
+from flashckpt.restore._sources import Source
 from flashckpt._errors import CheckpointNotFoundError
 from flashckpt.restore._node_local import agree_node_local
 

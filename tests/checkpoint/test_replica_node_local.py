@@ -20,7 +20,7 @@ import pytest
 
 from flashckpt.restore._node_local import choose, lacking
 
-from ._dist import free_port
+from tests._net import free_port
 from ._replica_node import reports
 
 WORKER = os.path.join(os.path.dirname(__file__), "_replica_local_worker.py")

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from .._fork import Forked, run_script
-from ._dist import free_port
+from tests._net import free_port
 from ._replica_node import reports
 
 WORKER = os.path.join(os.path.dirname(__file__), "_replica_worker.py")

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.checkpoint._dist import run_ranks
+from tests._fork import run_ranks
 
 from . import _ds_train
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.checkpoint._dist import run_ranks
+from tests._fork import run_ranks
 from tests.objectstore.conftest import bucket, moto_server, raw_fs, s3  # noqa: F401 -- fixtures
 
 from . import _ds_train

@@ -9,7 +9,7 @@ a flash step must hand them to those ranks."""
 import pytest
 import torch
 
-from tests.checkpoint._dist import run_ranks
+from tests._fork import run_ranks
 
 from . import _ds_train
 

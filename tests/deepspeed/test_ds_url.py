@@ -5,6 +5,7 @@ bucket through the storage layer when the step was committed there (the whole jo
 ``test_ds_bucket.py``)."""
 
 import os
+import tempfile
 import types
 
 import pytest
@@ -63,3 +64,18 @@ def test_the_exporter_puts_the_tag_and_latest_into_the_bucket_and_retains_there(
         with open(os.path.join(expected, name), "rb") as f:
             assert fs.cat_file(f"{bucket}/run1/{TAG}/{name}") == f.read(), name
     assert not fs.exists(f"{bucket}/run1/global_step1/mp_rank_00_model_states.pt"), "a retired tag was kept"
+
+
+def test_the_scratch_of_a_url_is_held_while_used_and_a_crashed_runs_goes(tmp_path, monkeypatch, bucket, job_id):  # noqa: F811
+    """DeepSpeed's local scratch for a URL is held by the live checkpointer (``flashckpt gc``
+    and the next run keep it); one a crashed trainer left is removed when the next starts."""
+    from flashckpt.storage._scratch import remove_dead_scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    crashed = tmp_path / "flashckpt-deepspeed-crashed1"  # no process holds it
+    crashed.mkdir()
+    engine = _engine()
+    with DeepSpeedCheckpointer(engine, f"s3://{bucket}/run1", job_id=job_id) as ck:
+        assert not crashed.exists()
+        assert os.path.dirname(ck._scratch) == str(tmp_path) and remove_dead_scratch() == ([], [ck._scratch])
+    assert not os.path.exists(ck._scratch) and engine.checkpoint_engine == "stock"

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from tests.checkpoint._dist import run_ranks
+from tests._fork import run_ranks
 
 from . import _ds_train
 

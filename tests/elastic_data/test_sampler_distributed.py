@@ -13,7 +13,7 @@ import elastic
 from elastic import CountingLoader, ElasticDistributedSampler
 from elastic import _progress
 
-from ._spawn import run_group
+from tests._fork import run_ranks
 from ._workers import IndexDataset, train_elastic
 
 N = 1001  # odd: every world size below pads
@@ -187,7 +187,7 @@ def check_exactly_once(parts, padding):
 @pytest.fixture(scope="module")
 def first_part():
     """Two gloo ranks train 30 batches of 8 of epoch 0, then checkpoint."""
-    res = run_group(train_elastic, 2, N, 8, 30, None)
+    res = run_ranks(train_elastic, 2, N, 8, 30, None)
     assert res[0]["state"] == res[1]["state"], "ranks must save the same sampler state"
     return res
 
@@ -195,7 +195,7 @@ def first_part():
 @pytest.mark.parametrize("new_world", [3, 1])
 def test_world_size_change_trains_each_sample_once(first_part, new_world):
     state = first_part[1]["state"]  # any rank's copy
-    after = run_group(train_elastic, new_world, N, 8, None, state)
+    after = run_ranks(train_elastic, new_world, N, 8, None, state)
     parts = [r["seen"] for r in first_part] + [r["seen"] for r in after]
     check_exactly_once(parts, after[0]["padding"])
     if new_world == 3:
@@ -204,9 +204,9 @@ def test_world_size_change_trains_each_sample_once(first_part, new_world):
 
 def test_two_changes_with_per_rank_counts(first_part):
     """2 -> 3 (10 batches, counts gathered) -> 2 with a prefetching loader -> 1."""
-    mid = run_group(train_elastic, 3, N, 8, 10, first_part[0]["state"], True)
-    late = run_group(train_elastic, 2, N, 4, 7, mid[2]["state"], False, 2)
-    end = run_group(train_elastic, 1, N, 8, None, late[0]["state"])
+    mid = run_ranks(train_elastic, 3, N, 8, 10, first_part[0]["state"], True)
+    late = run_ranks(train_elastic, 2, N, 4, 7, mid[2]["state"], False, 2)
+    end = run_ranks(train_elastic, 1, N, 8, None, late[0]["state"])
     parts = [r["seen"] for run in (first_part, mid, late, end) for r in run]
     assert len(end[0]["state"]["segments"]) == 4
     check_exactly_once(parts, end[0]["padding"])

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 import sharding
 from elastic import CountingLoader, ShardSampler
 
-from ._spawn import run_group
+from tests._fork import run_ranks
 from ._workers import IndexDataset, lockstep_shards, train_shards
 
 
@@ -137,7 +137,7 @@ def test_straggler_takes_fewer_samples_than_its_static_share(tmp_path):
     data and the epoch would last N/2 slow samples; here it takes far fewer."""
     n, shard = 1200, 25
     url = sqlite_url(tmp_path)
-    res = run_group(train_shards, 2, url, n, shard, None, None, [0.002, 0.008])
+    res = run_ranks(train_shards, 2, url, n, shard, None, None, [0.002, 0.008])
     fast, slow = len(res[0]["seen"]), len(res[1]["seen"])
     assert Counter(res[0]["seen"] + res[1]["seen"]) == Counter(range(n))
     # epoch length in units of a fast sample: dynamic vs static partition
@@ -152,10 +152,10 @@ def test_checkpoint_with_two_ranks_rollback_with_three(tmp_path):
     what was trained before the checkpoint and after the restore."""
     n, shard = 600, 16
     url = sqlite_url(tmp_path)
-    first = run_group(train_shards, 2, url, n, shard, 90, None, None, 40)
+    first = run_ranks(train_shards, 2, url, n, shard, 90, None, None, 40)
     assert first[0]["state"] == first[1]["state"]
     trained_after = set(itertools.chain(*(r["later"] for r in first)))
-    rest = run_group(train_shards, 3, url, n, shard, None, first[1]["state"])
+    rest = run_ranks(train_shards, 3, url, n, shard, None, first[1]["state"])
     before = list(itertools.chain(*(r["seen"] for r in first)))
     replay = list(itertools.chain(*(r["seen"] for r in rest)))
     assert trained_after <= set(replay), "samples trained after the checkpoint were not replayed"
@@ -167,6 +167,6 @@ def test_lockstep_ranks_never_wait_for_each_others_leases(tmp_path):
     runs out while its peer still holds a lease. Waiting for that lease in ``acquire``
     would deadlock against the peer's all-reduce; the rank must end its iteration."""
     url = sqlite_url(tmp_path)
-    res = run_group(lockstep_shards, 2, url, 35, 10)
+    res = run_ranks(lockstep_shards, 2, url, 35, 10)
     assert Counter(res[0] + res[1]) == Counter(range(35))
     assert sorted(map(len, res)) == [15, 20]

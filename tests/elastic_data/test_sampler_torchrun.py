@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ._spawn import free_port
+from tests._net import free_port
 from .test_sampler_shard import sqlite_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""Rank functions for the FSDP tests (run by ``tests.checkpoint._dist.run_ranks``).
+"""Rank functions for the FSDP tests (run by ``tests._fork.run_ranks``).
 
 Spawning a gloo group costs seconds on a loaded 2-core machine, so each function runs
 several checks in one group and returns ``{check name: "ok" or the traceback}``; the

@@ -10,7 +10,7 @@ import pytest
 
 from flashckpt._convert import convert
 
-from ..checkpoint._dist import run_ranks
+from tests._fork import run_ranks
 from ._fsdp_ranks import run_plan
 from flashckpt._names import job_prefix
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from tests.checkpoint._dist import run_ranks
+from tests._fork import run_ranks
 
 from ._fsdp_common import assert_equal_states, local_state, make, train_step
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.checkpoint._dist import run_ranks
+from tests._fork import run_ranks
 
 from ._fsdp_common import assert_equal_states, full_state, train_step
 

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from tests.checkpoint._dist import run_ranks
+from tests._fork import run_ranks
 
 from . import _gpt
 from flashckpt._names import job_prefix

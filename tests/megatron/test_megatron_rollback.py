@@ -7,7 +7,7 @@ both load step 4 with the new line's weights. Each load is recorded by the engin
 import pytest
 import torch
 
-from tests.checkpoint._dist import run_ranks
+from tests._fork import run_ranks
 
 from . import _gpt
 

@@ -13,7 +13,7 @@ import time
 
 import torch.distributed as dist
 
-from tests.checkpoint._dist import free_port
+from tests._net import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RANK_CODE = """

@@ -1,4 +1,4 @@
-"""Rank functions of the bucket resharding test (run by ``tests.checkpoint._dist.run_ranks``;
+"""Rank functions of the bucket resharding test (run by ``tests._fork.run_ranks``;
 fsspec finds the server through ``FSSPEC_S3`` in the environment the ranks inherit)."""
 
 from __future__ import annotations

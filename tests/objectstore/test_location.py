@@ -11,7 +11,8 @@ import pytest
 
 from flashckpt import CheckpointError
 from flashckpt.storage._local import LocalStorage
-from flashckpt.storage._url import is_url, open_storage, parse_location
+from flashckpt.storage._location import is_url, parse_location
+from flashckpt.storage._url import open_storage
 
 
 @pytest.mark.parametrize("text, scheme, path", [
@@ -82,7 +83,8 @@ def test_a_pathlike_that_looks_like_a_url_is_refused(tmp_path, monkeypatch):
 
 
 def test_parsing_imports_no_fsspec():
-    code = "import sys, flashckpt.storage._url as u; u.parse_location('s3://bucket/x'); u.open_storage('/tmp/x'); " \
+    code = "import sys, flashckpt.storage._url as u, flashckpt.storage._location as loc; " \
+           "loc.parse_location('s3://bucket/x'); u.open_storage('/tmp/x'); " \
            "print(sorted(m for m in ('fsspec', 's3fs', 'botocore') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -29,5 +29,5 @@ def test_memory_url_round_trip_lines_and_damage():
     out = bytearray(100)
     shard.pread_into(out, 50)
     assert out == saved[2, 1][50:150]
-    storage._fs.pipe_file(f"{storage._base}/step-2/rank-1.{old}.safetensors", b"x" * len(saved[2, 1]))
+    storage.backend.fs.pipe_file(f"{storage.backend.base}/step-2/rank-1.{old}.safetensors", b"x" * len(saved[2, 1]))
     assert f"{url}/step-2/rank-1.{old}.safetensors" in storage.verify(2)[0]

@@ -16,7 +16,7 @@ MiB = 1 << 20
 def counting(storage, monkeypatch) -> list[tuple[int, int]]:
     """The ranges of every GetObject of a shard's bytes ``storage``'s S3 client sends from now on."""
     gets: list[tuple[int, int]] = []
-    real = storage._fs._call_s3
+    real = storage.backend.fs._call_s3
 
     async def call_s3(method, *args, **kw):
         if method == "get_object" and "Range" in kw:
@@ -24,7 +24,7 @@ def counting(storage, monkeypatch) -> list[tuple[int, int]]:
             gets.append((int(lo), int(hi) + 1))
         return await real(method, *args, **kw)
 
-    monkeypatch.setattr(storage._fs, "_call_s3", call_s3)
+    monkeypatch.setattr(storage.backend.fs, "_call_s3", call_s3)
     return gets
 
 

@@ -12,7 +12,7 @@ import os
 
 from flashckpt._names import job_prefix
 
-from ..checkpoint._dist import run_ranks
+from tests._fork import run_ranks
 from . import _reshard_ranks
 from .conftest import proxy_to, use_endpoint
 from .test_object_storage import store

@@ -147,8 +147,8 @@ def test_retention_deletes_metadata_first(url, monkeypatch):
     run = token()
     save(storage, 1, run, [1000, 1000])
     deleted: list[list[str]] = []
-    real = storage._fs.rm
-    monkeypatch.setattr(storage._fs, "rm", lambda paths, **kw: (deleted.append(list(paths)), real(paths, **kw))[1])
+    real = storage.backend.fs.rm
+    monkeypatch.setattr(storage.backend.fs, "rm", lambda paths, **kw: (deleted.append(list(paths)), real(paths, **kw))[1])
     save(storage, 2, run, [1000, 1000], keep_last=1)
     first = next(names for names in deleted if any("step-1/" in n for n in names))
     assert first == [f"{url.removeprefix('s3://')}/step-1/metadata.json"]
@@ -350,9 +350,9 @@ def test_opening_every_rank_reads_the_metadata_once(url, monkeypatch):
 def test_checksum_blocks_are_small_and_few(size, block):
     """1 MiB blocks (a ranged read fetches its range widened to whole blocks), whole MiB,
     at most 16,384 of them (a done marker stays far below its 1 MiB bound)."""
-    from flashckpt.storage._object import _block_bytes
+    from flashckpt.storage._committed import block_bytes
 
-    assert _block_bytes(size) == block and -(-size // block) <= 16_384
+    assert block_bytes(size) == block and -(-size // block) <= 16_384
 
 
 def test_a_shard_records_1_mib_blocks(url):

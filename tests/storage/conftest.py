@@ -1,16 +1,25 @@
 """Fixtures of the storage contract: one location per storage kind, each with raw access
-to damage it, the moto S3 server of ``tests/objectstore``, and the test suite's own
-backend (``dirstore://``, :mod:`tests.storage._dirstore`) registered in this process and
-declared as an entry point for the saver's."""
+to damage it, the ranks a save of each run writes there, the moto S3 server of
+``tests/objectstore``, and the test suite's own backend (``dirstore://``,
+:mod:`tests.storage._dirstore`) registered in this process and declared as an entry
+point for the saver's.
+
+The ``node-local`` kind is one node's own directory in node-local mode (see
+``flashckpt.replicas._node_local``): node :data:`NODE` of a ring of one rank per node,
+whose directory commits the shards of its own rank and its ring predecessor's (they
+arrive as peer replicas), as the scope each run records there says. A save to it writes
+those ranks only; with three or more ranks, a strict part of the world."""
 
 from __future__ import annotations
 
 import os
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
+from flashckpt.replicas._node_local import write_scope
 from flashckpt.storage import register
 from flashckpt.storage._local import LocalStorage
 from flashckpt.storage._url import open_storage
@@ -18,7 +27,9 @@ from tests.objectstore.conftest import bucket, moto_server, s3, url  # noqa: F40
 
 from ._dirstore import SCHEME, open_dirstore
 
-KINDS = ("local", "memory", "s3", "dirstore")
+KINDS = ("local", "memory", "s3", "dirstore", "node-local")
+NODE = 1
+"""The node whose directory the ``node-local`` kind is (its rank is ``NODE``)."""
 _REPO = Path(__file__).resolve().parents[2]
 
 
@@ -66,6 +77,8 @@ def location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     kind = request.param
     if kind == "local":
         return str(tmp_path / "ckpt")
+    if kind == "node-local":
+        return str(tmp_path / f"node-{NODE}" / "ckpt")
     if kind == "memory":
         return f"memory://box-{uuid.uuid4().hex[:8]}/run"
     if kind == "s3":
@@ -85,3 +98,18 @@ def storage(location: str):
 @pytest.fixture
 def raw(storage) -> Raw:
     return Raw(storage)
+
+
+@pytest.fixture
+def scope(request: pytest.FixtureRequest, storage) -> Callable[[str, int], list[int]]:
+    """``scope(token, world)``: the ranks whose shards a save of run ``token`` with ``world``
+    ranks commits in this location: every rank, or in a node-local directory those of its
+    scope (recorded there first, as the engine does when the run starts)."""
+    if request.node.callspec.params.get("location") != "node-local":
+        return lambda token, world: list(range(world))
+
+    def node_scope(token: str, world: int) -> list[int]:
+        ranks = sorted({NODE % world, (NODE - 1) % world})
+        write_scope(storage.root, token, ranks)
+        return ranks
+    return node_scope
