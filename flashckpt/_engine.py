@@ -20,10 +20,10 @@ from typing import Any, Callable, Iterator
 
 from . import _events, _names
 from .memory import _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
-from .restore._agreement import Agreement, Source, agree
+from .restore._agreement import agree
 from .restore._load import load_agreed
 from .restore._ranks import on_all_ranks, raise_errors
-from .restore._sources import Sources, memory_keys
+from .restore._sources import Agreement, Source, Sources, memory_keys
 from .saver._client import SaverClient, saver_timeout
 from ._errors import CheckpointError
 from .memory._format import Image, plan_image
