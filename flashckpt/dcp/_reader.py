@@ -27,7 +27,7 @@ from .._errors import CheckpointNotFoundError
 from .._options import Options
 from ._export import METADATA, export
 from ._images import MemoryCopy, committed_step, memory_copies, memory_tree
-from ._run import Run, normalize_id, run_for, step_of, store_of
+from ._run import Run, RunMember, normalize_id, step_of
 from ._writer import distcp_name
 
 __all__ = ["FlashStorageReader"]
@@ -42,7 +42,7 @@ def _rank_of(relative_path: str) -> int | None:
     return None
 
 
-class FlashStorageReader(StorageReader):
+class FlashStorageReader(RunMember, StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`~flashckpt.dcp.FlashStorageWriter`:
     reads each rank's file from this node's shared memory when it is there (a restart on the
     same node), else the stock files in ``path`` (which it also reads when flashckpt never
@@ -50,12 +50,8 @@ class FlashStorageReader(StorageReader):
 
     def __init__(self, path: str | os.PathLike, *, store: str | os.PathLike | None = None,
                  options: Options | None = None, process_group: Any = None, **shorthands: Any) -> None:
-        super().__init__()
-        self._store_arg = None if store is None else os.fspath(store)
-        self._options = options
-        self._shorthands = shorthands
-        self._group = process_group
-        self.path = normalize_id(path)
+        StorageReader.__init__(self)
+        RunMember.__init__(self, path, store, options, process_group, shorthands)
         self._run()  # here, not inside DCP's calls: a refused store is a plain error (a collective at a store's first use)
         self._reset_state()
 
@@ -72,24 +68,9 @@ class FlashStorageReader(StorageReader):
         self._reset_state()
 
     @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @property
     def last_load(self) -> LoadInfo | None:
         """Step, source ("memory" / "storage") and seconds of this reader's last load."""
         return self._last_load
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        try:
-            normalize_id(checkpoint_id)
-        except ValueError:
-            return False
-        return True
-
-    def _run(self) -> Run:
-        return run_for(store_of(self.path, self._store_arg), self._options, self._group, **self._shorthands)
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP then never asks for per-rank metadata
         self._start = time.perf_counter()
@@ -185,8 +166,3 @@ class FlashStorageReader(StorageReader):
                                    f"the load wants {tuple(target.size())}")
             target.copy_(source)
             planner.commit_tensor(item, target)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_group"] = None
-        return state

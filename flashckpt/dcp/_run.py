@@ -22,7 +22,7 @@ from .._errors import CheckpointError, JobConflictError
 from .._options import Options, resolve_options
 from ..storage._run_lock import holder
 
-__all__ = ["Run", "check_store_free", "close_all", "normalize_id", "run_for", "store_of", "step_of"]
+__all__ = ["Run", "RunMember", "check_store_free", "close_all", "normalize_id", "run_for", "store_of", "step_of"]
 
 log = logging.getLogger(__name__)
 
@@ -168,3 +168,38 @@ def close_all() -> None:
             run.close()
         except CheckpointError as exc:
             log.error("closing the flashckpt run over %s: %s", run.store, exc)
+
+
+class RunMember:
+    """What the DCP writer and reader share: a checkpoint id (``path``) and the run over its store."""
+
+    def __init__(self, path: str | os.PathLike, store: str | os.PathLike | None, options: Options | None,
+                 process_group: Any, shorthands: dict[str, Any]) -> None:
+        self.path = normalize_id(path)
+        self._store_arg = None if store is None else os.fspath(store)
+        self._options = options
+        self._shorthands = shorthands
+        self._group = process_group
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            normalize_id(checkpoint_id)
+        except ValueError:
+            return False
+        return True
+
+    def _store(self) -> str:
+        return store_of(self.path, self._store_arg)
+
+    def _run(self) -> Run:
+        return run_for(self._store(), self._options, self._group, **self._shorthands)
+
+    def __getstate__(self) -> dict[str, Any]:  # async_save's process executor pickles the writer
+        state = self.__dict__.copy()
+        state["_group"] = None
+        return state

@@ -12,7 +12,6 @@ checkpoint id's folder (see :mod:`flashckpt.dcp._export`).
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import pickle
@@ -29,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._options import Options
 from ._framing import framing
-from ._run import Run, check_store_free, normalize_id, run_for, store_of
+from ._run import Run, RunMember, check_store_free, normalize_id
 
 __all__ = ["FlashStorageWriter", "distcp_name"]
 
@@ -43,7 +42,7 @@ def distcp_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-class FlashStorageWriter(StorageWriter):
+class FlashStorageWriter(RunMember, StorageWriter):
     """A DCP ``StorageWriter`` with flash semantics: ``dcp.save`` (or ``async_save``) blocks
     only for one copy of this rank's items into shared memory; flashckpt's saver writes
     the stock DCP files (``.metadata``, ``__<rank>_0.distcp``) into ``path`` in the
@@ -59,15 +58,11 @@ class FlashStorageWriter(StorageWriter):
 
     def __init__(self, path: str | os.PathLike, *, store: str | os.PathLike | None = None,
                  options: Options | None = None, process_group: Any = None, **shorthands: Any) -> None:
-        super().__init__()
-        self._store_arg = None if store is None else os.fspath(store)
-        self._options = options
-        self._shorthands = shorthands
-        self._group = process_group
-        self.path = normalize_id(path)
+        StorageWriter.__init__(self)
+        RunMember.__init__(self, path, store, options, process_group, shorthands)
         # the run opens at the first write, in the process that writes (async_save's process
         # executor saves from a child); a store another run holds is refused here, outside DCP's wrapping
-        check_store_free(store_of(self.path, self._store_arg))
+        check_store_free(self._store())
         self._coordinator = True
         self._rank = 0
         self._pending: tuple[Run, int, dict[str, Any]] | None = None
@@ -91,18 +86,6 @@ class FlashStorageWriter(StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        try:
-            normalize_id(checkpoint_id)
-        except ValueError:
-            return False
-        return True
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         start = time.perf_counter()
@@ -156,9 +139,6 @@ class FlashStorageWriter(StorageWriter):
 
     # -- flashckpt -----------------------------------------------------------------
 
-    def _run(self) -> Run:
-        return run_for(store_of(self.path, self._store_arg), self._options, self._group, **self._shorthands)
-
     def _save(self, run: Run, step: int, tree: dict[str, Any], start: float) -> None:
         export = {"name": EXPORTER, "params": {"checkpoint_id": self.path}}
         with run.lock:
@@ -166,8 +146,7 @@ class FlashStorageWriter(StorageWriter):
         log.debug("dcp save of %s as step %d: %d bytes of rank %d into memory in %.3fs", self.path, step,
                   tree["dcp"]["file_bytes"], self._rank, time.perf_counter() - start)
 
-    def __getstate__(self) -> dict[str, Any]:  # async_save's process executor pickles the writer
-        state = self.__dict__.copy()
+    def __getstate__(self) -> dict[str, Any]:
+        state = RunMember.__getstate__(self)
         state["_pending"] = None
-        state["_group"] = None
         return state
