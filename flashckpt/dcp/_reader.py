@@ -13,7 +13,6 @@ import logging
 import os
 import pickle
 import time
-from torch.futures import Future
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.futures import Future
 
 from .._engine import LoadInfo
 from .._errors import CheckpointNotFoundError

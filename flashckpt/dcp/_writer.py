@@ -16,7 +16,6 @@ import logging
 import os
 import pickle
 import time
-from torch.futures import Future
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from .._options import Options
 from ._framing import framing
