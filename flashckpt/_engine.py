@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 from . import _events, _names
 from .memory import _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
 from .restore._agreement import agree
-from .restore._load import load_agreed
+from .restore._load import agreed_image, load_agreed
 from .restore._ranks import on_all_ranks, raise_errors
 from .restore._sources import Agreement, Source, Sources, memory_keys
 from .saver._client import SaverClient, saver_timeout
@@ -293,11 +293,19 @@ class Engine:
         self.slots.prepared()  # no slot is being created in the background while a replica is fetched into one
         self._client.wait()  # a crash flush of the previous run finishes first
 
-    def agree(self, step: int | None = None) -> Agreement:
+    def agree(self, step: int | None = None, *, direct: bool = False) -> Agreement:
         """Agree with every rank on the step to load and its source (see
         ``flashckpt.restore._agreement``); fetches it from peer replicas where a node lacks it.
+        ``direct``: the caller loads through :meth:`load_agreed`, which reads a rank's shard in
+        its own node-local directory straight into the state (``Agreement.own_disk``); a
+        caller that looks at the step first does so with :meth:`agreed_image`.
         All ranks must call this."""
-        return agree(self._sources(), step)
+        return agree(self._sources(), step, direct=direct)
+
+    def agreed_image(self, agreement: Agreement) -> Image:
+        """The parsed header of this rank's copy of the agreed step, wherever :meth:`load_agreed`
+        reads it (memory, or its own node's directory); see ``flashckpt.restore._load.agreed_image``."""
+        return agreed_image(self._sources(), agreement)
 
     def load_agreed(self, state: Any, agreement: Agreement, start: float | None = None, *,
                     places: Places | None = None) -> int | None:

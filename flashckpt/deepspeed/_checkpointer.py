@@ -25,7 +25,7 @@ from ..storage._scratch import make_scratch
 from ..torch import Checkpointer
 from . import _objects
 from ._engine import FlashCheckpointEngine
-from ._live import live_places, memory_layout
+from ._live import agreed_layout, live_places
 from ._tag_files import model_states, read_patterns, shapes
 
 __all__ = ["DeepSpeedCheckpointer"]
@@ -158,11 +158,11 @@ class DeepSpeedCheckpointer:
             if step is None:
                 return self._load_stock(tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         start = time.perf_counter()
-        agreement = self._flash.agree(step)
+        agreement = self._flash.agree(step, direct=True)  # load_agreed reads a node-local own_disk shard in place
         places = None
         if agreement.source == Source.MEMORY and load_optimizer_states and load_lr_scheduler_states \
                 and not load_module_only:  # a restart: DeepSpeed overwrites every live tensor anyway
-            places = self._live_places(agreement.step)
+            places = self._live_places(agreement)
         try:
             return self._load_agreed(agreement, start, places, load_optimizer_states, load_lr_scheduler_states,
                                      load_module_only)
@@ -202,11 +202,11 @@ class DeepSpeedCheckpointer:
             shutil.rmtree(scratch, ignore_errors=True)
         return got
 
-    def _live_places(self, step: int) -> Places | None:
-        """The engine's tensors as the places of ``step``'s leaves (see ``_live``), once the
-        step's layout in memory passed the checks a load makes: nothing of the engine is
-        written before it is known to fit."""
-        engine = self.engine
+    def _live_places(self, agreement: Agreement) -> Places | None:
+        """The engine's tensors as the places of the agreed step's leaves (see ``_live``), once
+        the step's layout (in memory, or in this rank's own node-local directory) passed the
+        checks a load makes: nothing of the engine is written before it is known to fit."""
+        engine, step = self.engine, agreement.step
         if engine.zero_nvme_offload_optimizer() or engine.load_universal_checkpoint() \
                 or not engine.zero_load_from_fp32_weights():
             return None  # DeepSpeed would skip or recompute some of the engine's tensors, or save swap files
@@ -214,7 +214,7 @@ class DeepSpeedCheckpointer:
         scratch: list[str] = []
 
         def prepare() -> None:
-            layout.append(memory_layout(self._flash, step))
+            layout.append(agreed_layout(self._flash, agreement))
             scratch.append(self._new_scratch(".live-"))
 
         try:

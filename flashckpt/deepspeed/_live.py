@@ -29,7 +29,7 @@ from ..torch._tensors import _DTYPES
 from . import _objects
 from ._engine import FlashCheckpointEngine
 
-__all__ = ["CAPTURE_TAG", "live_places", "memory_layout"]
+__all__ = ["CAPTURE_TAG", "agreed_layout", "live_places"]
 
 CAPTURE_TAG = "flashckpt-live"
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 def live_places(engine: Any, scratch: str, tag: str, saved_files: dict[str, Any]) -> Places:
     """Tree path of a leaf of the flash state (``deepspeed/files/<tag>/<file>/...``) ->
     the engine's tensor holding that leaf now, where the live state dicts have the saved
-    layout (``saved_files``: the encoded ``files`` of :func:`memory_layout`; an ordered dict
+    layout (``saved_files``: the encoded ``files`` of :func:`agreed_layout`; an ordered dict
     only with the same keys in the same order). All ranks call this (DeepSpeed's save
     synchronises them); ``scratch`` (a new directory) is where DeepSpeed's save may put
     its recovery script, removed after. Only CPU tensors with bytes of their own are
@@ -68,10 +68,11 @@ def live_places(engine: Any, scratch: str, tag: str, saved_files: dict[str, Any]
     return offered.get
 
 
-def memory_layout(flash: Any, step: int) -> dict[str, Any]:
-    """The ``deepspeed`` part of this rank's in-memory copy of ``step``, its tensors as meta
-    tensors (shape and dtype, no bytes): what the load's checks read, before any copy."""
-    image = flash.memory_image(step)
+def agreed_layout(flash: Any, agreement: Any) -> dict[str, Any]:
+    """The ``deepspeed`` part of this rank's copy of the agreed step (in memory, or in its
+    own node-local directory: ``flash.agreed_image``), its tensors as meta tensors (shape and
+    dtype, no bytes): what the load's checks read, before any copy."""
+    image = flash.agreed_image(agreement)
     entries = {e.name: e for e in image.entries}
 
     def leaf(name: str) -> torch.Tensor:

@@ -19,10 +19,10 @@ from ..memory._format import Image
 from ..memory._tree import Merge, Places, merge_into
 from .._errors import StateMismatchError
 from ._ranks import Errors, gather, raise_errors
-from ._shard_read import read_shard_into
+from ._shard_read import open_shard, read_shard_into
 from ._sources import Agreement, Source, Sources
 
-__all__ = ["load_agreed"]
+__all__ = ["agreed_image", "load_agreed"]
 
 log = logging.getLogger("flashckpt")
 
@@ -56,6 +56,19 @@ def load_agreed(sources: Sources, state: Any, agreement: Agreement,
         _check_world(sources, step)
         step = _load_storage_or_older(sources, state, step, list(agreement.fallbacks))
     return step, source
+
+
+def agreed_image(sources: Sources, agreement: Agreement) -> Image:
+    """The parsed header (tensor entries, saved tree) of this rank's copy of the agreed step,
+    wherever the load will read it: its memory slot, or -- named in ``agreement.own_disk``, or
+    from storage -- its shard in the directory (header blocks verified). For adapters that
+    check a step's layout before loading it; the same world only (storage rank = shard)."""
+    step, rank = agreement.step, sources.placement.storage_rank
+    if agreement.source == Source.MEMORY and rank not in agreement.own_disk:
+        return sources.slots.image(step)
+    with open_shard(sources.storage, step, rank) as reader:
+        reader.verify_header()
+        return reader.image
 
 
 def _merge(sources: Sources, state: Any, image: Image, places: Places | None = None) -> Merge:

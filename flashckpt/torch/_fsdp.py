@@ -41,6 +41,7 @@ from .._options import Options, resolve_options
 from ..restore._reshard import (LAYOUT_KEY, Fill, Piece, RangeReader, path_key, read_header, read_layout, read_sources,
                         skeleton_child)
 from ..memory._tree import merge_into
+from ..restore._sources import Agreement, Source
 from ._checkpointer import collective_for
 from ._tensors import DTYPE_NAMES, host_byte_array
 
@@ -278,7 +279,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         eng = self._engine
         coll = eng.collective
         eng.wait()  # a crash flush of the previous run commits first
-        agreement = eng.agree(step)  # memory (own node or a peer's replica) or storage
+        agreement = eng.agree(step, direct=True)  # memory (own node, a peer's replica, own node-local directory)
         if agreement.step is None:
             # Nothing anywhere: the engine reports a fresh start. The optimizer is not
             # touched (get_state_dict would initialise its state with a zero step).
@@ -288,7 +289,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         state_names: list[str] = []  # this rank's: no rank needs another's
 
         def peek() -> tuple[bool, Any]:
-            same, optim, names = self._peek(target, step, source)
+            same, optim, names = self._peek(target, agreement)
             state_names.extend(names)
             return same, optim
 
@@ -324,14 +325,15 @@ class FsdpCheckpointer(EngineCheckpointer):
         self.extra = target.tree["extra"]
         return loaded
 
-    def _peek(self, target: _Target, step: int, source: str) -> tuple[bool, Any, list[str]]:
+    def _peek(self, target: _Target, agreement: Agreement) -> tuple[bool, Any, list[str]]:
         """(same layout as ``target``, the layout's ``optimizer``: True, False or
         :data:`FRESH`, the parameters the saved optimizer holds state for) for this rank's
-        copy of ``step``."""
-        coll = self._engine.collective
-        if source == "memory":
-            image, world = self._engine.memory_image(step), coll.world_size
-            layout = read_layout(image, f"step {step} in memory")
+        copy of the agreed step."""
+        coll, step = self._engine.collective, agreement.step
+        if agreement.source == Source.MEMORY:  # its slot, or its own node-local directory (``own_disk``)
+            own_disk = self._engine.placement.storage_rank in agreement.own_disk
+            image, world = self._engine.agreed_image(agreement), coll.world_size
+            layout = read_layout(image, f"step {step} in {'its node-local directory' if own_disk else 'memory'}")
         else:
             world = int(self._engine.storage.metadata(step)["world_size"])
             f, record = self._engine.storage.open_shard(step, coll.rank if coll.rank < world else 0)
