@@ -29,13 +29,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._options import Options
 from ._framing import framing
-from ._run import Run, normalize_id, run_for, store_of
+from ._run import EXPORTER, Run, normalize_id, run_for, store_of
 
 __all__ = ["FlashStorageWriter", "distcp_name"]
 
 log = logging.getLogger(__name__)
-
-EXPORTER = "dcp"
 
 
 def distcp_name(rank: int) -> str:
