@@ -16,8 +16,12 @@ $(CORE): pyproject.toml
 	touch $@
 
 # every framework the suite tests against (about 2.4 GB)
+# torchtitan without its dependencies (they would replace numpy and add wandb, datasets, ...):
+# its checkpoint, optimizer and dataloader modules need only torch, torchdata, tyro and
+# spmd-types, which the test extra brings (tests/titan; 16 MB)
 $(FULL): $(CORE)
 	$(PY) -m pip install -q -e ".[test]" torch==2.13.0 "numpy==1.26.4"
+	$(PY) -m pip install -q --no-deps torchtitan==0.3.0
 	touch $@
 
 redis-server:

@@ -26,6 +26,9 @@ __all__ = ["Run", "RunMember", "check_store_free", "close_all", "normalize_id", 
 
 log = logging.getLogger(__name__)
 
+EXPORTER = "dcp"
+"""The exporter that writes a committed DCP save's stock files (``flashckpt.dcp._export``)."""
+
 STORE_NAME = ".flashckpt"
 """The store's folder beside the checkpoint ids, unless the caller names one."""
 
@@ -95,6 +98,7 @@ class Run:
         self.options = options
         self.checkpointer = Checkpointer(store, options=options, process_group=process_group)
         self.engine = self.checkpointer.engine
+        self.engine.expect_export(EXPORTER)  # the saver imports torch now, not at the first export (seconds a save may wait)
         self._last_step: int | None = None
         self.lock = threading.Lock()
 

@@ -28,13 +28,11 @@ from torch.futures import Future
 
 from .._options import Options
 from ._framing import framing
-from ._run import Run, RunMember, check_store_free, normalize_id
+from ._run import EXPORTER, Run, RunMember, check_store_free, normalize_id
 
 __all__ = ["FlashStorageWriter", "distcp_name"]
 
 log = logging.getLogger(__name__)
-
-EXPORTER = "dcp"
 
 
 def distcp_name(rank: int) -> str:
