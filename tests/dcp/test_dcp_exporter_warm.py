@@ -10,13 +10,13 @@ import time
 import pytest
 
 from flashckpt import _names
-from flashckpt.dcp import FlashStorageWriter, close
+from flashckpt.dcp import FlashStorageReader, close
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def test_the_saver_loads_the_dcp_exporter_before_any_save(tmp_path):
-    FlashStorageWriter(tmp_path / "step-1")  # opens the run over tmp_path/.flashckpt; nothing saved
+    FlashStorageReader(tmp_path / "step-1")  # opens the run over tmp_path/.flashckpt (a writer: at its first write)
     log = _names.saver_log_path(_names.default_job_id(str(tmp_path / ".flashckpt")))
     try:
         deadline = time.monotonic() + 90
