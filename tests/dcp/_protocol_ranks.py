@@ -63,7 +63,7 @@ def hold_memory_only(root: str) -> None:
     import fsspec.config
 
     fsspec.config.conf["flashckpt"] = {"persist_every": 1000}
-    from ._protocol import state
+    from ._common import state
 
     for step in (1, 2, 3):
         dcp.save(state(step), checkpoint_id=f"flashckpt://{root}/step-{step}")
