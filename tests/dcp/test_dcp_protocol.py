@@ -6,6 +6,7 @@ steps only memory holds, and bad URLs."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -68,6 +69,25 @@ def test_async_save_through_the_protocol(tmp_path):
     loaded = blank()
     dcp.load(loaded, checkpoint_id=f"flashckpt://{tmp_path}/step-4")
     assert equal(loaded, saved)
+
+
+def test_tensor_data_is_held_not_copied_while_torch_save_writes():
+    """With this torch the captured file finds the storage ``torch.save`` writes, so the
+    save's one copy is the one into shared memory; the bytes are ``torch.save``'s."""
+    from torch.utils.serialization import config
+
+    from flashckpt.dcp._fs_write import CapturedFile
+
+    got = []
+    captured = CapturedFile("/ckpt/step-1/__0_0.distcp", lambda f: got.append((f.tree("/ckpt/step-1")["dcp"],
+                                                                                  f.getvalue())))
+    tensor = torch.randn(256, 128)
+    torch.save(tensor, captured)
+    captured.close()
+    (tree, data), = got
+    assert [t.data_ptr() for t in tree["data"]] == [tensor.data_ptr()]
+    assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), tensor)
+    assert config.save.compute_crc32  # back on once no captured file is open
 
 
 @pytest.fixture(scope="module")
