@@ -1,7 +1,7 @@
 """Flash DCP saves side by side with stock ``torch.distributed.checkpoint``, one run, interleaved.
 
     python benchmarks/dcp.py [--size small|large|both] [--repeats 3] [--dir DIR]
-                             [--json results/dcp.json]
+                             [--methods floor,dcp,flash,protocol] [--json results/dcp.json]
 
 The state is the GPT-2-shaped AdamW state of ``save_load.py`` (357 MB "small", 1.49 GB
 "large"), saved with ``dcp.save`` and no process group. Each repeat runs every method
@@ -21,6 +21,10 @@ once, in an order rotated per repeat; the table shows medians and ratios to the 
   as a crash would; a NEW process loads it with ``FlashStorageReader`` from memory (the
   reader's construction timed apart); then a cold ``dcp.load`` of the stock files with
   stock ``FileSystemReader`` (page cache dropped with posix_fadvise).
+- flashckpt protocol: the same with no writer and reader, only
+  ``checkpoint_id="flashckpt://{dir}/step-N"`` (DCP's ``FsspecWriter`` / ``FsspecReader`` over
+  flashckpt's fsspec protocol): stall (first, steady), durable, load from memory in a new
+  process; its ratio to the writer's steady stall is printed (goal: within 2x).
 - ml-flashpoint's ``MemoryStorageWriter``: not measured (see the README's benchmark notes).
 """
 
@@ -120,31 +124,43 @@ def _async(dcp: Any, state: dict[str, Any], path: Path, stager: Any) -> tuple[fl
     return stall, time.perf_counter() - start
 
 
+def _save_then_load(name: str, size: str, state: dict[str, Any], work: Path,
+                    samples: dict[str, list[float]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``name``-save in a process (stalls, durable), then ``name``-load in a new one, which
+    must read the saved state from memory; the samples added under ``name.``."""
+    saved = _child(f"{name}-save", "--size", size, "--dir", str(work))
+    for key in ("first", "steady", "durable"):
+        samples.setdefault(f"{name}.{key}", []).extend(saved[key])
+    loaded = _child(f"{name}-load", "--size", size, "--dir", str(work), "--id", saved["id"])
+    if loaded["fingerprint"] != fingerprint(state) or loaded["source"] != "memory":
+        raise RuntimeError(f"the {name} load in a new process read {loaded['source']}, fingerprint "
+                           f"{loaded['fingerprint']} (saved {fingerprint(state)})")
+    samples.setdefault(f"{name}.load_new_process", []).append(loaded["seconds"])
+    return saved, loaded
+
+
 def bench_flash(size: str, state: dict[str, Any], work: Path, samples: dict[str, list[float]]) -> None:
     import torch.distributed.checkpoint as dcp
 
-    saved = _child("flash-save", "--size", size, "--dir", str(work))
-    for key in ("first", "steady", "durable"):
-        samples.setdefault(f"flash.{key}", []).extend(saved[key])
-    loaded = _child("flash-load", "--size", size, "--dir", str(work), "--id", saved["id"])
-    if loaded["fingerprint"] != fingerprint(state) or loaded["source"] != "memory":
-        raise RuntimeError(f"the flash load in a new process read {loaded['source']}, fingerprint "
-                           f"{loaded['fingerprint']} (saved {fingerprint(state)})")
+    saved, loaded = _save_then_load("flash", size, state, work, samples)
     samples.setdefault("flash.open_new_process", []).append(loaded["open"])
-    samples.setdefault("flash.load_new_process", []).append(loaded["seconds"])
     _evict(Path(saved["id"]))
     samples.setdefault("flash.load_cold_stock_reader", []).append(
         _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(saved["id"]))))
 
 
-METHODS = {"floor": bench_floor, "dcp": bench_stock, "flash": bench_flash}
+def bench_protocol(size: str, state: dict[str, Any], work: Path, samples: dict[str, list[float]]) -> None:
+    _save_then_load("protocol", size, state, work, samples)
+
+
+METHODS = {"floor": bench_floor, "dcp": bench_stock, "flash": bench_flash, "protocol": bench_protocol}
 
 
 # ---- child processes -----------------------------------------------------------------------
 
 def child_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("kind", choices=["floor-load", "flash-save", "flash-load"])
+    parser.add_argument("kind", choices=["floor-load", "flash-save", "flash-load", "protocol-save", "protocol-load"])
     parser.add_argument("--size", required=True)
     parser.add_argument("--path")
     parser.add_argument("--dir")
@@ -152,7 +168,7 @@ def child_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     import warnings
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    state = build_state(SPECS[args.size], seed=0 if args.kind == "flash-save" else 1)
+    state = build_state(SPECS[args.size], seed=0 if args.kind.endswith("-save") else 1)
     if args.kind == "floor-load":
         ts = tensors(state)
         gc.collect()
@@ -163,11 +179,15 @@ def child_main(argv: list[str]) -> None:
         floor.close(unlink=False)
     elif args.kind == "flash-save":
         result = _flash_save(state, Path(args.dir))
-    else:
+    elif args.kind == "flash-load":
         result = _flash_load(state, args.id)
+    elif args.kind == "protocol-save":
+        result = _protocol_save(state, Path(args.dir))
+    else:
+        result = _protocol_load(state, args.id)
     result["fingerprint"] = fingerprint(state)
     print(RESULT + json.dumps(result), flush=True)
-    if args.kind == "flash-save":
+    if args.kind.endswith("-save"):
         os._exit(0)  # no close: the memory stays, as after a crash
 
 
@@ -176,12 +196,17 @@ def _flash_save(state: dict[str, Any], work: Path) -> dict[str, Any]:
 
     from flashckpt.dcp import FlashStorageWriter
 
+    return _saves(lambda target: dcp.save(state, storage_writer=FlashStorageWriter(target, keep_last=2)), work)
+
+
+def _saves(save: Callable[[str], Any], work: Path, prefix: str = "") -> dict[str, Any]:
+    """``1 + STEADY`` saves into ``work/step-N`` (``prefix`` before the path), then the wait
+    until the last one's stock files are on storage."""
     stalls: list[float] = []
     target = ""
     for step in range(1 + STEADY):
         target = str(work / f"step-{step}")
-        writer = FlashStorageWriter(target, keep_last=2)
-        stalls.append(_timed(lambda: dcp.save(state, storage_writer=writer)))
+        stalls.append(_timed(lambda: save(prefix + target)))
     start = time.perf_counter() - stalls[-1]
     while not os.path.exists(os.path.join(target, ".metadata")):
         time.sleep(0.002)
@@ -204,12 +229,45 @@ def _flash_load(state: dict[str, Any], target: str) -> dict[str, Any]:
     return {"open": opened - start, "seconds": loaded - opened, "source": source}
 
 
+def _protocol() -> None:
+    import fsspec.config
+    from fsspec.registry import known_implementations
+
+    if "flashckpt" not in known_implementations:  # a checkout that is not the installed one
+        fsspec.register_implementation("flashckpt", "flashckpt.dcp._fs.FlashFileSystem")
+    fsspec.config.conf["flashckpt"] = {"keep_last": 2}
+
+
+def _protocol_save(state: dict[str, Any], work: Path) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    _protocol()
+    return _saves(lambda target: dcp.save(state, checkpoint_id=target), work, "flashckpt://")
+
+
+def _protocol_load(state: dict[str, Any], target: str) -> dict[str, Any]:
+    import fsspec
+    import torch.distributed.checkpoint as dcp
+
+    from flashckpt.dcp import close
+
+    _protocol()
+    url = f"flashckpt://{target}"
+    gc.collect()
+    start = time.perf_counter()
+    dcp.load(state, checkpoint_id=url)
+    seconds = time.perf_counter() - start
+    source = fsspec.filesystem("flashckpt").last_source(f"{url}/__0_0.distcp")
+    close()
+    return {"seconds": seconds, "source": source}
+
+
 # ---- the run ---------------------------------------------------------------------------------
 
-def run_size(size: str, repeats: int, root: Path) -> dict[str, Any]:
+def run_size(size: str, repeats: int, root: Path, methods: list[str]) -> dict[str, Any]:
     state = build_state(SPECS[size], seed=0)
     samples: dict[str, list[float]] = {}
-    order = list(METHODS)
+    order = list(methods)
     for repeat in range(repeats):
         for name in order[repeat % len(order):] + order[:repeat % len(order)]:
             work = root / f"{size}-{name}-{repeat}"
@@ -224,6 +282,8 @@ def run_size(size: str, repeats: int, root: Path) -> dict[str, Any]:
     ratios = {k: v / (floor_load if "load_new_process" in k or "open_new" in k else floor_save)
               for k, v in medians.items() if not k.startswith("floor.") and "cold" not in k and "durable" not in k
               and k not in ("dcp.save", "dcp.async_total")}
+    if "protocol.steady" in medians and "flash.steady" in medians:
+        ratios["protocol.steady_to_writer"] = medians["protocol.steady"] / medians["flash.steady"]
     return {"bytes": nbytes(state), "samples": samples, "medians": medians, "ratios_to_floor": ratios}
 
 
@@ -235,18 +295,27 @@ def main() -> None:
     parser.add_argument("--size", choices=["small", "large", "both"], default="small")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, of {','.join(METHODS)} (floor is always measured: the ratios need it)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    methods = ["floor"] + [m for m in args.methods.split(",") if m and m != "floor"]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; the methods are {', '.join(METHODS)}")
     sizes = ["small", "large"] if args.size == "both" else [args.size]
     root = Path(tempfile.mkdtemp(prefix="flashckpt-dcp-bench-", dir=args.dir))
     results: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count(), "sizes": {}}
     try:
         for size in sizes:
-            results["sizes"][size] = result = run_size(size, args.repeats, root)
+            results["sizes"][size] = result = run_size(size, args.repeats, root, methods)
             print(f"\n{size}: {result['bytes'] / 1e6:.0f} MB, medians over {args.repeats} repeats")
             for key, value in sorted(result["medians"].items()):
                 ratio = result["ratios_to_floor"].get(key)
                 print(f"  {key:32s} {value:8.3f} s" + (f"   {ratio:5.2f}x floor" if ratio is not None else ""))
+            if "protocol.steady_to_writer" in result["ratios_to_floor"]:
+                print(f"  protocol steady stall / writer steady stall: "
+                      f"{result['ratios_to_floor']['protocol.steady_to_writer']:.2f}x (goal <= 2x)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:

@@ -25,20 +25,21 @@ from ..storage._folders import LocalFolders
 from ..storage._url import open_storage
 from ..torch._image_views import step_trees, unpickler
 
-__all__ = ["METADATA", "export", "write_rank_file"]
+__all__ = ["METADATA", "export", "raw_bytes", "write_rank_file"]
 
 log = logging.getLogger(__name__)
 
 METADATA = ".metadata"
 
 
-def _raw(t: torch.Tensor) -> memoryview:
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, without a copy."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def write_rank_file(f: BinaryIO, dcp: dict[str, Any]) -> int:
     """Write one rank's ``.distcp`` bytes from its saved tree's ``dcp`` part; returns their count."""
-    frames = _raw(dcp["frames"])
+    frames = raw_bytes(dcp["frames"])
     recipe = dcp["recipe"].tolist()
     data = dcp["data"]
     at = written = 0
@@ -47,7 +48,7 @@ def write_rank_file(f: BinaryIO, dcp: dict[str, Any]) -> int:
         written += f.write(frames[at:at + before])
         at += before
         if index >= 0:
-            written += f.write(_raw(data[index]))
+            written += f.write(raw_bytes(data[index]))
         written += f.write(frames[at:at + after])
         at += after
     if written != dcp["file_bytes"] or at != len(frames):
@@ -79,7 +80,7 @@ def export(directory: str, step: int, params: dict[str, Any], *, memory: ImageHo
                     f.flush()
                     os.fsync(f.fileno())
                 if "metadata" in dcp:
-                    metadata = bytes(_raw(dcp["metadata"]))
+                    metadata = bytes(raw_bytes(dcp["metadata"]))
             if metadata is None:
                 raise CheckpointError(f"step {step} of {directory} holds no DCP .metadata")
         with open(os.path.join(pending, METADATA), "wb") as f:  # last: DCP's own sign of a whole checkpoint

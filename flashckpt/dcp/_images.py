@@ -23,7 +23,7 @@ from ..restore._shard_read import open_shard
 from ..storage._protocol import Storage
 from ..torch._image_views import image_tree, unpickler
 
-__all__ = ["MemoryCopy", "committed_step", "memory_copies", "memory_tree"]
+__all__ = ["MemoryCopy", "committed_step", "complete_headers", "memory_copies", "memory_ids", "memory_tree"]
 
 _MAX_LOCAL_RANKS = 1024
 _SCAN = 32
@@ -49,21 +49,30 @@ def _saved_id(info: dict[str, Any]) -> Any:
     return export.get("params", {}).get("checkpoint_id") if isinstance(export, dict) else None
 
 
-def memory_copies(job_id: str, store: str, checkpoint_id: str, slots_per_rank: int) -> dict[int, MemoryCopy]:
-    """storage rank -> its newest complete copy in this node's memory of the save of
-    ``checkpoint_id`` into ``store``, all of one step (that of the newest copy)."""
-    found: list[MemoryCopy] = []
+def complete_headers(job_id: str, store: str, slots_per_rank: int) -> Iterator[tuple[str, Any]]:
+    """(slot path, header) of every complete copy in this node's memory saved into ``store``
+    by job ``job_id`` (every local rank's slots)."""
     for local_rank in range(_MAX_LOCAL_RANKS):
         paths = [_names.slot_path(job_id, local_rank, i) for i in range(slots_per_rank)]
         if not any(os.path.exists(p) for p in paths):
             break
         for path in paths:
             h = Slot.peek_header(path)
-            if h is None or h.state != SlotState.COMPLETE or h.info.get("directory") != store:
-                continue
-            if _saved_id(h.info) == checkpoint_id:
-                found.append(MemoryCopy(path, h.generation, h.step, int(h.info.get("storage_rank", 0)),
-                                        int(h.info.get("storage_world", 1)), h.saved_at))
+            if h is not None and h.state == SlotState.COMPLETE and h.info.get("directory") == store:
+                yield path, h
+
+
+def memory_ids(job_id: str, store: str, slots_per_rank: int) -> set[str]:
+    """The checkpoint ids of the DCP saves into ``store`` that this node's memory holds."""
+    return {i for _, h in complete_headers(job_id, store, slots_per_rank) if isinstance(i := _saved_id(h.info), str)}
+
+
+def memory_copies(job_id: str, store: str, checkpoint_id: str, slots_per_rank: int) -> dict[int, MemoryCopy]:
+    """storage rank -> its newest complete copy in this node's memory of the save of
+    ``checkpoint_id`` into ``store``, all of one step (that of the newest copy)."""
+    found = [MemoryCopy(path, h.generation, h.step, int(h.info.get("storage_rank", 0)),
+                        int(h.info.get("storage_world", 1)), h.saved_at)
+             for path, h in complete_headers(job_id, store, slots_per_rank) if _saved_id(h.info) == checkpoint_id]
     if not found:
         return {}
     step = max(found, key=lambda c: c.saved_at).step

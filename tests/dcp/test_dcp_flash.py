@@ -5,7 +5,6 @@ DCP files that stock readers load, also at another world size."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -14,13 +13,7 @@ import torch.distributed.checkpoint as dcp
 from .._fork import run_ranks
 from ..fsdp._fsdp_common import Net
 from . import _ranks
-
-
-def _wait_for(path: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"{path} did not appear within {timeout:g}s"
-        time.sleep(0.1)
+from ._common import wait_for as _wait_for
 
 
 @pytest.fixture(scope="module")

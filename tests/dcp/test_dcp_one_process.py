@@ -18,6 +18,7 @@ import flashckpt
 from flashckpt.dcp import FlashStorageReader, FlashStorageWriter, close
 
 from .._fork import Forked
+from ._common import blank as _blank, equal as _equal, state as _state
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -26,22 +27,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def _closed():
     yield
     close()
-
-
-def _state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 32, generator=g), "half": torch.randn(7, generator=g).to(torch.bfloat16),
-            "t": torch.randn(5, 3, generator=g).t(),  # not contiguous
-            "n": torch.tensor(seed), "sched": {"lr": 0.1 * seed, "name": f"run{seed}"}}
-
-
-def _blank() -> dict:
-    return {"w": torch.zeros(64, 32), "half": torch.zeros(7, dtype=torch.bfloat16), "t": torch.zeros(3, 5),
-            "n": torch.tensor(0), "sched": {"lr": 0.0, "name": ""}}
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return all(torch.equal(a[k], b[k]) for k in ("w", "half", "t", "n")) and a["sched"] == b["sched"]
 
 
 def test_async_save_then_load_from_memory(tmp_path):

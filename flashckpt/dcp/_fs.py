@@ -1,0 +1,252 @@
+"""``flashckpt://``: the fsspec protocol that gives flash checkpoints to callers of
+``torch.distributed.checkpoint`` that pass only a ``checkpoint_id``.
+
+``dcp.save(state, checkpoint_id="flashckpt:///ckpt/step-100")`` with no writer: DCP picks
+its ``FsspecWriter``, which writes each rank's items into ``__<rank>_0.distcp`` and the
+coordinator's ``.metadata`` through this file system. The files are kept in memory as they
+are written and each rank's become one flashckpt save of the run over ``/ckpt/.flashckpt``
+(:mod:`flashckpt.dcp._fs_saves`): ``dcp.save`` returns once the bytes are in shared memory,
+the saver persists and commits them in the background, and the ``dcp`` exporter writes the
+stock files into ``/ckpt/step-100``, so the backing folder ends as a plain path would leave it.
+
+Reads and listings see this node's memory first, then the backing folder: a restart lists
+``flashckpt:///ckpt``, finds the newest ``step-N`` (in memory even before it is persisted)
+and ``dcp.load(state, checkpoint_id=...)`` reads it from memory. Other files are plain files
+of the backing folder. Options (:class:`flashckpt.Options` fields, ``persist_every``,
+``keep_last``, ...) come as fsspec storage options: ``fsspec.config.conf["flashckpt"]`` or
+``FSSPEC_FLASHCKPT_<OPTION>`` environment variables.
+
+Registered with fsspec through the ``fsspec.specs`` entry point of the distribution.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import shutil
+import threading
+from typing import Any
+
+from fsspec import AbstractFileSystem
+from fsspec.utils import stringify_path
+
+from .._errors import CheckpointError, CheckpointNotFoundError
+from .._options import OPTION_NAMES, Options, resolve_options
+from ._export import export
+from ._fs_read import METADATA, MemoryFile, file_copy, folder_files, job_of, memory_folders, metadata_bytes
+from ._fs_saves import DISTCP, METADATA_TMP, Saves
+from ._images import committed_step
+from ._run import STORE_NAME, step_of
+from ._url import PROTOCOL, chained_error, local_path
+
+__all__ = ["FlashFileSystem"]
+
+log = logging.getLogger(__name__)
+
+_RANK_METADATA = re.compile(r"__\d+\.metadata(\.tmp)?")
+_SAVES = Saves()
+_SOURCES: dict[str, str] = {}
+_SOURCES_LOCK = threading.Lock()
+_MAX_SOURCES = 4096
+
+
+def _store(folder: str) -> str | None:
+    """The run's store of checkpoint folder ``folder`` (``.flashckpt`` beside it)."""
+    parent = os.path.dirname(folder)
+    return None if parent == folder else os.path.join(parent, STORE_NAME)
+
+
+def _option(value: Any) -> Any:
+    """An option from the environment (a string) as its value."""
+    if isinstance(value, str):
+        if value.isdigit():
+            return int(value)
+        if value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    return value
+
+
+class FlashFileSystem(AbstractFileSystem):
+    """fsspec file system of ``flashckpt://`` URLs (see the module doc): a path is the local
+    backing path, ``flashckpt:///abs/dir`` (``flashckpt://rel/dir`` relative to the current
+    directory). ``storage_options``: :class:`flashckpt.Options` fields."""
+
+    protocol = PROTOCOL
+    root_marker = "/"
+
+    def __init__(self, *args: Any, **storage_options: Any) -> None:
+        if "target_protocol" in storage_options or "fo" in storage_options:
+            raise chained_error(f"{PROTOCOL}::{storage_options.get('target_protocol')}://"
+                                f"{storage_options.get('fo', '')}")
+        shorthands = {k: _option(storage_options.pop(k)) for k in list(storage_options) if k in OPTION_NAMES}
+        super().__init__(*args, **storage_options)
+        self.options: Options | None = resolve_options(**shorthands) if shorthands else None
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        return local_path(stringify_path(path))
+
+    def _path(self, path: Any) -> str:
+        return self._strip_protocol(path)
+
+    def last_source(self, path: str) -> str | None:
+        """Where this process last read file ``path`` from: "memory" or "storage"."""
+        with _SOURCES_LOCK:
+            return _SOURCES.get(self._path(path))
+
+    # -- files ------------------------------------------------------------------------
+
+    def _open(self, path: str, mode: str = "rb", block_size: Any = None, autocommit: bool = True,
+              cache_options: Any = None, **kwargs: Any) -> Any:
+        path = self._path(path)
+        name = os.path.basename(path)
+        if "r" in mode and "+" not in mode:
+            return self._read(path)
+        if "w" in mode and "+" not in mode:
+            if DISTCP.fullmatch(name):
+                return _SAVES.open_distcp(path, self.options)
+            if name == METADATA_TMP:
+                return _SAVES.open_metadata(path)
+            if _RANK_METADATA.fullmatch(name):
+                raise CheckpointError(f"{path}: {PROTOCOL}:// saves with DCP's collectives "
+                                      "(use_collectives=False writes a metadata file a rank, not supported)")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return open(path, mode)
+
+    def _read(self, path: str) -> io.IOBase:
+        folder, name = os.path.split(path)
+        store = _store(folder)
+        if store is not None and (name == METADATA or DISTCP.fullmatch(name)):
+            copy = file_copy(job_of(store, self.options), store, path)
+            if copy is not None:
+                _record(path, "memory")
+                if name == METADATA:
+                    log.info("%s://%s: step %d from memory", PROTOCOL, folder, copy.step)
+                    return io.BytesIO(metadata_bytes(copy))
+                return MemoryFile(copy)
+            if name == METADATA and not os.path.exists(path):
+                self._export_committed(folder, store)
+        _record(path, "storage")
+        try:
+            return open(path, "rb")
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{PROTOCOL}://{path}: not in this node's memory, not on storage") from None
+
+    def _export_committed(self, folder: str, store: str) -> None:
+        """Write the stock files of a save of ``folder`` that committed but was never
+        exported (its saver was killed between the two) and that memory no longer holds."""
+        if not os.path.isdir(store):
+            return
+        from ..storage._url import open_storage
+
+        step = committed_step(open_storage(store), folder, step_of(folder))
+        if step is not None:
+            log.warning("%s is committed as step %d of %s but its files were never written: writing them now",
+                        folder, step, store)
+            export(store, step, {"checkpoint_id": folder})
+
+    def mv(self, path1: Any, path2: Any, recursive: bool = False, maxdepth: Any = None, **kwargs: Any) -> None:
+        source, target = self._path(path1), self._path(path2)
+        if _SAVES.commit(source, target):
+            return
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(source, target)
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: Any = None) -> None:
+        for p in path if isinstance(path, list) else [path]:
+            self._rm_one(self._path(p), recursive)
+
+    def rm_file(self, path: Any) -> None:
+        self._rm_one(self._path(path), False)
+
+    def _rm_one(self, path: str, recursive: bool) -> None:
+        if _SAVES.drop(path):
+            return
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path) if recursive else os.rmdir(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+        elif self._memory_info(path) is not None:
+            log.warning("%s://%s is held in memory only: nothing to remove on storage", PROTOCOL, path)
+        else:
+            raise FileNotFoundError(path)
+
+    # -- folders ----------------------------------------------------------------------
+
+    def makedirs(self, path: Any, exist_ok: bool = False) -> None:
+        os.makedirs(self._path(path), exist_ok=exist_ok)
+
+    def mkdir(self, path: Any, create_parents: bool = True, **kwargs: Any) -> None:
+        (os.makedirs if create_parents else os.mkdir)(self._path(path))
+
+    def exists(self, path: Any, **kwargs: Any) -> bool:
+        path = self._path(path)
+        return os.path.lexists(path) or self._memory_exists(path)
+
+    def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
+        path = self._path(path)
+        found = self._memory_info(path)
+        if found is not None:
+            return found
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(path) from None
+        return {"name": path, "size": st.st_size, "type": "directory" if os.path.isdir(path) else "file"}
+
+    def ls(self, path: Any, detail: bool = True, **kwargs: Any) -> list[Any]:
+        path = self._path(path)
+        entries: dict[str, dict[str, Any]] = {}
+        if os.path.isdir(path):
+            for name in os.listdir(path):
+                full = os.path.join(path, name)
+                entries[full] = {"name": full, "size": os.path.getsize(full) if os.path.isfile(full) else 0,
+                                 "type": "directory" if os.path.isdir(full) else "file"}
+        elif os.path.exists(path):
+            entries[path] = self.info(path)
+        store = os.path.join(path, STORE_NAME)
+        for folder in memory_folders(job_of(store, self.options), store, path):
+            entries[folder] = {"name": folder, "size": 0, "type": "directory"}
+        store = _store(path)
+        if store is not None:
+            for name, size in folder_files(job_of(store, self.options), store, path).items():
+                full = os.path.join(path, name)
+                entries[full] = {"name": full, "size": size, "type": "file"}
+        if not entries and not os.path.isdir(path):
+            raise FileNotFoundError(path)
+        listed = [entries[k] for k in sorted(entries)]
+        return listed if detail else [e["name"] for e in listed]
+
+    # -- memory -----------------------------------------------------------------------
+
+    def _memory_exists(self, path: str) -> bool:
+        folder, name = os.path.split(path)
+        store = _store(folder)
+        if store is not None and (name == METADATA or DISTCP.fullmatch(name)) and \
+                file_copy(job_of(store, self.options), store, path) is not None:
+            return True
+        store = _store(path)
+        return store is not None and path in memory_folders(job_of(store, self.options), store, folder)
+
+    def _memory_info(self, path: str) -> dict[str, Any] | None:
+        folder, name = os.path.split(path)
+        store = _store(folder)
+        if store is not None and (name == METADATA or DISTCP.fullmatch(name)):
+            size = folder_files(job_of(store, self.options), store, folder).get(name)
+            if size is not None:
+                return {"name": path, "size": size, "type": "file"}
+        store = _store(path)
+        if store is not None and path in memory_folders(job_of(store, self.options), store, folder):
+            return {"name": path, "size": 0, "type": "directory"}
+        return None
+
+
+def _record(path: str, source: str) -> None:
+    with _SOURCES_LOCK:
+        if len(_SOURCES) >= _MAX_SOURCES:
+            _SOURCES.clear()
+        _SOURCES[path] = source

@@ -1,0 +1,33 @@
+"""States the one-process DCP tests save (bytes items, bfloat16, a non-contiguous tensor,
+plain values) and a wait for a file the saver writes."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g), "half": torch.randn(7, generator=g).to(torch.bfloat16),
+            "t": torch.randn(5, 3, generator=g).t(),  # not contiguous
+            "n": torch.tensor(seed), "sched": {"lr": 0.1 * seed, "name": f"run{seed}"}}
+
+
+def blank() -> dict:
+    return {"w": torch.zeros(64, 32), "half": torch.zeros(7, dtype=torch.bfloat16), "t": torch.zeros(3, 5),
+            "n": torch.tensor(0), "sched": {"lr": 0.0, "name": ""}}
+
+
+def equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in ("w", "half", "t", "n")) and a["sched"] == b["sched"]
+
+
+def wait_for(path: str, timeout: float = 60.0) -> None:
+    """Until ``path`` exists (the saver's export), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout:g}s"
+        time.sleep(0.05)
