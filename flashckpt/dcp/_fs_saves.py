@@ -29,7 +29,7 @@ import torch
 from .._errors import CheckpointError
 from .._options import Options
 from ._fs_write import CapturedFile
-from ._run import Run, run_for, store_of
+from ._run import EXPORTER, Run, run_for, store_of
 
 __all__ = ["DISTCP", "METADATA_TMP", "Saves"]
 
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 DISTCP = re.compile(r"__(\d+)_(\d+)\.distcp")
 METADATA = ".metadata"
 METADATA_TMP = ".metadata.tmp"
-EXPORTER = "dcp"
 
 
 class Saves:

@@ -15,6 +15,7 @@ import pickle
 import time
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -25,7 +26,7 @@ from torch.futures import Future
 from .._engine import LoadInfo
 from .._errors import CheckpointNotFoundError
 from .._options import Options
-from ._export import METADATA, export
+from ._export import METADATA, export, write_rank_file
 from ._images import MemoryCopy, committed_step, memory_copies, memory_tree
 from ._run import Run, RunMember, normalize_id, step_of
 from ._writer import distcp_name
@@ -143,26 +144,59 @@ class FlashStorageReader(RunMember, StorageReader):
         return future
 
     def _read_from_memory(self, saved: dict[str, Any], items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Each item straight from its tensor in the slot (one copy) when the image keeps items
+        apart, as the writer's do; else (a save through the ``flashckpt://`` protocol, whose image
+        holds the file's bytes as ``torch.save`` wrote them) through the file's bytes rebuilt in memory."""
+        places = _item_places(saved) if saved.get("items") else {}
+        if not all(self.storage_data[item.storage_index].offset in places for item in items):
+            self._read_from_file_bytes(saved, items, planner)
+            return
         frames = memoryview(saved["frames"].numpy())
         data = saved["data"]
-        recipe = saved["recipe"].tolist()
-        places: dict[int, tuple[int, int, int]] = {}  # file offset -> (data index, frames start, length)
-        at = offset = 0
-        for i in range(0, len(recipe), 3):
-            before, index, after = recipe[i:i + 3]
-            size = before + after + (data[index].numel() * data[index].element_size() if index >= 0 else 0)
-            places[offset] = (index, at, before)
-            at += before + after
-            offset += size
         for item in items:
             index, start, length = places[self.storage_data[item.storage_index].offset]
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(bytes(frames[start:start + length])))
                 continue
-            source = narrow_tensor_by_index(data[index], item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            if target.size() != source.size():
-                raise RuntimeError(f"{item.storage_index} has shape {tuple(source.size())} in memory, "
-                                   f"the load wants {tuple(target.size())}")
-            target.copy_(source)
-            planner.commit_tensor(item, target)
+            _fill(planner, item, data[index])
+
+    def _read_from_file_bytes(self, saved: dict[str, Any], items: list[ReadItem], planner: LoadPlanner) -> None:
+        """What ``FileSystemReader`` does with a file, over the file's bytes rebuilt from the image."""
+        whole = io.BytesIO()
+        write_rank_file(whole, saved)
+        view = whole.getbuffer()
+        try:
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                record = io.BytesIO(bytes(view[info.offset:info.offset + info.length]))
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, record)
+                    continue
+                _fill(planner, item, torch.load(record, map_location="cpu", weights_only=True))
+        finally:
+            del view
+
+
+def _fill(planner: LoadPlanner, item: ReadItem, saved: torch.Tensor) -> None:
+    """Copy the part of ``saved`` that ``item`` reads into the planner's tensor for it."""
+    source = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != source.size():
+        raise RuntimeError(f"{item.storage_index} has shape {tuple(source.size())} in memory, "
+                           f"the load wants {tuple(target.size())}")
+    target.copy_(source)
+    planner.commit_tensor(item, target)
+
+
+def _item_places(saved: dict[str, Any]) -> dict[int, tuple[int, int, int]]:
+    """File offset of each item the recipe lays out -> (data index, frames start, frames length)."""
+    data = saved["data"]
+    recipe = saved["recipe"].tolist()
+    places: dict[int, tuple[int, int, int]] = {}
+    at = offset = 0
+    for i in range(0, len(recipe), 3):
+        before, index, after = recipe[i:i + 3]
+        places[offset] = (index, at, before)
+        at += before + after
+        offset += before + after + (data[index].numel() * data[index].element_size() if index >= 0 else 0)
+    return places

@@ -113,7 +113,7 @@ class FlashStorageWriter(RunMember, StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(name, offset, length)))
             offset += length
-        tree = {"dcp": {"checkpoint_id": self.path, "file": name, "file_bytes": offset,
+        tree = {"dcp": {"checkpoint_id": self.path, "file": name, "file_bytes": offset, "items": True,
                         "frames": torch.frombuffer(frames, dtype=torch.uint8) if frames else torch.empty(0, dtype=torch.uint8),
                         "recipe": torch.tensor(recipe, dtype=torch.int64), "data": data}}
         if self._coordinator:  # saved with the .metadata once every rank wrote (finish)

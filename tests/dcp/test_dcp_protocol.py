@@ -48,6 +48,22 @@ def test_save_and_load_with_only_a_checkpoint_id(tmp_path):
     assert fs.last_source(f"{url}/__0_0.distcp") == "memory"
 
 
+def test_a_protocol_save_loads_through_the_flash_reader_and_back(tmp_path):
+    """The two front-ends read each other's saves from memory."""
+    from flashckpt.dcp import FlashStorageReader, FlashStorageWriter
+
+    saved = state(3)
+    dcp.save(saved, checkpoint_id=f"flashckpt://{tmp_path}/step-3")
+    loaded, reader = blank(), FlashStorageReader(tmp_path / "step-3")
+    dcp.load(loaded, storage_reader=reader)
+    assert equal(loaded, saved) and reader.last_load.source == "memory"
+    saved = state(4)
+    dcp.save(saved, storage_writer=FlashStorageWriter(tmp_path / "step-4"))
+    loaded = blank()
+    dcp.load(loaded, checkpoint_id=f"flashckpt://{tmp_path}/step-4")
+    assert equal(loaded, saved)
+
+
 def test_the_backing_folder_holds_stock_files_once_persisted(tmp_path):
     saved = state(2)
     dcp.save(saved, checkpoint_id=f"flashckpt://{tmp_path}/step-2")
