@@ -182,6 +182,7 @@ class Engine:
         image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves],
                            dict(self._meta(step, flat), **mark))
         self.slots.prepared()
+        self._client.link()  # a saver stopped when this run started is needed now (bounded, named)
         if self._branch is None:  # a run that never loaded starts its line here
             self.start_line(step - 1)
         index = self.slots.choose(self._client, saver_timeout())
