@@ -278,27 +278,26 @@ class Engine:
         if self.node_local is not None and self.placement.local_rank == 0:
             write_scope(self.storage.root, self._line_token, list(self.node_local.scope))
 
-    def load(self, state: Any, *, step: int | None = None) -> int | None:
+    def load(self, state: Any, *, step: int | None = None, timeout: float | None = None) -> int | None:
         """Load the agreed step (:meth:`agree`) into ``state`` in place; all ranks must call this.
 
-        Waits for the saver to finish a crash flush of the previous run first, at most
-        ``FLASHCKPT_SAVER_TIMEOUT`` seconds (:class:`~flashckpt.CheckpointTimeoutError`)."""
+        A step agreed in memory never waits for the saver. A load from storage (or of
+        nothing) first waits for the saver to finish a crash flush of the previous run, at
+        most ``timeout`` seconds (default ``FLASHCKPT_SAVER_TIMEOUT``; past it
+        :class:`~flashckpt.CheckpointTimeoutError` naming the saver)."""
         start = time.perf_counter()
-        return self.load_agreed(state, agree(self._sources(), step, direct=True), start)  # reads own_disk
+        agreement = agree(self._sources(), step, direct=True, timeout=timeout)  # load_agreed reads own_disk
+        return self.load_agreed(state, agreement, start)
 
     def _sources(self) -> Sources:
         return Sources(self.collective, self.placement, self.storage, self.slots, self.replicas, self.node_local,
-                       self._ready, self.options.allow_pickle)
+                       self.slots.prepared, self._client.wait, self.options.allow_pickle)
 
-    def _ready(self) -> None:
-        self.slots.prepared()  # no slot is being created in the background while a replica is fetched into one
-        self._client.wait()  # a crash flush of the previous run finishes first
-
-    def agree(self, step: int | None = None) -> Agreement:
+    def agree(self, step: int | None = None, *, timeout: float | None = None) -> Agreement:
         """Agree with every rank on the step to load and its source (see
         ``flashckpt.restore._agreement``); fetches it from peer replicas where a node lacks it.
-        All ranks must call this."""
-        return agree(self._sources(), step)
+        All ranks must call this; ``timeout`` as :meth:`load`."""
+        return agree(self._sources(), step, timeout=timeout)
 
     def load_agreed(self, state: Any, agreement: Agreement, start: float | None = None, *,
                     places: Places | None = None) -> int | None:
