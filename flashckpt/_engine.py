@@ -25,7 +25,7 @@ from .restore._load import load_agreed
 from .restore._ranks import on_all_ranks, raise_errors
 from .restore._sources import Agreement, Source, Sources, memory_keys
 from .saver._client import SaverClient, saver_timeout
-from ._errors import CheckpointError
+from ._errors import CheckpointError, CheckpointTimeoutError
 from .memory._format import Image, plan_image
 from .memory._rank_slots import RankSlots, page_locker
 from .replicas._node_local import NodeLocal, check_directory, write_scope
@@ -416,19 +416,24 @@ class Engine:
     def close(self, *, unlink: bool = True, timeout: float | None = None) -> None:
         """Flush the newest step, disconnect from the saver, free this rank's shared memory.
 
-        If the flush fails (storage full, the saver stuck past ``timeout``), the shared
-        memory is kept, so that ``flashckpt persist`` can still write the newest step,
-        and the error is raised."""
+        If the flush fails (storage full, the saver stuck past ``timeout``, default
+        ``FLASHCKPT_SAVER_TIMEOUT``), the shared memory is kept, so that ``flashckpt persist``
+        can still write the newest step, and the error is raised (past ``timeout``:
+        :class:`~flashckpt.CheckpointTimeoutError` naming that step)."""
         if self._closed:
             return
+        newest = max(self.memory_steps(), default=None) if self.placement.writes_memory else None
         try:
             self._flush_on_close(timeout)
-        except CheckpointError:
+        except CheckpointError as exc:
             if self.placement.writes_memory:
                 log.error("closing without persisting the newest step of %s: its memory copy is kept in %s "
                           "(run `flashckpt persist --job-id %s` to write it to storage, `flashckpt gc` to free it)",
                           self.storage.root, _names.job_prefix(self.job_id), self.job_id)
             unlink = False
+            if isinstance(exc, CheckpointTimeoutError) and newest is not None:
+                raise CheckpointTimeoutError(f"close() could not persist step {newest} of {self.storage.root} (its "
+                                             f"memory copy is kept): {exc}") from exc
             raise
         finally:
             self._closed = True
