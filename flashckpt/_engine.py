@@ -169,6 +169,8 @@ class Engine:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         start = time.perf_counter()
         self._raise_persist_errors()
+        if self.placement.writes_memory:  # a saver stopped when this run started is needed now (bounded, named)
+            self._client.link()
         self._saves += 1
         if not self.placement.writes_memory:
             return self._handle(step, False, (None, 0))
@@ -182,7 +184,6 @@ class Engine:
         image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves],
                            dict(self._meta(step, flat), **mark))
         self.slots.prepared()
-        self._client.link()  # a saver stopped when this run started is needed now (bounded, named)
         if self._branch is None:  # a run that never loaded starts its line here
             self.start_line(step - 1)
         index = self.slots.choose(self._client, saver_timeout())
