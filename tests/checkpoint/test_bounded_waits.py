@@ -14,16 +14,55 @@ import json
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from flashckpt import CheckpointTimeoutError
+from flashckpt.restore._agreement import agree
+from flashckpt.restore._sources import Source
 from flashckpt.storage._local import LocalStorage
 from flashckpt.torch import Checkpointer
 
 from .conftest import shm_objects
 from .test_ckpt_liveness import Script, cleanup, one_saver
+
+LINE = "0000000000001000abcdef01"
+
+
+def _view(memory: list[int], committed: list[int]) -> dict:
+    """One rank's look (``flashckpt.restore._agreement``): its memory steps and, as rank 0, storage's."""
+    return {"memory": memory, "mine": [[LINE, s] for s in memory], "committed": committed[::-1],
+            "newest": (LINE, max(committed)) if committed else None, "storage_rank": 0, "replicas": []}
+
+
+def _sources(looks: list[dict], waited: list) -> SimpleNamespace:
+    """One rank whose successive looks are ``looks``; records each wait for the crash flush."""
+    order = iter(looks)
+
+    def on_all_ranks(fn, what):
+        if "crash flush" in what:
+            return [fn()]
+        return [next(order)]
+    return SimpleNamespace(ready=lambda: None, flushed=waited.append, collective=SimpleNamespace(rank=0),
+                           node_local=None, placement=SimpleNamespace(nodes=()), storage=SimpleNamespace(root="/ck"),
+                           replicas=SimpleNamespace(endpoints={}), on_all_ranks=on_all_ranks)
+
+
+def test_an_agreement_on_memory_does_not_wait_for_the_crash_flush():
+    waited: list = []
+    agreement = agree(_sources([_view([2, 3], [1])], waited), None, timeout=5)
+    assert (agreement.step, agreement.source, waited) == (3, Source.MEMORY, [])
+
+
+def test_an_agreement_on_storage_waits_for_the_crash_flush_and_looks_again():
+    """Memory holds step 2, storage step 3: storage, so every rank waits (bounded by
+    ``timeout``) for the crash flush, which committed step 4 meanwhile: the second look wins."""
+    waited: list = []
+    agreement = agree(_sources([_view([2], [3]), _view([2], [3, 4])], waited), None, timeout=5)
+    assert (agreement.step, agreement.source, waited) == (4, Source.STORAGE, [5])
+
 
 BIG_BOUND = "300"
 """FLASHCKPT_SAVER_TIMEOUT for the memory-load test: far above what it may take."""
