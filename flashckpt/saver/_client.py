@@ -32,7 +32,7 @@ from .._errors import CheckpointTimeoutError, SaverError
 from .._options import env_count
 from ..memory._slot import pid_alive
 
-__all__ = ["SaverClient", "persist_threads", "saver_timeout"]
+__all__ = ["SaverClient", "persist_threads", "saver_timeout", "stopped_saver"]
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,8 @@ class SaverClient:
         """Exporters to warm, asked while the link was pending (sent once it is made)."""
         self.sock: socket.socket | None = None
         """None while the link is pending (the saver was stopped at construction)."""
-        holder = _lock_holder(job_id)
-        if holder and process_state(holder) == "stopped":
+        holder = stopped_saver(job_id)
+        if holder:
             log.warning("the flashckpt saver of job %s (pid %d) is stopped: connecting at the first save, "
                         "flush or wait instead of now", job_id, holder)
         else:
@@ -162,8 +162,7 @@ class SaverClient:
         deadline = time.monotonic() + seconds
         spawned: subprocess.Popen | None = None
         while True:
-            holder = _lock_holder(self.job_id)
-            if holder and process_state(holder) == "stopped":  # no hello it would read late, no rival spawned
+            if stopped_saver(self.job_id):  # no hello it would read late, no rival spawned
                 if time.monotonic() > deadline:
                     raise self._unreachable(path, seconds)
                 time.sleep(0.05)
@@ -417,6 +416,21 @@ class SaverClient:
 
 def _encode(msg: dict[str, Any]) -> bytes:
     return json.dumps(msg).encode() + b"\n"
+
+
+def stopped_saver(job_id: str) -> int:
+    """The pid of this job's saver if it is stopped (``kill -STOP``, a debugger), else 0: the
+    pid in its lock file, when that process is stopped and runs this job's saver (a pid
+    reused by another process is not)."""
+    holder = _lock_holder(job_id)
+    if not holder or process_state(holder) != "stopped":
+        return 0
+    try:
+        with open(f"/proc/{holder}/cmdline", "rb") as f:
+            argv = f.read(4096).split(b"\0")
+    except OSError:
+        return 0
+    return holder if b"flashckpt.saver._saver" in argv and job_id.encode() in argv else 0
 
 
 def _lock_holder(job_id: str) -> int:
