@@ -92,9 +92,12 @@ class EngineCheckpointer:
         capture = self._capture
         return capture.capture(reason) if capture is not None else None
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Persist the newest step if needed, wait for storage, free shared memory
-        (while an exception unwinds, after a failure capture: see :meth:`save_on_failure`)."""
+        (while an exception unwinds, after a failure capture: see :meth:`save_on_failure`).
+
+        Waits for storage at most ``timeout`` seconds (default ``FLASHCKPT_SAVER_TIMEOUT``);
+        past it :class:`~flashckpt.CheckpointTimeoutError` naming the step, its memory copy kept."""
         capture, hooks = self._capture, self._hooks
         unwinding = sys.exc_info()[0]
         if capture is not None and unwinding is not None and not issubclass(unwinding, SystemExit):
@@ -104,7 +107,7 @@ class EngineCheckpointer:
             self._engine.save_guard = None
             capture.close()
             hooks.uninstall()
-        self._engine.close()
+        self._engine.close(timeout=timeout)
 
     def __enter__(self) -> "EngineCheckpointer":
         return self

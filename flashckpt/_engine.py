@@ -25,7 +25,7 @@ from .restore._load import agreed_image, load_agreed
 from .restore._ranks import on_all_ranks, raise_errors
 from .restore._sources import Agreement, Source, Sources, memory_keys
 from .saver._client import SaverClient, saver_timeout
-from ._errors import CheckpointError
+from ._errors import CheckpointError, CheckpointTimeoutError
 from .memory._format import Image, plan_image
 from .memory._rank_slots import RankSlots, page_locker
 from .replicas._node_local import NodeLocal, check_directory, write_scope
@@ -169,6 +169,8 @@ class Engine:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         start = time.perf_counter()
         self._raise_persist_errors()
+        if self.placement.writes_memory:  # a saver stopped when this run started is needed now (bounded, named)
+            self._client.link()
         self._saves += 1
         if not self.placement.writes_memory:
             return self._handle(step, False, (None, 0))
@@ -277,30 +279,29 @@ class Engine:
         if self.node_local is not None and self.placement.local_rank == 0:
             write_scope(self.storage.root, self._line_token, list(self.node_local.scope))
 
-    def load(self, state: Any, *, step: int | None = None) -> int | None:
+    def load(self, state: Any, *, step: int | None = None, timeout: float | None = None) -> int | None:
         """Load the agreed step (:meth:`agree`) into ``state`` in place; all ranks must call this.
 
-        Waits for the saver to finish a crash flush of the previous run first, at most
-        ``FLASHCKPT_SAVER_TIMEOUT`` seconds (:class:`~flashckpt.CheckpointTimeoutError`)."""
+        A step agreed in memory never waits for the saver. A load from storage (or of
+        nothing) first waits for the saver to finish a crash flush of the previous run, at
+        most ``timeout`` seconds (default ``FLASHCKPT_SAVER_TIMEOUT``; past it
+        :class:`~flashckpt.CheckpointTimeoutError` naming the saver)."""
         start = time.perf_counter()
-        return self.load_agreed(state, agree(self._sources(), step, direct=True), start)  # reads own_disk
+        agreement = agree(self._sources(), step, direct=True, timeout=timeout)  # load_agreed reads own_disk
+        return self.load_agreed(state, agreement, start)
 
     def _sources(self) -> Sources:
         return Sources(self.collective, self.placement, self.storage, self.slots, self.replicas, self.node_local,
-                       self._ready, self.options.allow_pickle)
+                       self.slots.prepared, self._client.wait, self.options.allow_pickle)
 
-    def _ready(self) -> None:
-        self.slots.prepared()  # no slot is being created in the background while a replica is fetched into one
-        self._client.wait()  # a crash flush of the previous run finishes first
-
-    def agree(self, step: int | None = None, *, direct: bool = False) -> Agreement:
+    def agree(self, step: int | None = None, *, direct: bool = False, timeout: float | None = None) -> Agreement:
         """Agree with every rank on the step to load and its source (see
         ``flashckpt.restore._agreement``); fetches it from peer replicas where a node lacks it.
         ``direct``: the caller loads through :meth:`load_agreed`, which reads a rank's shard in
         its own node-local directory straight into the state (``Agreement.own_disk``); a
         caller that looks at the step first does so with :meth:`agreed_image`.
-        All ranks must call this."""
-        return agree(self._sources(), step, direct=direct)
+        All ranks must call this; ``timeout`` as :meth:`load`."""
+        return agree(self._sources(), step, direct=direct, timeout=timeout)
 
     def agreed_image(self, agreement: Agreement) -> Image:
         """The parsed header of this rank's copy of the agreed step, wherever :meth:`load_agreed`
@@ -424,19 +425,24 @@ class Engine:
     def close(self, *, unlink: bool = True, timeout: float | None = None) -> None:
         """Flush the newest step, disconnect from the saver, free this rank's shared memory.
 
-        If the flush fails (storage full, the saver stuck past ``timeout``), the shared
-        memory is kept, so that ``flashckpt persist`` can still write the newest step,
-        and the error is raised."""
+        If the flush fails (storage full, the saver stuck past ``timeout``, default
+        ``FLASHCKPT_SAVER_TIMEOUT``), the shared memory is kept, so that ``flashckpt persist``
+        can still write the newest step, and the error is raised (past ``timeout``:
+        :class:`~flashckpt.CheckpointTimeoutError` naming that step)."""
         if self._closed:
             return
+        newest = max(self.memory_steps(), default=None) if self.placement.writes_memory else None
         try:
             self._flush_on_close(timeout)
-        except CheckpointError:
+        except CheckpointError as exc:
             if self.placement.writes_memory:
                 log.error("closing without persisting the newest step of %s: its memory copy is kept in %s "
                           "(run `flashckpt persist --job-id %s` to write it to storage, `flashckpt gc` to free it)",
                           self.storage.root, _names.job_prefix(self.job_id), self.job_id)
             unlink = False
+            if isinstance(exc, CheckpointTimeoutError) and newest is not None:
+                raise CheckpointTimeoutError(f"close() could not persist step {newest} of {self.storage.root} (its "
+                                             f"memory copy is kept): {exc}") from exc
             raise
         finally:
             self._closed = True

@@ -24,6 +24,14 @@ It only decides (and fetches missing replicas): loading the bytes is the adapter
 (``flashckpt.restore._load`` for the engine's own format, the FSDP and megatron readers
 for theirs), since adapters read different things from the same step. It works with the
 rank's parts (:class:`~flashckpt.restore._sources.Sources`), never the engine.
+
+The saver's crash flush of a previous run (its trainer died with a persist asked) may be
+about to commit a step newer than storage shows. It only ever writes what that run left in
+memory, so it cannot make storage newer than a memory copy every rank holds: an agreement on
+memory stands without waiting for it (a stopped or busy saver does not delay that restart).
+Only when the agreement is storage (or nothing) does every rank wait for the flush, at most
+``timeout`` seconds, and agree again; every rank gets the same agreement, so every rank
+takes the same branch.
 """
 
 from __future__ import annotations
@@ -34,12 +42,24 @@ from ._sources import Agreement, Source, Sources, memory_keys, memory_not_older
 __all__ = ["agree"]
 
 
-def agree(sources: Sources, step: int | None = None, *, direct: bool = False) -> Agreement:
+def agree(sources: Sources, step: int | None = None, *, direct: bool = False,
+          timeout: float | None = None) -> Agreement:
     """Agree with every rank on the step to load (see the module docstring); fetches the
     agreed step from peer replicas on ranks whose node lacks it. All ranks must call this.
     Node-local directories follow ``flashckpt.restore._node_local`` (``direct``: a loader
-    that reads ``Agreement.own_disk``, see there)."""
-    sources.ready()  # no slot is prepared while a replica is fetched into one; a crash flush finished
+    that reads ``Agreement.own_disk``, see there). ``timeout``: at most this many seconds
+    waiting for the saver's crash flush (default ``FLASHCKPT_SAVER_TIMEOUT``), past it
+    :class:`~flashckpt.CheckpointTimeoutError` naming the saver, on every rank."""
+    sources.ready()  # no slot is prepared while a replica is fetched into one
+    agreement = _agree_now(sources, step, direct)
+    if agreement.source == Source.MEMORY:
+        return agreement
+    sources.on_all_ranks(lambda: sources.flushed(timeout), "waiting for the saver's crash flush of the previous run")
+    return _agree_now(sources, step, direct)
+
+
+def _agree_now(sources: Sources, step: int | None, direct: bool) -> Agreement:
+    """One agreement on what memory and storage hold now (collective)."""
     rank0 = sources.collective.rank == 0
     node_local = sources.node_local is not None
 

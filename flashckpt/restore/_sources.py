@@ -82,8 +82,10 @@ class Sources:
     replicas: PeerReplicas
     node_local: NodeLocal | None
     ready: Callable[[], None]
-    """Waits until no slot is prepared in the background and the saver finished a crash
-    flush of the previous run (called once a load starts)."""
+    """Waits until no slot is prepared in the background (called once a load starts)."""
+    flushed: Callable[[float | None], None]
+    """Waits, at most the given seconds (None: ``FLASHCKPT_SAVER_TIMEOUT``), until the saver
+    finished a crash flush of the previous run (see ``flashckpt.restore._agreement``)."""
     allow_pickle: bool
 
     def on_all_ranks(self, fn: Callable[[], Any], what: str) -> list[Any]:

@@ -6,6 +6,11 @@ Nothing here waits without a bound. Every wait on the saver ends after
 :class:`~flashckpt.CheckpointTimeoutError` naming the saver and its state, and checks
 twice a second that the saver still lives: a dead saver (a zombie included) is replaced
 by a new one, which is told again about every save not yet reported persisted.
+
+A saver that is stopped (``kill -STOP``, a debugger) when a trainer starts does not stop
+the trainer: the link is left pending (``linked`` False), so that a restart can still load
+from memory, and the first call that needs the saver (a save, ``wait``, ``flush``) connects
+then, within its bound.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from .._errors import CheckpointTimeoutError, SaverError
 from .._options import env_count
 from ..memory._slot import pid_alive
 
-__all__ = ["SaverClient", "persist_threads", "saver_timeout"]
+__all__ = ["SaverClient", "persist_threads", "saver_timeout", "stopped_saver"]
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +125,31 @@ class SaverClient:
         self._spawned: list[subprocess.Popen] = []
         self._replica_config: list[dict[str, Any]] = []
         """The ``replicate`` and ``replica_peer`` messages sent, told again to a new saver."""
-        self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
+        self._warm: list[str] = []
+        """Exporters to warm, asked while the link was pending (sent once it is made)."""
+        self.sock: socket.socket | None = None
+        """None while the link is pending (the saver was stopped at construction)."""
+        holder = stopped_saver(job_id)
+        if holder:
+            log.warning("the flashckpt saver of job %s (pid %d) is stopped: connecting at the first save, "
+                        "flush or wait instead of now", job_id, holder)
+        else:
+            self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
+
+    @property
+    def linked(self) -> bool:
+        """Connected to the saver (False while the link is pending)."""
+        return self.sock is not None
+
+    def link(self, timeout: float | None = None) -> socket.socket:
+        """The connection, made now if it is pending (at most ``timeout`` seconds, default
+        ``FLASHCKPT_SAVER_TIMEOUT``, capped at 60; past it :class:`~flashckpt.CheckpointTimeoutError`
+        naming the saver and its state); the saver is then told this trainer's saves."""
+        if self.sock is None:
+            bound = saver_timeout() if timeout is None else timeout
+            self.sock = self._connect(min(_CONNECT_SECONDS, bound))
+            self._tell_again()
+        return self.sock
 
     @property
     def outstanding(self) -> int:
@@ -133,6 +162,11 @@ class SaverClient:
         deadline = time.monotonic() + seconds
         spawned: subprocess.Popen | None = None
         while True:
+            if stopped_saver(self.job_id):  # no hello it would read late, no rival spawned
+                if time.monotonic() > deadline:
+                    raise self._unreachable(path, seconds)
+                time.sleep(0.05)
+                continue
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
             try:
@@ -158,15 +192,17 @@ class SaverClient:
             sock.close()
             self._reap()
             if time.monotonic() > deadline:
-                holder = _lock_holder(self.job_id)
-                state = f" (the saver holding its lock, pid {holder}, is {process_state(holder)})" if holder else ""
-                raise CheckpointTimeoutError(
-                    f"could not reach the flashckpt saver at {path} within {seconds:.0f}s{state}; "
-                    f"see {_names.saver_log_path(self.job_id)}")
+                raise self._unreachable(path, seconds)
             if spawned is None or spawned.poll() is not None:  # none yet, or one that lost the race or ended
                 spawned = _spawn_saver(self.job_id)
                 self._spawned.append(spawned)
             time.sleep(0.02)
+
+    def _unreachable(self, path: str, seconds: float) -> CheckpointTimeoutError:
+        holder = _lock_holder(self.job_id)
+        state = f" (the saver holding its lock, pid {holder}, is {process_state(holder)})" if holder else ""
+        return CheckpointTimeoutError(f"could not reach the flashckpt saver at {path} within {seconds:g}s{state}; "
+                                      f"see {_names.saver_log_path(self.job_id)}")
 
     def _reap(self) -> None:
         """Collect savers this process started that have exited (no zombies left behind)."""
@@ -176,21 +212,34 @@ class SaverClient:
         """A new saver (the old one died): it is told again about every save this
         trainer made and every persist not yet reported done."""
         log.warning("lost the flashckpt saver (pid %d: %s); starting a new one", self.saver_pid, why)
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
         self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
+        self._tell_again()
+
+    def _tell_again(self) -> None:
+        """Tell a new connection what this trainer asked of the saver so far."""
+        sock = self.link()
         for msg in self._replica_config:  # first: the saves below are then offered to the peer too
-            self.sock.sendall(_encode(msg))
+            sock.sendall(_encode(msg))
         for slot, msg in self._saved.items():
             again = dict(msg, persist=(slot, msg["generation"]) in self.pending)
-            self.sock.sendall(_encode(again))
+            sock.sendall(_encode(again))
+        for name in self._warm:
+            sock.sendall(_encode({"op": "warm", "export": name}))
+        self._warm = []
 
     def _send(self, msg: dict[str, Any]) -> None:
         data = _encode(msg)
+        if self.sock is None:
+            self.link()  # tells this save again itself
+            if msg is self._saved.get(msg.get("slot")):
+                return
         try:
-            self.sock.sendall(data)
+            self.link().sendall(data)
             return
         except OSError as exc:
             why = f"{type(exc).__name__}: {exc}"
@@ -253,27 +302,34 @@ class SaverClient:
         self._send(msg)
 
     def update_info(self, info: dict[str, Any]) -> None:
-        """New defaults for a crash flush of this trainer (after a load changed its line)."""
+        """New defaults for a crash flush of this trainer (after a load changed its line);
+        a pending link sends them with its ``hello``."""
         self.info = info
-        self._send({"op": "info", "info": info})
+        if self.sock is not None:
+            self._send({"op": "info", "info": info})
 
     def warm_exporter(self, name: str) -> None:
         """Have the saver load the exporter ``name`` now (see ``flashckpt.saver._exporters``), so
-        that the first export does not pay for its imports (seconds: torch, transformers)."""
+        that the first export does not pay for its imports (seconds: torch, transformers);
+        a pending link asks once it is made."""
+        if self.sock is None:
+            self._warm.append(name)
+            return
         self._send({"op": "warm", "export": name})
 
     def drain(self) -> None:
-        """Take in what the saver reported so far, without blocking."""
-        while (msg := self._read_message(self.sock, timeout=0)) is not None:
+        """Take in what the saver reported so far, without blocking (nothing while the link is pending)."""
+        while self.sock is not None and (msg := self._read_message(self.sock, timeout=0)) is not None:
             self._note(msg)
 
     def _roundtrip(self, op: str, answer: str, timeout: float | None,
                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
         bound = saver_timeout() if timeout is None else timeout
+        deadline = time.monotonic() + bound
+        self.link(bound)
         ident = next(self._ids)
         request = {**(extra or {}), "op": op, "id": ident}
         self._send(request)
-        deadline = time.monotonic() + bound
         replaced = 0
         while True:
             remaining = deadline - time.monotonic()
@@ -282,7 +338,7 @@ class SaverClient:
                     f"the flashckpt saver (pid {self.saver_pid}, {process_state(self.saver_pid)}) did not finish "
                     f"{op} within {bound:g}s ({self.outstanding} persists outstanding); see "
                     f"{_names.saver_log_path(self.job_id)}, or raise {_TIMEOUT_ENV}")
-            msg = self._read_message(self.sock, min(remaining, _CHECK_SECONDS))
+            msg = self._read_message(self.link(), min(remaining, _CHECK_SECONDS))
             if msg is not None:
                 if msg.get("op") == answer and msg.get("id") == ident:
                     return msg
@@ -296,16 +352,17 @@ class SaverClient:
                                  f"{op}; see {_names.saver_log_path(self.job_id)}")
             replaced += 1
             self._reconnect("it exited")
-            self.sock.sendall(_encode(request))
+            self.link().sendall(_encode(request))
 
     def _closed_by_peer(self) -> bool:
         """The saver's end of the socket is closed (it exited, or dropped us)."""
+        sock = self.link()
         try:
-            self.sock.setblocking(False)
+            sock.setblocking(False)
             try:
-                data = self.sock.recv(1 << 16, socket.MSG_PEEK)
+                data = sock.recv(1 << 16, socket.MSG_PEEK)
             finally:
-                self.sock.setblocking(True)
+                sock.setblocking(True)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:
@@ -346,16 +403,34 @@ class SaverClient:
         return errors
 
     def close(self) -> None:
-        try:
-            self.sock.sendall(_encode({"op": "close"}))
-        except OSError:
-            pass
-        self.sock.close()
+        """Say goodbye to the saver (a clean close: it flushes nothing of this trainer) and
+        disconnect; a pending link is simply dropped."""
+        if self.sock is not None:
+            try:
+                self.sock.sendall(_encode({"op": "close"}))
+            except OSError:
+                pass
+            self.sock.close()
         self._reap()
 
 
 def _encode(msg: dict[str, Any]) -> bytes:
     return json.dumps(msg).encode() + b"\n"
+
+
+def stopped_saver(job_id: str) -> int:
+    """The pid of this job's saver if it is stopped (``kill -STOP``, a debugger), else 0: the
+    pid in its lock file, when that process is stopped and runs this job's saver (a pid
+    reused by another process is not)."""
+    holder = _lock_holder(job_id)
+    if not holder or process_state(holder) != "stopped":
+        return 0
+    try:
+        with open(f"/proc/{holder}/cmdline", "rb") as f:
+            argv = f.read(4096).split(b"\0")
+    except OSError:
+        return 0
+    return holder if b"flashckpt.saver._saver" in argv and job_id.encode() in argv else 0
 
 
 def _lock_holder(job_id: str) -> int:

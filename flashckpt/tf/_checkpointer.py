@@ -119,13 +119,13 @@ class Checkpointer(EngineCheckpointer):
         self._join()
         super().flush(timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         try:
             self._join()
         finally:
-            super().close()
+            super().close(timeout)
 
-    def load(self, *, step: int | None = None) -> int | None:
+    def load(self, *, step: int | None = None, timeout: float | None = None) -> int | None:
         """Restore the variables (and data positions) of ``step`` (default: the newest in
         memory or on storage) in place; returns the step, or None when there is none.
         ``extra`` of that step is then in :attr:`extra`.
@@ -133,7 +133,8 @@ class Checkpointer(EngineCheckpointer):
         Keras optimizers that have not taken a step yet get their slots created first (a
         model's compiled optimizer, or one beside a single model; beside several models,
         call ``optimizer.build(variables)`` for each first); a model must be built.
-        Mismatched variables raise ``StateMismatchError`` naming them.
+        Mismatched variables raise ``StateMismatchError`` naming them. ``timeout``: as
+        :meth:`flashckpt.torch.Checkpointer.load` (a load from memory never waits for the saver).
         """
         self._join()
         fresh = _variables.build_optimizers(self._root)
@@ -149,7 +150,7 @@ class Checkpointer(EngineCheckpointer):
             targets[key] = alias
         state: dict[str, Any] = {"variables": targets, "tf": {}, "data": None}
         try:
-            loaded = self._engine.load(state, step=step)
+            loaded = self._engine.load(state, step=step, timeout=timeout)
         except StateMismatchError as exc:
             if not fresh:
                 raise

@@ -75,14 +75,17 @@ class Checkpointer(EngineCheckpointer):
         Returns a :class:`~flashckpt.SaveHandle` (``.wait()``, ``.done()``, ``.durable()``)."""
         return self._engine.save(step, state, persist=persist)
 
-    def load(self, state: Any, *, step: int | None = None) -> int | None:
+    def load(self, state: Any, *, step: int | None = None, timeout: float | None = None) -> int | None:
         """Fill ``state`` in place from the agreed step; returns it, or None if there is none.
 
         Tensors are filled in place; plain values are written into the state's dicts and
         lists (call ``optimizer.load_state_dict(state["optim"])`` afterwards for its
-        hyper-parameters). All ranks must call this.
+        hyper-parameters). All ranks must call this. A step in every rank's memory loads
+        without waiting for the saver; a load from storage waits for its crash flush of the
+        previous run at most ``timeout`` seconds (default ``FLASHCKPT_SAVER_TIMEOUT``; past
+        it :class:`~flashckpt.CheckpointTimeoutError` naming the saver).
         """
-        return self._engine.load(state, step=step)
+        return self._engine.load(state, step=step, timeout=timeout)
 
 
 class DdpCheckpointer(Checkpointer):

@@ -50,7 +50,7 @@ def test_a_rank_named_in_own_disk_reads_its_shard_straight_into_the_state(tmp_pa
     with Checkpointer(tmp_path, job_id=job_id) as ck:
         ck.save(5, {"w": torch.arange(8.0), "tag": "five"}).wait(timeout=60)
     sources = Sources(SingleProcess(), SimpleNamespace(storage_rank=0, storage_world=1), LocalStorage(str(tmp_path)),
-                      _NoSlots(), None, None, lambda: None, False)
+                      _NoSlots(), None, None, lambda: None, lambda timeout: None, False)
     state = {"w": torch.zeros(8), "tag": "none"}
     got = load_agreed(sources, state, Agreement(5, Source.MEMORY, None, (), frozenset({0})))
     assert got == (5, Source.MEMORY)
