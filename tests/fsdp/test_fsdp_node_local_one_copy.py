@@ -17,7 +17,7 @@ from ._fsdp_common import assert_equal_states, full_state, make, train_step
 STEP = 5
 
 
-def _agree_node_local(sources, step=None, *, direct=False):
+def _agree_node_local(sources, step=None, *, direct=False, timeout=None):
     """What ``agree`` gives on node-local directories when rank 0's memory is empty and only
     its own node's directory holds its shard; rank 1 holds the step in memory."""
     from flashckpt.restore._node_local import _read_own
