@@ -1,5 +1,7 @@
 """The flashckpt command line: ls, verify, gc, persist, convert; errors as one line each."""
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -10,6 +12,7 @@ import textwrap
 import pytest
 import torch
 
+from flashckpt import cli
 from flashckpt.torch import Checkpointer
 
 from .conftest import shm_objects
@@ -18,6 +21,19 @@ from .test_ckpt_crash import saver_pids, start_trainer, wait_for_line
 
 def flashckpt(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flashckpt.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def convert(*args: str) -> subprocess.CompletedProcess:
+    """``flashckpt convert ARGS`` run in this process, which imported torch already (a new
+    process spends seconds importing it per conversion): exit code and output as the command's.
+    ``test_convert_to_a_file_torch_load_reads`` runs the real command."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(["convert", *args])
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code
+    return subprocess.CompletedProcess(["flashckpt", "convert", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_ls_and_verify(tmp_path, job_id):
@@ -112,7 +128,7 @@ def test_convert_to_a_file_torch_load_reads(tmp_path, job_id):
     assert out.returncode == 0, out.stderr
     loaded = torch.load(tmp_path / "out.pt")
     assert loaded["step"] == 3 and torch.equal(loaded["model"]["w"], torch.arange(6.0))
-    out = flashckpt("convert", str(tmp_path / "nothing"), str(tmp_path / "x.pt"), "--to", "torch")
+    out = convert(str(tmp_path / "nothing"), str(tmp_path / "x.pt"), "--to", "torch")
     assert out.returncode == 2 and out.stderr.startswith("error:")
 
 
@@ -189,16 +205,16 @@ def test_cli_errors_are_one_line_per_problem_without_tracebacks(tmp_path, job_id
     lines = out.stdout.splitlines()
     assert lines == ["step 1: ok", "step 2: DAMAGED", lines[2], "step 3: DAMAGED", lines[4]], lines
     assert "world_size" in lines[2] and "not a regular file" in lines[4]
-    out = flashckpt("convert", str(tmp_path), str(tmp_path / "x.pt"), "--to", "torch", "--step", "3")
+    out = convert(str(tmp_path), str(tmp_path / "x.pt"), "--to", "torch", "--step", "3")
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
-    out = flashckpt("convert", str(tmp_path / "nothing"), str(tmp_path / "x.pt"), "--to", "torch", "--from", "dcp")
+    out = convert(str(tmp_path / "nothing"), str(tmp_path / "x.pt"), "--to", "torch", "--from", "dcp")
     assert out.returncode == 2 and "no such directory" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_convert_writes_every_rank_of_a_per_rank_checkpoint(tmp_path):
     states = [{"model": {"w": torch.full((4,), float(r))}, "rank": r} for r in range(2)]
     per_rank_checkpoint(tmp_path / "ck", 6, states)
-    out = flashckpt("convert", str(tmp_path / "ck"), str(tmp_path / "model.pt"), "--to", "torch")
+    out = convert(str(tmp_path / "ck"), str(tmp_path / "model.pt"), "--to", "torch")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["wrote", str(tmp_path / "model.rank-0.pt"), "wrote", str(tmp_path / "model.rank-1.pt")]
     for rank in range(2):
@@ -211,19 +227,19 @@ def test_convert_from_dcp_keeps_its_step(tmp_path, job_id):
     import torch.distributed.checkpoint as dcp
     from flashckpt.storage._local import LocalStorage
     dcp.save({"model": {"w": torch.arange(4.0)}, "step": 7}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    out = flashckpt("convert", str(tmp_path / "dcp"), str(tmp_path / "flash"), "--from", "dcp", "--to", "flashckpt")
+    out = convert(str(tmp_path / "dcp"), str(tmp_path / "flash"), "--from", "dcp", "--to", "flashckpt")
     assert out.returncode == 0, out.stderr
     assert LocalStorage(tmp_path / "flash").committed_steps() == [7]
     dcp.save({"model": {"w": torch.arange(4.0)}}, checkpoint_id=str(tmp_path / "step-12"), no_dist=True)
-    out = flashckpt("convert", str(tmp_path / "step-12"), str(tmp_path / "flash12"), "--from", "dcp", "--to",
+    out = convert(str(tmp_path / "step-12"), str(tmp_path / "flash12"), "--from", "dcp", "--to",
                     "flashckpt")
     assert out.returncode == 0, out.stderr
     assert LocalStorage(tmp_path / "flash12").committed_steps() == [12]
     dcp.save({"model": {"w": torch.arange(4.0)}}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
-    out = flashckpt("convert", str(tmp_path / "plain"), str(tmp_path / "flash0"), "--from", "dcp", "--to",
+    out = convert(str(tmp_path / "plain"), str(tmp_path / "flash0"), "--from", "dcp", "--to",
                     "flashckpt")
     assert out.returncode == 2 and "--step" in out.stderr
-    out = flashckpt("convert", str(tmp_path / "plain"), str(tmp_path / "flash0"), "--from", "dcp", "--to",
+    out = convert(str(tmp_path / "plain"), str(tmp_path / "flash0"), "--from", "dcp", "--to",
                     "flashckpt", "--step", "3")
     assert out.returncode == 0 and LocalStorage(tmp_path / "flash0").committed_steps() == [3]
 
