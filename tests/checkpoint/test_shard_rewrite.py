@@ -76,7 +76,7 @@ def test_a_first_write_whose_marker_fails_leaves_no_shard_behind(tmp_path, monke
     def full_disk(path: str, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("flashckpt.storage._local.write_atomic", full_disk)
+    monkeypatch.setattr("flashckpt.storage._directory.write_atomic", full_disk)  # markers go through the backend
     with pytest.raises(CheckpointError, match="No space left"):
         storage.write_shard(4, 0, tok, image(4, tok, 1 << 20))
     assert os.listdir(tmp_path) == []  # no shard without its marker holding the disk
@@ -93,7 +93,7 @@ def test_a_rewrite_whose_marker_fails_leaves_no_marker_of_other_bytes(tmp_path, 
     def full_disk(path: str, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("flashckpt.storage._local.write_atomic", full_disk)
+    monkeypatch.setattr("flashckpt.storage._directory.write_atomic", full_disk)  # markers go through the backend
     with pytest.raises(CheckpointError, match="No space left"):
         storage.write_shard(4, 0, tok, image(4, tok))
     pending = tmp_path / f"step-4.tmp-{tok}"
