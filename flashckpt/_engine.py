@@ -118,6 +118,17 @@ class Engine:
         if (placement.persists and placement.storage_rank == 0 and self.collective.rank == 0) or \
                 (self.node_local is not None and placement.local_rank == 0):
             self.storage.claim_run(placement.token)  # one live run per directory
+        try:
+            self._attach(options, placement)
+        except BaseException:  # the directory is free again for the next run (a bucket's lease stops)
+            client = getattr(self, "_client", None)
+            if client is not None:
+                client.close()
+            self.storage.release_run()
+            raise
+
+    def _attach(self, options: Options, placement: Placement) -> None:
+        """The rest of construction, once the directory is claimed: slots, saver, replicas."""
         self.slots = RankSlots(self.job_id, placement.memory_rank, options.memory_slots,
                                {"directory": self.storage.root, "storage_rank": placement.storage_rank,
                                 "storage_world": placement.storage_world})
