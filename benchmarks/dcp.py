@@ -16,8 +16,9 @@ once, in an order rotated per repeat; the table shows medians and ratios to the 
   (cached staging buffers: first and steady).
 - flashckpt writer: ``dcp.save(state, storage_writer=FlashStorageWriter(f"{dir}/step-N"))``
   in a process of its own, a new id and a new writer object every save (as torchtitan
-  does): stall (first, steady), time until the stock files of the last save are on storage
-  (``.metadata`` published, every file fsynced), then the process exits without closing,
+  does), each save followed by the wait until its stock files are on storage (as training
+  computes between saves): stall (first, steady) and time to durable (steady; ``.metadata``
+  published, every file fsynced); then the process exits without closing,
   as a crash would; a NEW process loads it with ``FlashStorageReader`` from memory (the
   reader's construction timed apart); then a cold ``dcp.load`` of the stock files with
   stock ``FileSystemReader`` (page cache dropped with posix_fadvise).
@@ -200,17 +201,22 @@ def _flash_save(state: dict[str, Any], work: Path) -> dict[str, Any]:
 
 
 def _saves(save: Callable[[str], Any], work: Path, prefix: str = "") -> dict[str, Any]:
-    """``1 + STEADY`` saves into ``work/step-N`` (``prefix`` before the path), then the wait
-    until the last one's stock files are on storage."""
+    """``1 + STEADY`` saves into ``work/step-N`` (``prefix`` before the path), each followed by
+    the wait until its stock files are on storage (as training computes between saves): the
+    stall until the save returns, and the time until ``.metadata`` is published."""
     stalls: list[float] = []
+    durable: list[float] = []
     target = ""
     for step in range(1 + STEADY):
         target = str(work / f"step-{step}")
-        stalls.append(_timed(lambda: save(prefix + target)))
-    start = time.perf_counter() - stalls[-1]
-    while not os.path.exists(os.path.join(target, ".metadata")):
-        time.sleep(0.002)
-    return {"first": stalls[:1], "steady": stalls[1:], "durable": [time.perf_counter() - start], "id": target}
+        gc.collect()
+        start = time.perf_counter()
+        save(prefix + target)
+        stalls.append(time.perf_counter() - start)
+        while not os.path.exists(os.path.join(target, ".metadata")):
+            time.sleep(0.002)
+        durable.append(time.perf_counter() - start)
+    return {"first": stalls[:1], "steady": stalls[1:], "durable": durable[1:], "id": target}
 
 
 def _flash_load(state: dict[str, Any], target: str) -> dict[str, Any]:
