@@ -47,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from save_load import _async_save  # noqa: E402
 from _state import SPECS, ShmFloor, build_state, fingerprint, nbytes, tensors  # noqa: E402
 
 RESULT = "RESULT "
@@ -104,25 +105,16 @@ def bench_stock(size: str, state: dict[str, Any], work: Path, samples: dict[str,
     add("dcp.save", _timed(lambda: dcp.save(state, checkpoint_id=work / "sync")))
     _evict(work / "sync")
     add("dcp.load_cold", _timed(lambda: dcp.load(state, checkpoint_id=work / "sync")))
-    stall, total = _async(dcp, state, work / "async", None)
+    stall, total = _async_save(dcp, state, work / "async", None)
     add("dcp.async_stall", stall)
     add("dcp.async_total", total)
     stager = DefaultStager(StagingOptions(False, False, False, False))
     try:
         for i in range(1 + STEADY):
-            stall, total = _async(dcp, state, work / f"reused-{i}", stager)
+            stall, total = _async_save(dcp, state, work / f"reused-{i}", stager)
             add("dcp.reused_stall_first" if i == 0 else "dcp.reused_stall_steady", stall)
     finally:
         stager.close()
-
-
-def _async(dcp: Any, state: dict[str, Any], path: Path, stager: Any) -> tuple[float, float]:
-    gc.collect()
-    start = time.perf_counter()
-    future = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
-    stall = time.perf_counter() - start
-    future.result()
-    return stall, time.perf_counter() - start
 
 
 def _save_then_load(name: str, size: str, state: dict[str, Any], work: Path,

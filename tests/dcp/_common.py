@@ -1,12 +1,15 @@
 """States the one-process DCP tests save (bytes items, bfloat16, a non-contiguous tensor,
-plain values) and a wait for a file the saver writes."""
+plain values), a wait for a file the saver writes, and ranks killed after a save then restarted."""
 
 from __future__ import annotations
 
 import os
 import time
 
+import pytest
 import torch
+
+from .._fork import run_ranks
 
 
 def state(seed: int) -> dict:
@@ -31,3 +34,11 @@ def wait_for(path: str, timeout: float = 60.0) -> None:
     while not os.path.exists(path):
         assert time.monotonic() < deadline, f"{path} did not appear within {timeout:g}s"
         time.sleep(0.05)
+
+
+def killed_then_restarted(root: str, save_then_die, restart, world: int = 2) -> list:
+    """``save_then_die`` on ``world`` gloo ranks, each ending by ``kill -9``, then ``restart``
+    on ``world`` new ranks; returns the restarted ranks' results."""
+    with pytest.raises(AssertionError, match="exited with code -9"):
+        run_ranks(save_then_die, world, root)
+    return run_ranks(restart, world, root)

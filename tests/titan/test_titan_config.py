@@ -9,17 +9,14 @@ import dataclasses
 import os
 
 import pytest
+import torch.distributed as dist
+import tyro
+from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
+from torchtitan.config.manager import custom_registry
 
-pytest.importorskip("torchtitan.components.checkpoint")
+from flashckpt.dcp.torchtitan import FlashCheckpointManager
 
-import torch.distributed as dist  # noqa: E402
-import tyro  # noqa: E402
-from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager  # noqa: E402
-from torchtitan.config.manager import custom_registry  # noqa: E402
-
-from flashckpt.dcp.torchtitan import FlashCheckpointManager  # noqa: E402
-
-from . import _pieces  # noqa: E402
+from . import _pieces
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
