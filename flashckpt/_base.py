@@ -52,7 +52,9 @@ class EngineCheckpointer:
         self._engine.flush(timeout)
 
     def latest_step(self) -> int | None:
-        """The newest step committed on storage."""
+        """The newest step committed on storage, now: a load from memory does not wait for
+        the saver to write out the previous run's slots (``wait()`` does), and a step of an
+        abandoned line stays the newest until this line commits one."""
         return self._engine.latest_step()
 
     def save_on_failure(self, state_fn: Callable[[], Any], *, optimizer: Any) -> FailureCapture:

@@ -162,6 +162,8 @@ def test_killed_runs_in_memory_the_restart_loads_the_new_line(tmp_path, job_id):
         target = {"w": torch.zeros(8)}
         assert ck.load(target) == 4, f"restored {ck.last_load}, not the new line's 4"
         assert target["w"].tolist() == [40.0] * 8
+        assert ck.last_load.source == "memory"
+        ck.wait()  # a load from memory does not wait for the saver's write-out of the killed run's 4
         assert ck.latest_step() == 4
     storage = LocalStorage(str(tmp_path))
     assert storage.latest_step() == 4 and storage.committed_steps() == [3, 4]
