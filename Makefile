@@ -33,8 +33,9 @@ redis-server:
 demo: $(CORE)
 	$(PY) examples/demo.py
 
+# two workers (CI has two cores); tests/conftest.py keeps what a session starts once together
 test: $(FULL) redis-server
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n 2 --dist loadgroup
 
 bench: $(CORE)
 	$(PY) benchmarks/save_load.py
