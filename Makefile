@@ -7,12 +7,16 @@ FULL  := $(VENV)/.stamp-full
 
 .PHONY: demo test bench redis-server clean
 
-# torch first, pinned exactly: that takes the local CPU wheel, so nothing pulls a CUDA build
-$(CORE): pyproject.toml
+PIP   := $(PY) -m pip install -q -c constraints.txt
+
+# Every pip call takes constraints.txt: the exact versions the suite is tested with (the package
+# metadata declares only ranges). torch first, on its own: its pin there (torch==2.13.0) takes the
+# local CPU wheel, so nothing after it pulls a CUDA build.
+$(CORE): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 "numpy==1.26.4"
-	$(PY) -m pip install -q -e ".[torch,redis]"
+	$(PIP) --upgrade pip
+	$(PIP) torch numpy
+	$(PIP) -e ".[torch,redis]"
 	touch $@
 
 # every framework the suite tests against (about 2.4 GB)
@@ -20,8 +24,8 @@ $(CORE): pyproject.toml
 # its checkpoint, optimizer and dataloader modules need only torch, torchdata, tyro and
 # spmd-types, which the test extra brings (tests/titan; 16 MB)
 $(FULL): $(CORE)
-	$(PY) -m pip install -q -e ".[test]" torch==2.13.0 "numpy==1.26.4"
-	$(PY) -m pip install -q --no-deps torchtitan==0.3.0
+	$(PIP) -e ".[test]"
+	$(PIP) --no-deps torchtitan
 	touch $@
 
 redis-server:
