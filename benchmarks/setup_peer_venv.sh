@@ -8,15 +8,16 @@
 #   lmres    .bench-lmres   lm-resiliency 0.2.0, GEMINI in-memory   (_lmres_peer.py)
 #   tckpt    .bench-tckpt   torch-checkpointing 0.1.1 (Meta)        (_tckpt_peer.py)
 #
-# torch is installed FIRST with the exact pin (the CPU wheel here); any other spec would
-# pull the multi-GB CUDA build. The peer is then installed under a constraint file that
-# holds torch at the installed version: pip fails rather than silently replace it.
+# torch is installed FIRST with the exact pin of constraints.txt (the CPU wheel here); any
+# other spec would pull the multi-GB CUDA build. The peer is then installed under a constraint
+# file that holds torch at the installed version: pip fails rather than silently replace it
+# (the peer's other dependencies are its own, not the test venv's pins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PEER=${1:-dlrover}
-TORCH=torch==2.13.0
-NUMPY=numpy==1.26.4
+TORCH=$(grep -m1 '^torch==' constraints.txt)
+NUMPY=$(grep -m1 '^numpy==' constraints.txt)
 PY=${PYTHON:-python3.11}
 
 case "$PEER" in
