@@ -16,9 +16,9 @@ from .._base import EngineCheckpointer
 from .._engine import Engine, place
 from .._errors import CheckpointError, StateMismatchError
 from .._options import Options, resolve_options
-from ..restore._sources import Source
+from ..restore._sources import Agreement, Source
 from ..restore._reshard import Fill, Piece, Source as SavedShard, byte_shape, close_sources, read_sources, source_of
-from ..restore._shard_read import MemoryImage, ShardReader
+from ..restore._shard_read import MemoryImage, ShardReader, open_shard
 from ..memory._slot import HEADER_SIZE, Slot, SlotState
 from ..torch._checkpointer import collective_for
 from ..torch._tensors import DTYPE_NAMES, host_byte_array
@@ -55,7 +55,9 @@ class MegatronCheckpointer(EngineCheckpointer):
     for ``model.load_state_dict``; tensors are read in place into the ``ShardedTensor``
     data where it is a CPU tensor of the right shape. A layout change (tensor- or
     data-parallel size) reads from the committed shards exactly the byte ranges each
-    requested block needs; a restart with the same layout reads this rank's memory.
+    requested block needs; a restart with the same layout reads this node's memory (on
+    node-local directories, a rank whose memory lacks the step reads its shard from its own
+    node's directory straight into the tensors: one copy, never through its slot).
 
     All ranks construct it and call ``save``/``load``/``wait``/``close``; every load is
     recorded (``last_load``, a new line after a rollback) by the engine. Takes
@@ -116,37 +118,54 @@ class MegatronCheckpointer(EngineCheckpointer):
         committed one, else the newest committed step (or ``step``). All ranks call this.
         """
         start = time.perf_counter()
-        chosen, source = self._agree_step(step, sharded_state_dict)
+        agreement = self._agree_step(step, sharded_state_dict)
         box: list[Any] = [None]
-        if chosen is not None:
+        if agreement.step is not None:
             def attempt() -> None:
-                box[0] = self._load_step(sharded_state_dict, chosen, source)
+                box[0] = self._load_step(sharded_state_dict, agreement)
 
-            self._engine.on_all_ranks(attempt, f"loading step {chosen} of {self.directory}")
-        self._engine.finish_load(chosen, source, start)
-        return box[0], chosen
+            self._engine.on_all_ranks(attempt, f"loading step {agreement.step} of {self.directory}")
+        self._engine.finish_load(agreement.step, agreement.source, start)
+        return box[0], agreement.step
 
-    def _agree_step(self, step: int | None, sharded_state_dict: dict) -> tuple[int | None, Source | None]:
-        """The engine's agreement (memory on this node or a peer's replica, else storage),
-        then memory only if every rank's node holds every block it asks for: another layout
-        reads other ranks' blocks, from storage (made durable first)."""
+    def _agree_step(self, step: int | None, sharded_state_dict: dict) -> Agreement:
+        """The engine's agreement (memory on this node or a peer's replica, or a node-local
+        directory's own shards read in place: ``direct``), then memory only if every rank's
+        node holds every block it asks for: another layout reads other ranks' blocks, from
+        storage (made durable first)."""
         engine = self._engine
         engine.wait()
-        agreement = engine.agree(step)
+        agreement = engine.agree(step, direct=True)  # _node_sources reads the own_disk shards in place
         chosen = agreement.step
         if chosen is None or agreement.source != Source.MEMORY:
-            return chosen, agreement.source
-        covered = engine.on_all_ranks(lambda: self._memory_covers(sharded_state_dict, chosen),
+            return agreement
+        covered = engine.on_all_ranks(lambda: self._memory_covers(sharded_state_dict, agreement),
                                       f"looking for the blocks of step {chosen} in memory")
         if all(covered):
-            return chosen, Source.MEMORY
+            return agreement
         if chosen != agreement.committed:
             engine.flush()  # another layout reads every rank's blocks: make them durable first
             engine.collective.all_gather(None)
-        return chosen, Source.STORAGE
+        return agreement.from_storage()
 
-    def _memory_sources(self, step: int) -> list[SavedShard]:
-        """Every saved rank's image of ``step`` in this node's shared memory (one per rank).
+    def _node_sources(self, agreement: Agreement) -> list[SavedShard]:
+        """Every saved rank's copy of the agreed step on this node, one per rank: its slot,
+        or -- a rank of this node named in ``agreement.own_disk`` (node-local directories) --
+        its shard in this node's directory, read from there straight into the tensors."""
+        nodes, step = self._engine.placement.nodes, agreement.step  # own state: storage rank = rank
+        own = sorted(r for r in agreement.own_disk if nodes[r] == nodes[self._engine.collective.rank])
+        found = self._memory_sources(step, skip=frozenset(own))
+        try:
+            for rank in own:
+                found.append(source_of(rank, open_shard(self._engine.storage, step, rank), layout=False))
+        except BaseException:
+            close_sources(found)
+            raise
+        return sorted(found, key=lambda source: source.rank)
+
+    def _memory_sources(self, step: int, skip: frozenset[int] = frozenset()) -> list[SavedShard]:
+        """Every saved rank's image of ``step`` in this node's shared memory (one per rank),
+        but the storage ranks in ``skip``.
 
         A rank reads the blocks it asks for from any local rank's slot: replicated blocks
         (written by replica 0 only) come from the slot of the rank that wrote them.
@@ -162,7 +181,7 @@ class MegatronCheckpointer(EngineCheckpointer):
                 info = h.info
                 if (h.state == SlotState.COMPLETE and h.step == step and info.get("storage_world") == p.storage_world
                         and info.get("directory") == self._engine.storage.root
-                        and info.get("storage_rank") not in found):
+                        and info.get("storage_rank") not in found and info.get("storage_rank") not in skip):
                     image = MemoryImage(memoryview(slot.mm)[HEADER_SIZE:HEADER_SIZE + h.image_len], path, slot.close)
                     found[info["storage_rank"]] = source_of(info["storage_rank"], ShardReader(image, None),
                                                             layout=False)
@@ -173,9 +192,9 @@ class MegatronCheckpointer(EngineCheckpointer):
             raise
         return [found[r] for r in sorted(found)]
 
-    def _memory_covers(self, sharded_state_dict: dict, step: int) -> bool:
-        """Whether this node's memory holds every block this rank asks for."""
-        sources = self._memory_sources(step)
+    def _memory_covers(self, sharded_state_dict: dict, agreement: Agreement) -> bool:
+        """Whether this node's copies (:meth:`_node_sources`) hold every block this rank asks for."""
+        sources = self._node_sources(agreement)
         try:
             reader = StepReader(sources, allow_pickle=self._engine.options.allow_pickle)
         except CheckpointError:
@@ -199,16 +218,16 @@ class MegatronCheckpointer(EngineCheckpointer):
         return {"tensors": [v for v in values if isinstance(v, ShardedTensor)],
                 "objects": [v for v in values if isinstance(v, ShardedObject)]}
 
-    def _reader(self, step: int, source: Source) -> StepReader:
-        sources = (self._memory_sources(step) if source == Source.MEMORY
-                   else read_sources(self._engine.storage, step, layout=False))
+    def _reader(self, agreement: Agreement) -> StepReader:
+        sources = (self._node_sources(agreement) if agreement.source == Source.MEMORY
+                   else read_sources(self._engine.storage, agreement.step, layout=False))
         try:
             return StepReader(sources, allow_pickle=self._engine.options.allow_pickle)
         except BaseException:
             close_sources(sources)
             raise
 
-    def _load_step(self, sharded_state_dict: dict, step: int, source: Source) -> dict:
+    def _load_step(self, sharded_state_dict: dict, agreement: Agreement) -> dict:
         from megatron.core.dist_checkpointing.dict_utils import merge
         from megatron.core.dist_checkpointing.mapping import apply_factory_merges
         from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
@@ -216,7 +235,7 @@ class MegatronCheckpointer(EngineCheckpointer):
 
         ssd, nonpersistent, factories = load_preprocess(sharded_state_dict)
         sharded, _ = extract_sharded_base(ssd)
-        reader = self._reader(step, source)
+        reader = self._reader(agreement)
         try:
             result = reader.common_state()
             merge(result, nonpersistent)

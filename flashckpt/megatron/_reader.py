@@ -9,7 +9,9 @@ blocks with one :meth:`~flashckpt.restore._reshard.RangeReader.fill_many`: the b
 need, merged per shard and read on several threads straight into the model's tensors.
 Sources are the committed shards (the blocks read verified) or, for a restart with the same
 layout, the shared-memory images of this node's ranks
-(:class:`~flashckpt.restore._shard_read.MemoryImage`).
+(:class:`~flashckpt.restore._shard_read.MemoryImage`) and, on node-local directories, the
+shards of this node's ranks that the agreement reads from the node's own directory
+(``Agreement.own_disk``).
 """
 
 from __future__ import annotations

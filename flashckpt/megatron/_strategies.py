@@ -25,7 +25,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
 
 from .._errors import CheckpointError
-from ..restore._sources import Source
+from ..restore._sources import Agreement, Source
 from ..storage._url import open_storage
 from ..torch._tensors import DTYPE_NAMES
 from ._checkpointer import MegatronCheckpointer
@@ -115,7 +115,7 @@ class FlashLoadStrategy(LoadShardedStrategy):
 
     def _metadata(self, checkpoint_dir: Union[str, Path], objects: bool) -> dict:
         step = self._pointer(str(checkpoint_dir))
-        reader = self.checkpointer._reader(step, Source.STORAGE)
+        reader = self.checkpointer._reader(Agreement(step, Source.STORAGE, None))
         try:
             out: dict = {}
             for key, saved in reader.shards.items():

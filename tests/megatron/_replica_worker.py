@@ -6,7 +6,7 @@ Each rank holds one row of a (2, N) ``ShardedTensor`` ``w`` (value 10 * rank + s
 ``save``: steps 1..3 (step 2 committed, 3 only in memory), wait until this node holds the
 other node's replica of step 3 (when replicas are on), report, then wait to be killed.
 ``load``: a fresh process loads through ``MegatronCheckpointer`` and reports the step, its
-source (from the ``load`` event) and the values. Same protocol as
+source (from the ``load`` event), the values and the steps its slots hold after the load. Same protocol as
 ``tests/checkpoint/_replica_worker.py``, so ``test_replica_restore``'s rounds drive it.
 """
 
@@ -48,7 +48,8 @@ def main() -> None:
         _events.subscribe(lambda event, **info: events.append(info) if event == "load" else None)
         state, step = ck.load(sharded(rank, 0.0))
         w = state["w"]
-        report.update(step=step, source=events[-1]["source"], w=w[0, 0].item(), uniform=bool((w == w[0, 0]).all()))
+        report.update(step=step, source=events[-1]["source"], w=w[0, 0].item(), uniform=bool((w == w[0, 0]).all()),
+                      held=sorted(engine.memory_steps()))
         dist.barrier()
         ck.close()
     finish(report, out, mode)
