@@ -52,7 +52,7 @@ class FailureCapture:
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
         for name in ("register_step_pre_hook", "register_step_post_hook"):
-            if not callable(getattr(optimizer, name, None)):
+            if optimizer is not None and not callable(getattr(optimizer, name, None)):
                 raise TypeError(f"optimizer {type(optimizer).__qualname__} has no {name}() (a torch.optim.Optimizer has)")
         self._state_fn, self._save, self._last_load = state_fn, save, last_load
         self._writes, self._allow_pickle = writes, allow_pickle
@@ -73,8 +73,9 @@ class FailureCapture:
         self._closed = False
         self.on_idle: Callable[[], None] = lambda: None
         """Called on a thread that ends a save or the capture (signals deferred meanwhile)."""
-        self._handles = [optimizer.register_step_pre_hook(self._pre_step),
-                         optimizer.register_step_post_hook(self._post_step)]
+        self._handles = [] if optimizer is None else [optimizer.register_step_pre_hook(self._pre_step),
+                                                      optimizer.register_step_post_hook(self._post_step)]
+        """None as ``optimizer``: the adapter gives the boundary (:meth:`update_begins`, :meth:`update_ends`)."""
 
     # -- the step boundary -------------------------------------------------------
 
@@ -85,16 +86,32 @@ class FailureCapture:
             self._seen_load = loaded
             self._base, self._steps = (loaded.step or 0) if loaded is not None else 0, 0
 
-    def _pre_step(self, *_: Any) -> None:
+    def update_begins(self) -> None:
+        """The state starts to change (the optimizer's step pre-hook, or an adapter's own
+        boundary: the Trainer's ``on_pre_optimizer_step``, DeepSpeed's ``engine.step``);
+        waits while a capture copies."""
         with self._cond:
             self._wait_for(lambda: self._capturing is None or self._capturing == threading.get_ident(), "the capture")
             self._sync_load()
             self._updating = True
 
-    def _post_step(self, *_: Any) -> None:
+    def update_ends(self, step: int | None = None) -> None:
+        """The update is over: the state is that of the next step, or of ``step`` where the
+        adapter knows its number (the Trainer's ``global_step`` at ``on_step_end``). An
+        update that raised never ends: nothing is captured after it."""
         with self._cond:
             self._updating = False
-            self._steps += 1
+            if step is None:
+                self._steps += 1
+            else:
+                self._sync_load()
+                self._steps = max(0, step - self._base)
+
+    def _pre_step(self, *_: Any) -> None:
+        self.update_begins()
+
+    def _post_step(self, *_: Any) -> None:
+        self.update_ends()
 
     @contextmanager
     def saving(self, step: int, state: Any) -> Iterator[None]:
