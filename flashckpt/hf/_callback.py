@@ -88,6 +88,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 
+from .._capture import FailureCapture
 from .._options import Options, resolve_options
 from .._errors import CheckpointError
 from ..storage._files import write_atomic
@@ -185,6 +186,15 @@ class FlashCheckpointCallback(TrainerCallback):
             survivor's memory; 0 turns them off. None: 1 when the job spans two or more nodes.
         job_id: names the job's shared memory (default: a hash of ``<output_dir>/.flashckpt``);
             a restarted job resumes from memory only under the same ``job_id``.
+        save_on_failure: on a failure during ``train()`` (SIGTERM or SIGINT, also while the
+            main thread is blocked in a collective; an exception out of ``train()`` or
+            uncaught in a thread), every rank not inside an optimizer update writes the last
+            finished step into memory and has it written out as its ``checkpoint-<N>``
+            folder, so the restart resumes there instead of at the last save. The boundary
+            is the Trainer's own: ``on_pre_optimizer_step`` begins an update, ``on_step_end``
+            ends it (model, optimizer, scheduler and ``global_step`` are then of one step;
+            the RNG states are taken there). Not under the Trainer's DeepSpeed integration
+            yet (a warning; the stock path stays). See :mod:`flashckpt._capture`.
 
     Attributes:
         resumed_from: after construction, ``{"step": N, "source": "memory"}`` when shared
@@ -195,7 +205,10 @@ class FlashCheckpointCallback(TrainerCallback):
     """
 
     def __init__(self, *, memory_every: int | None = None, persist_every: int | None = None,
-                 keep_last: int | None = None, options: Options | None = None, **shorthands: Any) -> None:
+                 keep_last: int | None = None, save_on_failure: bool = False, options: Options | None = None,
+                 **shorthands: Any) -> None:
+        if not isinstance(save_on_failure, bool):
+            raise TypeError(f"save_on_failure must be a bool, got {save_on_failure!r}")
         _check_positive("memory_every", memory_every, 1)
         _check_positive("persist_every", persist_every, 1)
         _check_positive("keep_last", keep_last, 0)
@@ -203,6 +216,10 @@ class FlashCheckpointCallback(TrainerCallback):
         self.memory_every = memory_every
         self.persist_every = persist_every
         self.keep_last = keep_last
+        self.save_on_failure = save_on_failure
+        self._capture: FailureCapture | None = None
+        self._boundary_rng: dict[str, Any] | None = None
+        """The RNG states at the last ``on_step_end``: a capture's (``save_on_failure``)."""
         self.resumed_from: dict[str, Any] | None = None
         self._trainer: Any = None
         self._stock_save: Any = None
@@ -256,12 +273,21 @@ class FlashCheckpointCallback(TrainerCallback):
         everyone = self._ckpt.engine.on_all_ranks(write_run_files, "writing training_args.bin and the tokenizer files")
         self._static = everyone[0]
         self._export = {"name": "hf", "params": self._params(self._static)}
+        if self.save_on_failure:
+            self._arm_capture()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self._capture is not None:
+            self._capture.update_begins()  # waits while a capture copies
 
     def on_step_end(self, args, state, control, **kwargs):
         """Decide whether this step is snapshotted and whether it is persisted."""
         if self._stock_save is None:
             return
         step = state.global_step
+        if self._capture is not None:
+            self._boundary_rng = capture_rank_state(self._trainer)
+            self._capture.update_ends(step)
         stock = control.should_save
         if self.persist_every is None:
             persist = stock
@@ -378,8 +404,34 @@ class FlashCheckpointCallback(TrainerCallback):
         self._ckpt = Checkpointer(self._state_dir(), options=self._options)
         self._ckpt.engine.expect_export("hf")
 
+    def _arm_capture(self) -> None:
+        """``save_on_failure``: a capture of the last finished step (see :meth:`on_step_end`),
+        saved like a Trainer save and written out as its folder; disarmed by the engine's close."""
+        trainer, ckpt = self._trainer, self._ckpt
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            log.warning("FlashCheckpointCallback(save_on_failure=True) does not capture under the Trainer's "
+                        "DeepSpeed integration yet (DeepSpeed's save needs its collectives): a failure resumes "
+                        "from the last save")
+            return
+        engine = ckpt.engine
+        export = self._export
+        self._capture = ckpt.capture_with(FailureCapture(
+            self._capture_tree, None, writes=engine.placement.writes_memory,
+            save=lambda step, tree: engine.save(step, tree, persist=True, export=export, captured=True),
+            last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle))
+
+    def _capture_tree(self) -> dict[str, Any]:
+        """What :meth:`_snapshot` saves, as of the last ``on_step_end``, without its
+        bookkeeping (a capture must not change the Trainer's state)."""
+        trainer = self._trainer
+        tree = dict(self._boundary_rng) if self._boundary_rng is not None else capture_rank_state(trainer)
+        if trainer.args.process_index == 0:
+            tree["hf"] = capture_main_state(trainer)
+        return tree
+
     def _close(self) -> None:
         """All ranks: wait for every folder asked for, drop the memory, disconnect."""
+        self._capture = None
         if self._ckpt is None:
             return
         ckpt, self._ckpt = self._ckpt, None
@@ -409,12 +461,13 @@ class FlashCheckpointCallback(TrainerCallback):
         wait for every folder, free the memory; so that nothing writes into ``output_dir``
         once the exception has left ``train()``. This rank only (another rank may be
         stuck in a collective)."""
+        self._capture = None
         if self._ckpt is None:  # raised before on_train_begin, or after on_train_end
             return
         ckpt, self._ckpt = self._ckpt, None
         self._persist_at.clear()
         try:
-            ckpt.close()  # flushes, waits (bounded by FLASHCKPT_SAVER_TIMEOUT), frees the memory
+            ckpt.close()  # captures (save_on_failure; the exception is being handled), flushes, waits (bounded by FLASHCKPT_SAVER_TIMEOUT), frees the memory
         except Exception as exc:  # the training error goes on; this one is logged
             log.error("FlashCheckpointCallback: after train() raised, writing the newest step out failed (%s); "
                       "its memory copy is kept: building a Trainer with this callback on %s writes it out",
