@@ -53,7 +53,8 @@ class FailureCapture:
             raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
         for name in ("register_step_pre_hook", "register_step_post_hook"):
             if optimizer is not None and not callable(getattr(optimizer, name, None)):
-                raise TypeError(f"optimizer {type(optimizer).__qualname__} has no {name}() (a torch.optim.Optimizer has)")
+                raise TypeError(f"optimizer {type(optimizer).__qualname__} has no {name}() "
+                                "(a torch.optim.Optimizer has)")
         self._state_fn, self._save, self._last_load = state_fn, save, last_load
         self._writes, self._allow_pickle = writes, allow_pickle
         self._pid = os.getpid()

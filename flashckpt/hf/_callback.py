@@ -467,7 +467,9 @@ class FlashCheckpointCallback(TrainerCallback):
         ckpt, self._ckpt = self._ckpt, None
         self._persist_at.clear()
         try:
-            ckpt.close()  # captures (save_on_failure; the exception is being handled), flushes, waits (bounded by FLASHCKPT_SAVER_TIMEOUT), frees the memory
+            # captures (save_on_failure: an exception is being handled), flushes, waits
+            # (bounded by FLASHCKPT_SAVER_TIMEOUT), frees the memory
+            ckpt.close()
         except Exception as exc:  # the training error goes on; this one is logged
             log.error("FlashCheckpointCallback: after train() raised, writing the newest step out failed (%s); "
                       "its memory copy is kept: building a Trainer with this callback on %s writes it out",
