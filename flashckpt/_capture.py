@@ -9,7 +9,10 @@ progress writes ``state_fn()`` as step k into its slot through the engine's ordi
 (``captured=True``, persisted), from whichever thread comes first; one caught inside an
 update writes nothing and says so. While a capture copies, the optimizer's pre-hook and
 any save wait, so the parameters never change under the copy. At most one capture per
-process: a second failure, even during the capture, adds nothing.
+process: a second failure, even during the capture, adds nothing. Adapters whose update is
+not one torch ``optimizer.step()`` give the boundary themselves (:meth:`FailureCapture.update_begins`,
+:meth:`FailureCapture.update_ends`): the Trainer callback from ``on_pre_optimizer_step`` to
+``on_step_end``, the DeepSpeed checkpointer around ``engine.step``.
 
 Trade-offs, plainly: step numbers must count optimizer steps (no gradient accumulation
 over several ``save`` steps); state that ``forward`` changes (BatchNorm statistics) or a

@@ -409,9 +409,11 @@ class FlashCheckpointCallback(TrainerCallback):
         saved like a Trainer save and written out as its folder; disarmed by the engine's close."""
         trainer, ckpt = self._trainer, self._ckpt
         if getattr(trainer, "is_deepspeed_enabled", False):
+            # accelerate runs engine.step inside backward, before on_pre_optimizer_step, and the
+            # Trainer's DeepSpeed save is a collective one
             log.warning("FlashCheckpointCallback(save_on_failure=True) does not capture under the Trainer's "
-                        "DeepSpeed integration yet (DeepSpeed's save needs its collectives): a failure resumes "
-                        "from the last save")
+                        "DeepSpeed integration yet (accelerate updates inside backward, outside the boundary "
+                        "the callback sees): a failure resumes from the last save")
             return
         engine = ckpt.engine
         export = self._export

@@ -29,6 +29,12 @@ def _attempt(out, report, attempt: int, *fault: str) -> tuple[int, str]:
     return code, proc.stderr.read()
 
 
+def test_save_on_failure_must_be_a_bool():
+    from flashckpt.hf import FlashCheckpointCallback
+    with pytest.raises(TypeError, match="save_on_failure must be a bool"):
+        FlashCheckpointCallback(save_on_failure="yes")
+
+
 @pytest.mark.timeout(300)
 def test_sigterm_and_an_exception_resume_at_the_captured_steps(tmp_path, reference_10):
     out, report = tmp_path / "run", tmp_path / "report"
