@@ -9,10 +9,9 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
-from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterator
+from contextlib import nullcontext
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -27,7 +26,7 @@ from ..storage._location import parse_location
 from ..storage._scratch import make_scratch
 from ..torch import Checkpointer
 from . import _objects
-from ._engine import FlashCheckpointEngine
+from ._engine import FlashCheckpointEngine, local_only, step_boundary, unwrap_step
 from ._live import agreed_layout, live_places
 from ._tag_files import model_states, read_patterns, shapes
 
@@ -171,17 +170,7 @@ class DeepSpeedCheckpointer:
         capture = FailureCapture(state_fn or dict, None, writes=flash.placement.writes_memory,
                                  save=self._capture_save, last_load=lambda: flash.last_load, allow_pickle=True)
         self._capture = self._ckpt.capture_with(capture, guard_saves=False)
-        stock_step = engine.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            if not engine.is_gradient_accumulation_boundary():
-                return stock_step(*args, **kwargs)
-            capture.update_begins()  # waits while a capture copies
-            result = stock_step(*args, **kwargs)
-            capture.update_ends()  # not reached when the update raised: nothing is captured then
-            return result
-
-        engine.step = self._step_wrapper = step
+        self._step_wrapper = step_boundary(engine, capture)
         return capture
 
     def capture_failure(self, reason: str = "capture_failure()") -> int | None:
@@ -189,7 +178,7 @@ class DeepSpeedCheckpointer:
         return self._ckpt.capture_failure(reason)
 
     def _capture_save(self, step: int, client_state: Any) -> None:
-        with _local_only(self.engine):
+        with local_only(self.engine):
             self._save(step, client_state, None, True, captured=True)
 
     def _flash_save(self, tag: str, save_dir: str, files: dict[str, Any], save_latest: bool) -> None:
@@ -447,8 +436,7 @@ class DeepSpeedCheckpointer:
             self._ckpt.close()  # captures first while an exception unwinds (save_on_failure)
         finally:
             self._capture = None
-            if self._step_wrapper is not None and self.engine.__dict__.get("step") is self._step_wrapper:
-                del self.engine.__dict__["step"]  # the class's step again
+            unwrap_step(self.engine, self._step_wrapper)
             self._step_wrapper = None
             if self.engine.checkpoint_engine is self.checkpoint_engine:
                 self.engine.checkpoint_engine = self._previous_engine
@@ -462,30 +450,6 @@ class DeepSpeedCheckpointer:
         if exc[0] is not None and not issubclass(exc[0], SystemExit):
             self.capture_failure(f"{exc[0].__name__} leaving the checkpointer's with block")
         self.close()
-
-
-@contextmanager
-def _local_only(engine: Any) -> Iterator[None]:
-    """DeepSpeed's ``save_checkpoint`` on this thread without its collectives: ``barrier``
-    and the tag check (``engine._checkpoint_tag_validation``) do nothing here, and stay
-    themselves on every other thread."""
-    import deepspeed.comm as ds_comm
-
-    me = threading.get_ident()
-    barrier, validation = ds_comm.barrier, engine._checkpoint_tag_validation
-
-    def local_barrier(*args: Any, **kwargs: Any) -> Any:
-        return None if threading.get_ident() == me else barrier(*args, **kwargs)
-
-    def local_validation(tag: str) -> Any:
-        return None if threading.get_ident() == me else validation(tag)
-
-    ds_comm.barrier, engine._checkpoint_tag_validation = local_barrier, local_validation
-    try:
-        yield
-    finally:
-        ds_comm.barrier = barrier
-        engine.__dict__.pop("_checkpoint_tag_validation", None)
 
 
 def _tag_in_meta(meta: dict[str, Any]) -> str | None:

@@ -193,8 +193,10 @@ class FlashCheckpointCallback(TrainerCallback):
             folder, so the restart resumes there instead of at the last save. The boundary
             is the Trainer's own: ``on_pre_optimizer_step`` begins an update, ``on_step_end``
             ends it (model, optimizer, scheduler and ``global_step`` are then of one step;
-            the RNG states are taken there). Not under the Trainer's DeepSpeed integration
-            yet (a warning; the stock path stays). See :mod:`flashckpt._capture`.
+            the RNG states are taken there). Under the Trainer's DeepSpeed integration
+            DeepSpeed's ``engine.step`` (which accelerate runs inside ``backward``) begins it,
+            and the capture runs DeepSpeed's save without its collectives; not under ZeRO-3
+            (a warning: its model files need a gather). See :mod:`flashckpt._capture`.
 
     Attributes:
         resumed_from: after construction, ``{"step": N, "source": "memory"}`` when shared
@@ -219,6 +221,7 @@ class FlashCheckpointCallback(TrainerCallback):
         self.save_on_failure = save_on_failure
         self._capture: FailureCapture | None = None
         self._boundary_rng: dict[str, Any] | None = None
+        self._step_wrapper: Any = None
         """The RNG states at the last ``on_step_end``: a capture's (``save_on_failure``)."""
         self.resumed_from: dict[str, Any] | None = None
         self._trainer: Any = None
@@ -408,32 +411,47 @@ class FlashCheckpointCallback(TrainerCallback):
         """``save_on_failure``: a capture of the last finished step (see :meth:`on_step_end`),
         saved like a Trainer save and written out as its folder; disarmed by the engine's close."""
         trainer, ckpt = self._trainer, self._ckpt
-        if getattr(trainer, "is_deepspeed_enabled", False):
-            # accelerate runs engine.step inside backward, before on_pre_optimizer_step, and the
-            # Trainer's DeepSpeed save is a collective one
-            log.warning("FlashCheckpointCallback(save_on_failure=True) does not capture under the Trainer's "
-                        "DeepSpeed integration yet (accelerate updates inside backward, outside the boundary "
-                        "the callback sees): a failure resumes from the last save")
+        deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
+        if deepspeed and _deepspeed.zero3(trainer):
+            log.warning("FlashCheckpointCallback(save_on_failure=True) does not capture under ZeRO-3 yet (its "
+                        "model files need a gather across ranks): a failure resumes from the last save")
             return
         engine = ckpt.engine
         export = self._export
-        self._capture = ckpt.capture_with(FailureCapture(
+        capture = self._capture = ckpt.capture_with(FailureCapture(
             self._capture_tree, None, writes=engine.placement.writes_memory,
             save=lambda step, tree: engine.save(step, tree, persist=True, export=export, captured=True),
             last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle))
+        if deepspeed:  # accelerate runs engine.step inside backward, before on_pre_optimizer_step
+            from ..deepspeed._engine import step_boundary
+            self._step_wrapper = step_boundary(trainer.model_wrapped, capture, counts=False)
 
     def _capture_tree(self) -> dict[str, Any]:
         """What :meth:`_snapshot` saves, as of the last ``on_step_end``, without its
         bookkeeping (a capture must not change the Trainer's state)."""
         trainer = self._trainer
         tree = dict(self._boundary_rng) if self._boundary_rng is not None else capture_rank_state(trainer)
+        if getattr(trainer, "is_deepspeed_enabled", False):  # ZeRO 0-2 (see _arm_capture)
+            if _deepspeed.saves_tag(trainer):
+                from ..deepspeed._engine import local_only
+                with local_only(trainer.model_wrapped):  # a peer may be dead: no barrier
+                    tree["deepspeed"] = _deepspeed.capture_files(trainer, self._deepspeed_dir())
         if trainer.args.process_index == 0:
-            tree["hf"] = capture_main_state(trainer)
+            tree["hf"] = capture_main_state(trainer, *_deepspeed.model_state_dict(trainer)) \
+                if getattr(trainer, "is_deepspeed_enabled", False) else capture_main_state(trainer)
         return tree
+
+    def _disarm(self) -> None:
+        """The capture's boundary off the DeepSpeed engine (the engine's close disarms the rest)."""
+        self._capture = None
+        if self._step_wrapper is not None:
+            from ..deepspeed._engine import unwrap_step
+            unwrap_step(self._trainer.model_wrapped, self._step_wrapper)
+            self._step_wrapper = None
 
     def _close(self) -> None:
         """All ranks: wait for every folder asked for, drop the memory, disconnect."""
-        self._capture = None
+        self._disarm()
         if self._ckpt is None:
             return
         ckpt, self._ckpt = self._ckpt, None
@@ -463,8 +481,8 @@ class FlashCheckpointCallback(TrainerCallback):
         wait for every folder, free the memory; so that nothing writes into ``output_dir``
         once the exception has left ``train()``. This rank only (another rank may be
         stuck in a collective)."""
-        self._capture = None
         if self._ckpt is None:  # raised before on_train_begin, or after on_train_end
+            self._disarm()
             return
         ckpt, self._ckpt = self._ckpt, None
         self._persist_at.clear()
@@ -477,6 +495,8 @@ class FlashCheckpointCallback(TrainerCallback):
                       "its memory copy is kept: building a Trainer with this callback on %s writes it out",
                       exc, self._trainer.args.output_dir)
             return
+        finally:
+            self._disarm()
         if ckpt.engine.collective.world_size == 1:  # other ranks may still be writing there
             self._remove_state_dir()
 

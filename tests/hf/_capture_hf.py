@@ -9,7 +9,8 @@
 ``on_step_begin``) in that attempt: ``term`` SIGTERM to itself, ``raise`` a RuntimeError,
 ``kill9`` SIGKILL to itself. The run resumes from ``last_checkpoint(OUT)``;
 REPORT/attempt<A>-rank<R>.json says where (``global_step`` at ``on_train_begin``) and
-REPORT/final<R>.pt holds the weights of a run that reached the end.
+REPORT/final<R>.pt holds the weights of a run that reached the end. With
+``FLASHCKPT_TEST_HF_DS=1`` under torchrun: the Trainer's DeepSpeed integration (ZeRO-2).
 """
 
 import json
@@ -54,6 +55,9 @@ def main() -> None:
         init_process_group("gloo")
         attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), dist.get_rank()
         extra = {"ddp_backend": "gloo", "per_device_train_batch_size": 2, "dataloader_num_workers": 0}
+        if os.environ.get("FLASHCKPT_TEST_HF_DS") == "1":
+            from tests.hf._torchrun_hf import DEEPSPEED
+            extra["deepspeed"] = DEEPSPEED
     else:
         attempt = int(sys.argv[3])
     faults = {}

@@ -79,3 +79,23 @@ def test_ddp_resumes_at_a_capture_only_where_every_rank_captured(tmp_path):
     for a, b in zip(torch.load(report / "final0.pt"), torch.load(report / "final1.pt")):
         assert torch.equal(a, b)
     assert "checkpoint-5" not in os.listdir(out)  # rank 0's lone capture never committed
+
+
+@pytest.mark.timeout(300)
+def test_deepspeed_integration_resumes_at_the_captured_step(tmp_path):
+    """The Trainer's DeepSpeed (ZeRO-2, two gloo ranks): SIGTERM to both once step 7 finished;
+    DeepSpeed's engine.step (inside accelerate's backward) begins the update, on_step_end
+    ends it; the restart resumes at checkpoint-7, DeepSpeed's tag included."""
+    out, report = tmp_path / "run", tmp_path / "report"
+    report.mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(SCRIPT)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "--monitor-interval=0.1", SCRIPT, str(out), str(report), "-", "term:0:7:0", "term:1:7:0"]
+    env = dict(os.environ, PYTHONPATH=root, DS_ACCELERATOR="cpu", FLASHCKPT_TEST_HF_DS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    log = proc.stderr[-6000:]
+    assert proc.returncode == 0, log
+    assert proc.stderr.count("captured step 7") == 2, log
+    for rank in (0, 1):
+        assert json.loads((report / f"attempt1-rank{rank}.json").read_text())["resumed_at"] == 7, log
+    assert os.path.isdir(out / "checkpoint-7" / "global_step7"), os.listdir(out / "checkpoint-7")
