@@ -88,13 +88,13 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 
-from .._capture import FailureCapture
 from .._options import Options, resolve_options
 from .._errors import CheckpointError
 from ..storage._files import write_atomic
 from ..torch import Checkpointer
 from . import _deepspeed, _export
-from ._capture import capture_main_state, capture_rank_state, write_static_files
+from ._capture import capture_main_state, capture_rank_state, peft_or_quantized, write_static_files
+from ._failure import TrainerCapture
 from ._resume import PARAMS_FILE, recover
 
 __all__ = ["FlashCheckpointCallback"]
@@ -145,16 +145,6 @@ def _check_writable(path: str) -> None:
                               "Trainer checkpoints could not be written there") from exc
 
 
-def _peft_or_quantized(model: Any) -> bool:
-    from transformers.utils import is_peft_available
-
-    if is_peft_available():
-        from peft import PeftModel
-        if isinstance(model, PeftModel):
-            return True
-    return bool(getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None) is not None)
-
-
 class FlashCheckpointCallback(TrainerCallback):
     """Trainer checkpoints that cost the training loop one memory copy.
 
@@ -186,17 +176,9 @@ class FlashCheckpointCallback(TrainerCallback):
             survivor's memory; 0 turns them off. None: 1 when the job spans two or more nodes.
         job_id: names the job's shared memory (default: a hash of ``<output_dir>/.flashckpt``);
             a restarted job resumes from memory only under the same ``job_id``.
-        save_on_failure: on a failure during ``train()`` (SIGTERM or SIGINT, also while the
-            main thread is blocked in a collective; an exception out of ``train()`` or
-            uncaught in a thread), every rank not inside an optimizer update writes the last
-            finished step into memory and has it written out as its ``checkpoint-<N>``
-            folder, so the restart resumes there instead of at the last save. The boundary
-            is the Trainer's own: ``on_pre_optimizer_step`` begins an update, ``on_step_end``
-            ends it (model, optimizer, scheduler and ``global_step`` are then of one step;
-            the RNG states are taken there). Under the Trainer's DeepSpeed integration
-            DeepSpeed's ``engine.step`` (which accelerate runs inside ``backward``) begins it,
-            and the capture runs DeepSpeed's save without its collectives; not under ZeRO-3
-            (a warning: its model files need a gather). See :mod:`flashckpt._capture`.
+        save_on_failure: on SIGTERM/SIGINT or an exception out of ``train()``, every rank not
+            inside an optimizer update saves the last finished step, written out as its
+            ``checkpoint-<N>``, where the restart resumes (see :mod:`flashckpt.hf._failure`).
 
     Attributes:
         resumed_from: after construction, ``{"step": N, "source": "memory"}`` when shared
@@ -219,10 +201,7 @@ class FlashCheckpointCallback(TrainerCallback):
         self.persist_every = persist_every
         self.keep_last = keep_last
         self.save_on_failure = save_on_failure
-        self._capture: FailureCapture | None = None
-        self._boundary_rng: dict[str, Any] | None = None
-        self._step_wrapper: Any = None
-        """The RNG states at the last ``on_step_end``: a capture's (``save_on_failure``)."""
+        self._capture: TrainerCapture | None = None
         self.resumed_from: dict[str, Any] | None = None
         self._trainer: Any = None
         self._stock_save: Any = None
@@ -277,11 +256,11 @@ class FlashCheckpointCallback(TrainerCallback):
         self._static = everyone[0]
         self._export = {"name": "hf", "params": self._params(self._static)}
         if self.save_on_failure:
-            self._arm_capture()
+            self._capture = TrainerCapture(trainer, self._ckpt, self._export, self._deepspeed_dir)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self._capture is not None:
-            self._capture.update_begins()  # waits while a capture copies
+            self._capture.update_begins()
 
     def on_step_end(self, args, state, control, **kwargs):
         """Decide whether this step is snapshotted and whether it is persisted."""
@@ -289,8 +268,7 @@ class FlashCheckpointCallback(TrainerCallback):
             return
         step = state.global_step
         if self._capture is not None:
-            self._boundary_rng = capture_rank_state(self._trainer)
-            self._capture.update_ends(step)
+            self._capture.step_end(step)
         stock = control.should_save
         if self.persist_every is None:
             persist = stock
@@ -345,7 +323,7 @@ class FlashCheckpointCallback(TrainerCallback):
             unsupported.append("XLA")
         if is_sagemaker_mp_enabled():
             unsupported.append("SageMaker model parallel")
-        if _peft_or_quantized(trainer.model):
+        if peft_or_quantized(trainer.model):
             unsupported.append("PEFT adapters or quantized models")
         if unsupported:
             log.warning("FlashCheckpointCallback does not support %s yet: the Trainer keeps its own save",
@@ -407,47 +385,10 @@ class FlashCheckpointCallback(TrainerCallback):
         self._ckpt = Checkpointer(self._state_dir(), options=self._options)
         self._ckpt.engine.expect_export("hf")
 
-    def _arm_capture(self) -> None:
-        """``save_on_failure``: a capture of the last finished step (see :meth:`on_step_end`),
-        saved like a Trainer save and written out as its folder; disarmed by the engine's close."""
-        trainer, ckpt = self._trainer, self._ckpt
-        deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
-        if deepspeed and _deepspeed.zero3(trainer):
-            log.warning("FlashCheckpointCallback(save_on_failure=True) does not capture under ZeRO-3 yet (its "
-                        "model files need a gather across ranks): a failure resumes from the last save")
-            return
-        engine = ckpt.engine
-        export = self._export
-        capture = self._capture = ckpt.capture_with(FailureCapture(
-            self._capture_tree, None, writes=engine.placement.writes_memory,
-            save=lambda step, tree: engine.save(step, tree, persist=True, export=export, captured=True),
-            last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle))
-        if deepspeed:  # accelerate runs engine.step inside backward, before on_pre_optimizer_step
-            from ..deepspeed._engine import step_boundary
-            self._step_wrapper = step_boundary(trainer.model_wrapped, capture, counts=False)
-
-    def _capture_tree(self) -> dict[str, Any]:
-        """What :meth:`_snapshot` saves, as of the last ``on_step_end``, without its
-        bookkeeping (a capture must not change the Trainer's state)."""
-        trainer = self._trainer
-        tree = dict(self._boundary_rng) if self._boundary_rng is not None else capture_rank_state(trainer)
-        if getattr(trainer, "is_deepspeed_enabled", False):  # ZeRO 0-2 (see _arm_capture)
-            if _deepspeed.saves_tag(trainer):
-                from ..deepspeed._engine import local_only
-                with local_only(trainer.model_wrapped):  # a peer may be dead: no barrier
-                    tree["deepspeed"] = _deepspeed.capture_files(trainer, self._deepspeed_dir())
-        if trainer.args.process_index == 0:
-            tree["hf"] = capture_main_state(trainer, *_deepspeed.model_state_dict(trainer)) \
-                if getattr(trainer, "is_deepspeed_enabled", False) else capture_main_state(trainer)
-        return tree
-
     def _disarm(self) -> None:
-        """The capture's boundary off the DeepSpeed engine (the engine's close disarms the rest)."""
-        self._capture = None
-        if self._step_wrapper is not None:
-            from ..deepspeed._engine import unwrap_step
-            unwrap_step(self._trainer.model_wrapped, self._step_wrapper)
-            self._step_wrapper = None
+        capture, self._capture = self._capture, None
+        if capture is not None:
+            capture.disarm()
 
     def _close(self) -> None:
         """All ranks: wait for every folder asked for, drop the memory, disconnect."""
@@ -482,14 +423,11 @@ class FlashCheckpointCallback(TrainerCallback):
         once the exception has left ``train()``. This rank only (another rank may be
         stuck in a collective)."""
         if self._ckpt is None:  # raised before on_train_begin, or after on_train_end
-            self._disarm()
             return
         ckpt, self._ckpt = self._ckpt, None
         self._persist_at.clear()
         try:
-            # captures (save_on_failure: an exception is being handled), flushes, waits
-            # (bounded by FLASHCKPT_SAVER_TIMEOUT), frees the memory
-            ckpt.close()
+            ckpt.close()  # captures (save_on_failure), flushes, waits (bounded), frees the memory
         except Exception as exc:  # the training error goes on; this one is logged
             log.error("FlashCheckpointCallback: after train() raised, writing the newest step out failed (%s); "
                       "its memory copy is kept: building a Trainer with this callback on %s writes it out",
