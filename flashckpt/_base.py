@@ -74,15 +74,28 @@ class EngineCheckpointer:
         if not self._captures_failures:
             raise CheckpointError(f"{type(self).__name__} has no failure capture yet (the torch Checkpointer and "
                                   "DdpCheckpointer have)")
+        self._check_no_capture()
+        engine = self._engine
+        return self.capture_with(FailureCapture(
+            state_fn, optimizer, writes=engine.placement.writes_memory,
+            save=lambda step, state: engine.save(step, state, persist=True, captured=True),
+            last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle))
+
+    def _check_no_capture(self) -> None:
         if self._capture is not None:
             raise RuntimeError("save_on_failure() was called already on this checkpointer")
-        engine = self._engine
-        capture = FailureCapture(state_fn, optimizer, writes=engine.placement.writes_memory,
-                                 save=lambda step, state: engine.save(step, state, persist=True, captured=True),
-                                 last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle)
+
+    def capture_with(self, capture: FailureCapture, *, guard_saves: bool = True) -> FailureCapture:
+        """Arm ``capture``, built by an adapter with its own step boundary and save (the
+        Trainer callback, the DeepSpeed checkpointer): the failure hooks call it, and
+        :meth:`close` (also while an exception unwinds) captures and disarms it. Main
+        thread, once. ``guard_saves``: every save of the engine goes through
+        ``capture.saving``; False where the adapter wraps its own saves in it instead."""
+        self._check_no_capture()
         hooks = FailureHooks(capture.capture, capture.busy_here)
         capture.on_idle = hooks.run_deferred
-        engine.save_guard = capture.saving
+        if guard_saves:
+            self._engine.save_guard = capture.saving
         hooks.install()
         self._capture, self._hooks = capture, hooks
         return capture

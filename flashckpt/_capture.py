@@ -9,7 +9,10 @@ progress writes ``state_fn()`` as step k into its slot through the engine's ordi
 (``captured=True``, persisted), from whichever thread comes first; one caught inside an
 update writes nothing and says so. While a capture copies, the optimizer's pre-hook and
 any save wait, so the parameters never change under the copy. At most one capture per
-process: a second failure, even during the capture, adds nothing.
+process: a second failure, even during the capture, adds nothing. Adapters whose update is
+not one torch ``optimizer.step()`` give the boundary themselves (:meth:`FailureCapture.update_begins`,
+:meth:`FailureCapture.update_ends`): the Trainer callback from ``on_pre_optimizer_step`` to
+``on_step_end``, the DeepSpeed checkpointer around ``engine.step``.
 
 Trade-offs, plainly: step numbers must count optimizer steps (no gradient accumulation
 over several ``save`` steps); state that ``forward`` changes (BatchNorm statistics) or a
@@ -52,8 +55,9 @@ class FailureCapture:
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
         for name in ("register_step_pre_hook", "register_step_post_hook"):
-            if not callable(getattr(optimizer, name, None)):
-                raise TypeError(f"optimizer {type(optimizer).__qualname__} has no {name}() (a torch.optim.Optimizer has)")
+            if optimizer is not None and not callable(getattr(optimizer, name, None)):
+                raise TypeError(f"optimizer {type(optimizer).__qualname__} has no {name}() "
+                                "(a torch.optim.Optimizer has)")
         self._state_fn, self._save, self._last_load = state_fn, save, last_load
         self._writes, self._allow_pickle = writes, allow_pickle
         self._pid = os.getpid()
@@ -73,8 +77,9 @@ class FailureCapture:
         self._closed = False
         self.on_idle: Callable[[], None] = lambda: None
         """Called on a thread that ends a save or the capture (signals deferred meanwhile)."""
-        self._handles = [optimizer.register_step_pre_hook(self._pre_step),
-                         optimizer.register_step_post_hook(self._post_step)]
+        self._handles = [] if optimizer is None else [optimizer.register_step_pre_hook(self._pre_step),
+                                                      optimizer.register_step_post_hook(self._post_step)]
+        """None as ``optimizer``: the adapter gives the boundary (:meth:`update_begins`, :meth:`update_ends`)."""
 
     # -- the step boundary -------------------------------------------------------
 
@@ -85,16 +90,32 @@ class FailureCapture:
             self._seen_load = loaded
             self._base, self._steps = (loaded.step or 0) if loaded is not None else 0, 0
 
-    def _pre_step(self, *_: Any) -> None:
+    def update_begins(self) -> None:
+        """The state starts to change (the optimizer's step pre-hook, or an adapter's own
+        boundary: the Trainer's ``on_pre_optimizer_step``, DeepSpeed's ``engine.step``);
+        waits while a capture copies."""
         with self._cond:
             self._wait_for(lambda: self._capturing is None or self._capturing == threading.get_ident(), "the capture")
             self._sync_load()
             self._updating = True
 
-    def _post_step(self, *_: Any) -> None:
+    def update_ends(self, step: int | None = None) -> None:
+        """The update is over: the state is that of the next step, or of ``step`` where the
+        adapter knows its number (the Trainer's ``global_step`` at ``on_step_end``). An
+        update that raised never ends: nothing is captured after it."""
         with self._cond:
             self._updating = False
-            self._steps += 1
+            if step is None:
+                self._steps += 1
+            else:
+                self._sync_load()
+                self._steps = max(0, step - self._base)
+
+    def _pre_step(self, *_: Any) -> None:
+        self.update_begins()
+
+    def _post_step(self, *_: Any) -> None:
+        self.update_ends()
 
     @contextmanager
     def saving(self, step: int, state: Any) -> Iterator[None]:

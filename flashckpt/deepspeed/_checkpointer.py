@@ -10,10 +10,12 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, Callable
 
 import torch.distributed as dist
 
+from .._capture import FailureCapture
 from .._errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
 from .._options import Options, resolve_options
 from ..memory._tree import Places
@@ -24,7 +26,7 @@ from ..storage._location import parse_location
 from ..storage._scratch import make_scratch
 from ..torch import Checkpointer
 from . import _objects
-from ._engine import FlashCheckpointEngine
+from ._engine import FlashCheckpointEngine, local_only, step_boundary, unwrap_step
 from ._live import agreed_layout, live_places
 from ._tag_files import model_states, read_patterns, shapes
 
@@ -102,6 +104,10 @@ class DeepSpeedCheckpointer:
         self._step: int | None = None
         self._persist: bool | None = None
         self._latest_on_export = False
+        self._captured = False
+        self._capture: FailureCapture | None = None
+        self._step_wrapper: Any = None
+        """``engine.step`` as :meth:`save_on_failure` wrapped it on the engine instance."""
 
     @property
     def job_id(self) -> str:
@@ -118,12 +124,62 @@ class DeepSpeedCheckpointer:
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        self._step, self._persist, self._latest_on_export = step, persist, True
+        capture = self._capture
+        with capture.saving(step, client_state or {}) if capture is not None else nullcontext():
+            self._save(step, client_state, tag, persist)
+
+    def _save(self, step: int, client_state: dict | None, tag: str | None, persist: bool | None,
+              captured: bool = False) -> None:
+        self._step, self._persist, self._latest_on_export, self._captured = step, persist, True, captured
         try:
             self.engine.save_checkpoint(self._scratch or self.directory, tag=tag or f"global_step{step}",
                                         client_state=client_state or {}, save_latest=False)
         finally:
-            self._step, self._persist, self._latest_on_export = None, None, False
+            self._step, self._persist, self._latest_on_export, self._captured = None, None, False, False
+
+    # -- failure capture ----------------------------------------------------------
+
+    def save_on_failure(self, state_fn: Callable[[], dict] | None = None, *, optimizer: Any = None) -> FailureCapture:
+        """On a failure, save the last finished ``engine.step`` as a DeepSpeed tag (see
+        ``flashckpt._capture``). All ranks call it once, from the main thread, after :meth:`load`.
+
+        ``state_fn()`` returns the ``client_state`` :meth:`save` takes (None: ``{}``); it is
+        checked against the next save's. ``optimizer``: None or the engine's own. The
+        boundary is ``engine.step`` at a gradient-accumulation boundary, wrapped on this
+        engine (DeepSpeed's ZeRO optimizers have no torch step hooks, and their torch
+        optimizer's finish before the updated fp32 partitions are copied into the model);
+        the step is the last :meth:`save` (or load) plus the boundary steps since. On
+        SIGTERM/SIGINT, an uncaught exception or :meth:`capture_failure`, a rank not inside
+        ``engine.step`` writes its files of that step (``global_step<N>``) into memory, has
+        them persisted and the tag exported, running DeepSpeed's ``save_checkpoint`` with its
+        collectives (the barriers, the tag check) skipped on the capturing thread: a peer
+        may be dead, and every rank's files are its own. ZeRO state is per rank, so a
+        capture loads only where every rank captured it (else the newest regular save).
+        Save through :meth:`save` while it is armed (``engine.save_checkpoint`` called
+        directly neither waits for a capture nor restarts the step count)."""
+        engine = self.engine
+        if optimizer is not None and optimizer is not engine.optimizer \
+                and optimizer is not getattr(engine.optimizer, "optimizer", None):
+            raise ValueError("save_on_failure: optimizer must be None or the DeepSpeed engine's own (the boundary "
+                             "is engine.step)")
+        if state_fn is not None and not callable(state_fn):
+            raise TypeError(f"state_fn must be callable (returning the client_state save takes), got "
+                            f"{type(state_fn).__name__}")
+        flash = self._flash
+        # allow_pickle: only for comparing the trees' shapes; client_state objects are pickled anyway
+        capture = FailureCapture(state_fn or dict, None, writes=flash.placement.writes_memory,
+                                 save=self._capture_save, last_load=lambda: flash.last_load, allow_pickle=True)
+        self._capture = self._ckpt.capture_with(capture, guard_saves=False)
+        self._step_wrapper = step_boundary(engine, capture)
+        return capture
+
+    def capture_failure(self, reason: str = "capture_failure()") -> int | None:
+        """Capture the last finished step now, as on a failure (any thread); the step, or None."""
+        return self._ckpt.capture_failure(reason)
+
+    def _capture_save(self, step: int, client_state: Any) -> None:
+        with local_only(self.engine):
+            self._save(step, client_state, None, True, captured=True)
 
     def _flash_save(self, tag: str, save_dir: str, files: dict[str, Any], save_latest: bool) -> None:
         """Called by the checkpoint engine's ``commit``: one flash save of the rank's files.
@@ -137,7 +193,7 @@ class DeepSpeedCheckpointer:
         export = {"name": "deepspeed", "params": {
             "save_dir": save_dir, "tag": tag, "save_latest": save_latest or self._latest_on_export,
             "keep_last": options.keep_last, "allow_pickle": options.allow_pickle}}
-        self._flash.save(step, state, persist=self._persist, export=export)
+        self._flash.save(step, state, persist=self._persist, export=export, captured=self._captured)
 
     # -- load ---------------------------------------------------------------------
 
@@ -377,8 +433,11 @@ class DeepSpeedCheckpointer:
     def close(self) -> None:
         """Persist the newest step if needed, free shared memory, restore DeepSpeed's engine."""
         try:
-            self._ckpt.close()
+            self._ckpt.close()  # captures first while an exception unwinds (save_on_failure)
         finally:
+            self._capture = None
+            unwrap_step(self.engine, self._step_wrapper)
+            self._step_wrapper = None
             if self.engine.checkpoint_engine is self.checkpoint_engine:
                 self.engine.checkpoint_engine = self._previous_engine
             if self._scratch_hold is not None:
@@ -388,6 +447,8 @@ class DeepSpeedCheckpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if exc[0] is not None and not issubclass(exc[0], SystemExit):
+            self.capture_failure(f"{exc[0].__name__} leaving the checkpointer's with block")
         self.close()
 
 

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from .._errors import CheckpointError
 from ..storage._location import is_url
 
-__all__ = ["FlashCheckpointEngine", "OnCommit"]
+__all__ = ["FlashCheckpointEngine", "OnCommit", "local_only", "step_boundary", "unwrap_step"]
 
 OnCommit = Callable[[str, str, dict[str, Any], bool], None]
 """``on_commit(tag, save_dir, files, save_latest)``: ``files`` maps each path relative to
@@ -116,3 +118,55 @@ def _local(save_dir: str) -> str:
 
 def _inside(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+@contextmanager
+def local_only(engine: Any) -> Iterator[None]:
+    """DeepSpeed's ``save_checkpoint`` on this thread without its collectives, for a failure
+    capture (a peer may be dead; every rank's files are its own under ZeRO 0-2): ``barrier``
+    and the tag check (``engine._checkpoint_tag_validation``, DeepSpeed's) do nothing here,
+    and stay themselves on every other thread."""
+    import deepspeed.comm as ds_comm
+
+    me = threading.get_ident()
+    barrier, validation = ds_comm.barrier, engine._checkpoint_tag_validation
+
+    def local_barrier(*args: Any, **kwargs: Any) -> Any:
+        return None if threading.get_ident() == me else barrier(*args, **kwargs)
+
+    def local_validation(tag: str) -> Any:
+        return None if threading.get_ident() == me else validation(tag)
+
+    ds_comm.barrier, engine._checkpoint_tag_validation = local_barrier, local_validation
+    try:
+        yield
+    finally:
+        ds_comm.barrier = barrier
+        engine.__dict__.pop("_checkpoint_tag_validation", None)
+
+
+def step_boundary(engine: Any, capture: Any, *, counts: bool = True) -> Callable[..., Any]:
+    """Wrap ``engine.step`` on the engine instance so that a step at a gradient-accumulation
+    boundary is ``capture``'s update (``FailureCapture.update_begins``; ``update_ends`` with
+    ``counts``, else the caller ends it); returns the wrapper, for :func:`unwrap_step`.
+    (DeepSpeed's ZeRO optimizers have no torch step hooks, and their torch optimizer's
+    finish before the updated fp32 partitions are copied into the model.)"""
+    stock_step = engine.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if not engine.is_gradient_accumulation_boundary():
+            return stock_step(*args, **kwargs)
+        capture.update_begins()  # waits while a capture copies
+        result = stock_step(*args, **kwargs)
+        if counts:
+            capture.update_ends()  # not reached when the update raised: nothing is captured then
+        return result
+
+    engine.step = step
+    return step
+
+
+def unwrap_step(engine: Any, wrapper: Any) -> None:
+    """The class's ``engine.step`` again, where ``wrapper`` is still the instance's."""
+    if wrapper is not None and engine.__dict__.get("step") is wrapper:
+        del engine.__dict__["step"]

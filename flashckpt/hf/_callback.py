@@ -93,7 +93,8 @@ from .._errors import CheckpointError
 from ..storage._files import write_atomic
 from ..torch import Checkpointer
 from . import _deepspeed, _export
-from ._capture import capture_main_state, capture_rank_state, write_static_files
+from ._capture import capture_main_state, capture_rank_state, peft_or_quantized, write_static_files
+from ._failure import TrainerCapture
 from ._resume import PARAMS_FILE, recover
 
 __all__ = ["FlashCheckpointCallback"]
@@ -144,16 +145,6 @@ def _check_writable(path: str) -> None:
                               "Trainer checkpoints could not be written there") from exc
 
 
-def _peft_or_quantized(model: Any) -> bool:
-    from transformers.utils import is_peft_available
-
-    if is_peft_available():
-        from peft import PeftModel
-        if isinstance(model, PeftModel):
-            return True
-    return bool(getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None) is not None)
-
-
 class FlashCheckpointCallback(TrainerCallback):
     """Trainer checkpoints that cost the training loop one memory copy.
 
@@ -185,6 +176,9 @@ class FlashCheckpointCallback(TrainerCallback):
             survivor's memory; 0 turns them off. None: 1 when the job spans two or more nodes.
         job_id: names the job's shared memory (default: a hash of ``<output_dir>/.flashckpt``);
             a restarted job resumes from memory only under the same ``job_id``.
+        save_on_failure: on SIGTERM/SIGINT or an exception out of ``train()``, every rank not
+            inside an optimizer update saves the last finished step, written out as its
+            ``checkpoint-<N>``, where the restart resumes (see :mod:`flashckpt.hf._failure`).
 
     Attributes:
         resumed_from: after construction, ``{"step": N, "source": "memory"}`` when shared
@@ -195,7 +189,10 @@ class FlashCheckpointCallback(TrainerCallback):
     """
 
     def __init__(self, *, memory_every: int | None = None, persist_every: int | None = None,
-                 keep_last: int | None = None, options: Options | None = None, **shorthands: Any) -> None:
+                 keep_last: int | None = None, save_on_failure: bool = False, options: Options | None = None,
+                 **shorthands: Any) -> None:
+        if not isinstance(save_on_failure, bool):
+            raise TypeError(f"save_on_failure must be a bool, got {save_on_failure!r}")
         _check_positive("memory_every", memory_every, 1)
         _check_positive("persist_every", persist_every, 1)
         _check_positive("keep_last", keep_last, 0)
@@ -203,6 +200,8 @@ class FlashCheckpointCallback(TrainerCallback):
         self.memory_every = memory_every
         self.persist_every = persist_every
         self.keep_last = keep_last
+        self.save_on_failure = save_on_failure
+        self._capture: TrainerCapture | None = None
         self.resumed_from: dict[str, Any] | None = None
         self._trainer: Any = None
         self._stock_save: Any = None
@@ -256,12 +255,20 @@ class FlashCheckpointCallback(TrainerCallback):
         everyone = self._ckpt.engine.on_all_ranks(write_run_files, "writing training_args.bin and the tokenizer files")
         self._static = everyone[0]
         self._export = {"name": "hf", "params": self._params(self._static)}
+        if self.save_on_failure:
+            self._capture = TrainerCapture(trainer, self._ckpt, self._export, self._deepspeed_dir)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self._capture is not None:
+            self._capture.update_begins()
 
     def on_step_end(self, args, state, control, **kwargs):
         """Decide whether this step is snapshotted and whether it is persisted."""
         if self._stock_save is None:
             return
         step = state.global_step
+        if self._capture is not None:
+            self._capture.step_end(step)
         stock = control.should_save
         if self.persist_every is None:
             persist = stock
@@ -316,7 +323,7 @@ class FlashCheckpointCallback(TrainerCallback):
             unsupported.append("XLA")
         if is_sagemaker_mp_enabled():
             unsupported.append("SageMaker model parallel")
-        if _peft_or_quantized(trainer.model):
+        if peft_or_quantized(trainer.model):
             unsupported.append("PEFT adapters or quantized models")
         if unsupported:
             log.warning("FlashCheckpointCallback does not support %s yet: the Trainer keeps its own save",
@@ -378,8 +385,14 @@ class FlashCheckpointCallback(TrainerCallback):
         self._ckpt = Checkpointer(self._state_dir(), options=self._options)
         self._ckpt.engine.expect_export("hf")
 
+    def _disarm(self) -> None:
+        capture, self._capture = self._capture, None
+        if capture is not None:
+            capture.disarm()
+
     def _close(self) -> None:
         """All ranks: wait for every folder asked for, drop the memory, disconnect."""
+        self._disarm()
         if self._ckpt is None:
             return
         ckpt, self._ckpt = self._ckpt, None
@@ -414,12 +427,14 @@ class FlashCheckpointCallback(TrainerCallback):
         ckpt, self._ckpt = self._ckpt, None
         self._persist_at.clear()
         try:
-            ckpt.close()  # flushes, waits (bounded by FLASHCKPT_SAVER_TIMEOUT), frees the memory
+            ckpt.close()  # captures (save_on_failure), flushes, waits (bounded), frees the memory
         except Exception as exc:  # the training error goes on; this one is logged
             log.error("FlashCheckpointCallback: after train() raised, writing the newest step out failed (%s); "
                       "its memory copy is kept: building a Trainer with this callback on %s writes it out",
                       exc, self._trainer.args.output_dir)
             return
+        finally:
+            self._disarm()
         if ckpt.engine.collective.world_size == 1:  # other ranks may still be writing there
             self._remove_state_dir()
 

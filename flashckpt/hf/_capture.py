@@ -31,7 +31,7 @@ import torch
 
 from .._errors import CheckpointError
 
-__all__ = ["capture_rank_state", "capture_main_state", "write_static_files", "TRAINING_ARGS_NAME"]
+__all__ = ["capture_rank_state", "capture_main_state", "peft_or_quantized", "write_static_files", "TRAINING_ARGS_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,17 @@ def capture_rank_state(trainer: Any) -> dict[str, Any]:
     if trainer.args.save_only_model:
         return {}
     return {"rng": _rng_state(trainer.args.parallel_mode == ParallelMode.DISTRIBUTED)}
+
+
+def peft_or_quantized(model: Any) -> bool:
+    """A PEFT adapter or a quantized model (whose saves this module does not build)."""
+    from transformers.utils import is_peft_available
+
+    if is_peft_available():
+        from peft import PeftModel
+        if isinstance(model, PeftModel):
+            return True
+    return bool(getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None) is not None)
 
 
 def _model_tensors(trainer: Any, state_dict: dict[str, Any] | None = None, keep_tied: bool = False

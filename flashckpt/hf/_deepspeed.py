@@ -20,13 +20,14 @@ import os
 import shutil
 from typing import Any
 
-__all__ = ["SCRIPTS", "capture_files", "model_state_dict", "owns_scheduler", "saves_tag", "write_files"]
+__all__ = ["SCRIPTS", "capture_files", "model_state_dict", "owns_scheduler", "saves_tag", "write_files", "zero3"]
 
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 """What DeepSpeed copies next to a ZeRO tag (``DeepSpeedEngine._copy_recovery_script``)."""
 
 
-def _zero3(trainer: Any) -> bool:
+def zero3(trainer: Any) -> bool:
+    """The Trainer's DeepSpeed runs ZeRO stage 3."""
     return trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
 
 
@@ -37,7 +38,7 @@ def _gathers_weights(trainer: Any) -> bool:
 def saves_tag(trainer: Any) -> bool:
     """Whether the stock save writes DeepSpeed's tag: always, except with
     ``save_only_model`` (then only ZeRO-3 without gathered weights does, in ``save_model``)."""
-    return not trainer.args.save_only_model or (_zero3(trainer) and not _gathers_weights(trainer))
+    return not trainer.args.save_only_model or (zero3(trainer) and not _gathers_weights(trainer))
 
 
 def model_state_dict(trainer: Any) -> tuple[dict[str, Any] | None, bool]:
@@ -47,7 +48,7 @@ def model_state_dict(trainer: Any) -> tuple[dict[str, Any] | None, bool]:
     (``accelerator.get_state_dict``) so ``save_pretrained`` finds no shared storage.
     ZeRO-3: the gathered 16-bit weights (a collective: every rank calls this), or ``{}``
     when the config does not gather them (the stock save then writes no weight file)."""
-    if not _zero3(trainer):
+    if not zero3(trainer):
         return None, True
     if not _gathers_weights(trainer):
         return {}, False

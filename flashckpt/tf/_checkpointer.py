@@ -125,6 +125,20 @@ class Checkpointer(EngineCheckpointer):
         finally:
             super().close(timeout)
 
+    def save_on_failure(self, state_fn: Any, *, optimizer: Any) -> Any:
+        """Not supported for TF: always raises :class:`~flashckpt.CheckpointError`.
+
+        Failure capture needs a step boundary seen from Python: whether the variables are
+        those of a finished step or half updated. A Keras optimizer has no step hooks, and
+        ``apply_gradients`` runs inside the ``tf.function`` of the training step, whose
+        ops update the variables from TF's own threads, where no Python code runs; a
+        capture from a signal handler could copy a step half applied. Save often instead
+        (``save`` costs one copy into memory; ``background=True`` overlaps it)."""
+        raise CheckpointError("save_on_failure is not supported by flashckpt.tf.Checkpointer: TF gives no step "
+                              "boundary to capture at (a Keras optimizer has no step hooks, and apply_gradients "
+                              "updates the variables inside the training step's tf.function, on TF's own threads), "
+                              "so a capture could copy a half-applied step; save every few steps instead")
+
     def load(self, *, step: int | None = None, timeout: float | None = None) -> int | None:
         """Restore the variables (and data positions) of ``step`` (default: the newest in
         memory or on storage) in place; returns the step, or None when there is none.

@@ -117,3 +117,11 @@ def test_estimator_read_error_comes_out_of_train_and_fail_gives_the_shards_back(
     progress = input_fn.positions.dataset.progress()
     assert progress["leased"] == 0 and progress["done"] == 2 and progress["todo"] == 4
     input_fn.positions.close()
+
+
+def test_save_on_failure_is_refused_with_the_reason(tmp_path, job_id):
+    model = dense_model(3)
+    with Checkpointer(tmp_path, model, job_id=job_id) as ckpt:
+        with pytest.raises(CheckpointError, match="save_on_failure is not supported.*no step boundary"):
+            ckpt.save_on_failure(lambda: None, optimizer=model.optimizer)
+        ckpt.save(1)  # the checkpointer is unharmed

@@ -1,0 +1,116 @@
+"""``DeepSpeedCheckpointer.save_on_failure``: its arguments and boundary in one process, then
+under torchrun (ZeRO-2, gloo), one launch.
+
+Attempt 0: rank 1 is SIGKILLed inside step 8's backward; rank 0 captures step 7, but ZeRO
+state is per rank and rank 1 has no capture, so the restart loads the save of step 5.
+Attempt 1: the whole job gets SIGTERM after step 12; both ranks capture 12 and the restart
+loads it from memory (a failure capture), with step 12's parameters and client state.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._fork import run_ranks
+
+from . import _ds_train
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _one_process(rank, world, directory, job):
+    import deepspeed
+    from flashckpt import StateMismatchError
+    from flashckpt.deepspeed import DeepSpeedCheckpointer
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed.init_distributed("gloo")
+    out = {}
+
+    def outcome(fn):
+        try:
+            return ("ok", fn())
+        except Exception as exc:  # the test asserts on class and message
+            return (type(exc).__name__, str(exc))
+
+    engine = _ds_train.make_engine(2)
+    with DeepSpeedCheckpointer(engine, os.path.join(directory, "bad"), job_id=job + "a") as ck:
+        out["other_optimizer"] = outcome(lambda: ck.save_on_failure(optimizer=torch.optim.SGD(
+            engine.module.parameters(), lr=0.1)))
+        ck.save_on_failure(lambda: {"other": 1})
+        out["twice"] = outcome(ck.save_on_failure)
+        _ds_train.train_step(engine, rank, 1)
+        try:
+            ck.save(1, client_state={"marker": "m"})
+        except StateMismatchError as exc:
+            out["mismatch"] = str(exc)
+
+    engine = _ds_train.make_engine(2)
+    with DeepSpeedCheckpointer(engine, os.path.join(directory, "probe"), job_id=job + "b") as ck:
+        capture = ck.save_on_failure()
+        seen = {}
+        engine.optimizer.optimizer.register_step_pre_hook(  # ZeRO's torch optimizer: inside engine.step
+            lambda *_: seen.setdefault("mid", capture.capture("mid-update probe")))
+        _ds_train.train_step(engine, rank, 1)
+        out["mid_update"] = seen["mid"]
+        assert engine.__dict__.get("step") is not None
+    out["step_restored"] = "step" not in engine.__dict__
+
+    engine = _ds_train.make_engine(2)
+    with DeepSpeedCheckpointer(engine, os.path.join(directory, "run"), job_id=job + "c") as ck:
+        ck.save_on_failure(lambda: {"marker": f"gs-{engine.global_steps}"})
+        for step in (1, 2):
+            _ds_train.train_step(engine, rank, step)
+        ck.save(2, client_state={"marker": "gs-2"})
+        for step in (3, 4, 5):
+            _ds_train.train_step(engine, rank, step)
+        expected = _ds_train.consolidated(engine)
+        out["captured"] = ck.capture_failure("test")
+        ck.wait()
+        out["latest"] = ck.latest_step()
+    engine = _ds_train.make_engine(2)
+    with DeepSpeedCheckpointer(engine, os.path.join(directory, "run"), job_id=job + "c") as ck:
+        out["loaded"] = ck.load()
+        out["client"] = ck.client_state.get("marker")
+        out["same"] = all(torch.equal(v, _ds_train.consolidated(engine)[k]) for k, v in expected.items())
+    out["tag"] = os.path.isfile(os.path.join(directory, "run", "global_step5", "mp_rank_00_model_states.pt"))
+    return out
+
+
+def test_arguments_and_the_boundary_in_one_process(tmp_path, job_id):
+    out, = run_ranks(_one_process, 1, str(tmp_path), job_id, timeout=180)
+    assert out["other_optimizer"][0] == "ValueError" and "engine's own" in out["other_optimizer"][1]
+    assert out["twice"][0] == "RuntimeError"
+    assert "state_fn() returns another tree" in out["mismatch"] and "marker" in out["mismatch"], out["mismatch"]
+    assert out["mid_update"] is None  # inside engine.step (the ZeRO step): nothing captured
+    assert out["step_restored"]
+    assert out["captured"] == 5 and out["latest"] == 5 and out["tag"], out
+    assert out["loaded"] == 5 and out["client"] == "gs-5" and out["same"], out
+
+
+@pytest.mark.timeout(300)
+def test_capture_loads_only_where_every_rank_captured(tmp_path, job_id):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, FLASHCKPT_TEST_JOB=job_id, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
+         "--monitor-interval=0.1", os.path.join(HERE, "_ds_capture.py"), str(ckpt), str(out)],
+        env=env, capture_output=True, text=True, timeout=280)
+    log = proc.stdout[-3000:] + proc.stderr[-8000:]
+    assert proc.returncode == 0, log
+    assert "captured step 7" in proc.stderr, log  # rank 0's, never loaded: rank 1 has none
+    for rank in range(2):
+        first = json.loads((out / f"load-{rank}-1.json").read_text())
+        assert first["step"] == 5 and not first["captured"] and first["client"] == "gs-5", (rank, first, log)
+        second = json.loads((out / f"load-{rank}-2.json").read_text())
+        assert second == {"step": 12, "source": "memory", "captured": True, "client": "gs-12"}, (rank, second, log)
+        at12, loaded = torch.load(out / f"at12-{rank}.pt"), torch.load(out / f"loaded-{rank}-2.pt")
+        assert at12.keys() == loaded.keys()
+        for name in at12:
+            assert torch.equal(at12[name], loaded[name]), name
+    assert os.path.isfile(ckpt / "global_step15" / "mp_rank_00_model_states.pt")  # the run finished and exported

@@ -1,0 +1,81 @@
+"""A Trainer run with ``FlashCheckpointCallback(save_on_failure=True)`` that fails on purpose.
+
+    python _capture_hf.py OUT REPORT ATTEMPT [FAULT ...]
+    torchrun --nproc-per-node=2 --max-restarts=2 _capture_hf.py OUT REPORT - [FAULT ...]
+
+10 steps, folders every 3 (the conftest's ``reference_10`` set-up); under torchrun
+(``WORLD_SIZE`` set) DDP over gloo and the attempt is torchrun's restart count. A FAULT is
+``KIND:RANK:STEP:ATTEMPT``, done by that rank once STEP finished (at the next step's
+``on_step_begin``) in that attempt: ``term`` SIGTERM to itself, ``raise`` a RuntimeError,
+``kill9`` SIGKILL to itself. The run resumes from ``last_checkpoint(OUT)``;
+REPORT/attempt<A>-rank<R>.json says where (``global_step`` at ``on_train_begin``) and
+REPORT/final<R>.pt holds the weights of a run that reached the end. With
+``FLASHCKPT_TEST_HF_DS=1`` under torchrun: the Trainer's DeepSpeed integration (ZeRO-2).
+"""
+
+import json
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from flashckpt.hf import FlashCheckpointCallback, last_checkpoint  # noqa: E402
+from tests.hf._hf import make_trainer  # noqa: E402
+
+
+class Fault(TrainerCallback):
+    def __init__(self, faults: dict, report: dict, path: str) -> None:
+        self.faults, self.report, self.path = faults, report, path
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.report["resumed_at"] = state.global_step
+        with open(self.path, "w") as f:  # now: a signal may end this attempt
+            json.dump(self.report, f)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        kind = self.faults.get(state.global_step)
+        if kind in ("term", "kill9"):
+            os.kill(os.getpid(), signal.SIGTERM if kind == "term" else signal.SIGKILL)
+        elif kind == "raise":
+            raise RuntimeError(f"injected failure after step {state.global_step}")
+
+
+def main() -> None:
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(process)d %(name)s %(levelname)s %(message)s")
+    out, report_dir = sys.argv[1], sys.argv[2]
+    extra, rank = {}, 0
+    if "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+        from flashckpt.torch import init_process_group
+        init_process_group("gloo")
+        attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), dist.get_rank()
+        extra = {"ddp_backend": "gloo", "per_device_train_batch_size": 2, "dataloader_num_workers": 0}
+        if os.environ.get("FLASHCKPT_TEST_HF_DS") == "1":
+            from tests.hf._torchrun_hf import DEEPSPEED
+            extra["deepspeed"] = DEEPSPEED
+    else:
+        attempt = int(sys.argv[3])
+    faults = {}
+    for spec in sys.argv[4:]:
+        kind, f_rank, f_step, f_attempt = spec.split(":")
+        if int(f_rank) == rank and int(f_attempt) == attempt:
+            faults[int(f_step)] = kind
+    report: dict = {}
+    flash = FlashCheckpointCallback(save_on_failure=True)
+    fault = Fault(faults, report, os.path.join(report_dir, f"attempt{attempt}-rank{rank}.json"))
+    trainer = make_trainer(out, [flash, fault], max_steps=10, **extra)
+    report["resumed_from"] = flash.resumed_from
+    trainer.train(resume_from_checkpoint=last_checkpoint(out))
+    torch.save([p.detach().clone() for p in trainer.model.parameters()], os.path.join(report_dir, f"final{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
+    if "WORLD_SIZE" in os.environ:
+        from tests._exit import exit_now
+        exit_now()

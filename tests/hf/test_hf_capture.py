@@ -1,0 +1,101 @@
+"""``FlashCheckpointCallback(save_on_failure=True)``: a failed Trainer run resumes at the
+last finished step, not at the last save (one process; then DDP under torchrun, one launch).
+
+One run of 10 steps with folders every 3 takes two failures: SIGTERM once step 5 finished
+(attempt 0), then an exception out of ``train()`` once step 7 finished (attempt 1). Without
+capture the restarts resume at 3 and 6; with it, at 5 and 7 (each captured step written out
+as its ``checkpoint-N``), and the last attempt ends with the weights of an uninterrupted run.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._fork import Forked, run_script
+
+from ._hf import shm_left
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_capture_hf.py")
+
+
+def _attempt(out, report, attempt: int, *fault: str) -> tuple[int, str]:
+    proc = Forked(run_script, SCRIPT, [str(out), str(report), str(attempt), *fault])
+    code = proc.wait(120)
+    return code, proc.stderr.read()
+
+
+def test_save_on_failure_must_be_a_bool():
+    from flashckpt.hf import FlashCheckpointCallback
+    with pytest.raises(TypeError, match="save_on_failure must be a bool"):
+        FlashCheckpointCallback(save_on_failure="yes")
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_and_an_exception_resume_at_the_captured_steps(tmp_path, reference_10):
+    out, report = tmp_path / "run", tmp_path / "report"
+    report.mkdir()
+    code, err = _attempt(out, report, 0, "term:0:5:0")
+    assert code in (-signal.SIGTERM, 128 + signal.SIGTERM), err[-4000:]
+    assert "captured step 5" in err, err[-4000:]
+
+    code, err = _attempt(out, report, 1, "raise:0:7:1")
+    assert code != 0 and "injected failure after step 7" in err, err[-4000:]
+    assert "captured step 7" in err, err[-4000:]
+    assert json.loads((report / "attempt1-rank0.json").read_text())["resumed_at"] == 5
+    assert os.path.isdir(out / "checkpoint-7")  # written out before the exception left train()
+
+    code, err = _attempt(out, report, 2)
+    assert code == 0, err[-4000:]
+    assert json.loads((report / "attempt2-rank0.json").read_text())["resumed_at"] == 7
+    final = torch.load(report / "final0.pt")
+    for a, b in zip(reference_10, final):
+        assert torch.equal(a, b)  # the captured steps held exactly an uninterrupted run's state
+    assert {"checkpoint-5", "checkpoint-7", "checkpoint-9", "checkpoint-10"} <= set(os.listdir(out))
+    assert not shm_left(str(out))
+
+
+@pytest.mark.timeout(300)
+def test_ddp_resumes_at_a_capture_only_where_every_rank_captured(tmp_path):
+    """Attempt 0: rank 1 is SIGKILLed once step 5 finished; rank 0 captures 5 alone, so the
+    restart resumes at the folder of step 3. Attempt 1: both ranks get SIGTERM once step 7
+    finished; both capture it and the restart resumes at 7."""
+    out, report = tmp_path / "run", tmp_path / "report"
+    report.mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(SCRIPT)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+           "--monitor-interval=0.1", SCRIPT, str(out), str(report), "-", "kill9:1:5:0", "term:0:7:1", "term:1:7:1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=dict(os.environ, PYTHONPATH=root))
+    log = proc.stderr[-6000:]
+    assert proc.returncode == 0, log
+    assert "captured step 5" in proc.stderr and "captured step 7" in proc.stderr, log
+    for rank in (0, 1):
+        assert json.loads((report / f"attempt1-rank{rank}.json").read_text())["resumed_at"] == 3, log
+        assert json.loads((report / f"attempt2-rank{rank}.json").read_text())["resumed_at"] == 7, log
+    for a, b in zip(torch.load(report / "final0.pt"), torch.load(report / "final1.pt")):
+        assert torch.equal(a, b)
+    assert "checkpoint-5" not in os.listdir(out)  # rank 0's lone capture never committed
+
+
+@pytest.mark.timeout(300)
+def test_deepspeed_integration_resumes_at_the_captured_step(tmp_path):
+    """The Trainer's DeepSpeed (ZeRO-2, two gloo ranks): SIGTERM to both once step 7 finished;
+    DeepSpeed's engine.step (inside accelerate's backward) begins the update, on_step_end
+    ends it; the restart resumes at checkpoint-7, DeepSpeed's tag included."""
+    out, report = tmp_path / "run", tmp_path / "report"
+    report.mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(SCRIPT)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "--monitor-interval=0.1", SCRIPT, str(out), str(report), "-", "term:0:7:0", "term:1:7:0"]
+    env = dict(os.environ, PYTHONPATH=root, DS_ACCELERATOR="cpu", FLASHCKPT_TEST_HF_DS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    log = proc.stderr[-6000:]
+    assert proc.returncode == 0, log
+    assert proc.stderr.count("captured step 7") == 2, log
+    for rank in (0, 1):
+        assert json.loads((report / f"attempt1-rank{rank}.json").read_text())["resumed_at"] == 7, log
+    assert os.path.isdir(out / "checkpoint-7" / "global_step7"), os.listdir(out / "checkpoint-7")
