@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from contextlib import contextmanager
+from typing import Iterator
 
 from ._errors import UnsafeFileError
 
 __all__ = ["SHM_DIR", "default_job_id", "job_objects", "job_prefix", "lock_path", "private_dir",
-           "replica_path", "saver_log_path", "slot_path", "socket_path", "watchdog_log_path"]
+           "replica_path", "saver_log_path", "slot_path", "socket_path", "unix_address", "watchdog_log_path"]
 
 SHM_DIR = os.environ.get("FLASHCKPT_SHM_DIR", "/dev/shm")
 
@@ -91,6 +93,25 @@ def lock_path(slot: str) -> str:
 
 def socket_path(job_id: str) -> str:
     return f"{job_prefix(job_id)}.sock"
+
+
+_SUN_PATH_MAX = 107
+"""The longest path an AF_UNIX address holds (``sun_path`` is 108 bytes with its NUL)."""
+
+
+@contextmanager
+def unix_address(path: str) -> Iterator[str]:
+    """``path`` as an AF_UNIX address to bind or connect to while the block runs: the path
+    itself where it fits, else the same file through a descriptor of its directory
+    (``/proc/self/fd/N/<name>``), so a deep ``FLASHCKPT_SHM_DIR`` works too."""
+    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+        yield path
+        return
+    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{os.path.basename(path)}"
+    finally:
+        os.close(fd)
 
 
 def saver_log_path(job_id: str) -> str:

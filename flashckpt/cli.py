@@ -155,7 +155,8 @@ def _job_alive(job: str, paths: list[str]) -> bool:
         import socket
         with socket.socket(socket.AF_UNIX) as s:
             try:
-                s.connect(_names.socket_path(job))
+                with _names.unix_address(_names.socket_path(job)) as address:
+                    s.connect(address)
                 return True
             except OSError:
                 pass

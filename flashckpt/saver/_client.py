@@ -170,7 +170,8 @@ class SaverClient:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
             try:
-                sock.connect(path)
+                with _names.unix_address(path) as address:
+                    sock.connect(address)
                 if peer_uid(sock) != os.getuid():
                     raise SaverError(f"the process listening on {path} runs as uid {peer_uid(sock)}, not as "
                                      f"this user (uid {os.getuid()}); refusing to hand it checkpoints")

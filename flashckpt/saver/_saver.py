@@ -89,7 +89,8 @@ class Saver:
             pass
         old = os.umask(0o177)
         try:
-            listener.bind(self.sock_path)
+            with _names.unix_address(self.sock_path) as address:
+                listener.bind(address)
         finally:
             os.umask(old)
         listener.listen(256)
