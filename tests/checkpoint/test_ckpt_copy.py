@@ -161,11 +161,12 @@ def test_copy_spans_copies_exactly(monkeypatch, threads):
 
 def test_ctrl_c_during_a_copy_waits_for_the_helpers(monkeypatch, ctrl_c):
     monkeypatch.setenv("FLASHCKPT_COPY_THREADS", "2")
-    finished, caller_copied = [], threading.Event()
+    finished, caller_copied, helper_took = [], threading.Event(), threading.Event()
     real = _copy._copy_span_group
 
     def slow_helper(group):
         if threading.current_thread() is not threading.main_thread():
+            helper_took.set()
             assert caller_copied.wait(30)  # the caller then waits for this part
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # while this part copies
             time.sleep(0.3)
@@ -173,6 +174,7 @@ def test_ctrl_c_during_a_copy_waits_for_the_helpers(monkeypatch, ctrl_c):
             finished.append(True)
         else:
             real(group)
+            assert helper_took.wait(30)  # on a loaded machine the caller would take both parts
             caller_copied.set()
 
     monkeypatch.setattr(_copy, "_copy_span_group", slow_helper)

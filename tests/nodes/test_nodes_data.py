@@ -63,13 +63,25 @@ class DataJob(Job):
                                           stderr=subprocess.STDOUT)
 
     def wait_for(self, what: str, ready, end: float) -> None:
-        """Until ``ready()``; fails at ``end``, or at once when node 0's torchrun has failed."""
+        """Until ``ready()``; fails at ``end``, or at once when a torchrun has failed."""
         while not ready():
-            if self.agents[0].poll() not in (None, 0):
-                self.fail(f"node 0's torchrun failed before {what}")
+            failed = [i for i, agent in self.agents.items() if agent.poll() not in (None, 0)]
+            if failed and (0 in failed or 0 not in self.agents):
+                self.fail(f"node {failed[0]}'s torchrun failed before {what}")
             if time.monotonic() > end:
                 self.fail(f"{what} not seen within {DEADLINE:.0f} s")
             time.sleep(0.2)
+
+    def importing_torch(self, i: int) -> bool:
+        """Whether a process of node ``i`` has mapped torch's library."""
+        for pid in self.nodes.pids(i):
+            try:
+                with open(f"/proc/{pid}/maps") as maps:
+                    if "libtorch_python" in maps.read():
+                        return True
+            except OSError:
+                continue
+        return False
 
     def paused(self, world: int) -> int:
         return len([e for e in self.events("pause") if e["world"] == world])
@@ -166,9 +178,13 @@ def test_every_sample_once_through_4_to_2_to_5_ranks_across_nodes(tmp_path, back
             # world:step:seconds. Node 1 stays at step 5 until it is killed; node 0's ranks go on
             # into the next all-reduce, which fails when node 1 dies; alone, they wait at step 8
             # until node 1 joins and their agent restarts them
-            job.start(0, 2, ("4:5:1", f"2:8:{LONG}"))
-            job.start(1, 2, (f"4:5:{LONG}",))
+            # node 1 first, node 0 once node 1 is importing torch: node 1 then waits in the
+            # rendezvous for node 0's store, and the first round has both nodes however loaded
+            # the machine (node 0 alone for its 1 s last call trained past step 5 once)
             end = time.monotonic() + DEADLINE
+            job.start(1, 2, (f"4:5:{LONG}",))
+            job.wait_for("node 1's torchrun importing torch", lambda: job.importing_torch(1), end)
+            job.start(0, 2, ("4:5:1", f"2:8:{LONG}"))
             job.wait_for("4 ranks at step 5", lambda: job.paused(4) == 4, end)
             nodes.kill_node(1)  # torchrun, workers, saver; its /dev/shm goes with them
             job.agents[1].wait(timeout=30)
