@@ -16,19 +16,18 @@ def job_id():
             os.unlink(path)
 
 
+ONE_WORKER = {"fsdp", "objectstore"}
+"""Directories whose session fixtures are runs every test there shares (FSDP's gloo jobs, the
+S3 server with its buckets): under xdist they stay on one worker, so they run once."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n 2`` (``make test``): a directory whose conftest starts something once
-    per session (a server, a shared launch) runs on one worker; elsewhere each file is its
-    own unit of work."""
+    """Under ``pytest -n 2`` (``make test``): each file is a unit of work, but the directories
+    of :data:`ONE_WORKER` are one unit each."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     root = os.path.dirname(os.path.abspath(__file__))
     for item in items:
         rel = os.path.relpath(str(item.path), root)
         top = rel.split(os.sep)[0]
-        item.add_marker(pytest.mark.xdist_group(top if _starts_once_per_session(os.path.join(root, top)) else rel))
-
-
-def _starts_once_per_session(directory: str) -> bool:
-    conftest = os.path.join(directory, "conftest.py")
-    return os.path.exists(conftest) and 'scope="session"' in open(conftest).read()
+        item.add_marker(pytest.mark.xdist_group(top if top in ONE_WORKER else rel))
