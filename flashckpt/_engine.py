@@ -194,7 +194,6 @@ class Engine:
         mark = {"captured": True} if captured else {}
         image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves],
                            dict(self._meta(step, flat), **mark))
-        self.slots.prepared()
         if self._branch is None:  # a run that never loaded starts its line here
             self.start_line(step - 1)
         index = self.slots.choose(self._client, saver_timeout())
