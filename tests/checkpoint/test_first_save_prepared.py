@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from flashckpt._engine import Engine
 from flashckpt.memory import _slot
 from flashckpt.torch import Checkpointer
 
@@ -99,3 +100,16 @@ def test_a_state_that_grows_after_prepare_saves_and_loads(tmp_path, job_id):
     with Checkpointer(tmp_path, job_id=job_id) as ck:
         assert ck.load(target) == 3
     assert torch.equal(target["w"], grown["w"])
+
+
+@pytest.mark.skipif(not _slot._POPULATE_WRITE, reason="the kernel lacks MADV_POPULATE_WRITE")
+def test_a_load_from_memory_prepares_the_slots_by_the_image_without_walking_the_state(tmp_path, job_id, monkeypatch,
+                                                                                      populates):
+    state = _state()
+    walked: list[object] = []
+    monkeypatch.setattr(Engine, "prepare_for", lambda self, state: walked.append(state))
+    with Checkpointer(tmp_path, job_id=job_id, persist_every=100) as ck:
+        ck.save(1, state)
+        assert ck.load(_state()) == 1 and ck.last_load.source == "memory"
+        assert walked == [], "the load walked the state again to size the slots"
+        _save_maps_nothing(ck, state, populates)
