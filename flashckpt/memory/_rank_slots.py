@@ -192,7 +192,8 @@ class RankSlots:
     def _ready(self, i: int, size: int) -> bool:
         """Slot ``i`` is mapped with room for ``size`` bytes of image (and page-locked if it must be)."""
         slot = self._slots[i]
-        return slot is not None and slot.capacity >= HEADER_SIZE + size and self.locker is None
+        return slot is not None and slot.capacity >= HEADER_SIZE + size and \
+            (self.locker is None or slot.locked_by(self.locker))
 
     def prepared(self, index: int | None = None) -> None:
         """Wait for slot ``index`` (None: every slot) to be prepared in the background, and

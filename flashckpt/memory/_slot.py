@@ -287,11 +287,15 @@ class Slot:
     def lock_pages(self, locker: PageLocker) -> None:
         """Keep this mapping page-locked by ``locker`` (a grown slot's new mapping is
         locked again); unlocked before it is unmapped."""
-        if self.mm is None or (self._locker is locker and self._lock_handle is not None):
+        if self.mm is None or self.locked_by(locker):
             return
         self._unlock_pages()
         self._locker = locker
         self._lock_handle = locker.lock(self.mm, read_only=not self._writable)
+
+    def locked_by(self, locker: PageLocker) -> bool:
+        """This mapping is page-locked by ``locker``."""
+        return self._locker is locker and self._lock_handle is not None
 
     def _unlock_pages(self) -> None:
         if self._lock_handle is not None:
