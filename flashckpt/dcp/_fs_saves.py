@@ -63,6 +63,7 @@ class Saves:
             raise CheckpointError(f"{path}: flashckpt:// takes one file per rank (DCP's FsspecWriter with its "
                                   "defaults, thread_count=1 and single_file_per_rank=True)")
         run = run_for(store_of(folder, None), options)
+        run.writing()
         if run.rank != rank:
             raise CheckpointError(f"{path} is rank {rank}'s file but this process is rank {run.rank} of the "
                                   "default process group: flashckpt:// saves with the default process group")

@@ -98,7 +98,7 @@ class Run:
         self.options = options
         self.checkpointer = Checkpointer(store, options=options, process_group=process_group)
         self.engine = self.checkpointer.engine
-        self.engine.expect_export(EXPORTER)  # the saver imports torch now, not at the first export (seconds a save may wait)
+        self._writing = False
         self._last_step: int | None = None
         self.lock = threading.Lock()
 
@@ -109,6 +109,14 @@ class Run:
     @property
     def world_size(self) -> int:
         return self.engine.collective.world_size
+
+    def writing(self) -> None:
+        """A write of this run starts: at the first, the saver loads the DCP exporter (it imports
+        torch: seconds a save would wait for at its first export). Not when the run opens: a
+        process that only reads must not have the saver compete for CPU while it loads."""
+        if not self._writing:
+            self._writing = True
+            self.engine.expect_export(EXPORTER)
 
     def next_step(self, checkpoint_id: str) -> int:
         """The flashckpt step of a save of ``checkpoint_id``: the number the id ends with,

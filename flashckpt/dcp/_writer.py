@@ -88,6 +88,7 @@ class FlashStorageWriter(RunMember, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         start = time.perf_counter()
         run = self._run()
+        run.writing()
         step = run.next_step(self.path)
         name = distcp_name(self._rank)
         frames = bytearray()

@@ -5,8 +5,11 @@ state into the slot :meth:`RankSlots.choose` picks; a load copies a held copy ou
 caller's tensors (:meth:`RankSlots.copy_out`); a copy from elsewhere (a peer's replica, a
 node-local directory) is written into a slot through :meth:`RankSlots.writer`. Headers change
 only under the rank's lock. Mapping fresh slots costs more than a copy, so slots are
-prepared (mapped, page-locked) on a background thread, and slots read once are unmapped
-there too.
+prepared (grown, mapped, page-locked) on a background thread, and slots read once are
+unmapped there too. The thread maps a slot of its own, which the caller's thread takes
+when it first needs that slot (:meth:`RankSlots.prepared`): a save waits only for the slot
+it writes, never for the other, and the slots the caller reads meanwhile stay mapped as
+they were.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import struct
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
 from .. import _names
@@ -43,6 +47,16 @@ class Saver(Protocol):
     def saved(self, path: str, generation: int, step: int, info: dict[str, Any], *, persist: bool) -> None: ...
 
 
+@dataclass(slots=True)
+class _Prepared:
+    """One slot being prepared in the background for an image of ``size`` bytes."""
+
+    size: int
+    slot: Slot | None = None
+    """The slot once mapped (None until then, or if that failed)."""
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class RankSlots:
     """This rank's slots of job ``job_id``; ``owner`` (directory, storage rank and world)
     names the copies that are this rank's own state (:meth:`copies`)."""
@@ -54,7 +68,8 @@ class RankSlots:
         self._owner = owner
         self._slots: list[Slot | None] = [None] * count
         self._views: dict[tuple, list[Any]] = {}
-        self._preparing: threading.Thread | None = None
+        self._preparing: dict[int, _Prepared] = {}
+        """Slots being prepared in the background, by index."""
         self._retired: list[Slot] = []
         self.locker: PageLocker | None = None
         """Page-locks the slots when the state lives on a GPU (see :class:`flashckpt.memory._slot.PageLocker`)."""
@@ -63,14 +78,15 @@ class RankSlots:
         return len(self._slots)
 
     def slot(self, i: int, *, create: bool) -> Slot | None:
+        self.prepared(i)
         if self._slots[i] is None:
             self._slots[i] = Slot.open(self.paths[i], writable=True, create=create)
         return self._slots[i]
 
     def capacity(self, i: int) -> int:
-        """Slot ``i``'s mapped capacity (0 when it is not mapped)."""
-        slot = self._slots[i]
-        return 0 if slot is None else slot.capacity
+        """Slot ``i``'s capacity, mapped or being prepared (0 when it is neither)."""
+        slot, job = self._slots[i], self._preparing.get(i)
+        return max(0 if slot is None else slot.capacity, 0 if job is None else HEADER_SIZE + job.size)
 
     def exist(self) -> bool:
         """Whether this rank has any slot (mapped, or left in shared memory by an earlier process)."""
@@ -109,8 +125,7 @@ class RankSlots:
             with self.lock.held():
                 headers = self.headers()
                 free = [i for i, h in enumerate(headers) if not (h.reader_pid and pid_alive(h.reader_pid))]
-                complete = [i for i, h in enumerate(headers) if h.state == SlotState.COMPLETE]
-                newest = max(complete, key=lambda i: (headers[i].saved_at, headers[i].generation), default=None)
+                newest = self._newest(headers)
                 choice = [i for i in free if i != newest]
                 committed = saver.last_committed is not None and newest is not None and \
                     saver.last_committed >= headers[newest].step  # its memory copy is not the only one
@@ -138,30 +153,63 @@ class RankSlots:
         return slot
 
     def prepare(self, indices: list[int], size: int) -> None:
-        """Reserve and map slots in the background, so later saves do not pay for fresh
-        pages (the first touch of shared memory costs more than the copy itself)."""
+        """Grow and map slots ``indices`` for an image of ``size`` bytes in the background,
+        so later saves do not pay for fresh pages (the first touch of shared memory costs
+        more than the copy itself). The slot the next save takes is prepared first."""
         retired, self._retired = self._retired, []
+        for i in indices:
+            if i in self._preparing and self._preparing[i].size < size:
+                self.prepared(i)  # the state grew while it was prepared
+        newest = self._newest()
+        todo = [i for i in indices if i not in self._preparing and not self._ready(i, size)]
+        jobs = [(i, _Prepared(size)) for i in sorted(todo, key=lambda i: (i == newest, i))]
+        self._preparing.update(jobs)
+        locker = self.locker
+        if not jobs and not retired:
+            return
 
         def run() -> None:
             for slot in retired:
                 slot.close()
-            try:
-                for i in indices:
-                    slot = self.slot(i, create=True)
-                    slot.ensure_capacity(size)
-                    if self.locker is not None:
-                        slot.lock_pages(self.locker)
-            except Exception:  # the next save raises it in the foreground
-                log.debug("preparing slots %s failed", indices, exc_info=True)
+            for i, job in jobs:
+                try:
+                    job.slot = Slot.open(self.paths[i], writable=True, create=True, image_size=size)
+                    if locker is not None:
+                        job.slot.lock_pages(locker)
+                except Exception:  # the save into it prepares it again in the foreground, and raises there
+                    log.debug("preparing slot %s failed", self.paths[i], exc_info=True)
+                finally:
+                    job.done.set()
 
-        self._preparing = threading.Thread(target=run, name="flashckpt-prepare", daemon=True)
-        self._preparing.start()
+        threading.Thread(target=run, name="flashckpt-prepare", daemon=True).start()
 
-    def prepared(self) -> None:
-        """Wait for the slots being prepared in the background."""
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
+    def _newest(self, headers: list[SlotHeader] | None = None) -> int | None:
+        """The slot holding the newest complete copy, which the next save does not take."""
+        headers = self.headers() if headers is None else headers
+        complete = [i for i, h in enumerate(headers) if h.state == SlotState.COMPLETE]
+        return max(complete, key=lambda i: (headers[i].saved_at, headers[i].generation), default=None)
+
+    def _ready(self, i: int, size: int) -> bool:
+        """Slot ``i`` is mapped with room for ``size`` bytes of image (and page-locked if it must be)."""
+        slot = self._slots[i]
+        return slot is not None and slot.capacity >= HEADER_SIZE + size and \
+            (self.locker is None or slot.locked_by(self.locker))
+
+    def prepared(self, index: int | None = None) -> None:
+        """Wait for slot ``index`` (None: every slot) to be prepared in the background, and
+        map it as prepared from now on."""
+        for i in list(self._preparing) if index is None else [index]:
+            job = self._preparing.get(i)
+            if job is None:
+                continue
+            job.done.wait()
+            del self._preparing[i]
+            if job.slot is None:
+                continue
+            old, self._slots[i] = self._slots[i], job.slot
+            self._views = {k: v for k, v in self._views.items() if k[0] != i}
+            if old is not None:
+                old.close()
 
     def _lock_pages(self, slot: Slot, kind: TensorKind, objs: list[Any]) -> None:
         locker = page_locker(kind, objs)

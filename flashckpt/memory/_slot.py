@@ -211,7 +211,7 @@ class RankLock:
 class Slot:
     """One mapped shared-memory slot file."""
 
-    def __init__(self, path: str, fd: int, writable: bool, populate: bool) -> None:
+    def __init__(self, path: str, fd: int, writable: bool, populate: bool, image_size: int = 0) -> None:
         self.path = path
         self._fd = fd
         self._writable = writable
@@ -222,6 +222,8 @@ class Slot:
         self._lock_handle: Any = None
         self._persist_fd = -1
         try:
+            if image_size:
+                self._grow_file(image_size)
             self._map()
         except BaseException:
             os.close(fd)
@@ -229,15 +231,16 @@ class Slot:
 
     @classmethod
     def open(cls, path: str, *, writable: bool = False, create: bool = False,
-             populate: bool = True) -> "Slot | None":
+             populate: bool = True, image_size: int = 0) -> "Slot | None":
         """Map an existing slot (None if there is none); ``create`` makes an empty one.
 
         ``populate`` sets up every page-table entry at once, which pays off for a slot
         that is written again and again; a slot read once is cheaper unpopulated (reads
-        fault 16 pages at a time).
+        fault 16 pages at a time). ``image_size`` (writable slots): grown first to hold an
+        image that large, so that it is mapped once.
         """
         fd = open_private(path, (os.O_RDWR if writable else os.O_RDONLY) | (os.O_CREAT if create else 0))
-        return None if fd is None else cls(path, fd, writable, populate)
+        return None if fd is None else cls(path, fd, writable, populate, image_size)
 
     def lock_for_persist(self, seconds: float) -> bool:
         """Take this slot's persist lock, an ``flock`` on its file (two processes never
@@ -284,11 +287,15 @@ class Slot:
     def lock_pages(self, locker: PageLocker) -> None:
         """Keep this mapping page-locked by ``locker`` (a grown slot's new mapping is
         locked again); unlocked before it is unmapped."""
-        if self.mm is None or (self._locker is locker and self._lock_handle is not None):
+        if self.mm is None or self.locked_by(locker):
             return
         self._unlock_pages()
         self._locker = locker
         self._lock_handle = locker.lock(self.mm, read_only=not self._writable)
+
+    def locked_by(self, locker: PageLocker) -> bool:
+        """This mapping is page-locked by ``locker``."""
+        return self._locker is locker and self._lock_handle is not None
 
     def _unlock_pages(self) -> None:
         if self._lock_handle is not None:
@@ -301,14 +308,23 @@ class Slot:
         Checks free space first and reserves the pages with ``fallocate``, so a full
         ``/dev/shm`` is a clear :class:`SharedMemoryError`, never a SIGBUS mid-copy.
         """
-        need = HEADER_SIZE + image_size
-        if need <= self.capacity:
+        if HEADER_SIZE + image_size <= self.capacity:
             return False
+        self._grow_file(image_size)  # another mapping of the file may have grown it already
+        self._map()
+        return True
+
+    def _grow_file(self, image_size: int) -> None:
+        """Grow the file (not the mapping) to hold ``image_size`` bytes of image, if it does not."""
+        need = HEADER_SIZE + image_size
+        current = os.fstat(self._fd).st_size
+        if need <= current:
+            return
         new = need + min(_GROW_HEADROOM, image_size // 16 + 4096)
         new += -new % mmap.PAGESIZE
         directory = os.path.dirname(self.path)
         free = shm_free_bytes(directory)
-        if new - self.capacity > free:
+        if new - current > free:
             raise SharedMemoryError(
                 f"the state needs {new / 2**20:.1f} MiB of shared memory in {directory} for {self.path}, "
                 f"but only {free / 2**20:.1f} MiB are free; enlarge it (docker run --shm-size=..., "
@@ -323,8 +339,6 @@ class Slot:
                     raise SharedMemoryError(f"shared memory in {directory} ran out while reserving "
                                             f"{new / 2**20:.1f} MiB for {self.path}: {exc}") from exc
                 raise
-        self._map()
-        return True
 
     # -- header ---------------------------------------------------------------------
 

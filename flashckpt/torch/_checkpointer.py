@@ -75,6 +75,14 @@ class Checkpointer(EngineCheckpointer):
         Returns a :class:`~flashckpt.SaveHandle` (``.wait()``, ``.done()``, ``.durable()``)."""
         return self._engine.save(step, state, persist=persist)
 
+    def prepare(self, state: Any) -> None:
+        """Make this rank's slots ready for saves of ``state`` in the background (growing,
+        mapping and zeroing fresh shared memory costs several copies), so that the first
+        save costs what a later one does. ``load`` does this itself, also when there is
+        nothing to load; call it after construction when the script does not load. A state
+        that grows later still saves (its slots grow then). Never blocks."""
+        self._engine.prepare_for(state)
+
     def load(self, state: Any, *, step: int | None = None, timeout: float | None = None) -> int | None:
         """Fill ``state`` in place from the agreed step; returns it, or None if there is none.
 
