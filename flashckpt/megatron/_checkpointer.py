@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import io
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -25,6 +26,8 @@ from ..torch._tensors import DTYPE_NAMES, host_byte_array
 from ._reader import BYTESIO, StepReader
 
 __all__ = ["MegatronCheckpointer"]
+
+log = logging.getLogger("flashckpt")
 
 
 def _is_main(replica_id: Any) -> bool:
@@ -118,24 +121,40 @@ class MegatronCheckpointer(EngineCheckpointer):
         committed one, else the newest committed step (or ``step``). All ranks call this.
         """
         start = time.perf_counter()
-        agreement = self._agree_step(step, sharded_state_dict)
-        box: list[Any] = [None]
-        if agreement.step is not None:
-            def attempt() -> None:
-                box[0] = self._load_step(sharded_state_dict, agreement)
-
-            self._engine.on_all_ranks(attempt, f"loading step {agreement.step} of {self.directory}")
+        self._engine.wait()
+        direct = self._engine.agree(step, direct=True)  # _node_sources reads the own_disk shards in place
+        try:
+            agreement = self._in_memory_or_storage(direct, sharded_state_dict)
+            state = self._load_on_all_ranks(sharded_state_dict, agreement)
+        except StateMismatchError:
+            raise
+        except CheckpointError as exc:
+            if not direct.own_disk:
+                raise
+            log.warning("step %d: reading shards straight from the node-local directories failed (%s); loading it "
+                        "through its other copies", direct.step, exc)
+            agreement = self._in_memory_or_storage(self._engine.agree(direct.step), sharded_state_dict)
+            state = self._load_on_all_ranks(sharded_state_dict, agreement)
         self._engine.finish_load(agreement.step, agreement.source, start)
-        return box[0], agreement.step
+        return state, agreement.step
 
-    def _agree_step(self, step: int | None, sharded_state_dict: dict) -> Agreement:
+    def _load_on_all_ranks(self, sharded_state_dict: dict, agreement: Agreement) -> dict | None:
+        if agreement.step is None:
+            return None
+        box: list[Any] = [None]
+
+        def attempt() -> None:
+            box[0] = self._load_step(sharded_state_dict, agreement)
+
+        self._engine.on_all_ranks(attempt, f"loading step {agreement.step} of {self.directory}")
+        return box[0]
+
+    def _in_memory_or_storage(self, agreement: Agreement, sharded_state_dict: dict) -> Agreement:
         """The engine's agreement (memory on this node or a peer's replica, or a node-local
-        directory's own shards read in place: ``direct``), then memory only if every rank's
-        node holds every block it asks for: another layout reads other ranks' blocks, from
-        storage (made durable first)."""
+        directory's own shards read in place: ``Agreement.own_disk``) if every rank's node
+        holds every block it asks for; else storage: another layout reads other ranks' blocks
+        (made durable first)."""
         engine = self._engine
-        engine.wait()
-        agreement = engine.agree(step, direct=True)  # _node_sources reads the own_disk shards in place
         chosen = agreement.step
         if chosen is None or agreement.source != Source.MEMORY:
             return agreement

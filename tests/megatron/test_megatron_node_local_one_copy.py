@@ -10,6 +10,9 @@ asked for ``direct``, rank 0 is named in ``own_disk``; not asked, it brings its 
 its slot first (``_read_own``), as a real node-local agreement does. Rank 1 holds the step
 in memory either way."""
 
+import os
+import shutil
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +24,9 @@ from . import _gpt
 pytest.importorskip("megatron.core")
 
 STEP = 5
+INTACT: list[str] = []
+"""Damaged case: rank 0's shard as saved, which the agreement without ``direct`` stands in
+for the peer node's copy with."""
 
 
 def _agree_node_local(sources, step=None, *, direct=False, timeout=None):
@@ -31,12 +37,25 @@ def _agree_node_local(sources, step=None, *, direct=False, timeout=None):
 
     sources.ready()
     rank = sources.placement.storage_rank
+    if INTACT and rank == 0 and not direct:  # the fallback finds an intact copy (a peer node's, really)
+        shutil.copyfile(INTACT[0], sources.storage.shard_path(STEP, 0)[0])
     # rank 1: its memory copy; rank 0 without direct: disk -> slot; every rank's done before any reads
     sources.on_all_ranks(lambda: _read_own(sources, STEP) if rank == 1 or not direct else None, "bringing")
     return Agreement(STEP, Source.MEMORY, STEP, (), frozenset({0}) if direct else frozenset())
 
 
-def _load(rank: int, world: int, directory: str, job: str, tp: int) -> None:
+def _damage(path: str) -> None:
+    """Keep ``path`` aside in ``INTACT``, then flip a byte in the middle of its data."""
+    shutil.copyfile(path, path + ".intact")
+    INTACT.append(path + ".intact")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _load(rank: int, world: int, directory: str, job: str, tp: int, damaged: bool = False) -> None:
     from megatron.core import parallel_state as ps
     from flashckpt import _engine
     from flashckpt.megatron import MegatronCheckpointer
@@ -49,6 +68,9 @@ def _load(rank: int, world: int, directory: str, job: str, tp: int) -> None:
         ck.save(STEP, model.sharded_state_dict(), persist=True)
         ck.wait()
         dist.barrier()  # both shards durable: the step is committed
+        if damaged and rank == 0:
+            _damage(ck.engine.storage.shard_path(STEP, 0)[0])
+        dist.barrier()
     ps.destroy_model_parallel()
     _engine.agree = _agree_node_local  # the engine's agreement, as on node-local directories
     model = _gpt.build(tp, seed=7)
@@ -57,7 +79,7 @@ def _load(rank: int, world: int, directory: str, job: str, tp: int) -> None:
         state, step = ck.load(model.sharded_state_dict())
         assert step == STEP and ck.last_load.source == "memory", (step, ck.last_load)
         held = STEP in ck.engine.memory_steps()
-        assert held == (rank == 1), f"rank {rank}: step {STEP} in its slot after the load: {held}"
+        assert held == (rank == 1 or damaged), f"rank {rank}: step {STEP} in its slot after the load: {held}"
         model.load_state_dict(state)
     got = model.state_dict()
     bad = [path for path, value in expected if not torch.equal(got[path], value)]
@@ -69,3 +91,11 @@ def _load(rank: int, world: int, directory: str, job: str, tp: int) -> None:
 @pytest.mark.parametrize("tp", [2, 1])
 def test_a_rank_reading_its_own_directory_fills_the_model_without_its_slot(tmp_path, job_id, tp):
     run_ranks(_load, 2, str(tmp_path / "ckpt"), job_id, tp, timeout=280)
+
+
+@pytest.mark.timeout(300)
+def test_a_damaged_shard_in_its_own_directory_is_loaded_from_another_copy(tmp_path, job_id):
+    """The read straight from the own directory fails its checksum on rank 0: every rank
+    then loads through the agreement without ``direct`` (disk -> slot, from the copy that is
+    intact), with the saved values."""
+    run_ranks(_load, 2, str(tmp_path / "ckpt"), job_id, 2, True, timeout=280)
