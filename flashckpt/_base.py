@@ -74,12 +74,19 @@ class EngineCheckpointer:
         if not self._captures_failures:
             raise CheckpointError(f"{type(self).__name__} has no failure capture yet (the torch Checkpointer and "
                                   "DdpCheckpointer have)")
-        self._check_no_capture()
+        self._check_no_capture()  # before the optimizer's hooks are registered
+        return self.capture_with(self.engine_capture(state_fn, optimizer))
+
+    def engine_capture(self, state_fn: Callable[[], Any], optimizer: Any = None, *,
+                       export: dict[str, Any] | None = None) -> FailureCapture:
+        """A capture whose saves go through this checkpointer's engine (persisted, marked
+        captured, exported by ``export``), not yet armed (:meth:`capture_with`); None as
+        ``optimizer``: the caller gives the step boundary."""
         engine = self._engine
-        return self.capture_with(FailureCapture(
+        return FailureCapture(
             state_fn, optimizer, writes=engine.placement.writes_memory,
-            save=lambda step, state: engine.save(step, state, persist=True, captured=True),
-            last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle))
+            save=lambda step, state: engine.save(step, state, persist=True, export=export, captured=True),
+            last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle)
 
     def _check_no_capture(self) -> None:
         if self._capture is not None:

@@ -340,11 +340,13 @@ class Engine:
         """Size the slots for the next saves: as the image just loaded from this rank's
         memory, which costs no walk over the state (a tenth of a load from memory); else
         (storage, nothing) as :meth:`prepare_for` does."""
-        held = self.slots.steps().get(step) if self.placement.writes_memory and source == Source.MEMORY else None
+        held = None
+        if self.placement.writes_memory and source == Source.MEMORY:
+            held = next((h.image_len for _, h in self.slots.copies() if h.step == step), None)
         if held is None:
             self.prepare_for(state)
         else:
-            self.slots.prepare(list(range(len(self.slots))), self.slots.headers()[held[0]].image_len)
+            self.slots.prepare(list(range(len(self.slots))), held)
 
     def prepare_for(self, state: Any) -> None:
         """Size this rank's slots for ``state`` in the background, so the next saves do not

@@ -130,6 +130,7 @@ def local_only(engine: Any) -> Iterator[None]:
 
     me = threading.get_ident()
     barrier, validation = ds_comm.barrier, engine._checkpoint_tag_validation
+    own = engine.__dict__.get("_checkpoint_tag_validation")  # set on the instance before (else the class's)
 
     def local_barrier(*args: Any, **kwargs: Any) -> Any:
         return None if threading.get_ident() == me else barrier(*args, **kwargs)
@@ -142,7 +143,10 @@ def local_only(engine: Any) -> Iterator[None]:
         yield
     finally:
         ds_comm.barrier = barrier
-        engine.__dict__.pop("_checkpoint_tag_validation", None)
+        if own is None:
+            engine.__dict__.pop("_checkpoint_tag_validation", None)
+        else:
+            engine._checkpoint_tag_validation = own
 
 
 def step_boundary(engine: Any, capture: Any, *, counts: bool = True) -> Callable[..., Any]:

@@ -43,11 +43,7 @@ class TrainerCapture:
             log.warning("FlashCheckpointCallback(save_on_failure=True) does not capture under ZeRO-3 yet (its "
                         "model files need a gather across ranks): a failure resumes from the last save")
             return
-        engine = ckpt.engine
-        capture = self._capture = ckpt.capture_with(FailureCapture(
-            self._tree, None, writes=engine.placement.writes_memory,
-            save=lambda step, tree: engine.save(step, tree, persist=True, export=export, captured=True),
-            last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle))
+        capture = self._capture = ckpt.capture_with(ckpt.engine_capture(self._tree, export=export))
         if deepspeed:
             from ..deepspeed._engine import step_boundary
             self._step_wrapper = step_boundary(trainer.model_wrapped, capture, counts=False)
