@@ -36,10 +36,15 @@ takes the same branch.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from ._node_local import agree_node_local, choose, disk_copies, memory_copies
-from ._sources import Agreement, Source, Sources, memory_keys, memory_not_older
+from ._sources import Agreement, Key, Source, Sources, captured_keys, memory_keys, memory_not_older
 
 __all__ = ["agree"]
+
+log = logging.getLogger(__name__)
 
 
 def agree(sources: Sources, step: int | None = None, *, direct: bool = False,
@@ -51,14 +56,43 @@ def agree(sources: Sources, step: int | None = None, *, direct: bool = False,
     waiting for the saver's crash flush (default ``FLASHCKPT_SAVER_TIMEOUT``), past it
     :class:`~flashckpt.CheckpointTimeoutError` naming the saver, on every rank."""
     sources.ready()  # no slot is prepared while a replica is fetched into one
-    agreement = _agree_now(sources, step, direct)
-    if agreement.source == Source.MEMORY:
-        return agreement
-    sources.on_all_ranks(lambda: sources.flushed(timeout), "waiting for the saver's crash flush of the previous run")
-    return _agree_now(sources, step, direct)
+    agreement, views = _agree_now(sources, step, direct)
+    if agreement.source != Source.MEMORY:
+        sources.on_all_ranks(lambda: sources.flushed(timeout), "waiting for the saver's crash flush of the previous run")
+        agreement, views = _agree_now(sources, step, direct)
+    if sources.collective.rank == 0:
+        _say_why_a_capture_is_not_loaded(views, agreement, step)
+    return agreement
 
 
-def _agree_now(sources: Sources, step: int | None, direct: bool) -> Agreement:
+def _say_why_a_capture_is_not_loaded(views: list[dict], agreement: Agreement, asked: int | None) -> None:
+    """One line (rank 0) when a failure capture newer than the agreed step is left: which
+    step was captured, which is loaded, and why."""
+    captured: dict[Key, list[int]] = {}
+    for rank, view in enumerate(views):
+        for key in view.get("captured", ()):
+            captured.setdefault(tuple(key), []).append(rank)
+    if not captured:
+        return
+    key = max(captured)
+    line, step = key
+    if agreement.step is not None and step <= agreement.step:
+        return
+    if asked is not None:
+        why = f"step {asked} was asked for"
+    elif not memory_not_older(key, views[0]["newest"]):
+        why = f"storage holds a newer line (committed step {agreement.committed})"
+    else:
+        lacking = [r for r, view in enumerate(views) if step not in view["memory"]]
+        why = (f"rank(s) {', '.join(map(str, lacking))} hold no copy of it (a rank that died or was inside an "
+               f"update captures nothing, and this state needs every rank's copy)") if lacking \
+            else "not every rank could load it"
+    loaded = "nothing (a fresh start)" if agreement.step is None else f"step {agreement.step} from {agreement.source}"
+    log.warning("step %d was captured at a failure on rank(s) %s, but loading %s: %s", step,
+                ", ".join(map(str, captured[key])), loaded, why)
+
+
+def _agree_now(sources: Sources, step: int | None, direct: bool) -> tuple[Agreement, list[dict]]:
     """One agreement on what memory and storage hold now (collective)."""
     rank0 = sources.collective.rank == 0
     node_local = sources.node_local is not None
@@ -66,7 +100,7 @@ def _agree_now(sources: Sources, step: int | None, direct: bool) -> Agreement:
     def look() -> dict:
         storage, p = sources.storage, sources.placement
         keys = memory_keys(sources.slots)
-        view = {"memory": sorted(keys), "mine": sorted(keys.values()),
+        view = {"memory": sorted(keys), "mine": sorted(keys.values()), "captured": captured_keys(sources.slots),
                 "committed": storage.steps_in_order()[::-1] if rank0 else None,
                 "newest": storage.newest_key() if rank0 else None,
                 "storage_rank": p.storage_rank, "replicas": sources.replicas.here()}
@@ -75,7 +109,12 @@ def _agree_now(sources: Sources, step: int | None, direct: bool) -> Agreement:
         return view
 
     views = sources.on_all_ranks(look, f"looking for checkpoints of {sources.storage.root} to load")
-    if node_local:
+    return _decide(sources, views, step, direct), views
+
+
+def _decide(sources: Sources, views: list[dict[str, Any]], step: int | None, direct: bool) -> Agreement:
+    """The agreement every rank reaches from every rank's ``views`` (no collective but a fetch)."""
+    if sources.node_local is not None:
         return agree_node_local(sources, views, step, direct=direct)
     order: list[int] = views[0]["committed"]
     committed = order[0] if order else None

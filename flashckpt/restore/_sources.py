@@ -14,7 +14,7 @@ from ..replicas._node_local import NodeLocal
 from ..storage._step_meta import line_key
 from ._ranks import on_all_ranks
 
-__all__ = ["Agreement", "Key", "Source", "Sources", "memory_keys", "memory_not_older"]
+__all__ = ["Agreement", "Key", "Source", "Sources", "captured_keys", "memory_keys", "memory_not_older"]
 
 Key = tuple[str, int]
 """(line, step): the order of copies (``flashckpt.storage._local``)."""
@@ -68,6 +68,11 @@ def memory_not_older(memory: Key, newest: Key | None) -> bool:
 def memory_keys(slots: RankSlots) -> dict[int, Key]:
     """step -> (line, step) of this rank's copies in ``slots``."""
     return {h.step: (line_key(h.info.get("token")), h.step) for _, h in slots.copies()}
+
+
+def captured_keys(slots: RankSlots) -> list[Key]:
+    """(line, step) of this rank's copies that a failure capture wrote (``flashckpt._capture``)."""
+    return sorted((line_key(h.info.get("token")), h.step) for _, h in slots.copies() if h.info.get("captured"))
 
 
 @dataclass(frozen=True, slots=True)
