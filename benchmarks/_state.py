@@ -49,6 +49,9 @@ SPECS: dict[str, StateSpec] = {
     "large": StateSpec(name="large", vocab=50257, positions=1024, width=768, layers=12),
     # Same width and block shapes, 3 blocks and a 10k vocabulary: 29.7M parameters, 357 MB.
     "small": StateSpec(name="small", vocab=10000, positions=1024, width=768, layers=3),
+    # Smaller states for the cold-read curve (benchmarks/cold_read.py): 33 MB and 134 MB.
+    "tiny": StateSpec(name="tiny", vocab=7000, positions=512, width=256, layers=1),
+    "medium": StateSpec(name="medium", vocab=8500, positions=1024, width=512, layers=2),
 }
 
 

@@ -44,7 +44,8 @@ What is timed, and the floor each ratio is taken against:
 - dd to the same directory, buffered + conv=fsync and oflag=direct: the persist floor.
 - the read floor: flashckpt's committed files read cold with ``dd iflag=direct bs=16M``
   and with READ_THREADS threads of 16 MiB ``preadv`` (no checksums, into one reused
-  buffer a thread); the faster of the two is the floor of every load from storage
+  buffer a thread), each after the whole page cache was dropped (as root; ``_cold.py``);
+  the faster of the two is the floor of every load from storage
   (flashckpt's, torch.load's, DCP's, the peers': each reads about the same bytes).
 
 A peer whose venv is missing is skipped with a note naming the setup command
@@ -55,7 +56,8 @@ saves), and the torchrun restarts of DLRover run in the first repeat only.
 
 Every load is "until the caller's tensors hold the checkpoint" (a load that returns new
 tensors is followed by the copy into the state), from a page cache emptied of the
-checkpoint's files (posix_fadvise DONTNEED) where it reads storage.
+checkpoint's files (posix_fadvise DONTNEED, checked with fincore) where it reads storage.
+``benchmarks/cold_read.py`` measures the cold loads alone, at four sizes.
 """
 
 from __future__ import annotations
@@ -73,12 +75,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +90,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO)]
 
+from _cold import DD_BLOCK, READ_THREADS, make_cold, read_floor  # noqa: E402
 from _peer_cli import RESULT_PREFIX  # noqa: E402
 from _state import SPECS, ShmFloor, StateSpec, build_state, copy_into, fingerprint, nbytes, tensors  # noqa: E402
 
@@ -101,8 +102,6 @@ DLROVER_SOCKETS = Path("/tmp/ckpt_sock")  # DLRover's fixed socket root, one fol
 SHM = Path("/dev/shm")
 STEADY_SAVES = 3
 FLOOR_COPIES = 3  # floor samples a repeat: every ratio divides by the floor's median
-DD_BLOCK = 16 * 1024 * 1024
-READ_THREADS = 8
 CHILD_TIMEOUT_SECONDS = 900
 
 
@@ -236,14 +235,11 @@ def save_and_wait(save: Callable[[], Any], wait: Callable[[], Any]) -> tuple[flo
 
 
 def evict(path: Path) -> None:
-    """Drop a checkpoint's files from the page cache, so a load reads storage."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    """Drop a checkpoint's files from the page cache, so a load reads storage; checked
+    (``_cold.make_cold``: fincore), so any page left is reported rather than assumed away."""
+    left = make_cold(path, everything=False)
+    if left:
+        print(f"note: {left} bytes of {path} stayed in the page cache", file=sys.stderr)
 
 
 class ChildFailed(RuntimeError):
@@ -349,39 +345,12 @@ def _flashckpt_child_load(ctx: Context, directory: Path, job_id: str, key: str, 
 
 
 def bench_read_floor(ctx: Context, directory: Path) -> None:
-    """The read floor on the shards of one committed step, cold: dd O_DIRECT, and parallel preads."""
-    files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
-    evict(directory)
-    dd = timed(lambda: [subprocess.run(["dd", f"if={f}", "of=/dev/null", f"bs={DD_BLOCK}", "iflag=direct"],
-                                       check=True, capture_output=True) for f in files])
-    evict(directory)
-    preads = timed(lambda: parallel_read(files, READ_THREADS))
-    ctx.add("floor.read_dd", dd)
-    ctx.add("floor.read_preads", preads)
-    ctx.add("floor.read", min(dd, preads))
-
-
-def parallel_read(files: list[Path], threads: int) -> int:
-    """Read ``files`` whole with ``threads`` threads of DD_BLOCK preads; returns the bytes read."""
-    jobs = []
-    for path in files:
-        size = path.stat().st_size
-        jobs += [(path, at, min(DD_BLOCK, size - at)) for at in range(0, size, DD_BLOCK)]
-    fds = {path: os.open(path, os.O_RDONLY) for path in files}
-    local = threading.local()
-
-    def read(job: tuple[Path, int, int]) -> int:
-        path, at, n = job
-        if getattr(local, "buf", None) is None:
-            local.buf = bytearray(DD_BLOCK)
-        return os.preadv(fds[path], [memoryview(local.buf)[:n]], at)
-
-    try:
-        with ThreadPoolExecutor(threads) as pool:
-            return sum(pool.map(read, jobs))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+    """The read floor on the shards of one committed step (``_cold.read_floor``: the whole
+    page cache dropped as root, checked with fincore, before each read)."""
+    floor = read_floor(directory)
+    ctx.add("floor.read_dd", floor["dd"])
+    ctx.add("floor.read_preads", floor["preads"])
+    ctx.add("floor.read", floor["floor"])
 
 
 # ---- torch.save / torch.load and torch.distributed.checkpoint ----------------------------
