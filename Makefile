@@ -7,6 +7,8 @@ FULL  := $(VENV)/.stamp-full
 
 .PHONY: demo test bench redis-server clean
 
+AZURITE := $(VENV)/azurite/node_modules/.bin/azurite-blob
+
 PIP   := $(PY) -m pip install -q -c constraints.txt
 
 # Every pip call takes constraints.txt: the exact versions the suite is tested with (the package
@@ -28,17 +30,22 @@ $(FULL): $(CORE)
 	$(PIP) --no-deps torchtitan
 	touch $@
 
+APT   := SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); apt() { $$SUDO apt-get install -y -q "$$@" >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q "$$@" >/dev/null; }; }; apt
+
 redis-server:
-	@command -v redis-server >/dev/null || { \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get install -y -q redis-server >/dev/null 2>&1 || \
-	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q redis-server >/dev/null; }; }
+	@command -v redis-server >/dev/null || { $(APT) redis-server; }
+
+# Azure's storage emulator for tests/objectstore/test_object_azure.py (Node.js and npm from apt if missing)
+$(AZURITE):
+	@command -v npm >/dev/null || { $(APT) nodejs npm; }
+	npm install --silent --no-fund --no-audit --prefix $(VENV)/azurite azurite@3.35.0
 
 demo: $(CORE)
 	$(PY) examples/demo.py
 
 # two workers (CI has two cores); tests/conftest.py keeps what a session starts once together
-test: $(FULL) redis-server
+test: $(FULL) redis-server $(AZURITE)
 	$(PY) -m pytest tests -n 2 --dist loadgroup
 
 bench: $(CORE)

@@ -454,6 +454,10 @@ def _load_watchdog():
     return guarded
 
 
+_CHATTY = ("azure", "botocore", "urllib3")
+"""Storage clients that log each request at INFO."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashckpt.saver._saver")
     parser.add_argument("--job-id", required=True)
@@ -465,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         handlers = [logging.handlers.RotatingFileHandler(args.log_file, maxBytes=_LOG_BYTES, backupCount=1)]
     logging.basicConfig(handlers=handlers, level=logging.INFO,
                         format="%(asctime)s flashckpt-saver[%(process)d] %(levelname)s %(message)s")
+    for library in _CHATTY:  # their INFO is every HTTP request and response: the log would hold nothing else
+        logging.getLogger(library).setLevel(logging.WARNING)
     # one saver per node and job: the holder of this lock serves, later ones leave
     lock = ServingLock(_names.job_prefix(args.job_id) + ".saver.lock")
     if not lock.take():

@@ -1,12 +1,13 @@
 """The object-store backend: the byte primitives of :class:`~flashckpt.storage._protocol.Backend`
 over any fsspec URL (S3 through s3fs, ``memory://``, ``gs://``, ...).
 
-**Uploads.** A shard below two parts is one PUT; a larger one (S3) is a multipart upload
-of ``part_bytes`` parts (grown to stay within S3's 10,000 parts), ``concurrency`` parts in
-flight on a sliding window: enough parallel streams to fill a fast NIC (one S3 stream
-gives about 100 MB/s), and at most ``concurrency * part_bytes`` (256 MiB) of part copies
-in memory (the HTTP client needs ``bytes``, not the shared-memory view). A multipart
-upload a killed writer left open is aborted by the next commit's :meth:`FsspecBackend.sweep`.
+**Uploads.** A shard below two parts is one PUT; a larger one is uploaded in ``part_bytes``
+parts (grown to stay within the store's part count) where the store has parts
+(:mod:`flashckpt.storage._uploads`: S3 multipart, Azure blocks), ``concurrency`` parts in
+flight: enough parallel streams to fill a fast NIC (one S3 stream gives about 100 MB/s),
+and at most ``concurrency * part_bytes`` (256 MiB) of part copies in memory (the HTTP
+client needs ``bytes``, not the shared-memory view). A multipart upload a killed writer
+left open is aborted by the next commit's :meth:`FsspecBackend.sweep`.
 
 **Reads** are ranged GETs through :class:`~flashckpt.storage._object_shard.ObjectShard`;
 small objects (metadata, markers, ``latest``, the lease) are read with a bounded range.
@@ -24,8 +25,9 @@ import logging
 from typing import Any, Callable
 
 from . import _object_lease
-from ._object_shard import CONCURRENCY, ObjectShard, _call, _run_all, _translate
+from ._object_shard import CONCURRENCY, ObjectShard, _call, _translate
 from ._protocol import ObjectInfo
+from ._uploads import part_upload
 from .._errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["MAX_CONNECTIONS", "PART_BYTES", "FsspecBackend"]
@@ -37,7 +39,6 @@ PART_BYTES = 16 << 20
 MAX_CONNECTIONS = 64
 """Connections of an S3 client (botocore keeps 10 unless configured): several shards'
 parts at once; a ``max_pool_connections`` in fsspec's configuration wins."""
-_MAX_PARTS = 10_000
 
 
 class FsspecBackend:
@@ -50,6 +51,7 @@ class FsspecBackend:
         self.root = url
         self.part_bytes, self.concurrency, self.lease_seconds = part_bytes, concurrency, lease_seconds
         self.fs, self.base = _filesystem(url, package)
+        self._parts = part_upload(self.fs)
 
     def key(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -61,36 +63,11 @@ class FsspecBackend:
 
     def write(self, name: str, data: memoryview) -> None:
         size = len(data)
-        part = max(self.part_bytes, -(-size // _MAX_PARTS))
-        if not hasattr(self.fs, "call_s3") or size < 2 * part:
+        part = max(self.part_bytes, -(-size // self._parts.max_parts)) if self._parts else size
+        if self._parts is None or size < 2 * part:
             _call(f"writing {self._url(name)}", self.fs.pipe_file, self.key(name), bytes(data))
             return
-        self._multipart(name, data, part)
-
-    def _multipart(self, name: str, image: memoryview, part: int) -> None:
-        bucket, key, _ = self.fs.split_path(self.key(name))
-        what = f"uploading {self._url(name)}"
-        upload = _call(what, self.fs.call_s3, "create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
-        count = -(-len(image) // part)
-        etags: list[str] = [""] * count
-
-        def send(k: int) -> None:
-            out = _call(f"{what} (part {k + 1} of {count})", self.fs.call_s3, "upload_part", Bucket=bucket, Key=key,
-                        UploadId=upload, PartNumber=k + 1, Body=bytes(image[k * part:(k + 1) * part]))
-            etags[k] = out["ETag"]
-
-        try:
-            _run_all(send, count, self.concurrency)
-            _call(what, self.fs.call_s3, "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
-                  MultipartUpload={"Parts": [{"PartNumber": k + 1, "ETag": e} for k, e in enumerate(etags)]})
-        except BaseException:
-            try:
-                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
-            except Exception as exc:  # the next commit's sweep aborts it
-                log.warning("could not abort the multipart upload of %s: %s", self._url(name), exc)
-            raise
-        finally:
-            self.fs.invalidate_cache(self.key(name))
+        self._parts.send(self.fs, self.key(name), self._url(name), data, part, self.concurrency)
 
     def read_small(self, name: str, limit: int) -> bytes:
         data = _call(f"reading {self._url(name)}", self.fs.cat_file, self.key(name), start=0, end=limit + 1)

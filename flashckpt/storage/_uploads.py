@@ -1,0 +1,90 @@
+"""A large object uploaded in parts, each store its own way (chosen by the fsspec filesystem).
+
+- **S3** (s3fs): a multipart upload; the object appears whole at ``complete_multipart_upload``.
+  An upload a killed writer left open is aborted by the next commit's sweep
+  (:meth:`~flashckpt.storage._fsspec.FsspecBackend.sweep`).
+- **Azure Blob** (adlfs): blocks staged with ``stage_block``, then one ``commit_block_list``;
+  the blob appears whole at the commit. Blocks a killed writer staged are never part of a
+  blob, and Azure discards uncommitted blocks after a week.
+
+Parts go ``concurrency`` at a time; each is copied out of the shared-memory view only when
+it is sent (the HTTP clients need ``bytes``), so at most ``concurrency`` parts are in memory.
+Other stores (GCS through gcsfs, OSS, ``memory://``) take one ``pipe_file``, which their
+library may chunk itself (gcsfs: a resumable upload in sequential chunks).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import Any, Callable, NamedTuple
+
+from ._object_shard import _call, _run_all
+
+__all__ = ["PartUpload", "part_upload"]
+
+log = logging.getLogger(__name__)
+
+
+class PartUpload(NamedTuple):
+    """How one store uploads in parts: ``send(fs, key, url, image, part, concurrency)``."""
+
+    send: Callable[[Any, str, str, memoryview, int, int], None]
+    max_parts: int
+
+
+def part_upload(fs: Any) -> PartUpload | None:
+    """The part upload of ``fs``'s store, or None (one ``pipe_file``)."""
+    if hasattr(fs, "call_s3"):
+        return PartUpload(_s3_multipart, 10_000)
+    if type(fs).__module__.startswith("adlfs") and hasattr(fs, "service_client"):
+        return PartUpload(_azure_blocks, 50_000)
+    return None
+
+
+def _s3_multipart(fs: Any, key: str, url: str, image: memoryview, part: int, concurrency: int) -> None:
+    bucket, path, _ = fs.split_path(key)
+    what = f"uploading {url}"
+    upload = _call(what, fs.call_s3, "create_multipart_upload", Bucket=bucket, Key=path)["UploadId"]
+    count = -(-len(image) // part)
+    etags: list[str] = [""] * count
+
+    def send(k: int) -> None:
+        out = _call(f"{what} (part {k + 1} of {count})", fs.call_s3, "upload_part", Bucket=bucket, Key=path,
+                    UploadId=upload, PartNumber=k + 1, Body=bytes(image[k * part:(k + 1) * part]))
+        etags[k] = out["ETag"]
+
+    try:
+        _run_all(send, count, concurrency)
+        _call(what, fs.call_s3, "complete_multipart_upload", Bucket=bucket, Key=path, UploadId=upload,
+              MultipartUpload={"Parts": [{"PartNumber": k + 1, "ETag": e} for k, e in enumerate(etags)]})
+    except BaseException:
+        try:
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=path, UploadId=upload)
+        except Exception as exc:  # the next commit's sweep aborts it
+            log.warning("could not abort the multipart upload of %s: %s", url, exc)
+        raise
+    finally:
+        fs.invalidate_cache(key)
+
+
+def _azure_blocks(fs: Any, key: str, url: str, image: memoryview, part: int, concurrency: int) -> None:
+    from fsspec.asyn import sync
+
+    container, path, _ = fs.split_path(key)
+    what = f"uploading {url}"
+    count = -(-len(image) // part)
+    # block ids: base64, all of one length within a blob
+    ids = [base64.b64encode(f"flashckpt-{k:08d}".encode()).decode() for k in range(count)]
+    blob = fs.service_client.get_blob_client(container=container, blob=path)
+
+    def send(k: int) -> None:
+        _call(f"{what} (block {k + 1} of {count})", sync, fs.loop, blob.stage_block, ids[k],
+              bytes(image[k * part:(k + 1) * part]))
+
+    try:
+        _run_all(send, count, concurrency)
+        # adlfs tells files from folders by this metadata (as its own pipe_file writes it)
+        _call(what, sync, fs.loop, blob.commit_block_list, ids, metadata={"is_directory": "false"})
+    finally:
+        fs.invalidate_cache(key)
