@@ -265,7 +265,10 @@ class Engine:
         log.debug("saved step %d to memory in %.3fs (%.1f MiB%s)", step, blocking, image.size / 2**20,
                   f", {len(later)} tensors still copying" if later else "")
         _events.emit("save", step=step, blocking_seconds=blocking, **({"overlapped": True} if later else {}))
-        return self._handle(step, due, (slot.path, header.generation), self._copying if later else None)
+        handle = self._handle(step, due, (slot.path, header.generation), self._copying if later else None)
+        if later:
+            self._copying.start()
+        return handle
 
     def _handle(self, step: int, persisting: bool, key: tuple[str | None, int],
                 copy: OverlappedCopy | None = None) -> SaveHandle:

@@ -17,27 +17,35 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Callable
 
 from .._errors import CheckpointError, CheckpointTimeoutError
-from ._copy import copy_threads
+from ._copy import copy_threads, fewer_threads
 from ._workers import submit
 
 __all__ = ["OverlappedCopy"]
 
 
 class OverlappedCopy:
-    """``copy()`` then ``complete()`` of step ``step`` on a copy thread; :meth:`wait`
-    runs ``announce()`` (tell the saver) on the waiting thread, once, after both."""
+    """``copy()`` then ``complete()`` of step ``step`` on a copy thread, from :meth:`start`
+    on; :meth:`wait` runs ``announce()`` (tell the saver) on the waiting thread, once,
+    after both. The copy uses one thread fewer than a blocking save's (at least one), so
+    the training thread keeps a core."""
 
     def __init__(self, step: int, copy: Callable[[], None], complete: Callable[[], None],
                  announce: Callable[[], None]) -> None:
         self.step = step
+        self._copy, self._complete = copy, complete
         self._announce: Callable[[], None] | None = announce
         self._announcing = threading.Lock()
+        self._future: Future[None] = Future()
 
+    def start(self) -> None:
+        """Hand the copy to the copy threads: the last thing ``save`` does, since their
+        Python work would hold the GIL against the rest of it."""
         def run() -> None:
-            copy()
-            complete()
+            with fewer_threads():
+                self._copy()
+            self._complete()
 
-        self._future: Future[None] = submit(run, copy_threads())
+        self._future = submit(run, copy_threads())
 
     def done(self) -> bool:
         """The copy ended (copied and complete, or failed); never blocks."""
