@@ -100,9 +100,9 @@ class Checkpointer(EngineCheckpointer):
     def save_on_failure(self, state_fn: Any, *, optimizer: Any) -> Any:
         """As :meth:`flashckpt._base.EngineCheckpointer.save_on_failure`; ``optimizer`` is
         also the one overlapped saves wait for (see :meth:`save`)."""
-        capture = super().save_on_failure(state_fn, optimizer=optimizer)
-        self._step_waits.add(optimizer)
-        return capture
+        self._check_no_capture()
+        self._step_waits.add(optimizer)  # hooked first: a copy's error raised in step() comes before an update begins
+        return super().save_on_failure(state_fn, optimizer=optimizer)
 
     def close(self, timeout: float | None = None) -> None:
         """As :meth:`flashckpt._base.EngineCheckpointer.close`, after an overlapped save's copy;

@@ -15,7 +15,8 @@ import threading
 import pytest
 import torch
 
-from flashckpt import CheckpointError
+from flashckpt import CheckpointError, Options
+from flashckpt._engine import Engine, SingleProcess, place
 from flashckpt.memory import _overlap
 from flashckpt.memory._rank_slots import RankSlots
 from flashckpt.torch import Checkpointer, DdpCheckpointer
@@ -160,6 +161,8 @@ def test_overlap_without_an_optimizer_is_refused_at_the_call(tmp_path, job_id):
         ckpt.save(1, _state(model, opt))  # a blocking save needs none
     with pytest.raises(ValueError, match="overlap must be a bool"):
         Checkpointer(tmp_path, job_id=job_id, overlap="yes")
+    with pytest.raises(ValueError, match="overlap option is for the torch Checkpointer"):  # FSDP, DeepSpeed, TF...
+        Engine(str(tmp_path), Options(overlap=True, job_id=job_id), place(SingleProcess(), replicated=False))
 
 
 @pytest.mark.parametrize("next_call", ["optimizer step", "save", "wait"])
