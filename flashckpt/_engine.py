@@ -10,13 +10,12 @@ copy tensors) and a :class:`Collective` (how ranks exchange small objects).
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import time
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from . import _events, _names
 from .memory import _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
@@ -28,6 +27,7 @@ from .saver._client import SaverClient, saver_timeout
 from ._errors import CheckpointError, CheckpointTimeoutError
 from .memory._format import Image, plan_image
 from .memory._overlap import OverlappedCopy
+from ._save_handle import SaveHandle
 from .memory._rank_slots import RankSlots, page_locker
 from .replicas._node_local import NodeLocal, check_directory, write_scope
 from ._options import Options
@@ -36,7 +36,7 @@ from ._placement import (Collective, Placement, SingleProcess, new_token,  # noq
 from .replicas._engine import PeerReplicas
 from .memory._slot import HEADER_SIZE, SlotState, mark_writing
 from .storage._url import open_storage
-from .memory._tree import Flat, Places, flatten
+from .memory._tree import Flat, Places, flatten, gc_paused  # noqa: F401  (gc_paused re-exported)
 
 __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHandle", "SingleProcess", "gc_paused",
            "place"]
@@ -51,70 +51,6 @@ class LoadInfo:
     source: str | None
     """"memory", "storage", or None when there was nothing to load."""
     seconds: float
-
-
-class SaveHandle:
-    """What :meth:`Engine.save` returns: the step, whether it goes to storage, and calls
-    to learn when it is there (the counterpart of the Future of DCP's ``async_save``)."""
-
-    def __init__(self, step: int, persisting: bool, key: tuple[str | None, int], token: str, *,
-                 saver: SaverClient, storage: Any, wait: Callable[[float | None], None],
-                 copy: OverlappedCopy | None = None,
-                 finish_copy: Callable[[float | None, OverlappedCopy], None] | None = None) -> None:
-        self.step = step
-        self.persisting = persisting
-        """True when this save was due for storage (``persist_every``, or ``persist=True``)."""
-        self._key = key
-        """(slot path, generation) of the copy the saver persists."""
-        self._saver, self._storage, self._wait = saver, storage, wait
-        self._token = token
-        """The line this save belongs to: a step of another line with the same number is not this save."""
-        self._copy, self._finish_copy = copy, finish_copy
-        """An overlapped save's copy still running when save returned (None: the save copied all)."""
-
-    def copied(self) -> bool:
-        """The copy into shared memory ended (an overlapped save's may still run after
-        ``save`` returned; :meth:`wait_copy` raises what failed); never blocks."""
-        return self._copy is None or self._copy.done()
-
-    def wait_copy(self, timeout: float | None = None) -> None:
-        """Block until the copy into shared memory ended and the saver knows the step
-        (an overlapped save), raising what failed; ``timeout`` as :meth:`Engine.wait`."""
-        if self._copy is not None and self._finish_copy is not None:
-            self._finish_copy(timeout, self._copy)
-
-    def done(self) -> bool:
-        """The saver finished with this save (persisted, failed, or nothing to persist);
-        never blocks. An overlapped save's copy that ended is announced to the saver here."""
-        if self._copy is not None:
-            if not self._copy.done():
-                return False
-            if self._copy.failed():
-                return True  # nothing to persist; the next wait for it raises why
-            self.wait_copy()  # ended: tells the saver, without waiting
-        if not self.persisting:
-            return True
-        self._saver.drain()
-        return self._key not in self._saver.pending
-
-    def durable(self) -> bool:
-        """This save's (line, step) is committed on storage (every rank's shard and the
-        metadata); the same step number of another line (one abandoned by a rollback, or
-        the line that replaced this one) is not."""
-        try:
-            return self._storage.metadata(self.step).get("token") == self._token
-        except CheckpointError:  # not committed (or unreadable, so not durable either)
-            return False
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until this save (and every persist asked before it) is done, raising what
-        failed; ``timeout`` as :meth:`Engine.wait`."""
-        self.wait_copy(timeout)
-        if not self.done():
-            self._wait(timeout)
-
-    def __repr__(self) -> str:
-        return f"SaveHandle(step={self.step}, persisting={self.persisting}, copied={self.copied()}, done={self.done()})"
 
 
 class Engine:
@@ -558,21 +494,3 @@ class Engine:
             self.slots.close(unlink=unlink and self.placement.writes_memory and not self.slots.other_writer())
         if copy_error is not None:
             raise copy_error
-
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused for a save: flattening a state allocates
-    thousands of short-lived containers (the skeleton), enough to set off several
-    collections, each of which walks every object of a process that has torch loaded
-    (milliseconds each, 40% of a save of 800 small tensors). What a save allocates is
-    freed by reference counting; nothing waits for the collector."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
