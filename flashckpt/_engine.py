@@ -191,9 +191,10 @@ class Engine:
             if self.slots.capacity(other) < HEADER_SIZE + image.size:
                 self.slots.prepare([other], image.size)
 
+        copying = None
         if later:  # the slot reads WRITING until the copy threads complete it
-            self._copying = OverlappedCopy(step, lambda: self.slots.copy_in(index, slot, image, flat, later),
-                                           complete, announce)
+            copying = OverlappedCopy(step, lambda: self.slots.copy_in(index, slot, image, flat, later), complete,
+                                     announce)
         else:
             complete()
             announce()
@@ -201,9 +202,10 @@ class Engine:
         log.debug("saved step %d to memory in %.3fs (%.1f MiB%s)", step, blocking, image.size / 2**20,
                   f", {len(later)} tensors still copying" if later else "")
         _events.emit("save", step=step, blocking_seconds=blocking, **({"overlapped": True} if later else {}))
-        handle = self._handle(step, due, (slot.path, header.generation), self._copying if later else None)
-        if later:
-            self._copying.start()
+        handle = self._handle(step, due, (slot.path, header.generation), copying)
+        if copying is not None:  # registered as it starts: nothing waits for a copy that never began
+            self._copying = copying
+            copying.start()
         return handle
 
     def _handle(self, step: int, persisting: bool, key: tuple[str | None, int],
