@@ -25,7 +25,8 @@ each round's difference or ratio against that round's loop without saves):
 
 Found on the 2-core development machine, shared with other jobs (load average 6-20 while it
 ran, so single rounds vary 2x; 48 MiB state, 7 rounds x 8 steps):
-- 2 ranks: blocking +0.04x the floor a save (99% of the steps/s), overlap +0.23x (96%).
+- 2 ranks (two runs): blocking +0.04x / -0.01x the floor a save (99% / 100% of the steps/s),
+  overlap +0.23x / +0.69x (96% / 91%).
   With ``DdpCheckpointer`` only rank 0 copies: during a blocking copy rank 1 waits in the
   all-reduce, which leaves its core to rank 0's copy threads, so the blocking save is already
   overlapped with idle time; the overlapped copy instead competes with both ranks' compute.
