@@ -86,7 +86,8 @@ class EngineCheckpointer:
         return FailureCapture(
             state_fn, optimizer, writes=engine.placement.writes_memory,
             save=lambda step, state: engine.save(step, state, persist=True, export=export, captured=True),
-            last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle)
+            last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle,
+            settle=engine.finish_copy)
 
     def _check_no_capture(self) -> None:
         if self._capture is not None:

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from ._errors import CheckpointError, StateMismatchError
+from ._step_hooks import check_optimizer, hook_steps
 from .memory._tree import flatten
 
 __all__ = ["FailureCapture"]
@@ -51,15 +52,16 @@ class FailureCapture:
     """
 
     def __init__(self, state_fn: Callable[[], Any], optimizer: Any, *, save: Callable[[int, Any], Any],
-                 last_load: Callable[[], Any], writes: bool, allow_pickle: bool = False) -> None:
+                 last_load: Callable[[], Any], writes: bool, allow_pickle: bool = False,
+                 settle: Callable[[], None] = lambda: None) -> None:
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
-        for name in ("register_step_pre_hook", "register_step_post_hook"):
-            if optimizer is not None and not callable(getattr(optimizer, name, None)):
-                raise TypeError(f"optimizer {type(optimizer).__qualname__} has no {name}() "
-                                "(a torch.optim.Optimizer has)")
+        if optimizer is not None:
+            check_optimizer(optimizer)
         self._state_fn, self._save, self._last_load = state_fn, save, last_load
         self._writes, self._allow_pickle = writes, allow_pickle
+        self._settle = settle
+        """Waits for a save still copying (an overlapped save): a capture comes after it."""
         self._pid = os.getpid()
         self._cond = threading.Condition(threading.Lock())
         self._updating = False
@@ -77,8 +79,7 @@ class FailureCapture:
         self._closed = False
         self.on_idle: Callable[[], None] = lambda: None
         """Called on a thread that ends a save or the capture (signals deferred meanwhile)."""
-        self._handles = [] if optimizer is None else [optimizer.register_step_pre_hook(self._pre_step),
-                                                      optimizer.register_step_post_hook(self._post_step)]
+        self._handles = [] if optimizer is None else hook_steps(optimizer, self.update_begins, self.update_ends)
         """None as ``optimizer``: the adapter gives the boundary (:meth:`update_begins`, :meth:`update_ends`)."""
 
     # -- the step boundary -------------------------------------------------------
@@ -110,12 +111,6 @@ class FailureCapture:
             else:
                 self._sync_load()
                 self._steps = max(0, step - self._base)
-
-    def _pre_step(self, *_: Any) -> None:
-        self.update_begins()
-
-    def _post_step(self, *_: Any) -> None:
-        self.update_ends()
 
     @contextmanager
     def saving(self, step: int, state: Any) -> Iterator[None]:
@@ -184,6 +179,11 @@ class FailureCapture:
         last save, a process that keeps no copy, closed). Any thread may call it; a second
         call returns the first's answer (waiting for it, where another thread captures)."""
         me = threading.get_ident()
+        if os.getpid() == self._pid and self._saving != me:
+            try:  # the step an overlapped save copies is complete before this process goes on to end
+                self._settle()
+            except Exception as exc:  # never let a capture turn one failure into another
+                log.error("failure (%s): the save still copying failed: %s: %s", reason, type(exc).__name__, exc)
         with self._cond:
             if self._closed or os.getpid() != self._pid or self._capturing == me or self._saving == me:
                 return None

@@ -10,13 +10,12 @@ copy tensors) and a :class:`Collective` (how ranks exchange small objects).
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import time
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from . import _events, _names
 from .memory import _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
@@ -27,6 +26,8 @@ from .restore._sources import Agreement, Source, Sources, memory_keys
 from .saver._client import SaverClient, saver_timeout
 from ._errors import CheckpointError, CheckpointTimeoutError
 from .memory._format import Image, plan_image
+from .memory._overlap import OverlappedCopy
+from ._save_handle import SaveHandle
 from .memory._rank_slots import RankSlots, page_locker
 from .replicas._node_local import NodeLocal, check_directory, write_scope
 from ._options import Options
@@ -35,7 +36,7 @@ from ._placement import (Collective, Placement, SingleProcess, new_token,  # noq
 from .replicas._engine import PeerReplicas
 from .memory._slot import HEADER_SIZE, SlotState, mark_writing
 from .storage._url import open_storage
-from .memory._tree import Flat, Places, flatten
+from .memory._tree import Flat, Places, flatten, gc_paused  # noqa: F401  (gc_paused re-exported)
 
 __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHandle", "SingleProcess", "gc_paused",
            "place"]
@@ -52,53 +53,16 @@ class LoadInfo:
     seconds: float
 
 
-class SaveHandle:
-    """What :meth:`Engine.save` returns: the step, whether it goes to storage, and calls
-    to learn when it is there (the counterpart of the Future of DCP's ``async_save``)."""
-
-    def __init__(self, step: int, persisting: bool, key: tuple[str | None, int], token: str, *,
-                 saver: SaverClient, storage: Any, wait: Callable[[float | None], None]) -> None:
-        self.step = step
-        self.persisting = persisting
-        """True when this save was due for storage (``persist_every``, or ``persist=True``)."""
-        self._key = key
-        """(slot path, generation) of the copy the saver persists."""
-        self._saver, self._storage, self._wait = saver, storage, wait
-        self._token = token
-        """The line this save belongs to: a step of another line with the same number is not this save."""
-
-    def done(self) -> bool:
-        """The saver finished with this save (persisted, failed, or nothing to persist);
-        never blocks."""
-        if not self.persisting:
-            return True
-        self._saver.drain()
-        return self._key not in self._saver.pending
-
-    def durable(self) -> bool:
-        """This save's (line, step) is committed on storage (every rank's shard and the
-        metadata); the same step number of another line (one abandoned by a rollback, or
-        the line that replaced this one) is not."""
-        try:
-            return self._storage.metadata(self.step).get("token") == self._token
-        except CheckpointError:  # not committed (or unreadable, so not durable either)
-            return False
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until this save (and every persist asked before it) is done, raising what
-        failed; ``timeout`` as :meth:`Engine.wait`."""
-        if not self.done():
-            self._wait(timeout)
-
-    def __repr__(self) -> str:
-        return f"SaveHandle(step={self.step}, persisting={self.persisting}, done={self.done()})"
-
-
 class Engine:
     """Save and load one process's state through shared memory and storage."""
 
     def __init__(self, directory: str, options: Options, placement: Placement,
-                 collective: Collective | None = None) -> None:
+                 collective: Collective | None = None, *, overlaps: bool = False) -> None:
+        """``overlaps``: the adapter makes overlapped saves (``save(defer=...)``); else the
+        ``overlap`` option is a ValueError here."""
+        if options.overlap and not overlaps:
+            raise ValueError("the overlap option is for the torch Checkpointer and DdpCheckpointer only; "
+                             "this checkpointer saves blocking")
         self.options = options
         self.placement = placement
         self.collective = collective or SingleProcess()
@@ -135,6 +99,8 @@ class Engine:
         """This rank's shared-memory slots."""
         self._saves = 0
         self._closed = False
+        self._copying: OverlappedCopy | None = None
+        """The copy of an overlapped save still running (see :meth:`finish_copy`)."""
         self.save_guard: Callable[[int, Any], AbstractContextManager[Any]] | None = None
         """Wraps every save but a capture's, given (step, state): failure capture
         (``flashckpt._capture``) counts optimizer steps from the last save."""
@@ -159,7 +125,8 @@ class Engine:
     # -- save ---------------------------------------------------------------------
 
     def save(self, step: int, state: Any, *, persist: bool | None = None,
-             export: dict[str, Any] | None = None, captured: bool = False) -> SaveHandle:
+             export: dict[str, Any] | None = None, captured: bool = False,
+             defer: Callable[[Any], bool] | None = None) -> SaveHandle:
         """Copy ``state`` into shared memory and, if due, have it persisted; returns a
         :class:`SaveHandle` to learn when it is on storage.
 
@@ -167,15 +134,19 @@ class Engine:
         the saver also write the framework's own layout once this step is committed.
         ``captured``: a failure capture's save (``flashckpt._capture``): recorded as such
         (``"captured": True`` in the slot's info and the image's metadata), not guarded.
+        ``defer(tensor)``: an overlapped save; the tensors it is true for are copied on the
+        copy threads after ``save`` returns (the rest before), and the caller keeps them
+        unchanged until :meth:`finish_copy` returned (``flashckpt.memory._overlap``).
         """
         guard = self.save_guard if self.save_guard is not None and not captured else None
         with guard(step, state) if guard is not None else nullcontext():
-            return self._save(step, state, persist, export, captured)
+            return self._save(step, state, persist, export, captured, defer)
 
     def _save(self, step: int, state: Any, persist: bool | None, export: dict[str, Any] | None,
-              captured: bool) -> SaveHandle:
+              captured: bool, defer: Callable[[Any], bool] | None) -> SaveHandle:
         if self._closed:
             raise CheckpointError("save() on a closed checkpointer")
+        self.finish_copy()
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         start = time.perf_counter()
@@ -186,10 +157,11 @@ class Engine:
         if not self.placement.writes_memory:
             return self._handle(step, False, (None, 0))
         with gc_paused():
-            return self._save_to_memory(step, state, persist, export, start, captured)
+            return self._save_to_memory(step, state, persist, export, start, captured, defer)
 
     def _save_to_memory(self, step: int, state: Any, persist: bool | None, export: dict[str, Any] | None,
-                        start: float, captured: bool = False) -> SaveHandle:
+                        start: float, captured: bool = False, defer: Callable[[Any], bool] | None = None
+                        ) -> SaveHandle:
         flat = flatten(state, allow_pickle=self.options.allow_pickle)
         mark = {"captured": True} if captured else {}
         image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves],
@@ -201,26 +173,62 @@ class Engine:
         with self.slots.lock.held():
             header = mark_writing(slot, step, image.size, dict(self._info(export), **mark))
         slot.mm[HEADER_SIZE:HEADER_SIZE + len(image.header)] = image.header
-        self.slots.copy_in(index, slot, image, flat)
+        later = set() if defer is None else {leaf.name for leaf in flat.leaves if defer(leaf.obj)}
+        self.slots.copy_in(index, slot, image, flat, {leaf.name for leaf in flat.leaves} - later if later else None)
         due = persist if persist is not None else self._saves % self.options.persist_every == 0
         due = due and self.placement.persists
-        with self.slots.lock.held():
-            header.state = SlotState.COMPLETE
-            header.saved_at = time.time()
-            header.reader_pid = self._client.saver_pid if due else 0  # held for the saver
-            slot.write_header(header)
-        self._client.saved(slot.path, header.generation, step, header.info, persist=due)
-        other = (index + 1) % len(self.slots)
-        if self.slots.capacity(other) < HEADER_SIZE + image.size:
-            self.slots.prepare([other], image.size)
-        blocking = time.perf_counter() - start
-        log.debug("saved step %d to memory in %.3fs (%.1f MiB)", step, blocking, image.size / 2**20)
-        _events.emit("save", step=step, blocking_seconds=blocking)
-        return self._handle(step, due, (slot.path, header.generation))
 
-    def _handle(self, step: int, persisting: bool, key: tuple[str | None, int]) -> SaveHandle:
+        def complete() -> None:
+            with self.slots.lock.held():
+                header.state = SlotState.COMPLETE
+                header.saved_at = time.time()
+                header.reader_pid = self._client.saver_pid if due else 0  # held for the saver
+                slot.write_header(header)
+
+        def announce() -> None:
+            self._client.saved(slot.path, header.generation, step, header.info, persist=due)
+            other = (index + 1) % len(self.slots)
+            if self.slots.capacity(other) < HEADER_SIZE + image.size:
+                self.slots.prepare([other], image.size)
+
+        copying = None
+        if later:  # the slot reads WRITING until the copy threads complete it
+            copying = OverlappedCopy(step, lambda: self.slots.copy_in(index, slot, image, flat, later), complete,
+                                     announce)
+        else:
+            complete()
+            announce()
+        blocking = time.perf_counter() - start
+        log.debug("saved step %d to memory in %.3fs (%.1f MiB%s)", step, blocking, image.size / 2**20,
+                  f", {len(later)} tensors still copying" if later else "")
+        _events.emit("save", step=step, blocking_seconds=blocking, **({"overlapped": True} if later else {}))
+        handle = self._handle(step, due, (slot.path, header.generation), copying)
+        if copying is not None:  # registered as it starts: nothing waits for a copy that never began
+            self._copying = copying
+            copying.start()
+        return handle
+
+    def _handle(self, step: int, persisting: bool, key: tuple[str | None, int],
+                copy: OverlappedCopy | None = None) -> SaveHandle:
         return SaveHandle(step, persisting, key, self._line_token, saver=self._client, storage=self.storage,
-                          wait=self.wait)
+                          wait=self.wait, copy=copy, finish_copy=self.finish_copy)
+
+    def finish_copy(self, timeout: float | None = None, copy: OverlappedCopy | None = None) -> None:
+        """Wait for the copy of an overlapped save (``copy``; None: the one still running,
+        if any) and tell the saver of its step; raises what failed, once (a
+        :class:`CheckpointError`), or :class:`~flashckpt.CheckpointTimeoutError` past
+        ``timeout`` (default ``FLASHCKPT_SAVER_TIMEOUT``). Every call that needs the slots
+        calls this first; so does the optimizer's step pre-hook of an overlapped save."""
+        copying = self._copying if copy is None else copy
+        if copying is None:
+            return
+        try:
+            copying.wait(saver_timeout() if timeout is None else timeout)
+        except CheckpointTimeoutError:
+            raise  # still running: the next call waits again
+        finally:
+            if self._copying is copying and copying.done():
+                self._copying = None
 
     def _meta(self, step: int, flat: Flat) -> dict[str, Any]:
         return {"format": "flashckpt/1", "step": step, "tree": flat.skeleton, "token": self._line_token,
@@ -269,6 +277,7 @@ class Engine:
     def persist(self, step: int) -> None:
         """Have the saver persist (and export) this rank's in-memory copy of ``step`` now;
         :meth:`wait` for it to be durable."""
+        self.finish_copy()
         index, generation = self.slots.locate(step)
         recorded = self.memory_info(step)  # a copy a previous run left belongs to that run's line
         info = dict(self._info(recorded.get("export")), token=recorded.get("token", self._line_token),
@@ -297,6 +306,7 @@ class Engine:
         most ``timeout`` seconds (default ``FLASHCKPT_SAVER_TIMEOUT``; past it
         :class:`~flashckpt.CheckpointTimeoutError` naming the saver)."""
         start = time.perf_counter()
+        self.finish_copy()
         agreement = agree(self._sources(), step, direct=True, timeout=timeout)  # load_agreed reads own_disk
         return self.load_agreed(state, agreement, start)
 
@@ -311,6 +321,7 @@ class Engine:
         its own node-local directory straight into the state (``Agreement.own_disk``); a
         caller that looks at the step first does so with :meth:`agreed_image`.
         All ranks must call this; ``timeout`` as :meth:`load`."""
+        self.finish_copy()
         return agree(self._sources(), step, direct=direct, timeout=timeout)
 
     def agreed_image(self, agreement: Agreement) -> Image:
@@ -330,6 +341,7 @@ class Engine:
         :func:`~flashckpt.memory._tree.merge_into`); only a load from memory takes them, so they
         are written only by the step agreed on, never by a fallback."""
         start = time.perf_counter() if start is None else start
+        self.finish_copy()
         self.slots.prepared()
         step, source = load_agreed(self._sources(), state, agreement, places)
         self.finish_load(step, source, start)
@@ -351,6 +363,7 @@ class Engine:
     def prepare_for(self, state: Any) -> None:
         """Size this rank's slots for ``state`` in the background, so the next saves do not
         pay for fresh shared-memory pages (writers only; ``load`` does this itself)."""
+        self.finish_copy()
         if self.placement.writes_memory:
             flat = flatten(state, allow_pickle=self.options.allow_pickle)
             size = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves], self._meta(0, flat)).size
@@ -391,6 +404,7 @@ class Engine:
     def discard_newer_than(self, step: int) -> None:
         """Mark this rank's in-memory copies of steps after ``step`` empty: after a rollback
         they belong to an abandoned timeline (``-1`` discards every copy)."""
+        self.finish_copy()
         if self.placement.writes_memory:
             self.slots.discard_newer_than(step)
 
@@ -399,6 +413,7 @@ class Engine:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every persist asked for is done (``timeout`` default:
         ``FLASHCKPT_SAVER_TIMEOUT``; past it :class:`~flashckpt.CheckpointTimeoutError`)."""
+        self.finish_copy(timeout)
         self._client.wait(timeout)
         self._raise_persist_errors()
 
@@ -411,6 +426,7 @@ class Engine:
     def flush(self, timeout: float | None = None) -> None:
         """Persist the newest in-memory step now, unless it is on storage already, and wait
         (bounded like :meth:`wait`)."""
+        self.finish_copy(timeout)
         if self.placement.persists and self.node_local is not None:
             self.node_local.flush(self, timeout)  # this engine's public side (flashckpt.replicas._node_local.Flushing)
         elif self.placement.persists:
@@ -453,6 +469,12 @@ class Engine:
         :class:`~flashckpt.CheckpointTimeoutError` naming that step)."""
         if self._closed:
             return
+        copy_error: CheckpointError | None = None
+        try:
+            self.finish_copy(timeout)
+        except CheckpointError as exc:  # raised once the newest complete step is flushed and memory freed
+            log.error("closing: %s", exc)
+            copy_error = exc
         newest = max(self.memory_steps(), default=None) if self.placement.writes_memory else None
         try:
             self._flush_on_close(timeout)
@@ -472,21 +494,5 @@ class Engine:
             self._client.close()
             self.storage.release_run()
             self.slots.close(unlink=unlink and self.placement.writes_memory and not self.slots.other_writer())
-
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused for a save: flattening a state allocates
-    thousands of short-lived containers (the skeleton), enough to set off several
-    collections, each of which walks every object of a process that has torch loaded
-    (milliseconds each, 40% of a save of 800 small tensors). What a save allocates is
-    freed by reference counting; nothing waits for the collector."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+        if copy_error is not None:
+            raise copy_error

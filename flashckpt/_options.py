@@ -35,6 +35,12 @@ class Options:
     from a survivor's memory; 0 turns them off. None (default): 1 when the job spans two or
     more nodes, else 0."""
 
+    overlap: bool = False
+    """The default of ``save(..., overlap=...)`` (torch ``Checkpointer`` and ``DdpCheckpointer``):
+    ``save`` returns before the optimizer's tensors are copied, and the optimizer's next
+    ``step()`` waits for that copy (see ``flashckpt.torch._overlap``); other checkpointers
+    refuse it."""
+
     storage_settings: dict[str, int | float] | None = None
     """Settings of an object store, for the training process and its saver alike:
     ``part_bytes`` (multipart part size, at least 5 MiB), ``concurrency`` (parts in flight),
@@ -46,6 +52,8 @@ class Options:
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(f"keep_last must be an int >= 0, got {self.keep_last!r}")
         check_memory_slots(self.memory_slots)
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
         if self.storage_settings is not None:
             if not isinstance(self.storage_settings, dict):
                 raise ValueError(f"storage_settings must be a dict, got {type(self.storage_settings).__name__}")

@@ -22,15 +22,17 @@ may run on, at most 4; 1 copies on the calling thread only).
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, TypeVar
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, TypeVar
 
 from . import _stream_copy
 from .._options import env_count
 from ._stream_copy import stream_copy
 from ._workers import run_each
 
-__all__ = ["PARALLEL_MIN_BYTES", "Span", "copy_arrays", "copy_spans", "copy_threads", "overlapping", "split_ranges",
-           "split_spans"]
+__all__ = ["PARALLEL_MIN_BYTES", "Span", "copy_arrays", "copy_spans", "copy_threads", "fewer_threads", "overlapping",
+           "split_ranges", "split_spans"]
 
 PARALLEL_MIN_BYTES = 16 << 20
 """Below this many bytes in all, one thread copies."""
@@ -44,9 +46,25 @@ Span = tuple[int, int, int]
 """``(destination address, source address, bytes)`` of one contiguous copy."""
 
 
+_limit = threading.local()
+
+
 def copy_threads() -> int:
-    """Threads a large copy uses: ``FLASHCKPT_COPY_THREADS``, else the usable CPUs (at most 4)."""
-    return env_count("FLASHCKPT_COPY_THREADS", max(1, min(_MAX_DEFAULT_THREADS, len(os.sched_getaffinity(0)))))
+    """Threads a large copy uses: ``FLASHCKPT_COPY_THREADS``, else the usable CPUs (at most 4);
+    fewer inside :func:`fewer_threads`."""
+    threads = env_count("FLASHCKPT_COPY_THREADS", max(1, min(_MAX_DEFAULT_THREADS, len(os.sched_getaffinity(0)))))
+    return min(threads, getattr(_limit, "threads", threads))
+
+
+@contextmanager
+def fewer_threads() -> Iterator[None]:
+    """Copies made on this thread meanwhile use one thread fewer (at least one): an
+    overlapped save's copy leaves a core to the training thread it runs beside."""
+    _limit.threads = max(1, copy_threads() - 1)
+    try:
+        yield
+    finally:
+        del _limit.threads
 
 
 def split_ranges(dsts: list[Any], srcs: list[Any], parts: int) -> list[list[Pair]]:

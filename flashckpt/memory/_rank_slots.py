@@ -217,11 +217,14 @@ class RankSlots:
             self.locker = locker  # the slots prepared after this are locked too
             slot.lock_pages(locker)
 
-    def copy_in(self, index: int, slot: Slot, image: Image, flat: Flat) -> None:
-        """Copy ``flat``'s tensors into the image ``image`` of slot ``index`` (views cached per layout)."""
+    def copy_in(self, index: int, slot: Slot, image: Image, flat: Flat, names: set[str] | None = None) -> None:
+        """Copy ``flat``'s tensors (those named in ``names``: None, all) into the image
+        ``image`` of slot ``index`` (views cached per layout)."""
         by_name = {leaf.name: leaf for leaf in flat.leaves}
         groups: dict[str, list[Entry]] = {}
         for entry in image.entries:
+            if names is not None and entry.name not in names:
+                continue
             groups.setdefault(by_name[entry.name].kind.name, []).append(entry)
         for kind_name, entries in groups.items():
             key = (index, kind_name, len(image.header), tuple((e.name, e.dtype, e.shape, e.offset) for e in entries))

@@ -185,22 +185,34 @@ def open_private(path: str, flags: int) -> int | None:
 
 
 class RankLock:
-    """An exclusive ``flock`` guarding the slot headers of one rank."""
+    """An exclusive ``flock`` guarding the slot headers of one rank, from other processes
+    and, through a thread lock, from this process's other threads (an ``flock`` is held by
+    the open file, which every thread of the process shares; an overlapped save completes
+    its slot on a copy thread)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd = -1
         """Opened (and the file created) on first use: a rank that never holds slots leaves no file."""
+        self._threads = threading.RLock()
+        self._held = False
+        """The flock is taken (by the thread holding ``_threads``): a nested hold keeps it."""
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        if self._fd < 0:
-            self._fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with self._threads:
+            if self._fd < 0:
+                self._fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
+            outer = self._held
+            if not outer:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._held = True
+            try:
+                yield
+            finally:
+                if not outer:
+                    self._held = False
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         if self._fd >= 0:

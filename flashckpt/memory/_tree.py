@@ -10,13 +10,15 @@ fills the caller's tensors in place.
 from __future__ import annotations
 
 import base64
+import gc
 import pickle
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Protocol
+from typing import Any, Callable, Hashable, Iterator, Protocol
 
 from .._errors import CheckpointError, StateMismatchError
 
-__all__ = ["TensorKind", "Leaf", "Flat", "Merge", "Places", "flatten", "merge_into", "register_kind"]
+__all__ = ["TensorKind", "Leaf", "Flat", "Merge", "Places", "flatten", "gc_paused", "merge_into", "register_kind"]
 
 PLAIN_TYPES = (int, float, str, bool, type(None))
 KEY_TYPES = (str, int, float, bool, type(None))
@@ -338,3 +340,20 @@ def _mismatch_message(problems: list[str], counts: dict[str, int]) -> str:
     shown = "\n  ".join(problems[:SHOWN])
     more = f"\n  ... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
     return f"checkpoint does not match the state ({summary}):\n  {shown}{more}"
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for a save: flattening a state allocates
+    thousands of short-lived containers (the skeleton), enough to set off several
+    collections, each of which walks every object of a process that has torch loaded
+    (milliseconds each, 40% of a save of 800 small tensors). What a save allocates is
+    freed by reference counting; nothing waits for the collector."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

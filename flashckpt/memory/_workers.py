@@ -19,9 +19,10 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
-__all__ = ["run_each"]
+__all__ = ["run_each", "submit"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,25 @@ def _forget_helpers() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_helpers)
+
+
+def submit(fn: Callable[[], T], helpers: int) -> "Future[T]":
+    """``fn()`` on one of the helpers, whose result (or error) the returned future holds.
+    Makes sure of ``helpers`` helpers besides it, so that a :func:`run_each` inside ``fn``
+    still finds ``helpers - 1`` free ones (an overlapped save's copy runs so)."""
+    future: Future[T] = Future()
+
+    def task() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # the caller's to raise, from future.result()
+            future.set_exception(exc)
+
+    _ensure_helpers(max(1, helpers) + 1)
+    _work.put(task)
+    return future
 
 
 def run_each(items: Sequence[T], fn: Callable[[T], Any], threads: int) -> None:

@@ -11,6 +11,7 @@ from .._base import EngineCheckpointer
 from .._engine import Collective, Engine, SaveHandle, SingleProcess, place
 from .._options import Options, resolve_options
 from . import _tensors  # noqa: F401  (registers the torch tensor kind)
+from ._overlap import StepWaits
 
 __all__ = ["Checkpointer", "DdpCheckpointer", "ProcessGroupCollective", "collective_for"]
 
@@ -68,12 +69,48 @@ class Checkpointer(EngineCheckpointer):
         resolved = resolve_options(options, **shorthands)
         collective = collective_for(process_group)
         self._engine = Engine(os.fspath(directory), resolved, place(collective, replicated=self._replicated),
-                              collective)
+                              collective, overlaps=True)
+        self._step_waits = StepWaits(self._engine.finish_copy)
 
-    def save(self, step: int, state: Any, *, persist: bool | None = None) -> SaveHandle:
+    def save(self, step: int, state: Any, *, persist: bool | None = None, overlap: bool | None = None,
+             optimizer: Any = None) -> SaveHandle:
         """Copy ``state`` into shared memory; persist it if due (or if ``persist``).
-        Returns a :class:`~flashckpt.SaveHandle` (``.wait()``, ``.done()``, ``.durable()``)."""
-        return self._engine.save(step, state, persist=persist)
+        Returns a :class:`~flashckpt.SaveHandle` (``.wait()``, ``.done()``, ``.durable()``,
+        ``.wait_copy()``, ``.copied()``).
+
+        ``overlap`` (default: the ``overlap`` option): return before the tensors that
+        ``optimizer`` owns (its parameters and state, by storage) are copied; the copy runs
+        on the copy threads while the next forward and backward go on, and the optimizer's
+        next ``step()`` waits for it. Every other tensor (buffers such as BatchNorm's
+        running statistics) is copied before ``save`` returns. The next save, ``load``,
+        ``wait``, ``close`` and a failure capture also wait; an error of the copy is raised
+        by the first of them (or by ``step()``). ``optimizer`` (one, or a list): hooked once,
+        remembered for later saves; the optimizer given to :meth:`save_on_failure` is known
+        already. ``overlap`` with no optimizer known is a ValueError.
+        """
+        if optimizer is not None:
+            self._step_waits.add(optimizer)
+        if not (self._engine.options.overlap if overlap is None else overlap):
+            return self._engine.save(step, state, persist=persist)
+        if not self._step_waits:
+            raise ValueError("save(overlap=True) needs the optimizer whose step() changes the state, to wait for "
+                             "the copy: pass optimizer=... (once), or call save_on_failure(..., optimizer=...) first")
+        return self._engine.save(step, state, persist=persist, defer=self._step_waits.deferred())
+
+    def save_on_failure(self, state_fn: Any, *, optimizer: Any) -> Any:
+        """As :meth:`flashckpt._base.EngineCheckpointer.save_on_failure`; ``optimizer`` is
+        also the one overlapped saves wait for (see :meth:`save`)."""
+        self._check_no_capture()
+        self._step_waits.add(optimizer)  # hooked first: a copy's error raised in step() comes before an update begins
+        return super().save_on_failure(state_fn, optimizer=optimizer)
+
+    def close(self, timeout: float | None = None) -> None:
+        """As :meth:`flashckpt._base.EngineCheckpointer.close`, after an overlapped save's copy;
+        the optimizers' hooks of overlapped saves are removed."""
+        try:
+            super().close(timeout)
+        finally:
+            self._step_waits.close()
 
     def prepare(self, state: Any) -> None:
         """Make this rank's slots ready for saves of ``state`` in the background (growing,
