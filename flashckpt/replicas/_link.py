@@ -14,8 +14,12 @@ authenticated connection to a saver's endpoint (op ``status``, answered from
   within a few seconds, not after a fixed wait: if this node's step needed it (its shards),
   a :class:`ReplicaError` (the caller keeps its memory copy); if only its copy of this
   rank's shard is missing, a warning (this node committed the step);
-- otherwise, while every peer answers and nothing failed, the wait is bounded by the
-  flush's ``timeout`` (:class:`~flashckpt.CheckpointTimeoutError` naming what is missing).
+- while every peer answers and nothing failed, the wait goes on as long as it makes
+  progress (a copy written, the step committed) at least every :data:`STALL_SECONDS`; past
+  that, a warning naming what is missing and the flush returns, as before this module (a
+  copy that never comes while its node is alive: e.g. a step the next node's directory does
+  not keep for this run); the whole wait is bounded by the flush's ``timeout``
+  (:class:`~flashckpt.CheckpointTimeoutError` naming what is missing).
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ Endpoint = tuple[str, int]
 
 LOST_SECONDS = 3.0
 """How long a peer's endpoint may stay silent before the flush takes its node as lost."""
+STALL_SECONDS = 20.0
+"""How long a flush waits, while every peer answers, without a copy written or the step committed."""
 _ASK_SECONDS = 2.0
 """The bound of one status exchange (connect, handshake, answer)."""
 _POLL_SECONDS = 0.5
 
-WRITTEN, FAILED = "written", "failed"  # as flashckpt.saver._node_local says them
+WRITTEN, FAILED, UNKEPT = "written", "failed", "unkept"  # as flashckpt.saver._node_local says them
 
 
 def ask_status(endpoint: Endpoint, secret: str, want: dict[str, Any],
@@ -134,10 +140,17 @@ class Copies:
         bound = self._bound
         deadline = time.monotonic() + bound
         next_poll = 0.0
+        progress, last = time.monotonic(), None
         while True:
             committed = not self._storage.newer_than_committed(self._token, self._step)
-            confirmed = self._after is None or self._after.state(self._rank)[0] == WRITTEN
+            confirmed = self._after is None or self._after.state(self._rank)[0] in (WRITTEN, UNKEPT)
             if committed and confirmed:
+                return
+            if (committed, confirmed) != last:
+                progress, last = time.monotonic(), (committed, confirmed)
+            elif time.monotonic() - progress > STALL_SECONDS:
+                log.warning("flush: after %.0fs without progress, still waiting for %s; the savers answer: "
+                            "leaving it to them", STALL_SECONDS, self._missing(committed, confirmed))
                 return
             if time.monotonic() >= next_poll:
                 asked = {id(p): p for p in ([] if committed else [self._here, self._before])
@@ -149,12 +162,15 @@ class Copies:
                 if self._gone(committed, confirmed):
                     return
             if time.monotonic() > deadline:
-                missing = [] if committed else [f"this node's commit of step {self._step} in {self._storage.root}"]
-                if not confirmed:
-                    missing.append(f"rank {self._rank}'s shard on {self._after.where()}")
-                raise CheckpointTimeoutError(f"flush: after {bound:.0f}s still waiting for {' and '.join(missing)} "
-                                             "(its savers answer but have not written it)")
+                raise CheckpointTimeoutError(f"flush: after {bound:.0f}s still waiting for "
+                                             f"{self._missing(committed, confirmed)} (the savers answer)")
             time.sleep(0.02)
+
+    def _missing(self, committed: bool, confirmed: bool) -> str:
+        missing = [] if committed else [f"this node's commit of step {self._step} in {self._storage.root}"]
+        if not confirmed:
+            missing.append(f"rank {self._rank}'s shard of step {self._step} on {self._after.where()}")
+        return " and ".join(missing)
 
     def _raise_failed(self) -> None:
         for peer, ranks, whose in ((self._after, [self._rank], "this rank's"),

@@ -22,7 +22,7 @@ from typing import Any
 from .. import _names
 from ._protocol import (ReplicaError, accept_peer, connect_peer, recv_message, send_message)
 from ._node_local import read_scope
-from ..saver._node_local import ReplicaPersister, serve_shard, wants_on_disk
+from ..saver._node_local import UNKEPT, ReplicaPersister, serve_shard, wants_on_disk
 from ._store import ReplicaStore, send_slot
 
 __all__ = ["ReplicaService"]
@@ -213,9 +213,10 @@ class ReplicaService:
         if not (isinstance(directory, str) and os.path.isabs(directory) and isinstance(token, str)
                 and isinstance(step, int) and isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)):
             raise ReplicaError(f"a malformed status request: {msg!r}"[:200])
-        if read_scope(directory, token) is None:
-            return {}
-        return self.persister.status(directory, token, step, ranks[:_MAX_STATUS_RANKS])
+        scope = read_scope(directory, token) or ()
+        kept = [r for r in ranks[:_MAX_STATUS_RANKS] if r in scope]
+        return {**{str(r): [UNKEPT, ""] for r in ranks[:_MAX_STATUS_RANKS] if r not in scope},
+                **self.persister.status(directory, token, step, kept)}
 
     def _refused(self, source: str) -> None:
         now = time.monotonic()

@@ -37,8 +37,9 @@ from ..storage._local import LocalStorage
 
 __all__ = ["ReplicaPersister", "serve_shard", "wants_on_disk"]
 
-PENDING, WRITTEN, FAILED = "pending", "written", "failed"
-"""What :meth:`ReplicaPersister.status` says of one rank's replica of a step."""
+PENDING, WRITTEN, FAILED, UNKEPT = "pending", "written", "failed", "unkept"
+"""What the ``status`` op says of one rank's replica of a step (UNKEPT: this node's directory
+does not keep that rank for that run, e.g. a step of a run before this node was replaced)."""
 
 log = logging.getLogger("flashckpt.replica")
 
