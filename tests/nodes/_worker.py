@@ -15,6 +15,7 @@ first waits until its node holds the other node's replica of step S). Each proce
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import signal
@@ -27,6 +28,9 @@ import torch.distributed as dist
 from flashckpt.replicas._store import replica_index
 from flashckpt.torch import Checkpointer, DdpCheckpointer, init_process_group
 from tests._exit import exit_now
+
+
+STACK_SECONDS = 20.0
 
 
 def main() -> None:
@@ -50,8 +54,12 @@ def main() -> None:
             f.write(json.dumps({**event, "time": time.time()}) + "\n")
 
     emit(event="launch", host=socket.gethostname(), restart_count=int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
+    # a process still forming its group after STACK_SECONDS leaves its stacks where the test's failure shows them
+    stacks = open(os.path.join(args.dir, f"stacks-{socket.gethostname()}-{os.getpid()}.txt"), "w")
+    faulthandler.dump_traceback_later(STACK_SECONDS, file=stacks)
     began = time.monotonic()
     init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    faulthandler.cancel_dump_traceback_later()
     rank = dist.get_rank()
     emit(event="start", host=socket.gethostname(), rank=rank, world=dist.get_world_size(),
          restart_count=int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
