@@ -52,11 +52,11 @@ class _OwnDirectory:
 class _Rank:
     """Node n0's rank 0 (the engine surface a node-local flush uses), step 5 in its memory."""
 
-    def __init__(self, storage: _OwnDirectory, endpoints: dict, secret: str) -> None:
+    def __init__(self, storage: _OwnDirectory, endpoints: dict, secret: str, rank: int = 0) -> None:
         self.storage = storage
-        self.placement = SimpleNamespace(storage_rank=0, secret=secret)
+        self.placement = SimpleNamespace(storage_rank=rank, secret=secret)
         self.replicas = SimpleNamespace(copies=lambda storage, token, step, timeout, **where: Copies(
-            storage, token, step, 0, endpoints=endpoints, secret=secret, bound=timeout, **where))
+            storage, token, step, rank, endpoints=endpoints, secret=secret, bound=timeout, **where))
 
     def memory_keys(self) -> dict:
         return {STEP: (line_key(TOKEN), STEP)}
@@ -93,27 +93,44 @@ def push_step(sender: ReplicaService, job: str, directory: str) -> None:
     sender.offer({**msg, "persist": True})
 
 
-def flush(sender, receiver, secret, directory, *, committed: bool, timeout: float = 60.0) -> float:
-    """Node n0's rank 0 flushes step 5; the seconds it took."""
-    rank = _Rank(_OwnDirectory(directory, committed), {"n0": sender.endpoint, "n1": receiver.endpoint}, secret)
+def flush(sender, receiver, secret, directory, *, committed: bool, timeout: float = 60.0, node: str = "n0") -> float:
+    """Node ``node``'s rank (n0: rank 0, n1: rank 1) flushes step 5; the seconds it took."""
+    rank = _Rank(_OwnDirectory(directory, committed), {"n0": sender.endpoint, "n1": receiver.endpoint}, secret,
+                 rank=int(node[1:]))
     began = time.monotonic()
-    NodeLocal(node="n0", scopes=RING).flush(rank, timeout)
+    NodeLocal(node=node, scopes=RING).flush(rank, timeout)
     return time.monotonic() - began
+
+
+def failing(errno: int, text: str):
+    """A ``persist_slot`` that fails as a disk would."""
+    def persist_slot(*args, **kwargs):
+        raise OSError(errno, text)
+    return persist_slot
 
 
 def test_a_replica_the_next_node_could_not_write_fails_the_flush_naming_step_and_node(ring, jobs, monkeypatch):
     sender, receiver, secret, directory = ring
 
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(saver_node_local, "persist_slot", full_disk)  # n1's write of n0's replica
+    monkeypatch.setattr(saver_node_local, "persist_slot", failing(28, "No space left on device"))  # n1's write
     push_step(sender, jobs[0], directory)
     with pytest.raises(ReplicaError) as failed:
         flush(sender, receiver, secret, directory, committed=True)
     message = str(failed.value)
     assert f"step {STEP}" in message and "node n1" in message and "rank 0" in message, message
     assert "No space left on device" in message, message
+
+
+def test_the_node_that_could_not_write_its_predecessors_replica_fails_its_own_flush(ring, jobs, monkeypatch):
+    """n1's directory cannot commit step 5 without rank 0's shard, which n1's saver failed to write."""
+    sender, receiver, secret, directory = ring
+    monkeypatch.setattr(saver_node_local, "persist_slot", failing(5, "Input/output error"))
+    push_step(sender, jobs[0], directory)
+    with pytest.raises(ReplicaError) as failed:
+        flush(sender, receiver, secret, directory, committed=False, node="n1")
+    message = str(failed.value)
+    assert f"step {STEP}" in message and "node n1" in message and "predecessor's shard of rank 0" in message, message
+    assert "Input/output error" in message, message
 
 
 def test_a_flush_returns_once_the_next_node_wrote_the_replica(ring, jobs):
