@@ -30,7 +30,7 @@ from flashckpt.torch import Checkpointer, DdpCheckpointer, init_process_group
 from tests._exit import exit_now
 
 
-STACK_SECONDS = 20.0
+STACK_SECONDS = 45.0
 
 
 def main() -> None:
@@ -54,12 +54,12 @@ def main() -> None:
             f.write(json.dumps({**event, "time": time.time()}) + "\n")
 
     emit(event="launch", host=socket.gethostname(), restart_count=int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
-    # a process still forming its group after STACK_SECONDS leaves its stacks where the test's failure shows them
+    # a worker still running after STACK_SECONDS (a round takes about 15 s) leaves its stacks where the
+    # test's failure shows them
     stacks = open(os.path.join(args.dir, f"stacks-{socket.gethostname()}-{os.getpid()}.txt"), "w")
     faulthandler.dump_traceback_later(STACK_SECONDS, file=stacks)
     began = time.monotonic()
     init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
-    faulthandler.cancel_dump_traceback_later()
     rank = dist.get_rank()
     emit(event="start", host=socket.gethostname(), rank=rank, world=dist.get_world_size(),
          restart_count=int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
@@ -95,6 +95,7 @@ def main() -> None:
     ckpt.close()
     emit(event="done", rank=rank, step=step, bias=model.bias.sum().item(), initial=initial)
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _wait_replicated(job_id: str, step: int, timeout: float = 20.0) -> None:
