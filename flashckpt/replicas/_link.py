@@ -38,11 +38,11 @@ log = logging.getLogger("flashckpt")
 
 Endpoint = tuple[str, int]
 
-LOST_SECONDS = 3.0
+LOST_SECONDS = 5.0
 """How long a peer's endpoint may stay silent before the flush takes its node as lost."""
 STALL_SECONDS = 20.0
 """How long a flush waits, while every peer answers, without a copy written or the step committed."""
-_ASK_SECONDS = 2.0
+_ASK_SECONDS = 2.5
 """The bound of one status exchange (connect, handshake, answer)."""
 _POLL_SECONDS = 0.5
 
