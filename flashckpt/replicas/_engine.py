@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 
 from .._errors import CheckpointError
 from .._placement import Collective, Placement
+from ._link import Copies
 from ._protocol import ReplicaError, advertised_host, fetch
 from ._store import replica_index
 from ..memory._rank_slots import RankSlots, Saver, Writer
@@ -150,6 +151,15 @@ class PeerReplicas:
         fetch(endpoint, p.secret, {"directory": self._directory, "storage_rank": p.storage_rank,
                                    "storage_world": p.storage_world, "step": step, **want}, check, op=op)
         done()
+
+    def copies(self, storage: Any, token: str, step: int, *, node: str, ring: list[str], scope: tuple[int, ...],
+               timeout: float | None) -> Copies:
+        """What a node-local flush of ``step`` waits for (:class:`flashckpt.replicas._link.Copies`),
+        bounded by ``timeout`` (default ``FLASHCKPT_SAVER_TIMEOUT``) while every peer answers."""
+        p = self._placement
+        return Copies(storage, token, step, p.storage_rank, node=node, ring=ring, scope=scope,
+                      endpoints=self.endpoints, secret=p.secret,
+                      bound=saver_timeout() if timeout is None else timeout)
 
     def slot_writer(self, step: int) -> Writer:
         """Where a copy of ``step`` for this rank goes (:meth:`flashckpt.memory._rank_slots.RankSlots.writer`)."""

@@ -54,8 +54,6 @@ _MAX_SCOPE = 1 << 20
 _PROBE_SECONDS = 5.0
 _REMEDY = ("give every node the same directory (a shared file system), an object-store URL, or a replica address "
            "the other nodes reach (FLASHCKPT_REPLICA_ADDR)")
-_COMMIT_SECONDS = 20.0
-"""How long a node-local flush waits for this node to commit the flushed step."""
 
 
 def read_scope(root: str, token: str) -> list[int] | None:
@@ -100,12 +98,22 @@ def write_scope(root: str, token: str, ranks: list[int]) -> None:
     write_atomic(where, json.dumps(kept, indent=1).encode())
 
 
+def _committed_by(storage: Any, step: int, token: str) -> bool:
+    """Whether ``step`` is committed in ``storage`` by run ``token`` (not a newer line's step)."""
+    try:
+        return storage.metadata(step).get("token") == token
+    except CheckpointError:
+        return False
+
+
 class Flushing(Protocol):
     """The rank a node-local flush persists (the engine's public side)."""
 
     storage: Any
     """This node's directory (``flashckpt.storage._local.LocalStorage``)."""
     placement: Placement
+    replicas: Any
+    """Its peer replicas (``flashckpt.replicas._engine.PeerReplicas``), whose ``copies`` the flush waits for."""
 
     def memory_keys(self) -> dict[int, tuple[str, int]]: ...
 
@@ -133,8 +141,11 @@ class NodeLocal:
     def flush(self, rank: Flushing, timeout: float | None) -> None:
         """Node-local flush (a persisting rank): this rank's newest in-memory step goes to this
         node's directory and, as a save due for storage, to the next node's, unless it is
-        there already; then waits, at most ``_COMMIT_SECONDS``, until this node commits it (its
-        predecessor's shards arrive as replicas), warning if it does not."""
+        there already; then waits until this node commits it (its predecessor's shards arrive
+        as replicas) and the next node wrote this rank's shard, told by the replica link
+        (:class:`flashckpt.replicas._link.Copies`): a copy a node could not write, or a lost
+        predecessor, is a :class:`ReplicaError` within seconds; while every peer answers, the
+        wait is bounded by ``timeout`` (default ``FLASHCKPT_SAVER_TIMEOUT``)."""
         rank.wait(timeout)
         keys = rank.memory_keys()
         if not keys:
@@ -142,20 +153,14 @@ class NodeLocal:
         step = max(keys, key=keys.__getitem__)
         storage = rank.storage
         token = rank.memory_info(step).get("token")
-        if not storage.newer_than_committed(token, step):  # committed, or a newer line's step is
-            return
+        if not storage.newer_than_committed(token, step) and not _committed_by(storage, step, token):
+            return  # a newer line's step is committed
         done = os.path.join(storage.root, f"step-{step}.tmp-{token}", f"rank-{rank.placement.storage_rank}.done")
-        if not os.path.exists(done):
+        if storage.newer_than_committed(token, step) and not os.path.exists(done):
             rank.persist(step)  # the saver writes it here and sends it to the next node as due for storage
             rank.wait(timeout)
-        deadline = time.monotonic() + _COMMIT_SECONDS
-        while storage.newer_than_committed(token, step):
-            if time.monotonic() > deadline:
-                log.warning("step %d is not committed in %s after %.0fs: the shards of the other node's ranks have "
-                            "not arrived (latest_step() is %s)", step, storage.root, _COMMIT_SECONDS,
-                            storage.latest_step())
-                return
-            time.sleep(0.02)
+        rank.replicas.copies(storage, token, step, node=self.node, ring=list(self.scopes), scope=self.scope,
+                             timeout=timeout).wait()
 
     def require_replicas(self, endpoints: dict[str, tuple[str, int]], collective: Collective,
                          placement: Placement) -> None:

@@ -13,6 +13,7 @@ persists never wait for it.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -21,7 +22,7 @@ from typing import Any
 from .. import _names
 from ._protocol import (ReplicaError, accept_peer, connect_peer, recv_message, send_message)
 from ._node_local import read_scope
-from ..saver._node_local import ReplicaPersister, serve_shard, wants_on_disk
+from ..saver._node_local import UNKEPT, ReplicaPersister, serve_shard, wants_on_disk
 from ._store import ReplicaStore, send_slot
 
 __all__ = ["ReplicaService"]
@@ -31,6 +32,7 @@ log = logging.getLogger("flashckpt.replica")
 _MAX_CONNECTIONS = 16
 _RETRY_SECONDS = 1.0
 _SECRETS_KEPT = 4
+_MAX_STATUS_RANKS = 4096
 
 
 class ReplicaService:
@@ -188,7 +190,7 @@ class ReplicaService:
                 raise
             send_message(conn, {"ok": True, "step": step})
             if wants_on_disk(msg):  # a node-local directory keeps its predecessor's shards too
-                self.persister.offer(path, generation, dict(msg["info"], storage_rank=msg["storage_rank"]))
+                self.persister.offer(path, generation, dict(msg["info"], storage_rank=msg["storage_rank"]), step)
             log.info("received the replica of step %d rank %s from %s (%.1f MiB in %.2fs)", step,
                      msg.get("storage_rank"), source, msg["image_len"] / 2**20, time.perf_counter() - started)
         elif op == "fetch":
@@ -199,8 +201,22 @@ class ReplicaService:
             if serve_shard(conn, msg):
                 log.info("sent step %s rank %s from %s to %s", msg.get("step"), msg.get("storage_rank"),
                          msg.get("directory"), source)
+        elif op == "status":
+            send_message(conn, {"ok": True, "ranks": self._status(msg)})
         else:
             raise ReplicaError(f"unknown replica op {op!r}")
+
+    def _status(self, msg: dict[str, Any]) -> dict[str, list[str]]:
+        """How this node's copies of the ranks ``msg`` names of a step went (a node-local
+        directory of this job only): see :meth:`ReplicaPersister.status`."""
+        directory, token, step, ranks = msg.get("directory"), msg.get("token"), msg.get("step"), msg.get("ranks")
+        if not (isinstance(directory, str) and os.path.isabs(directory) and isinstance(token, str)
+                and isinstance(step, int) and isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)):
+            raise ReplicaError(f"a malformed status request: {msg!r}"[:200])
+        scope = read_scope(directory, token) or ()
+        kept = [r for r in ranks[:_MAX_STATUS_RANKS] if r in scope]
+        return {**{str(r): [UNKEPT, ""] for r in ranks[:_MAX_STATUS_RANKS] if r not in scope},
+                **self.persister.status(directory, token, step, kept)}
 
     def _refused(self, source: str) -> None:
         now = time.monotonic()

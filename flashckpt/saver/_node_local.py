@@ -6,7 +6,10 @@ is of a save that was due for storage, and this node's directory lists its rank 
 run's scope, :class:`ReplicaPersister` writes it there on a thread of the saver, after it
 arrived (never while a push or a save waits), and commits the step once the scope is
 complete. It keeps only the newest due replica per rank: a slower disk skips steps, it
-never queues them without bound.
+never queues them without bound. It remembers how the newest replica of each rank went
+(pending, written, or failed with the error), and :meth:`ReplicaPersister.status` tells the
+ranks' own node (the ``status`` op of ``flashckpt.replicas._protocol``): a replica this node
+could not write is an error in the predecessor's ``flush``, never only a log line here.
 
 **Shards to peers.** :func:`serve_shard` sends a committed shard of this node's directory
 to an authenticated peer whose node lost its own (the ``fetch_shard`` op of
@@ -34,6 +37,10 @@ from ..storage._local import LocalStorage
 
 __all__ = ["ReplicaPersister", "serve_shard", "wants_on_disk"]
 
+PENDING, WRITTEN, FAILED, UNKEPT = "pending", "written", "failed", "unkept"
+"""What the ``status`` op says of one rank's replica of a step (UNKEPT: this node's directory
+does not keep that rank for that run, e.g. a step of a run before this node was replaced)."""
+
 log = logging.getLogger("flashckpt.replica")
 
 
@@ -53,22 +60,46 @@ class ReplicaPersister:
     """Writes received replicas to this node's directory on one background thread."""
 
     def __init__(self) -> None:
-        self._due: dict[int, tuple[str, int, dict[str, Any]]] = {}
-        """storage rank -> (replica slot, generation, info) of its newest replica to write."""
+        self._due: dict[int, tuple[str, int, dict[str, Any], int]] = {}
+        """storage rank -> (replica slot, generation, info, step) of its newest replica to write."""
+        self._outcomes: dict[tuple[str, str, int], tuple[int, str, str]] = {}
+        """(directory, token, storage rank) -> (step, PENDING/WRITTEN/FAILED, error) of its newest replica."""
         self._cond = threading.Condition()
         self._writing = False
         self._stopped = False
         self._thread: threading.Thread | None = None
 
-    def offer(self, path: str, generation: int, info: dict[str, Any]) -> None:
-        """Write the replica at ``path`` (holding ``generation``) as ``info`` says, soon."""
+    def offer(self, path: str, generation: int, info: dict[str, Any], step: int) -> None:
+        """Write the replica of ``step`` at ``path`` (holding ``generation``) as ``info`` says, soon."""
         info = {k: v for k, v in info.items() if k != "export"}  # the rank's own node exports, not a peer
         with self._cond:
-            self._due[int(info["storage_rank"])] = (path, generation, info)
+            self._due[int(info["storage_rank"])] = (path, generation, info, step)
+            self._record(info, step, PENDING)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="flashckpt-replica-persist", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def _record(self, info: dict[str, Any], step: int, state: str, error: str = "") -> None:
+        key = (str(info.get("directory")), str(info.get("token")), int(info["storage_rank"]))
+        if step >= self._outcomes.get(key, (-1, "", ""))[0]:
+            self._outcomes[key] = (step, state, error)
+
+    def status(self, directory: str, token: str, step: int, ranks: list[int]) -> dict[str, list[str]]:
+        """str(rank) -> [state, error] of each rank's replica of ``step`` here: WRITTEN (its
+        shard is durable in ``directory``), FAILED (this node could not write it; the error),
+        else PENDING (not arrived, or not written yet)."""
+        answer = {}
+        for rank in ranks:
+            with self._cond:
+                outcome = self._outcomes.get((directory, token, rank))
+            if _on_disk(directory, token, step, rank):
+                answer[str(rank)] = [WRITTEN, ""]
+            elif outcome is not None and outcome[0] == step and outcome[1] == FAILED:
+                answer[str(rank)] = [FAILED, outcome[2]]
+            else:
+                answer[str(rank)] = [PENDING, ""]
+        return answer
 
     def busy(self) -> bool:
         """A replica is being written or waits to be (the saver lingers for it)."""
@@ -88,18 +119,34 @@ class ReplicaPersister:
                 if self._stopped:
                     return
                 rank = min(self._due)
-                path, generation, info = self._due.pop(rank)
+                path, generation, info, step = self._due.pop(rank)
                 self._writing = True
             try:
                 result = persist_slot(path, generation, info)
                 if result.skipped:
                     log.info("the replica of rank %d in %s was replaced before it was written to %s", rank, path,
                              info["directory"])
-            except Exception:  # noqa: BLE001 -- a failed write leaves only a tmp shard; the next one may succeed
+                else:
+                    with self._cond:
+                        self._record(info, step, WRITTEN)
+            except Exception as exc:  # noqa: BLE001 -- a failed write leaves only a tmp shard; the next one may succeed
                 log.exception("writing the replica of rank %d to %s failed", rank, info.get("directory"))
+                with self._cond:
+                    self._record(info, step, FAILED, f"{type(exc).__name__}: {exc}")
             finally:
                 with self._cond:
                     self._writing = False
+
+
+def _on_disk(directory: str, token: str, step: int, rank: int) -> bool:
+    """Whether rank ``rank``'s shard of ``step`` (run ``token``) is durable in ``directory``:
+    its done marker in the pending step, or the step committed by that run."""
+    if os.path.exists(os.path.join(directory, f"step-{step}.tmp-{token}", f"rank-{rank}.done")):
+        return True
+    try:
+        return LocalStorage(directory).metadata(step).get("token") == token
+    except (CheckpointError, OSError):
+        return False
 
 
 def serve_shard(sock: socket.socket, want: dict[str, Any]) -> bool:

@@ -3,6 +3,7 @@ the same number is not this run's step (issue 22, node-local directories)."""
 
 from types import SimpleNamespace
 
+from flashckpt.replicas._link import Copies
 from flashckpt.replicas._node_local import NodeLocal, write_scope
 from flashckpt.storage._step_meta import line_key
 from flashckpt.storage._local import LocalStorage
@@ -19,6 +20,8 @@ class _Engine:
     def __init__(self, storage: LocalStorage, step: int, tok: str) -> None:
         self.storage, self.step, self.tok = storage, step, tok
         self.placement = SimpleNamespace(storage_rank=0)
+        self.replicas = SimpleNamespace(copies=lambda storage, token, step, timeout, **where: Copies(
+            storage, token, step, 0, endpoints={}, secret="", bound=5.0, **where))
         self.persisted: list[int] = []
 
     def memory_keys(self) -> dict[int, tuple[str, int]]:

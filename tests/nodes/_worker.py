@@ -15,6 +15,7 @@ first waits until its node holds the other node's replica of step S). Each proce
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import signal
@@ -27,6 +28,9 @@ import torch.distributed as dist
 from flashckpt.replicas._store import replica_index
 from flashckpt.torch import Checkpointer, DdpCheckpointer, init_process_group
 from tests._exit import exit_now
+
+
+STACK_SECONDS = 45.0
 
 
 def main() -> None:
@@ -50,6 +54,10 @@ def main() -> None:
             f.write(json.dumps({**event, "time": time.time()}) + "\n")
 
     emit(event="launch", host=socket.gethostname(), restart_count=int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
+    # a worker still running after STACK_SECONDS (a round takes about 15 s) leaves its stacks where the
+    # test's failure shows them
+    stacks = open(os.path.join(args.dir, f"stacks-{socket.gethostname()}-{os.getpid()}.txt"), "w")
+    faulthandler.dump_traceback_later(STACK_SECONDS, file=stacks)
     began = time.monotonic()
     init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     rank = dist.get_rank()
@@ -87,6 +95,7 @@ def main() -> None:
     ckpt.close()
     emit(event="done", rank=rank, step=step, bias=model.bias.sum().item(), initial=initial)
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _wait_replicated(job_id: str, step: int, timeout: float = 20.0) -> None:

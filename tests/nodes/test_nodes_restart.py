@@ -88,6 +88,9 @@ class Job:
         for log in self.logs:
             log.flush()
         tails = "\n".join(f"--- {log.name} ---\n" + open(log.name).read()[-3000:] for log in self.logs)
+        for path in sorted(glob.glob(str(self.shared / "stacks-*.txt"))):  # workers slow to form their group
+            if os.path.getsize(path):
+                tails += f"\n--- {os.path.basename(path)} ---\n" + open(path).read()[-4000:]
         pytest.fail(f"{why}: torchrun exit codes {codes} (None: still running); "
                     f"worker launches {self.events('launch')}, groups formed {self.events('start')}\n{tails}")
 

@@ -1,0 +1,199 @@
+"""A node-local flush's wait for the other nodes' copies, told by the replica link.
+
+A node-local flush (``flashckpt.replicas._node_local``) is done when this node's directory
+committed the step (its ring predecessor's shards arrive as replicas, and this node's saver
+writes them) and the ring successor wrote this rank's shard to its directory. Both happen
+in other processes, so the flush asks them over the replica link: each poll is one short
+authenticated connection to a saver's endpoint (op ``status``, answered from
+:meth:`flashckpt.saver._node_local.ReplicaPersister.status`). The answers end the wait:
+
+- a copy a saver could not write (a full disk, an I/O error) is a :class:`ReplicaError`
+  naming the step, the rank and the node, at once;
+- a peer whose endpoint does not answer for :data:`LOST_SECONDS` (its saver killed: the
+  connection is refused; its node gone or stopped: the handshake times out) is lost, seen
+  within a few seconds, not after a fixed wait: if this node's step needed it (its shards),
+  a :class:`ReplicaError` (the caller keeps its memory copy); if only its copy of this
+  rank's shard is missing, a warning (this node committed the step);
+- while every peer answers and nothing failed, the wait goes on as long as it makes
+  progress (a copy written, the step committed) at least every :data:`STALL_SECONDS`; past
+  that, a warning naming what is missing and the flush returns, as before this module (a
+  copy that never comes while its node is alive: e.g. a step the next node's directory does
+  not keep for this run); the whole wait is bounded by the flush's ``timeout``
+  (:class:`~flashckpt.CheckpointTimeoutError` naming what is missing).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .._errors import CheckpointTimeoutError
+from ._protocol import ReplicaError, connect_peer, recv_message, send_message
+
+__all__ = ["LOST_SECONDS", "Copies", "ask_status"]
+
+log = logging.getLogger("flashckpt")
+
+Endpoint = tuple[str, int]
+
+LOST_SECONDS = 5.0
+"""How long a peer's endpoint may stay silent before the flush takes its node as lost."""
+STALL_SECONDS = 20.0
+"""How long a flush waits, while every peer answers, without a copy written or the step committed."""
+_ASK_SECONDS = 2.5
+"""The bound of one status exchange (connect, handshake, answer)."""
+_POLL_SECONDS = 0.5
+
+WRITTEN, FAILED, UNKEPT = "written", "failed", "unkept"  # as flashckpt.saver._node_local says them
+
+
+def ask_status(endpoint: Endpoint, secret: str, want: dict[str, Any],
+               timeout: float = _ASK_SECONDS) -> dict[str, list[str]]:
+    """Ask the saver at ``endpoint`` how its copies of the ranks in ``want`` (directory,
+    token, step, ranks) went: str(rank) -> [state, error]; a ReplicaError when it does not
+    answer within ``timeout``."""
+    sock = connect_peer(endpoint, secret, timeout)
+    try:
+        sock.settimeout(timeout)
+        send_message(sock, {"op": "status", **want})
+        reply = recv_message(sock)
+    except OSError as exc:
+        raise ReplicaError(f"the replica endpoint {endpoint[0]}:{endpoint[1]} did not answer: {exc}") from exc
+    finally:
+        sock.close()
+    ranks = reply.get("ranks")
+    if not reply.get("ok") or not isinstance(ranks, dict):
+        raise ReplicaError(f"the replica endpoint {endpoint[0]}:{endpoint[1]} refused a status request: "
+                           f"{reply.get('error', reply)}")
+    return ranks
+
+
+@dataclass(slots=True)
+class _Peer:
+    """One node's endpoint as a flush polls it: its last answer and since when it is silent."""
+
+    node: str
+    endpoint: Endpoint
+    ranks: list[int]
+    """The ranks whose copies there this flush asks about (none: a liveness probe)."""
+    answer: dict[str, list[str]] = field(default_factory=dict)
+    silent_since: float | None = None
+    why: str = ""
+
+    def poll(self, secret: str, want: dict[str, Any]) -> None:
+        began = time.monotonic()
+        try:
+            self.answer = ask_status(self.endpoint, secret, {**want, "ranks": self.ranks})
+            self.silent_since = None
+        except ReplicaError as exc:
+            self.why = str(exc)
+            if self.silent_since is None:
+                self.silent_since = began
+
+    def lost(self) -> bool:
+        return self.silent_since is not None and time.monotonic() - self.silent_since >= LOST_SECONDS
+
+    def state(self, rank: int) -> list[str]:
+        return self.answer.get(str(rank)) or ["pending", ""]
+
+    def where(self) -> str:
+        return f"node {self.node} ({self.endpoint[0]}:{self.endpoint[1]})"
+
+
+class Storage(Protocol):
+    root: str
+
+    def newer_than_committed(self, token: str, step: int) -> bool: ...
+
+
+class Copies:
+    """The copies one persisting rank's node-local flush of ``step`` (run ``token``) waits for.
+
+    ``ring`` lists the nodes in ring order, ``endpoints`` their savers' replica endpoints
+    (a node missing there is not asked), ``scope`` the storage ranks this node's directory
+    commits; ``bound`` the longest the wait may take while every peer answers."""
+
+    def __init__(self, storage: Storage, token: str, step: int, rank: int, *, node: str, ring: list[str],
+                 scope: tuple[int, ...], endpoints: dict[str, Endpoint], secret: str, bound: float) -> None:
+        self._storage, self._token, self._step, self._rank = storage, token, step, rank
+        self._secret, self._bound = secret, bound
+        self._want = {"directory": storage.root, "token": token, "step": step}
+        at = ring.index(node)
+        pred, succ = ring[at - 1], ring[(at + 1) % len(ring)]
+        self._scope = [r for r in scope if r != rank]
+        self._here = self._peer(node, endpoints, self._scope) if len(ring) > 1 else None
+        """This node's saver: it writes the predecessor's shards."""
+        self._after = self._peer(succ, endpoints, [rank]) if succ != node else None
+        """The successor: it writes this rank's shard to its directory."""
+        self._before = (self._after if pred == succ else self._peer(pred, endpoints, [])) if pred != node else None
+        """The predecessor: this node's commit needs its shards (asked only whether it is alive)."""
+
+    @staticmethod
+    def _peer(node: str, endpoints: dict[str, Endpoint], ranks: list[int]) -> _Peer | None:
+        return _Peer(node, endpoints[node], ranks) if node in endpoints else None
+
+    def wait(self) -> None:
+        """Until this node committed the step and the successor wrote this rank's shard
+        (see the module docstring for what ends the wait otherwise)."""
+        bound = self._bound
+        deadline = time.monotonic() + bound
+        next_poll = 0.0
+        progress, last = time.monotonic(), None
+        while True:
+            committed = not self._storage.newer_than_committed(self._token, self._step)
+            confirmed = self._after is None or self._after.state(self._rank)[0] in (WRITTEN, UNKEPT)
+            if committed and confirmed:
+                return
+            if (committed, confirmed) != last:
+                progress, last = time.monotonic(), (committed, confirmed)
+            elif time.monotonic() - progress > STALL_SECONDS:
+                log.warning("flush: after %.0fs without progress, still waiting for %s; the savers answer: "
+                            "leaving it to them", STALL_SECONDS, self._missing(committed, confirmed))
+                return
+            if time.monotonic() >= next_poll:
+                asked = {id(p): p for p in ([] if committed else [self._here, self._before])
+                         + ([] if confirmed else [self._after]) if p is not None}
+                for peer in asked.values():
+                    peer.poll(self._secret, self._want)
+                self._raise_failed()
+                next_poll = time.monotonic() + _POLL_SECONDS
+                if self._gone(committed, confirmed):
+                    return
+            if time.monotonic() > deadline:
+                raise CheckpointTimeoutError(f"flush: after {bound:.0f}s still waiting for "
+                                             f"{self._missing(committed, confirmed)} (the savers answer)")
+            time.sleep(0.02)
+
+    def _missing(self, committed: bool, confirmed: bool) -> str:
+        missing = [] if committed else [f"this node's commit of step {self._step} in {self._storage.root}"]
+        if not confirmed:
+            missing.append(f"rank {self._rank}'s shard of step {self._step} on {self._after.where()}")
+        return " and ".join(missing)
+
+    def _raise_failed(self) -> None:
+        for peer, ranks, whose in ((self._after, [self._rank], "this rank's"),
+                                   (self._here, self._scope, "the predecessor's")):
+            for r in (ranks if peer is not None else []):
+                state, error = peer.state(r)
+                if state == FAILED:
+                    raise ReplicaError(f"step {self._step}: {peer.where()} could not write {whose} shard of rank {r} "
+                                       f"to {self._storage.root}: {error}")
+
+    def _gone(self, committed: bool, confirmed: bool) -> bool:
+        """Raise (this node cannot commit the step) or True (the successor is lost, the step
+        is committed here: a warning) once a peer the wait needs is lost."""
+        if not committed:
+            for peer, whose in ((self._before, "its ranks' shards"), (self._here, "the predecessor's shards")):
+                if peer is not None and peer.lost():
+                    raise ReplicaError(
+                        f"step {self._step} cannot commit in {self._storage.root}: {peer.where()}, which "
+                        f"{'sends' if peer is self._before else 'writes'} {whose}, has not answered for "
+                        f"{LOST_SECONDS:.0f}s (lost?): {peer.why}")
+        if committed and not confirmed and self._after.lost():
+            log.warning("step %d is committed in %s, but %s, which keeps the second copy of rank %d's shard, has "
+                        "not answered for %.0fs (lost?): %s", self._step, self._storage.root, self._after.where(),
+                        self._rank, LOST_SECONDS, self._after.why)
+            return True
+        return False
