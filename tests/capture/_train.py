@@ -8,7 +8,8 @@ torchrun (``WORLD_SIZE`` set) the model is DDP over gloo and the attempt is torc
 restart count; else one process with a ``Checkpointer`` and ATTEMPT as given.
 A FAULT is ``KIND:RANK:STEP:ATTEMPT``, done by that rank at that step of that attempt:
 
-- ``kill9``: SIGKILL inside the step's backward;
+- ``kill9``: SIGKILL inside the step's backward; ``kill9-data`` before its batch is made,
+  ``kill9-forward`` inside its forward, ``kill9-update`` inside its optimizer update;
 - ``raise``: a RuntimeError in the step's forward;
 - ``term``: SIGTERM to itself right after the step's optimizer update;
 - ``term-update``: SIGTERM to itself inside the step's optimizer update;
@@ -33,7 +34,7 @@ from datetime import timedelta
 
 import torch
 
-SAVE_EVERY = 20
+SAVE_EVERY = int(os.environ.get("CAPTURE_SAVE_EVERY", "20"))  # benchmarks/capture_campaign.py sets 50
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +115,12 @@ def main() -> None:
         fault = faults.get(step)
         if fault == "kill9":
             model.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+        if fault == "kill9-data":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "kill9-forward":
+            model.register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+        if fault == "kill9-update":
+            opt.register_step_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         if fault == "term-update":
             opt.register_step_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGTERM))
         if fault == "raise":

@@ -37,7 +37,8 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Azurite's blob service on a free loopback port; its connection string."""
     command = os.environ.get("AZURITE_BLOB", str(AZURITE))
     if shutil.which(command) is None:
-        pytest.fail(f"Azurite is missing ({command}): `make test` installs it (make {AZURITE.relative_to(Path.cwd())})")
+        pytest.fail(f"Azurite is missing ({command}): `make test` installs it (make .venv/azurite/node_modules/"
+                    ".bin/azurite-blob), or set AZURITE_BLOB to an azurite-blob command")
     port = free_port()
     proc = subprocess.Popen([command, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--silent", "--loose",
                              "--skipApiVersionCheck", "--disableTelemetry", "--location", str(tmp_path_factory.mktemp("azurite"))],
