@@ -369,6 +369,12 @@ class Engine:
             size = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves], self._meta(0, flat)).size
             for leaf in flat.leaves:  # GPU state: the slots are page-locked in the background too
                 self.slots.locker = self.slots.locker or page_locker(leaf.kind, [leaf.obj])
+            self.prepare_image(size)
+
+    def prepare_image(self, size: int) -> None:
+        """Size this rank's slots for images of ``size`` bytes in the background (writers
+        only): for an adapter that knows the size of its next saves without their state."""
+        if self.placement.writes_memory:
             self.slots.prepare(list(range(len(self.slots))), size)
 
     def finish_load(self, step: int | None, source: Source | str | None, start: float, **details: Any) -> None:

@@ -1,9 +1,11 @@
 import glob
 import os
+import threading
 import uuid
 
 import pytest
 from flashckpt._names import job_prefix
+from flashckpt.memory import _slot
 
 
 @pytest.fixture
@@ -14,6 +16,20 @@ def job_id():
     for path in glob.glob(job_prefix(job) + ".*"):
         if not path.endswith((".sock", ".saver.lock")):
             os.unlink(path)
+
+
+@pytest.fixture
+def populates(monkeypatch):
+    """Every population of slot pages (fresh shared memory), by the thread that did it."""
+    calls: list[str] = []
+    real = _slot._populate_write
+
+    def counted(mm):
+        calls.append(threading.current_thread().name)
+        return real(mm)
+
+    monkeypatch.setattr(_slot, "_populate_write", counted)
+    return calls
 
 
 ONE_WORKER = {"fsdp", "objectstore"}

@@ -42,6 +42,8 @@ class MemoryCopy:
     storage_rank: int
     storage_world: int
     saved_at: float
+    image_len: int
+    """Bytes of the image (what a save of this rank's items takes in a slot)."""
 
 
 def _saved_id(info: dict[str, Any]) -> Any:
@@ -71,7 +73,7 @@ def memory_copies(job_id: str, store: str, checkpoint_id: str, slots_per_rank: i
     """storage rank -> its newest complete copy in this node's memory of the save of
     ``checkpoint_id`` into ``store``, all of one step (that of the newest copy)."""
     found = [MemoryCopy(path, h.generation, h.step, int(h.info.get("storage_rank", 0)),
-                        int(h.info.get("storage_world", 1)), h.saved_at)
+                        int(h.info.get("storage_world", 1)), h.saved_at, h.image_len)
              for path, h in complete_headers(job_id, store, slots_per_rank) if _saved_id(h.info) == checkpoint_id]
     if not found:
         return {}

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -26,6 +27,7 @@ from torch.futures import Future
 from .._engine import LoadInfo
 from .._errors import CheckpointNotFoundError
 from .._options import Options
+from ..torch._tensors import TorchKind
 from ._export import METADATA, export, write_rank_file
 from ._images import MemoryCopy, committed_step, memory_copies, memory_tree
 from ._run import Run, RunMember, normalize_id, step_of
@@ -34,6 +36,13 @@ from ._writer import distcp_name
 __all__ = ["FlashStorageReader"]
 
 log = logging.getLogger(__name__)
+
+_TORCH = TorchKind()
+_BATCH_BYTES = 256 << 20
+_ENTRY_BYTES = 512
+"""Bound on what an item adds to a slot's image beyond its bytes in the file (header entry, alignment, recipe)."""
+_HEADER_BYTES = 64 << 10
+"""Bound on the rest of an image's header (the saved tree's skeleton)."""
 
 
 def _rank_of(relative_path: str) -> int | None:
@@ -62,6 +71,8 @@ class FlashStorageReader(RunMember, StorageReader):
         self._step: int | None = None
         self._last_load: LoadInfo | None = None
         self._start = time.perf_counter()
+        self._rank = 0
+        self._coordinator = True
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -107,6 +118,8 @@ class FlashStorageReader(RunMember, StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
+        self._coordinator = is_coordinator
+        self._rank = kwargs.get("rank", dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -139,9 +152,24 @@ class FlashStorageReader(RunMember, StorageReader):
             run.saw(self._step)
             run.engine.finish_load(self._step, source, self._start, checkpoint_id=self.path)
         self._last_load = LoadInfo(self._step, source, time.perf_counter() - self._start)
+        self._prepare_next_saves(run)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _prepare_next_saves(self, run: Run) -> None:
+        """Size the run's slots for the saves that follow this load, in the background, so that
+        the first of them copies into ready memory (a resume loads before it saves): as large as
+        this rank's save that was loaded, its image in memory or its file on storage (DCP's plan
+        gives a rank the same items again at the same world size)."""
+        copy = self._copies.get(self._rank)
+        if copy is not None:
+            size = copy.image_len
+        else:
+            size = _image_bound(self.path, distcp_name(self._rank), self._coordinator,
+                                sum(info.relative_path == distcp_name(self._rank) for info in self.storage_data.values()))
+        if size:
+            run.engine.prepare_image(size)
 
     def _read_from_memory(self, saved: dict[str, Any], items: list[ReadItem], planner: LoadPlanner) -> None:
         """Each item straight from its tensor in the slot (one copy) when the image keeps items
@@ -153,18 +181,21 @@ class FlashStorageReader(RunMember, StorageReader):
             return
         frames = memoryview(saved["frames"].numpy())
         data = saved["data"]
+        batch = _Batch(planner)
         for item in items:
             index, start, length = places[self.storage_data[item.storage_index].offset]
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(bytes(frames[start:start + length])))
                 continue
-            _fill(planner, item, data[index])
+            batch.add(item, data[index])
+        batch.flush()
 
     def _read_from_file_bytes(self, saved: dict[str, Any], items: list[ReadItem], planner: LoadPlanner) -> None:
         """What ``FileSystemReader`` does with a file, over the file's bytes rebuilt from the image."""
         whole = io.BytesIO()
         write_rank_file(whole, saved)
         view = whole.getbuffer()
+        batch = _Batch(planner)
         try:
             for item in items:
                 info = self.storage_data[item.storage_index]
@@ -172,20 +203,56 @@ class FlashStorageReader(RunMember, StorageReader):
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, record)
                     continue
-                _fill(planner, item, torch.load(record, map_location="cpu", weights_only=True))
+                batch.add(item, torch.load(record, map_location="cpu", weights_only=True))
+            batch.flush()
         finally:
             del view
 
 
-def _fill(planner: LoadPlanner, item: ReadItem, saved: torch.Tensor) -> None:
-    """Copy the part of ``saved`` that ``item`` reads into the planner's tensor for it."""
-    source = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
-    target = planner.resolve_tensor(item).detach()
-    if target.size() != source.size():
-        raise RuntimeError(f"{item.storage_index} has shape {tuple(source.size())} in memory, "
-                           f"the load wants {tuple(target.size())}")
-    target.copy_(source)
-    planner.commit_tensor(item, target)
+class _Batch:
+    """Tensor reads resolved by the planner, copied together and then committed, in item order:
+    one multi-threaded byte copy of the contiguous host ones (``flashckpt.torch``'s copy, as a
+    load of the core's), where DCP's readers copy item by item on one thread. At most about
+    ``_BATCH_BYTES`` are resolved and not yet committed at once (a planner may resolve into
+    temporary tensors that its ``commit_tensor`` copies on)."""
+
+    def __init__(self, planner: LoadPlanner) -> None:
+        self._planner = planner
+        self._reads: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
+        self._bytes = 0
+
+    def add(self, item: ReadItem, saved: torch.Tensor) -> None:
+        """Read the part of ``saved`` that ``item`` names (copied at the latest by :meth:`flush`)."""
+        source = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+        target = self._planner.resolve_tensor(item).detach()
+        if target.size() != source.size():
+            raise RuntimeError(f"{item.storage_index} has shape {tuple(source.size())} in memory, "
+                               f"the load wants {tuple(target.size())}")
+        self._reads.append((item, target, source))
+        self._bytes += target.nbytes
+        if self._bytes >= _BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Copy the reads added so far, then commit them to the planner."""
+        reads, self._reads, self._bytes = self._reads, [], 0
+        if not reads:
+            return
+        _TORCH.copy([target for _, target, _ in reads], [source for _, _, source in reads])
+        for item, target, _ in reads:
+            self._planner.commit_tensor(item, target)
+
+
+def _image_bound(folder: str, name: str, coordinator: bool, items: int) -> int:
+    """About the bytes (never fewer) of the image a save of the items in file ``name`` of
+    ``folder`` takes (with the ``.metadata`` on the coordinator); 0 without such a file."""
+    try:
+        size = os.path.getsize(os.path.join(folder, name))
+        if coordinator:
+            size += os.path.getsize(os.path.join(folder, METADATA))
+    except OSError:
+        return 0
+    return size + items * _ENTRY_BYTES + _HEADER_BYTES
 
 
 def _item_places(saved: dict[str, Any]) -> dict[int, tuple[int, int, int]]:

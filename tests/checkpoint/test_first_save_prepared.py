@@ -20,20 +20,6 @@ def _state(numel: int = STATE_BYTES // 4) -> dict:
     return {"w": torch.arange(numel, dtype=torch.float32), "step": 3}
 
 
-@pytest.fixture
-def populates(monkeypatch):
-    """Every population of slot pages (fresh shared memory), by the thread that did it."""
-    calls: list[str] = []
-    real = _slot._populate_write
-
-    def counted(mm):
-        calls.append(threading.current_thread().name)
-        return real(mm)
-
-    monkeypatch.setattr(_slot, "_populate_write", counted)
-    return calls
-
-
 def _save_maps_nothing(ck: Checkpointer, state: dict, populates: list[str]) -> None:
     slots = ck.engine.slots
     slots.prepared()
