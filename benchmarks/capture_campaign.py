@@ -12,8 +12,10 @@ optimizer update). torchrun restarts the job, which loads and trains to the end.
 - the step loaded after the restart, and the steps lost: the newest step any rank finished
   (the killed step itself when the kill came inside an update, which the other ranks finish)
   minus the step loaded; without capture it would be the steps since the newest save;
-- whether every rank's final weights equal an uninterrupted run's (the data order is a
-  function of the step, so this holds only if the restart resumed exactly at the loaded step).
+- whether every rank's final weights equal those of an uninterrupted run of the same job
+  (run first, once per world size: gloo's all-reduce order makes the floats a function of the
+  world size), bit for bit: the data order is a function of the step, so this holds only if the
+  restart resumed exactly at the loaded step.
 
 Prints one line per kill and a summary per world size; writes every kill to JSON.
 """
@@ -34,24 +36,34 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tests.capture._train import reference  # noqa: E402
-
 TRAIN = REPO / "tests" / "capture" / "_train.py"
 PHASES = ["kill9-data", "kill9-forward", "kill9", "kill9-update"]  # kill9: in backward's all-reduce
 
 
-def one_kill(world: int, steps: int, save_every: int, rank: int, step: int, phase: str, ref: dict) -> dict:
+def run_job(world: int, steps: int, save_every: int, work: Path, *faults: str) -> subprocess.CompletedProcess:
+    out = work / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "--max-restarts=1", "--monitor-interval=0.1", str(TRAIN), str(work / "ckpt"), str(out), str(steps), "-",
+           *faults]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "CAPTURE_SAVE_EVERY": str(save_every)})
+
+
+def uninterrupted(world: int, steps: int, save_every: int) -> list[dict]:
+    """Every rank's final weights of the job run without a fault."""
+    with tempfile.TemporaryDirectory(prefix="flashckpt-capture-") as work:
+        proc = run_job(world, steps, save_every, Path(work))
+        if proc.returncode != 0:
+            raise RuntimeError(f"the uninterrupted run failed: {proc.stderr[-3000:]}")
+        return [torch.load(Path(work) / "out" / f"final{r}.pt") for r in range(world)]
+
+
+def one_kill(world: int, steps: int, save_every: int, rank: int, step: int, phase: str, ref: list[dict]) -> dict:
     with tempfile.TemporaryDirectory(prefix="flashckpt-capture-") as work:
         out = Path(work) / "out"
-        out.mkdir()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "--max-restarts=1", "--monitor-interval=0.1", str(TRAIN), str(Path(work) / "ckpt"), str(out),
-               str(steps), "-", f"{phase}:{rank}:{step}:0"]
         began = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "CAPTURE_SAVE_EVERY": str(save_every)})
+        proc = run_job(world, steps, save_every, Path(work), f"{phase}:{rank}:{step}:0")
         seconds = time.monotonic() - began
         finished = step if phase == "kill9-update" else step - 1
         result = {"world": world, "rank": rank, "step": step, "phase": phase, "seconds": seconds,
@@ -65,7 +77,7 @@ def one_kill(world: int, steps: int, save_every: int, rank: int, step: int, phas
         result["captured"] = loaded[0]["captured"]
         result["same_on_every_rank"] = all(l == loaded[0] for l in loaded)
         result["lost"] = finished - result["loaded"]
-        result["exact"] = all(all(torch.equal(torch.load(out / f"final{r}.pt")[k], v) for k, v in ref.items())
+        result["exact"] = all(all(torch.equal(torch.load(out / f"final{r}.pt")[k], v) for k, v in ref[r].items())
                               for r in range(world))
         return result
 
@@ -84,7 +96,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     for world in map(int, a.worlds.split(",")):
-        ref = reference(world, a.steps)
+        ref = uninterrupted(world, a.steps, a.save_every)
         for i in range(a.kills):
             r = one_kill(world, a.steps, a.save_every, rng.randrange(world), rng.randint(2, a.steps - 1),
                          rng.choice(PHASES), ref)

@@ -2,7 +2,7 @@
 
     python benchmarks/save_load.py [--size small|large|both] [--repeats 5]
                                    [--dir DIR] [--json results/save_load.json]
-                                   [--methods floor,flashckpt,torch,dcp,dlrover,lmres,tckpt,dd]
+                                   [--methods floor,flashckpt,torch,dcp,dlrover,lmres,tckpt,mlf,dd]
 
 (``--methods dlrover-memory``: DLRover's MEMORY saves and load only, no DISK runs and
 no torchrun restarts -- its save stall at a fraction of the time.)
@@ -41,6 +41,10 @@ What is timed, and the floor each ratio is taken against:
   staged (``lock()`` free again), until its write future resolves (**) and after the
   driver fsyncs its files (durable); a new process loads from storage (no memory tier).
   (**) It never fsyncs: that time is not durability.
+- ml-flashpoint 0.0.10 (Google) ``MemoryStorageWriter``/``Reader`` in .bench-mlf (subprocess,
+  _mlf_peer.py; its C++ extensions built from the sdist): ``dcp.save`` into its tmpfs
+  buffers + ``finalize_checkpoint`` (blocking: the stall), one gloo rank; a new process
+  loads from that tmpfs (memory); it has no storage tier of its own.
 - dd to the same directory, buffered + conv=fsync and oflag=direct: the persist floor.
 - the read floor: flashckpt's committed files read cold with ``dd iflag=direct bs=16M``
   and with READ_THREADS threads of 16 MiB ``preadv`` (no checksums, into one reused
@@ -49,7 +53,7 @@ What is timed, and the floor each ratio is taken against:
   (flashckpt's, torch.load's, DCP's, the peers': each reads about the same bytes).
 
 A peer whose venv is missing is skipped with a note naming the setup command
-(``benchmarks/setup_peer_venv.sh dlrover|lmres|tckpt``).
+(``benchmarks/setup_peer_venv.sh dlrover|lmres|tckpt|mlf``).
 
 n in the table counts samples: a repeat takes several of some (floor copies, steady
 saves), and the torchrun restarts of DLRover run in the first repeat only.
@@ -165,6 +169,9 @@ METRICS: list[Metric] = [
     Metric("tckpt.durable_first", "torch-checkpointing written + our fsync, first", None),
     Metric("tckpt.durable_steady", "torch-checkpointing written + our fsync, steady", None),
     Metric("tckpt.load_new_process", "torch-checkpointing load, new process", "floor.read"),
+    Metric("mlf.stall_first", "ml-flashpoint dcp.save + finalize, first", "floor.save"),
+    Metric("mlf.stall_steady", "ml-flashpoint dcp.save + finalize, steady", "floor.save"),
+    Metric("mlf.load_new_process", "ml-flashpoint load from tmpfs, new process", "floor.load"),
     Metric("dd.fsync", "dd bs=16M conv=fsync", None),
     Metric("dd.direct", "dd bs=16M oflag=direct", None),
 ]
@@ -178,6 +185,7 @@ ISSUE_PEER_RATIOS: list[tuple[str, str, str]] = [
     ("lm-resiliency save stall, steady", "1.42x / 1.51x", "lmres.stall_steady"),
     ("lm-resiliency save stall, first", "3.5x / 3.7x", "lmres.stall_first"),
     ("torch-checkpointing staging (stall until staged, steady)", "1.97x / 1.7x", "tckpt.stall_steady"),
+    ("ml-flashpoint dcp.save", "8.9x / 19x", "mlf.stall_steady"),
 ]
 
 
@@ -504,7 +512,7 @@ def _peer_load(ctx: Context, key: str, result: dict[str, Any]) -> None:
         ctx.add(key, result["load"])
 
 
-# ---- the 2026 peers: lm-resiliency, torch-checkpointing (subprocesses in their venvs) ------
+# ---- the 2026 peers: lm-resiliency, torch-checkpointing, ml-flashpoint (subprocesses in their venvs) --
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -515,6 +523,7 @@ class Peer:
     label: str
     venv: str  # under the repository, made by benchmarks/setup_peer_venv.sh NAME
     saves: int  # saves a run: the first ones (fresh memory), then STEADY_SAVES steady ones
+    in_memory: bool = False  # its directory is on /dev/shm (a tmpfs tier): never evicted, read from memory
 
     @property
     def python(self) -> Path:
@@ -527,6 +536,7 @@ class Peer:
 
 LMRES = Peer(name="lmres", label="lm-resiliency", venv=".bench-lmres", saves=2 + STEADY_SAVES)
 TCKPT = Peer(name="tckpt", label="torch-checkpointing", venv=".bench-tckpt", saves=1 + STEADY_SAVES)
+MLF = Peer(name="mlf", label="ml-flashpoint", venv=".bench-mlf", saves=1 + STEADY_SAVES, in_memory=True)
 _NOT_METRICS = {"fingerprint", "last_step"}
 
 
@@ -537,6 +547,9 @@ def bench_peer(ctx: Context, peer: Peer) -> None:
         ctx.note(f"{peer.label} skipped: no {peer.venv} (run benchmarks/setup_peer_venv.sh {peer.name})")
         return
     directory = ctx.scratch(peer.name)
+    if peer.in_memory:
+        shutil.rmtree(directory)
+        directory = SHM / f"flashckpt-bench-{peer.name}-{os.getpid()}-{ctx.repeat}"
     cmd = [str(peer.python), str(peer.script)]
     where = ["--size", ctx.spec.name, "--dir", str(directory)]
     saved = run_json(cmd + ["save", *where, "--saves", str(peer.saves)])
@@ -545,7 +558,8 @@ def bench_peer(ctx: Context, peer: Peer) -> None:
         for seconds in value if isinstance(value, list) else [value]:
             if key not in _NOT_METRICS and seconds is not None:
                 ctx.add(f"{peer.name}.{key}", seconds)
-    evict(directory)
+    if not peer.in_memory:
+        evict(directory)
     _peer_load(ctx, f"{peer.name}.load_new_process", run_json(cmd + ["load", *where]))
     shutil.rmtree(directory)
 
@@ -576,6 +590,7 @@ METHODS: list[tuple[str, Callable[[Context], None]]] = [
     ("dlrover-memory", lambda ctx: bench_dlrover(ctx, ("memory",), restarts=False)),  # its save stall, quickly
     ("lmres", lambda ctx: bench_peer(ctx, LMRES)),
     ("tckpt", lambda ctx: bench_peer(ctx, TCKPT)),
+    ("mlf", lambda ctx: bench_peer(ctx, MLF)),
     ("dd", bench_dd),
 ]
 
