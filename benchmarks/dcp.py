@@ -1,7 +1,7 @@
 """Flash DCP saves side by side with stock ``torch.distributed.checkpoint``, one run, interleaved.
 
     python benchmarks/dcp.py [--size small|large|both] [--repeats 3] [--dir DIR]
-                             [--methods floor,dcp,flash,protocol] [--json results/dcp.json]
+                             [--methods floor,dcp,flash,protocol,mlf] [--json results/dcp.json]
 
 The state is the GPT-2-shaped AdamW state of ``save_load.py`` (357 MB "small", 1.49 GB
 "large"), saved with ``dcp.save`` and no process group. Each repeat runs every method
@@ -27,7 +27,10 @@ once, in an order rotated per repeat; the table shows medians and ratios to the 
   ``checkpoint_id="flashckpt://{dir}/step-N"`` (DCP's ``FsspecWriter`` / ``FsspecReader`` over
   flashckpt's fsspec protocol): stall (first, steady), durable, load from memory in a new
   process; its ratio to the writer's steady stall is printed (goal: within 2x).
-- ml-flashpoint's ``MemoryStorageWriter``: not measured (see the README's benchmark notes).
+- ml-flashpoint 0.0.10's ``MemoryStorageWriter`` (``mlf``, in .bench-mlf: benchmarks/setup_peer_venv.sh
+  mlf): ``dcp.save`` + its ``finalize_checkpoint`` into its tmpfs tier under /dev/shm, one gloo
+  rank (blocking: the stall, first and steady), and a new process loading the newest step
+  from that tmpfs through its ``MemoryStorageReader`` (benchmarks/_mlf_peer.py).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from save_load import _async_save  # noqa: E402
+from save_load import _async_save, run_json  # noqa: E402
 from _state import SPECS, ShmFloor, build_state, fingerprint, nbytes, tensors  # noqa: E402
 
 RESULT = "RESULT "
@@ -150,7 +153,29 @@ def bench_protocol(size: str, state: dict[str, Any], work: Path, samples: dict[s
     _save_then_load("protocol", size, state, work, samples)
 
 
-METHODS = {"floor": bench_floor, "dcp": bench_stock, "flash": bench_flash, "protocol": bench_protocol}
+def bench_mlf(size: str, state: dict[str, Any], work: Path, samples: dict[str, list[float]]) -> None:
+    """ml-flashpoint's ``MemoryStorageWriter`` through its driver (benchmarks/_mlf_peer.py) in
+    .bench-mlf (``benchmarks/setup_peer_venv.sh mlf``); its tmpfs tier under /dev/shm."""
+    python = HERE.parent / ".bench-mlf" / "bin" / "python"
+    if not python.exists():
+        print("  ml-flashpoint skipped: no .bench-mlf (run benchmarks/setup_peer_venv.sh mlf)", flush=True)
+        return
+    directory = SHM / f"flashckpt-dcp-mlf-{os.getpid()}"
+    cmd = [str(python), str(HERE / "_mlf_peer.py")]
+    try:
+        saved = run_json(cmd + ["save", "--size", size, "--dir", str(directory), "--saves", str(1 + STEADY)])
+        loaded = run_json(cmd + ["load", "--size", size, "--dir", str(directory)])
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    if loaded["fingerprint"] != fingerprint(state) or saved["fingerprint"] != fingerprint(state):
+        raise RuntimeError("ml-flashpoint's load in a new process read other values than were saved")
+    samples.setdefault("mlf.first", []).append(saved["stall_first"])
+    samples.setdefault("mlf.steady", []).extend(saved["stall_steady"])
+    samples.setdefault("mlf.load_new_process", []).append(loaded["load"])
+
+
+METHODS = {"floor": bench_floor, "dcp": bench_stock, "flash": bench_flash, "protocol": bench_protocol,
+           "mlf": bench_mlf}
 
 
 # ---- child processes -----------------------------------------------------------------------
@@ -294,6 +319,9 @@ def run_size(size: str, repeats: int, root: Path, methods: list[str]) -> dict[st
               and k not in ("dcp.save", "dcp.async_total")}
     if "protocol.steady" in medians and "flash.steady" in medians:
         ratios["protocol.steady_to_writer"] = medians["protocol.steady"] / medians["flash.steady"]
+    for key in ("steady", "first", "load_new_process"):  # > 1: flashckpt's writer/reader is faster
+        if f"mlf.{key}" in medians and f"flash.{key}" in medians:
+            ratios[f"mlf.{key}_over_flash"] = medians[f"mlf.{key}"] / medians[f"flash.{key}"]
     return {"bytes": nbytes(state), "samples": samples, "medians": medians, "ratios_to_floor": ratios}
 
 
@@ -326,6 +354,10 @@ def main() -> None:
             if "protocol.steady_to_writer" in result["ratios_to_floor"]:
                 print(f"  protocol steady stall / writer steady stall: "
                       f"{result['ratios_to_floor']['protocol.steady_to_writer']:.2f}x (goal <= 2x)")
+            for key in ("steady", "first", "load_new_process"):
+                if f"mlf.{key}_over_flash" in result["ratios_to_floor"]:
+                    print(f"  ml-flashpoint {key} / flashckpt writer's: "
+                          f"{result['ratios_to_floor'][f'mlf.{key}_over_flash']:.2f}x (> 1: flashckpt faster)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
