@@ -355,10 +355,7 @@ class Engine:
         held = None
         if self.placement.writes_memory and source == Source.MEMORY:
             held = next((h.image_len for _, h in self.slots.copies() if h.step == step), None)
-        if held is None:
-            self.prepare_for(state)
-        else:
-            self.slots.prepare(list(range(len(self.slots))), held)
+        self.prepare_for(state) if held is None else self.prepare_image(held)
 
     def prepare_for(self, state: Any) -> None:
         """Size this rank's slots for ``state`` in the background, so the next saves do not
@@ -372,8 +369,7 @@ class Engine:
             self.prepare_image(size)
 
     def prepare_image(self, size: int) -> None:
-        """Size this rank's slots for images of ``size`` bytes in the background (writers
-        only): for an adapter that knows the size of its next saves without their state."""
+        """Size this rank's slots for ``size``-byte images in the background (writers only)."""
         if self.placement.writes_memory:
             self.slots.prepare(list(range(len(self.slots))), size)
 
