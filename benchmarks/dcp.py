@@ -50,7 +50,8 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 from save_load import _async_save, run_json  # noqa: E402
 from _state import SPECS, ShmFloor, build_state, fingerprint, nbytes, tensors  # noqa: E402
 
