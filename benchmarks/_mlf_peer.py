@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _peer_cli import main, stopwatch  # noqa: E402
-from _state import SPECS, build_state, fingerprint  # noqa: E402
+from _state import SPECS, build_state, fingerprint, nbytes  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -73,7 +73,7 @@ def _save(args: argparse.Namespace) -> dict[str, Any]:
     saver = DefaultMLFlashpointCheckpointSaver(
         global_rank_getter=dist.get_rank, local_rank_getter=dist.get_node_local_rank,
         global_barrier_func=dist.barrier, ckpt_obj_manager=objects, replication_manager=replication,
-        initial_buffer_size_bytes=2 * sum(t.numel() * t.element_size() for t in _tensors(state)))
+        initial_buffer_size_bytes=2 * nbytes(state))
     writer = MemoryStorageWriter(checkpoint_saver=saver, mp_manager_future=ready)
     stalls: list[float] = []
     for step in range(1, args.saves + 1):
@@ -110,12 +110,6 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
                                                                                   checkpoint_loader=loader))
     seconds = elapsed()
     return {"load": seconds, "source": "memory", "loaded_step": max(steps), "fingerprint": fingerprint(state)}
-
-
-def _tensors(tree: Any) -> list:
-    from _state import tensors
-
-    return tensors(tree)
 
 
 if __name__ == "__main__":

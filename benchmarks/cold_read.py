@@ -57,8 +57,8 @@ FLOORS = {"flashckpt": "floor.flashckpt", "dcp": "floor.dcp", "torch": "floor.to
 CHILD_TIMEOUT_SECONDS = 600
 
 
-def write_all(spec_name: str, root: Path) -> tuple[dict[str, Path], float]:
-    """Each method's checkpoint of the size's state: method -> path; and the state's fingerprint."""
+def write_all(spec_name: str, root: Path) -> tuple[dict[str, Path], float, int]:
+    """Each method's checkpoint of the size's state: method -> path; the state's fingerprint and bytes."""
     from flashckpt.torch import Checkpointer
     import torch.distributed.checkpoint as dcp
 
@@ -72,7 +72,7 @@ def write_all(spec_name: str, root: Path) -> tuple[dict[str, Path], float]:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    return paths, fingerprint(state)
+    return paths, fingerprint(state), nbytes(state)
 
 
 def load_in_child(kind: str, spec_name: str, path: Path) -> dict[str, Any]:
@@ -128,9 +128,8 @@ def run_size(spec_name: str, repeats: int, root: Path) -> dict[str, Any]:
     """Every load and floor of one size, ``repeats`` times, interleaved; samples and medians."""
     work = root / spec_name
     work.mkdir()
-    paths, expected = write_all(spec_name, work)
+    paths, expected, size = write_all(spec_name, work)
     paths["torch-mmap"] = paths["torch"]
-    size = nbytes(build_state(SPECS[spec_name]))
     samples: dict[str, list[dict[str, Any]]] = {}
     jobs = LOADS + sorted(set(FLOORS.values()))
     for repeat in range(repeats):

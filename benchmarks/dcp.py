@@ -52,7 +52,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from save_load import _async_save, run_json  # noqa: E402
+from save_load import _async_save, evict, run_json  # noqa: E402
 from _state import SPECS, ShmFloor, build_state, fingerprint, nbytes, tensors  # noqa: E402
 
 RESULT = "RESULT "
@@ -67,15 +67,6 @@ def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def _evict(path: Path) -> None:
-    for file in (p for p in path.rglob("*") if p.is_file()):
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _child(*argv: str) -> dict[str, Any]:
@@ -110,7 +101,7 @@ def bench_stock(size: str, state: dict[str, Any], work: Path, samples: dict[str,
         samples.setdefault(key, []).append(value)
 
     add("dcp.save", _timed(lambda: dcp.save(state, checkpoint_id=work / "sync")))
-    _evict(work / "sync")
+    evict(work / "sync")
     add("dcp.load_cold", _timed(lambda: dcp.load(state, checkpoint_id=work / "sync")))
     stall, total = _async_save(dcp, state, work / "async", None)
     add("dcp.async_stall", stall)
@@ -145,7 +136,7 @@ def bench_flash(size: str, state: dict[str, Any], work: Path, samples: dict[str,
     saved, loaded = _save_then_load("flash", size, state, work, samples)
     samples.setdefault("flash.open_new_process", []).append(loaded["open"])
     samples.setdefault("flash.first_after_load", []).append(loaded["first_after_load"])
-    _evict(Path(saved["id"]))
+    evict(Path(saved["id"]))
     samples.setdefault("flash.load_cold_stock_reader", []).append(
         _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(saved["id"]))))
 

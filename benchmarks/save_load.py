@@ -546,10 +546,8 @@ def bench_peer(ctx: Context, peer: Peer) -> None:
     if not peer.python.exists():
         ctx.note(f"{peer.label} skipped: no {peer.venv} (run benchmarks/setup_peer_venv.sh {peer.name})")
         return
-    directory = ctx.scratch(peer.name)
-    if peer.in_memory:
-        shutil.rmtree(directory)
-        directory = SHM / f"flashckpt-bench-{peer.name}-{os.getpid()}-{ctx.repeat}"
+    directory = (SHM / f"flashckpt-bench-{peer.name}-{os.getpid()}-{ctx.repeat}" if peer.in_memory
+                 else ctx.scratch(peer.name))
     cmd = [str(peer.python), str(peer.script)]
     where = ["--size", ctx.spec.name, "--dir", str(directory)]
     saved = run_json(cmd + ["save", *where, "--saves", str(peer.saves)])

@@ -75,7 +75,7 @@ def _say_why_a_capture_is_not_loaded(views: list[dict], agreement: Agreement, as
     if not captured:
         return
     key = max(captured)
-    line, step = key
+    step = key[1]
     if agreement.step is not None and step <= agreement.step:
         return
     if asked is not None:
