@@ -58,6 +58,7 @@ def main() -> None:
     # test's failure shows them
     stacks = open(os.path.join(args.dir, f"stacks-{socket.gethostname()}-{os.getpid()}.txt"), "w")
     faulthandler.dump_traceback_later(STACK_SECONDS, file=stacks)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the test asks when it stalls
     began = time.monotonic()
     init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     rank = dist.get_rank()

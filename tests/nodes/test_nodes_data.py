@@ -28,7 +28,7 @@ import pytest
 
 from ..elastic_data.test_sampler_shard import sqlite_url
 from ._netns import Nodes, missing_requirements
-from .test_nodes_restart import RDZV_PORT, Job
+from .test_nodes_restart import AGENT, RDZV_PORT, Job
 
 WORKER = os.path.join(os.path.dirname(__file__), "_data_worker.py")
 SAMPLES = 120
@@ -54,7 +54,7 @@ class DataJob(Job):
     def start(self, i: int, nproc: int, pauses: tuple[str, ...]) -> None:
         log = open(self.tmp_path / f"torchrun-node{i}-{len(self.logs)}.log", "w")
         self.logs.append(log)
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc-per-node={nproc}",
+        argv = [sys.executable, AGENT, "--nnodes=1:2", f"--nproc-per-node={nproc}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={self.nodes.hostnames[0]}:{RDZV_PORT}",
                 f"--rdzv-id={self.nodes.namespaces[0]}", f"--rdzv-conf={self.rdzv_conf}", "--max-restarts=3",
                 "--monitor-interval=0.5", WORKER, "--dir", str(self.shared), *self.worker_args,

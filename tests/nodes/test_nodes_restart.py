@@ -10,6 +10,8 @@ first try in both store modes. Each run is bounded: a hang fails the test after 
 import glob
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +21,7 @@ import pytest
 from ._netns import Nodes, missing_requirements
 
 WORKER = os.path.join(os.path.dirname(__file__), "_worker.py")
+AGENT = os.path.join(os.path.dirname(__file__), "_torchrun.py")  # torchrun, its stacks on SIGUSR1
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RDZV_PORT = 29400  # each node has a network namespace of its own: any port is free
 STEPS = 8
@@ -43,7 +46,7 @@ class Job:
         """Node-local checkpoint directories: node i's is mounted at SHARED/ckpt on node i alone."""
         if disks:
             (self.shared / "ckpt").mkdir()
-        self.env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+        self.env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FCN_STACKS": str(self.shared)}
         self.env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         if not share_store:
             self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -54,7 +57,7 @@ class Job:
         """Start (or replace) node ``i``'s torchrun."""
         log = open(self.tmp_path / f"torchrun-node{i}-{len(self.logs)}.log", "w")
         self.logs.append(log)
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+        argv = [sys.executable, AGENT, "--nnodes=2", "--nproc-per-node=2",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={self.nodes.hostnames[0]}:{RDZV_PORT}",
                 f"--rdzv-id={self.nodes.namespaces[0]}", f"--rdzv-conf={self.rdzv_conf}", "--max-restarts=3",
                 WORKER, "--dir", str(self.shared), "--steps", str(self.steps), "--kill-rank", str(self.kill_rank),
@@ -83,14 +86,46 @@ class Job:
         if [p.returncode for p in self.agents.values()] != [0, 0]:
             self.fail("a torchrun failed")
 
+    def ask_stacks(self) -> None:
+        """Every agent and worker still running writes its threads' stacks now (SIGUSR1; each
+        registered it when it created its ``stacks-*-<pid>.txt``)."""
+        alive = {pid for i in range(len(self.nodes.namespaces)) for pid in self.nodes.pids(i)}
+        asked = False
+        for path in glob.glob(str(self.shared / "stacks-*.txt")):
+            pid = int(path[:-len(".txt")].rsplit("-", 1)[1])
+            if pid in alive:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                    asked = True
+                except ProcessLookupError:
+                    pass
+        if asked:
+            time.sleep(2.0)
+
+    def sockets(self) -> str:
+        """Each node's TCP sockets (state, queues, owner, timers): a connection stuck in
+        SYN-SENT or with a full queue shows where the bytes stopped."""
+        if shutil.which("ss") is None:
+            return ""
+        out = ""
+        for ns in self.nodes.namespaces:
+            listing = subprocess.run(["ip", "netns", "exec", ns, "ss", "-tanpo"], capture_output=True, text=True,
+                                     timeout=30)
+            out += f"\n--- TCP sockets of {ns} ---\n{listing.stdout[-8000:]}{listing.stderr[-500:]}"
+        return out
+
     def fail(self, why: str) -> None:
         codes = {i: p.poll() for i, p in self.agents.items()}
+        self.ask_stacks()
         for log in self.logs:
             log.flush()
         tails = "\n".join(f"--- {log.name} ---\n" + open(log.name).read()[-3000:] for log in self.logs)
-        for path in sorted(glob.glob(str(self.shared / "stacks-*.txt"))):  # workers slow to form their group
+        # workers slow to form their group (dumped after STACK_SECONDS), and every agent and worker still running
+        for path in sorted(glob.glob(str(self.shared / "stacks-*.txt"))):
             if os.path.getsize(path):
-                tails += f"\n--- {os.path.basename(path)} ---\n" + open(path).read()[-4000:]
+                tails += f"\n--- {os.path.basename(path)} ---\n" + open(path).read()[-6000:]
+        tails += self.sockets()
+        (self.tmp_path / "failure.txt").write_text(tails)
         pytest.fail(f"{why}: torchrun exit codes {codes} (None: still running); "
                     f"worker launches {self.events('launch')}, groups formed {self.events('start')}\n{tails}")
 
