@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from ._memory import MemoryWatch
 from ._netns import Nodes, missing_requirements
 
 WORKER = os.path.join(os.path.dirname(__file__), "_worker.py")
@@ -52,6 +53,8 @@ class Job:
             self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self.agents: dict[int, subprocess.Popen] = {}
         self.logs: list = []
+        self.memory = MemoryWatch()
+        """A failure says whether the machine ran out of memory meanwhile (it stalls everything)."""
 
     def start(self, i: int) -> None:
         """Start (or replace) node ``i``'s torchrun."""
@@ -125,8 +128,9 @@ class Job:
             if os.path.getsize(path):
                 tails += f"\n--- {os.path.basename(path)} ---\n" + open(path).read()[-6000:]
         tails += self.sockets()
-        (self.tmp_path / "failure.txt").write_text(tails)
-        pytest.fail(f"{why}: torchrun exit codes {codes} (None: still running); "
+        memory = self.memory.report()
+        (self.tmp_path / "failure.txt").write_text(f"{memory}\n{tails}")
+        pytest.fail(f"{why}: torchrun exit codes {codes} (None: still running); {memory}\n"
                     f"worker launches {self.events('launch')}, groups formed {self.events('start')}\n{tails}")
 
     def close(self) -> None:
