@@ -105,6 +105,25 @@ class Job:
         if asked:
             time.sleep(2.0)
 
+    def processes(self) -> str:
+        """Each node's processes: state (D: waiting on I/O, such as a page fault on a machine out
+        of memory), resident MB, command: a worker still importing torch has no stack file yet
+        but shows here."""
+        out = ""
+        for i, ns in enumerate(self.nodes.namespaces):
+            out += f"\n--- processes of {ns} (node{i}) ---\n"
+            for pid in self.nodes.pids(i):
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace").replace("\n", " ")
+                except OSError:
+                    continue
+                rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE") // 2**20
+                out += f"{pid} {fields[0]} {rss} MB {cmd[:160]}\n"
+        return out
+
     def sockets(self) -> str:
         """Each node's TCP sockets (state, queues, owner, timers): a connection stuck in
         SYN-SENT or with a full queue shows where the bytes stopped."""
@@ -127,7 +146,7 @@ class Job:
         for path in sorted(glob.glob(str(self.shared / "stacks-*.txt"))):
             if os.path.getsize(path):
                 tails += f"\n--- {os.path.basename(path)} ---\n" + open(path).read()[-6000:]
-        tails += self.sockets()
+        tails += self.processes() + self.sockets()
         memory = self.memory.report()
         (self.tmp_path / "failure.txt").write_text(f"{memory}\n{tails}")
         pytest.fail(f"{why}: torchrun exit codes {codes} (None: still running); {memory}\n"
