@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .._options import Options
 from ._run import check_store_free, normalize_id, run_for, store_of
@@ -62,12 +63,17 @@ def prepare(state_dict: dict[str, Any], folder: str | os.PathLike, *, store: str
     run.writing()
     coordinator = run.rank == 0
     planner = planner or DefaultSavePlanner()
-    planner.set_up_planner(state_dict, None, coordinator)
+    planner.set_up_planner(_plain(state_dict), None, coordinator)
     plan = planner.create_local_plan()
     tree, _ = rank_tree(checkpoint_id, run.rank, plan, planner)
     if coordinator:  # the .metadata the coordinator's save also holds
         tree["dcp"]["metadata"] = torch.empty(_metadata_bound(plan, run.world_size), dtype=torch.uint8)
     run.engine.prepare_for(tree)
+
+
+def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state dict as ``dcp.save`` plans it: each ``Stateful`` value as its state dict."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 def _metadata_bound(plan: Any, world_size: int) -> int:
