@@ -47,7 +47,9 @@ def prepare(state_dict: dict[str, Any], folder: str | os.PathLike, *, store: str
     this itself. ``store``, ``options``, ``process_group`` and shorthands: as the writer's
     (the run must be opened with the writer's options; through the protocol, fsspec's
     storage options are taken when none are given); ``planner``: the save's, if not DCP's
-    default. A collective: all ranks must call this, each with its state dict.
+    default. A collective: all ranks must call this, each with its state dict. Not with
+    ``dcp.async_save``'s process executor: its checkpoint process saves and holds the run, so
+    the trainer must not (as after a load there, call :func:`~flashckpt.dcp.close` first).
     """
     text = os.fspath(folder)
     if text.startswith(f"{PROTOCOL}:"):
