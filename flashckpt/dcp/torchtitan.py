@@ -155,7 +155,7 @@ class FlashCheckpointManager(CheckpointManager):
                 os.makedirs(self._latest.checkpoint_id, exist_ok=True)
         before = self._last_load
         loaded = super()._load(step)
-        if self._last_load is before:  # a fresh start, or a load that was not flash's: the first save is readied here
+        if self._last_load is before and not self.load_only:  # a fresh start, or torchtitan's own load
             prepare(self._flattened_model_states_sd(), self.folder, store=self._store, options=self._options)
         return loaded
 
