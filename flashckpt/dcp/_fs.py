@@ -40,7 +40,6 @@ from ._fs_read import METADATA, MemoryFile, file_copy, folder_files, job_of, mem
 from ._fs_saves import DISTCP, METADATA_TMP, Saves
 from ._images import MemoryCopy, committed_step
 from ._run import STORE_NAME, run_for, step_of
-from ._writer import distcp_name
 from ._url import PROTOCOL, chained_error, local_path
 
 __all__ = ["FlashFileSystem"]
@@ -125,7 +124,7 @@ class FlashFileSystem(AbstractFileSystem):
         if store is not None and (name == METADATA or DISTCP.fullmatch(name)):
             copy = file_copy(job_of(store, self.options), store, path)
             if name == METADATA:
-                self._open_run(store, folder, copy)
+                self._open_run(store, copy)
             if copy is not None:
                 _record(path, "memory")
                 if name == METADATA:
@@ -140,22 +139,20 @@ class FlashFileSystem(AbstractFileSystem):
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{PROTOCOL}://{path}: not in this node's memory, not on storage") from None
 
-    def _open_run(self, store: str, folder: str, copy: MemoryCopy | None) -> None:
+    def _open_run(self, store: str, copy: MemoryCopy | None) -> None:
         """A load (every rank reads ``.metadata``) opens the run over ``store``, as
         :class:`~flashckpt.dcp.FlashStorageReader` does: :func:`flashckpt.dcp.close` then
         persists what only memory holds and frees it. A store no run ever used, or one another
         live process holds (a load beside a running job), is only read. A collective at the
         store's first use in this process, like a save's first file. From memory, later saves
-        count from the loaded step, and this rank's slots are sized for them in the background."""
+        count from the loaded step. (The slots are not sized here for the next saves, as the
+        reader sizes them after its load: here, before the bytes are read, that would compete
+        with the load.)"""
         if not os.path.isdir(store) or holder(store) is not None:
             return
         run = run_for(store, self.options)
-        if copy is None:
-            return
-        run.saw(copy.step)
-        own = file_copy(job_of(store, self.options), store, os.path.join(folder, distcp_name(run.rank)))
-        if own is not None:
-            run.engine.prepare_image(own.image_len)
+        if copy is not None:
+            run.saw(copy.step)
 
     def _export_committed(self, folder: str, store: str) -> None:
         """Write the stock files of a save of ``folder`` that committed but was never
