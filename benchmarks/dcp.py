@@ -22,11 +22,13 @@ once, in an order rotated per repeat; the table shows medians and ratios to the 
   as a crash would; a NEW process loads it with ``FlashStorageReader`` from memory (the
   reader's construction timed apart) and, 2 s of "training" later, saves once more (the
   first save of a resumed run, whose slots the load sized); then a cold ``dcp.load`` of the stock files with
-  stock ``FileSystemReader`` (page cache dropped with posix_fadvise).
+  stock ``FileSystemReader`` (page cache dropped with posix_fadvise); and a fresh process that
+  calls ``flashckpt.dcp.prepare(state, dir)`` once its state exists (``prepare_call``: its
+  seconds), trains 2 s, then saves for the first time (``first_prepared``).
 - flashckpt protocol: the same with no writer and reader, only
   ``checkpoint_id="flashckpt://{dir}/step-N"`` (DCP's ``FsspecWriter`` / ``FsspecReader`` over
   flashckpt's fsspec protocol): stall (first, steady), durable, load from memory in a new
-  process; its ratio to the writer's steady stall is printed (goal: within 2x).
+  process, first save after ``prepare``; its ratio to the writer's steady stall is printed (goal: within 2x).
 - ml-flashpoint 0.0.10's ``MemoryStorageWriter`` (``mlf``, in .bench-mlf: benchmarks/setup_peer_venv.sh
   mlf): ``dcp.save`` + its ``finalize_checkpoint`` into its tmpfs tier under /dev/shm, one gloo
   rank (blocking: the stall, first and steady), and a new process loading the newest step
@@ -127,6 +129,9 @@ def _save_then_load(name: str, size: str, state: dict[str, Any], work: Path,
         raise RuntimeError(f"the {name} load in a new process read {loaded['source']}, fingerprint "
                            f"{loaded['fingerprint']} (saved {fingerprint(state)})")
     samples.setdefault(f"{name}.load_new_process", []).append(loaded["seconds"])
+    prepared = _child(f"{name}-prepared", "--size", size, "--dir", str(work / "prepared"))
+    samples.setdefault(f"{name}.first_prepared", []).append(prepared["first"])
+    samples.setdefault(f"{name}.prepare_call", []).append(prepared["prepare"])
     return saved, loaded
 
 
@@ -174,7 +179,8 @@ METHODS = {"floor": bench_floor, "dcp": bench_stock, "flash": bench_flash, "prot
 
 def child_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("kind", choices=["floor-load", "flash-save", "flash-load", "protocol-save", "protocol-load"])
+    parser.add_argument("kind", choices=["floor-load", "flash-save", "flash-load", "flash-prepared", "protocol-save",
+                                         "protocol-load", "protocol-prepared"])
     parser.add_argument("--size", required=True)
     parser.add_argument("--path")
     parser.add_argument("--dir")
@@ -195,6 +201,8 @@ def child_main(argv: list[str]) -> None:
         result = _flash_save(state, Path(args.dir))
     elif args.kind == "flash-load":
         result = _flash_load(state, args.id)
+    elif args.kind.endswith("-prepared"):
+        result = _prepared_first(state, Path(args.dir), args.kind == "protocol-prepared")
     elif args.kind == "protocol-save":
         result = _protocol_save(state, Path(args.dir))
     else:
@@ -255,6 +263,31 @@ def _flash_load(state: dict[str, Any], target: str) -> dict[str, Any]:
     return result
 
 
+def _prepared_first(state: dict[str, Any], work: Path, protocol: bool) -> dict[str, Any]:
+    """A fresh process that calls ``flashckpt.dcp.prepare`` once its state exists, trains
+    ``AFTER_LOAD`` s, then saves for the first time (writer, or ``flashckpt://``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from flashckpt.dcp import FlashStorageWriter, close, prepare
+
+    if protocol:
+        _protocol()
+    start = time.perf_counter()
+    prepare(state, f"flashckpt://{work}" if protocol else work, **({} if protocol else {"keep_last": 2}))
+    seconds = time.perf_counter() - start
+    time.sleep(AFTER_LOAD)  # training, before the first save
+    target = str(work / "step-0")
+    gc.collect()
+    start = time.perf_counter()
+    if protocol:
+        dcp.save(state, checkpoint_id=f"flashckpt://{target}")
+    else:
+        dcp.save(state, storage_writer=FlashStorageWriter(target, keep_last=2))
+    first = time.perf_counter() - start
+    close()
+    return {"prepare": seconds, "first": first}
+
+
 def _protocol() -> None:
     import fsspec.config
     from fsspec.registry import known_implementations
@@ -275,7 +308,7 @@ def _protocol_load(state: dict[str, Any], target: str) -> dict[str, Any]:
     import fsspec
     import torch.distributed.checkpoint as dcp
 
-    from flashckpt.dcp import FlashStorageReader, close
+    from flashckpt.dcp import close
 
     _protocol()
     url = f"flashckpt://{target}"
@@ -284,8 +317,7 @@ def _protocol_load(state: dict[str, Any], target: str) -> dict[str, Any]:
     dcp.load(state, checkpoint_id=url)
     seconds = time.perf_counter() - start
     source = fsspec.filesystem("flashckpt").last_source(f"{url}/__0_0.distcp")
-    FlashStorageReader(target, keep_last=2)  # the protocol's reads open no run: this one frees the save's memory
-    close()
+    close()  # the load opened the run: its memory is freed
     return {"seconds": seconds, "source": source}
 
 
@@ -308,7 +340,7 @@ def run_size(size: str, repeats: int, root: Path, methods: list[str]) -> dict[st
     floor_save, floor_load = medians["floor.save"], medians["floor.load_new_process"]
     ratios = {k: v / (floor_load if "load_new_process" in k or "open_new" in k else floor_save)
               for k, v in medians.items() if not k.startswith("floor.") and "cold" not in k and "durable" not in k
-              and k not in ("dcp.save", "dcp.async_total")}
+              and "prepare_call" not in k and k not in ("dcp.save", "dcp.async_total")}
     if "protocol.steady" in medians and "flash.steady" in medians:
         ratios["protocol.steady_to_writer"] = medians["protocol.steady"] / medians["flash.steady"]
     for key in ("steady", "first", "load_new_process"):  # > 1: flashckpt's writer/reader is faster

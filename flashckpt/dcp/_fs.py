@@ -34,11 +34,12 @@ from fsspec.utils import stringify_path
 
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._options import OPTION_NAMES, Options, resolve_options
+from ..storage._run_lock import holder
 from ._export import export
 from ._fs_read import METADATA, MemoryFile, file_copy, folder_files, job_of, memory_folders, metadata_bytes
 from ._fs_saves import DISTCP, METADATA_TMP, Saves
-from ._images import committed_step
-from ._run import STORE_NAME, step_of
+from ._images import MemoryCopy, committed_step
+from ._run import STORE_NAME, run_for, step_of
 from ._url import PROTOCOL, chained_error, local_path
 
 __all__ = ["FlashFileSystem"]
@@ -122,6 +123,8 @@ class FlashFileSystem(AbstractFileSystem):
         store = _store(folder)
         if store is not None and (name == METADATA or DISTCP.fullmatch(name)):
             copy = file_copy(job_of(store, self.options), store, path)
+            if name == METADATA:
+                self._open_run(store, copy)
             if copy is not None:
                 _record(path, "memory")
                 if name == METADATA:
@@ -135,6 +138,21 @@ class FlashFileSystem(AbstractFileSystem):
             return open(path, "rb")
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{PROTOCOL}://{path}: not in this node's memory, not on storage") from None
+
+    def _open_run(self, store: str, copy: MemoryCopy | None) -> None:
+        """A load (every rank reads ``.metadata``) opens the run over ``store``, as
+        :class:`~flashckpt.dcp.FlashStorageReader` does: :func:`flashckpt.dcp.close` then
+        persists what only memory holds and frees it. A store no run ever used, or one another
+        live process holds (a load beside a running job), is only read. A collective at the
+        store's first use in this process, like a save's first file. From memory, later saves
+        count from the loaded step. (The slots are not sized here for the next saves, as the
+        reader sizes them after its load: here, before the bytes are read, that would compete
+        with the load.)"""
+        if not os.path.isdir(store) or holder(store) is not None:
+            return
+        run = run_for(store, self.options)
+        if copy is not None:
+            run.saw(copy.step)
 
     def _export_committed(self, folder: str, store: str) -> None:
         """Write the stock files of a save of ``folder`` that committed but was never

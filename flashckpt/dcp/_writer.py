@@ -30,7 +30,7 @@ from .._options import Options
 from ._framing import framing
 from ._run import EXPORTER, Run, RunMember, check_store_free, normalize_id
 
-__all__ = ["FlashStorageWriter", "distcp_name"]
+__all__ = ["FlashStorageWriter", "distcp_name", "rank_tree"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,41 @@ log = logging.getLogger(__name__)
 def distcp_name(rank: int) -> str:
     """The stock DCP file of ``rank``'s items."""
     return f"__{rank}_0.distcp"
+
+
+def rank_tree(checkpoint_id: str, rank: int, plan: SavePlan, planner: SavePlanner
+              ) -> tuple[dict[str, Any], list[WriteResult]]:
+    """The tree a save of ``rank``'s planned items holds (see the module doc; without the
+    coordinator's ``.metadata``), and DCP's write result of each item. Tensors are the
+    planner's, not copied."""
+    name = distcp_name(rank)
+    frames = bytearray()
+    data: list[torch.Tensor] = []
+    recipe: list[int] = []
+    results: list[WriteResult] = []
+    offset = 0
+    for item in plan.items:
+        resolved = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            raw = resolved.getbuffer()
+            frames += raw
+            recipe += (len(raw), -1, 0)
+            length = len(raw)
+        else:
+            tensor = resolved.detach()
+            prefix, suffix = framing(tensor.dtype, tuple(tensor.shape))
+            frames += prefix
+            frames += suffix
+            recipe += (len(prefix), len(data), len(suffix))
+            data.append(tensor)
+            length = len(prefix) + tensor.numel() * tensor.element_size() + len(suffix)
+        results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                   storage_data=_StorageInfo(name, offset, length)))
+        offset += length
+    tree = {"dcp": {"checkpoint_id": checkpoint_id, "file": name, "file_bytes": offset, "items": True,
+                    "frames": torch.frombuffer(frames, dtype=torch.uint8) if frames else torch.empty(0, dtype=torch.uint8),
+                    "recipe": torch.tensor(recipe, dtype=torch.int64), "data": data}}
+    return tree, results
 
 
 class FlashStorageWriter(RunMember, StorageWriter):
@@ -90,33 +125,7 @@ class FlashStorageWriter(RunMember, StorageWriter):
         run = self._run()
         run.writing()
         step = run.next_step(self.path)
-        name = distcp_name(self._rank)
-        frames = bytearray()
-        data: list[torch.Tensor] = []
-        recipe: list[int] = []
-        results: list[WriteResult] = []
-        offset = 0
-        for item in plan.items:
-            resolved = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                raw = resolved.getbuffer()
-                frames += raw
-                recipe += (len(raw), -1, 0)
-                length = len(raw)
-            else:
-                tensor = resolved.detach()
-                prefix, suffix = framing(tensor.dtype, tuple(tensor.shape))
-                frames += prefix
-                frames += suffix
-                recipe += (len(prefix), len(data), len(suffix))
-                data.append(tensor)
-                length = len(prefix) + tensor.numel() * tensor.element_size() + len(suffix)
-            results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                       storage_data=_StorageInfo(name, offset, length)))
-            offset += length
-        tree = {"dcp": {"checkpoint_id": self.path, "file": name, "file_bytes": offset, "items": True,
-                        "frames": torch.frombuffer(frames, dtype=torch.uint8) if frames else torch.empty(0, dtype=torch.uint8),
-                        "recipe": torch.tensor(recipe, dtype=torch.int64), "data": data}}
+        tree, results = rank_tree(self.path, self._rank, plan, planner)
         if self._coordinator:  # saved with the .metadata once every rank wrote (finish)
             self._pending = (run, step, tree)
         else:

@@ -14,6 +14,9 @@ What changes, and why:
   mode saves this way; on CPU it also spares ``async_with_pinned_mem``'s stager, which
   needs an accelerator.
 - **Loads** go through :class:`~flashckpt.dcp.FlashStorageReader` (memory first).
+- **The first save** of a fresh start (or after torchtitan's own load of an
+  ``initial_load_path``) is readied at ``load`` (:func:`~flashckpt.dcp.prepare`): it blocks
+  only for its copy, as the later ones do; a flash load readies it itself.
 - **The newest step** comes from :func:`~flashckpt.dcp.latest_checkpoint`, not from
   listing ``step-N`` folders that hold a ``.metadata``: after a crash the newest save may
   be in memory only. torchtitan then checks that ``step-N`` is a folder before loading, so
@@ -45,6 +48,7 @@ from torchtitan.tools.utils import GarbageCollection
 from .._engine import LoadInfo
 from .._options import Options
 from ._latest import Latest, latest_checkpoint
+from ._prepare import prepare
 from ._reader import FlashStorageReader
 from ._run import close_all
 from ._writer import FlashStorageWriter
@@ -149,7 +153,11 @@ class FlashCheckpointManager(CheckpointManager):
                 self._latest = None
             else:  # torchtitan checks it is a folder; a save only in memory has none yet
                 os.makedirs(self._latest.checkpoint_id, exist_ok=True)
-        return super()._load(step)
+        before = self._last_load
+        loaded = super()._load(step)
+        if self._last_load is before and not self.load_only:  # a fresh start, or torchtitan's own load
+            prepare(self._flattened_model_states_sd(), self.folder, store=self._store, options=self._options)
+        return loaded
 
     def _find_load_step(self, folder: str = "") -> int:
         if self._latest is not None and folder in ("", self.folder):

@@ -1,0 +1,85 @@
+"""``prepare``: the first flash DCP save of a fresh run made as cheap as the ones after it.
+
+A save copies into the rank's shared-memory slots, through the node's saver. In a fresh
+process the first save would also start the run (the saver process: most of a second)
+and touch the slots' fresh pages (more than the copy itself), and nothing a
+``StorageWriter`` hears from DCP comes early enough to hide that: DCP calls
+``set_up_storage_writer``, ``prepare_local_plan`` and ``write_data`` within one ``dcp.save``,
+milliseconds apart, and torchtitan makes the writer just before. So :func:`prepare`, called
+once the state exists and before training (a resume's load does the same itself, see
+:class:`~flashckpt.dcp.FlashStorageReader`), opens the run and sizes the slots from the
+rank's own DCP plan of the state, in the background.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .._options import Options
+from ._run import check_store_free, normalize_id, run_for, store_of
+from ._url import PROTOCOL, local_path
+from ._writer import rank_tree
+
+__all__ = ["prepare"]
+
+_ITEM_METADATA = 512
+"""Bound on what an item adds to the pickled ``.metadata`` (its storage entry and chunk)."""
+
+
+def prepare(state_dict: dict[str, Any], folder: str | os.PathLike, *, store: str | os.PathLike | None = None,
+            options: Options | None = None, process_group: Any = None, planner: SavePlanner | None = None,
+            **shorthands: Any) -> None:
+    """Ready the flash DCP saves of ``state_dict`` into ``folder`` (the folder the
+    checkpoint ids are in, ``<folder>/step-N``; ``flashckpt://...`` for saves through the
+    protocol): open the run over the folder's store, start its saver, and size this rank's
+    shared-memory slots for the save in the background, so that the first ``dcp.save``
+    blocks only for its copy, as the later ones do. Nothing is saved.
+
+    Call it once the state exists (model and optimizer built, their state dict as it will
+    be saved) and before the first save; a load through :class:`FlashStorageReader` does
+    this itself. ``store``, ``options``, ``process_group`` and shorthands: as the writer's
+    (the run must be opened with the writer's options; through the protocol, fsspec's
+    storage options are taken when none are given); ``planner``: the save's, if not DCP's
+    default. A collective: all ranks must call this, each with its state dict. Not with
+    ``dcp.async_save``'s process executor: its checkpoint process saves and holds the run, so
+    the trainer must not (as after a load there, call :func:`~flashckpt.dcp.close` first).
+    """
+    text = os.fspath(folder)
+    if text.startswith(f"{PROTOCOL}:"):
+        text = local_path(text)
+        if options is None and not shorthands:
+            import fsspec
+
+            options = fsspec.filesystem(PROTOCOL).options
+    checkpoint_id = normalize_id(os.path.join(text, "_"))  # the store of every id in folder
+    run_store = store_of(checkpoint_id, store)
+    check_store_free(run_store)
+    run = run_for(run_store, options, process_group, **shorthands)
+    run.writing()
+    coordinator = run.rank == 0
+    planner = planner or DefaultSavePlanner()
+    planner.set_up_planner(_plain(state_dict), None, coordinator)
+    plan = planner.create_local_plan()
+    tree, _ = rank_tree(checkpoint_id, run.rank, plan, planner)
+    if coordinator:  # the .metadata the coordinator's save also holds
+        tree["dcp"]["metadata"] = torch.empty(_metadata_bound(plan, run.world_size), dtype=torch.uint8)
+    run.engine.prepare_for(tree)
+
+
+def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state dict as ``dcp.save`` plans it: each ``Stateful`` value as its state dict."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+
+
+def _metadata_bound(plan: Any, world_size: int) -> int:
+    """About the bytes (rather more than fewer) of the pickled ``.metadata`` of a save whose
+    every rank plans what this one does."""
+    return (len(pickle.dumps([item.index.fqn for item in plan.items])) + len(plan.items) * _ITEM_METADATA) * \
+        max(world_size, 1) + (64 << 10)
