@@ -68,7 +68,8 @@ class EngineCheckpointer:
         exception, or ``capture()`` of the returned object (the agent's hang verdict), a
         process not inside an update writes ``state_fn()`` as that step into its memory
         slot and has it persisted, once; the signal or exception then goes on as before.
-        Replicated state (``DdpCheckpointer``): local rank 0's capture serves its node;
+        Replicated state (``DdpCheckpointer``): the first local rank to capture writes the
+        node's copy, which serves every rank (local rank 0 killed, a survivor captures);
         per-rank or sharded state loads a capture only where every rank captured it.
         """
         if not self._captures_failures:
@@ -84,8 +85,8 @@ class EngineCheckpointer:
         ``optimizer``: the caller gives the step boundary."""
         engine = self._engine
         return FailureCapture(
-            state_fn, optimizer, writes=engine.placement.writes_memory,
-            save=lambda step, state: engine.save(step, state, persist=True, export=export, captured=True),
+            state_fn, optimizer,
+            save=lambda step, state: engine.save(step, state, persist=True, export=export, captured=True) is not None,
             last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle,
             settle=engine.finish_copy)
 

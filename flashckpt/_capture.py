@@ -46,20 +46,21 @@ class FailureCapture:
     """The step boundary of one optimizer and the one capture of this process.
 
     ``save(step, state)`` writes a captured step (the engine's save with ``captured=True``,
-    persisted); ``last_load()`` is the engine's ``last_load`` (a load restarts the count
-    from the loaded step); ``writes`` is False where this process keeps no copy of its
-    own (a replicated state's other local ranks): it counts, and captures nothing.
+    persisted), returning False where the memory it writes holds that step already (a
+    replicated state's node copy, which any local rank may capture: the first one's
+    serves); ``last_load()`` is the engine's ``last_load`` (a load restarts the count from
+    the loaded step).
     """
 
     def __init__(self, state_fn: Callable[[], Any], optimizer: Any, *, save: Callable[[int, Any], Any],
-                 last_load: Callable[[], Any], writes: bool, allow_pickle: bool = False,
+                 last_load: Callable[[], Any], allow_pickle: bool = False,
                  settle: Callable[[], None] = lambda: None) -> None:
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
         if optimizer is not None:
             check_optimizer(optimizer)
         self._state_fn, self._save, self._last_load = state_fn, save, last_load
-        self._writes, self._allow_pickle = writes, allow_pickle
+        self._allow_pickle = allow_pickle
         self._settle = settle
         """Waits for a save still copying (an overlapped save): a capture comes after it."""
         self._pid = os.getpid()
@@ -175,8 +176,8 @@ class FailureCapture:
 
     def capture(self, reason: str = "capture()") -> int | None:
         """Write the last finished step as a captured save, once per process; returns its
-        step, or None when nothing was written (an update in progress, no update since the
-        last save, a process that keeps no copy, closed). Any thread may call it; a second
+        step (also where another local rank wrote the node's copy of it first), or None when
+        nothing was written (an update in progress, no update since the last save, closed). Any thread may call it; a second
         call returns the first's answer (waiting for it, where another thread captures)."""
         me = threading.get_ident()
         if os.getpid() == self._pid and self._saving != me:
@@ -202,15 +203,15 @@ class FailureCapture:
             if self._steps == 0:
                 log.info("failure (%s): no optimizer step since step %d, nothing to capture", reason, step)
                 return None
-            if not self._writes:
-                log.info("failure (%s) at step %d: this process keeps no copy of its own (replicated state: local "
-                         "rank 0 captures for the node)", reason, step)
-                return None
             self._capturing = me
         try:
-            self._save(step, self._state_fn())
+            written = self._save(step, self._state_fn()) is not False
             self._captured = step
-            log.warning("failure (%s): captured step %d into memory (persisting)", reason, step)
+            if written:
+                log.warning("failure (%s): captured step %d into memory (persisting)", reason, step)
+            else:
+                log.info("failure (%s): step %d is in this node's memory already (another local rank captured it)",
+                         reason, step)
         except BaseException as exc:  # never let a capture turn one failure into another
             log.error("failure (%s): capturing step %d failed: %s: %s", reason, step, type(exc).__name__, exc)
         finally:

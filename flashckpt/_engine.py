@@ -34,7 +34,7 @@ from ._options import Options
 from ._placement import (Collective, Placement, SingleProcess, new_token,  # noqa: F401  (re-exported)
                          next_line_token, place)
 from .replicas._engine import PeerReplicas
-from .memory._slot import HEADER_SIZE, SlotState, mark_writing
+from .memory._slot import HEADER_SIZE, SlotState
 from .storage._url import open_storage
 from .memory._tree import Flat, Places, flatten, gc_paused  # noqa: F401  (gc_paused re-exported)
 
@@ -126,14 +126,16 @@ class Engine:
 
     def save(self, step: int, state: Any, *, persist: bool | None = None,
              export: dict[str, Any] | None = None, captured: bool = False,
-             defer: Callable[[Any], bool] | None = None) -> SaveHandle:
+             defer: Callable[[Any], bool] | None = None) -> SaveHandle | None:
         """Copy ``state`` into shared memory and, if due, have it persisted; returns a
         :class:`SaveHandle` to learn when it is on storage.
 
         ``export`` (``{"name": ..., "params": {...}}``, see ``flashckpt.saver._exporters``) has
         the saver also write the framework's own layout once this step is committed.
         ``captured``: a failure capture's save (``flashckpt._capture``): recorded as such
-        (``"captured": True`` in the slot's info and the image's metadata), not guarded.
+        (``"captured": True`` in the slot's info and the image's metadata), not guarded;
+        None where the slots hold this step or a newer one already (replicated state: any
+        local rank captures into the node's copy, the first one's serves).
         ``defer(tensor)``: an overlapped save; the tensors it is true for are copied on the
         copy threads after ``save`` returns (the rest before), and the caller keeps them
         unchanged until :meth:`finish_copy` returned (``flashckpt.memory._overlap``).
@@ -143,7 +145,7 @@ class Engine:
             return self._save(step, state, persist, export, captured, defer)
 
     def _save(self, step: int, state: Any, persist: bool | None, export: dict[str, Any] | None,
-              captured: bool, defer: Callable[[Any], bool] | None) -> SaveHandle:
+              captured: bool, defer: Callable[[Any], bool] | None) -> SaveHandle | None:
         if self._closed:
             raise CheckpointError("save() on a closed checkpointer")
         self.finish_copy()
@@ -154,24 +156,42 @@ class Engine:
         if self.placement.writes_memory:  # a saver stopped when this run started is needed now (bounded, named)
             self._client.link()
         self._saves += 1
+        if self._branch is None:  # a run that never loaded starts its line here (every rank: see _capture_for_node)
+            self.start_line(step - 1)
         if not self.placement.writes_memory:
+            if captured:
+                with gc_paused():
+                    return self._capture_for_node(step, state, start)
             return self._handle(step, False, (None, 0))
         with gc_paused():
             return self._save_to_memory(step, state, persist, export, start, captured, defer)
 
+    def _capture_for_node(self, step: int, state: Any, start: float) -> SaveHandle | None:
+        """A failure capture of replicated state by a local rank that keeps no copy: it
+        writes the node's copy unless the node holds ``step`` or a newer one (local rank 0,
+        or another survivor, captured it first; None then), so that the capture survives
+        local rank 0's death. The node's saver persists it once this process is gone, on
+        the node that persists (``flashckpt.saver._saver``: slots whose writer died unheard)."""
+        nodes = self.placement.nodes
+        persists_here = bool(nodes) and nodes[0] == nodes[self.collective.rank]
+        return self._save_to_memory(step, state, None, None, start, captured=True,
+                                    info=dict(self._info(None), persist=persists_here))
+
     def _save_to_memory(self, step: int, state: Any, persist: bool | None, export: dict[str, Any] | None,
-                        start: float, captured: bool = False, defer: Callable[[Any], bool] | None = None
-                        ) -> SaveHandle:
+                        start: float, captured: bool = False, defer: Callable[[Any], bool] | None = None,
+                        info: dict[str, Any] | None = None) -> SaveHandle | None:
+        """``info``: a capture of the node's copy by a local rank that keeps none
+        (:meth:`_capture_for_node`): recorded with it, and the saver is not told."""
         flat = flatten(state, allow_pickle=self.options.allow_pickle)
         mark = {"captured": True} if captured else {}
         image = plan_image([(leaf.name, leaf.dtype, leaf.shape) for leaf in flat.leaves],
                            dict(self._meta(step, flat), **mark))
-        if self._branch is None:  # a run that never loaded starts its line here
-            self.start_line(step - 1)
-        index = self.slots.choose(self._client, saver_timeout())
-        slot = self.slots.reserve(index, image.size)
-        with self.slots.lock.held():
-            header = mark_writing(slot, step, image.size, dict(self._info(export), **mark))
+        foreign = info is not None
+        claimed = self.slots.claim(self._client, saver_timeout(), image.size, step,
+                                   dict(self._info(export) if info is None else info, **mark), unless_held=captured)
+        if claimed is None:
+            return None
+        index, slot, header = claimed
         slot.mm[HEADER_SIZE:HEADER_SIZE + len(image.header)] = image.header
         later = set() if defer is None else {leaf.name for leaf in flat.leaves if defer(leaf.obj)}
         self.slots.copy_in(index, slot, image, flat, {leaf.name for leaf in flat.leaves} - later if later else None)
@@ -186,6 +206,8 @@ class Engine:
                 slot.write_header(header)
 
         def announce() -> None:
+            if foreign:
+                return
             self._client.saved(slot.path, header.generation, step, header.info, persist=due)
             other = (index + 1) % len(self.slots)
             if self.slots.capacity(other) < HEADER_SIZE + image.size:

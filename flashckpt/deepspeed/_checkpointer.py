@@ -167,8 +167,8 @@ class DeepSpeedCheckpointer:
                             f"{type(state_fn).__name__}")
         flash = self._flash
         # allow_pickle: only for comparing the trees' shapes; client_state objects are pickled anyway
-        capture = FailureCapture(state_fn or dict, None, writes=flash.placement.writes_memory,
-                                 save=self._capture_save, last_load=lambda: flash.last_load, allow_pickle=True)
+        capture = FailureCapture(state_fn or dict, None, save=self._capture_save, last_load=lambda: flash.last_load,
+                                 allow_pickle=True)
         self._capture = self._ckpt.capture_with(capture, guard_saves=False)
         self._step_wrapper = step_boundary(engine, capture)
         return capture

@@ -117,14 +117,16 @@ class RankSlots:
     def choose(self, saver: Saver, bound: float) -> int:
         """A slot the saver is not holding (reading, or due to read) that does not hold
         the newest complete copy, so a crash during this save still leaves that copy.
-        With one slot, or when the newest copy is committed, its slot may be reused.
+        With one slot, or when the newest copy is committed, its slot may be reused. A slot
+        another live process is writing (a local rank's failure capture) is never taken.
         Waits only when storage lags the requested persists, and at most ``bound`` seconds."""
         waited = time.perf_counter()
         warned = False
         while True:
             with self.lock.held():
                 headers = self.headers()
-                free = [i for i, h in enumerate(headers) if not (h.reader_pid and pid_alive(h.reader_pid))]
+                free = [i for i, h in enumerate(headers)
+                        if not (h.reader_pid and pid_alive(h.reader_pid)) and not _written_by_another(h)]
                 newest = self._newest(headers)
                 choice = [i for i in free if i != newest]
                 committed = saver.last_committed is not None and newest is not None and \
@@ -144,6 +146,36 @@ class RankSlots:
                     f"memory slot of job {self.job_id}; see {_names.saver_log_path(self.job_id)}")
             saver.drain()
             time.sleep(0.001)
+
+    def claim(self, saver: Saver, bound: float, size: int, step: int, info: dict[str, Any], *,
+              unless_held: bool = False) -> tuple[int, Slot, SlotHeader] | None:
+        """Choose a slot (:meth:`choose`), reserve it for an image of ``size`` bytes and mark
+        it WRITING ``step``, atomically against the other processes of the node: one that
+        took the slot meanwhile makes this choose again. ``unless_held``: None instead, where
+        these slots hold a complete copy of ``step`` or a newer one already, or another live
+        process is writing one (replicated state, whose failure capture any local rank of
+        the node may write: the first one's serves)."""
+        def held(headers: list[SlotHeader]) -> bool:
+            return unless_held and any(_written_by_another(h) or h.state == SlotState.COMPLETE and h.step >= step
+                                       and self._owns(h) for h in headers)
+
+        while True:
+            if self.exist():
+                with self.lock.held():
+                    if held(self.headers()):
+                        return None
+            index = self.choose(saver, bound)
+            slot = self.reserve(index, size)
+            with self.lock.held():
+                headers = self.headers()
+                if held(headers):
+                    return None
+                if not _written_by_another(headers[index]):
+                    return index, slot, mark_writing(slot, step, size, info)
+
+    def _owns(self, h: SlotHeader) -> bool:
+        """The copy in ``h`` is of this rank's own state (its directory, storage rank and world)."""
+        return all(h.info.get(k) == v for k, v in self._owner.items())
 
     def reserve(self, index: int, size: int) -> Slot:
         """Slot ``index`` mapped with room for an image of ``size`` bytes."""
@@ -282,8 +314,7 @@ class RankSlots:
         if not self.exist():
             return []
         with self.lock.held():
-            return [(i, h) for i, h in enumerate(self.headers())
-                    if h.state == SlotState.COMPLETE and all(h.info.get(k) == v for k, v in self._owner.items())]
+            return [(i, h) for i, h in enumerate(self.headers()) if h.state == SlotState.COMPLETE and self._owns(h)]
 
     def steps(self) -> dict[int, tuple[int, int]]:
         """Steps held complete: step -> (slot, generation)."""
@@ -361,6 +392,11 @@ class RankSlots:
                 except FileNotFoundError:
                     pass
         self.lock.close()
+
+
+def _written_by_another(h: SlotHeader) -> bool:
+    """Another live process is writing the slot of header ``h``."""
+    return h.state == SlotState.WRITING and h.writer_pid != os.getpid() and pid_alive(h.writer_pid)
 
 
 def page_locker(kind: TensorKind, objs: list[Any]) -> PageLocker | None:

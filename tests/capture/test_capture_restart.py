@@ -1,9 +1,11 @@
 """Failure capture end to end: a failed run's restart loads the last finished step.
 
-One ``torchrun --nproc-per-node=2 --max-restarts=2`` DDP job (gloo) takes two failures:
-rank 1 SIGKILLed inside step 33's backward (attempt 0), then a RuntimeError in rank 1's
-forward at step 47 (attempt 1). Saves go to memory every 20 steps, so without capture the
-restarts load 20 and 40; with it, 32 and 46. Single-process runs take SIGTERM after a
+One ``torchrun --nproc-per-node=2 --max-restarts=3`` DDP job (gloo) takes three failures:
+rank 1 SIGKILLed inside step 33's backward (attempt 0), a RuntimeError in rank 1's forward
+at step 47 (attempt 1), then rank 0, the local rank that keeps the node's copy, SIGKILLed
+inside step 53's backward (attempt 2): rank 1 writes the node's copy. Saves go to memory
+every 20 steps, so without capture the restarts load 20, 40 and 46 (the second capture);
+with it, 32, 46 and 52. Single-process runs take SIGTERM after a
 step, inside an update, before the first step and while the main thread waits in C++.
 """
 
@@ -39,16 +41,17 @@ def _assert_final(out, world: int, steps: int) -> None:
 def test_ddp_restart_loads_the_captured_steps(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
            "--monitor-interval=0.1", SCRIPT, str(tmp_path / "ckpt"), str(out), "60", "-",
-           "kill9:1:33:0", "raise:1:47:1"]
+           "kill9:1:33:0", "raise:1:47:1", "kill9:0:53:2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         assert _report(out, 0, rank)["step"] is None
         assert _report(out, 1, rank) == {"step": 32, "source": "memory", "captured": True}, proc.stderr[-4000:]
         assert _report(out, 2, rank) == {"step": 46, "source": "memory", "captured": True}, proc.stderr[-4000:]
-    assert "captured step 32" in proc.stderr and "captured step 46" in proc.stderr
+        assert _report(out, 3, rank) == {"step": 52, "source": "memory", "captured": True}, proc.stderr[-4000:]
+    assert all(f"captured step {step}" in proc.stderr for step in (32, 46, 52))
     assert "restored step 46 from memory" in proc.stderr and "(a failure capture)" in proc.stderr
     _assert_final(out, 2, 60)
 
