@@ -11,6 +11,8 @@ import time
 from flashckpt.storage._local import LocalStorage
 from tests._fork import run_ranks
 
+from ._steps import train_to_5
+
 
 def _model():
     import torch
@@ -24,8 +26,6 @@ def _train_to_5(directory: str, job: str, logged: list[str]):
     """Save 2 (persisted), then three updates: step 5 is the last finished one."""
     import logging
 
-    import torch
-
     from flashckpt.torch import DdpCheckpointer
 
     handler = logging.Handler(logging.INFO)
@@ -33,22 +33,14 @@ def _train_to_5(directory: str, job: str, logged: list[str]):
     logging.getLogger("flashckpt").addHandler(handler)
     logging.getLogger("flashckpt").setLevel(logging.INFO)
     model, opt = _model()
-    ckpt = DdpCheckpointer(directory, job_id=job, persist_every=100)
-    capture = ckpt.save_on_failure(lambda: {"model": model.state_dict(), "optim": opt.state_dict()}, optimizer=opt)
-    ckpt.save(2, {"model": model.state_dict(), "optim": opt.state_dict()}, persist=True)
-    ckpt.wait()
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.ones(3, 4)).sum().backward()
-        opt.step()
-    return model, capture
+    return train_to_5(DdpCheckpointer(directory, job_id=job, persist_every=100), model, opt)
 
 
 def _survivor_captures(rank: int, world: int, directory: str, job: str) -> int | None:
     """Local rank 0 ends unclosed and uncaptured, as a killed one does; rank 1 captures."""
     import torch.distributed as dist
 
-    _, capture = _train_to_5(directory, job, [])
+    capture = _train_to_5(directory, job, [])
     dist.barrier()  # rank 0 is past its last save
     return None if rank == 0 else capture.capture("test")
 
@@ -66,7 +58,7 @@ def _both_capture(rank: int, world: int, directory: str, job: str) -> tuple[int 
     import torch.distributed as dist
 
     logged: list[str] = []
-    _, capture = _train_to_5(directory, job, logged)
+    capture = _train_to_5(directory, job, logged)
     dist.barrier()
     step = capture.capture("test")
     dist.barrier()

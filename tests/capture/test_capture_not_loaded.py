@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from tests._fork import run_ranks
 
+from ._steps import train_to_5
+
 
 def _model(rank: int):
     import torch
@@ -20,19 +22,10 @@ def _model(rank: int):
 def _fail(rank: int, world: int, directory: str, job: str) -> None:
     """Save 2 (persisted), three updates, rank 0 captures 5; then the process ends unclosed,
     as a killed one does (a worker leaves through ``os._exit``: no close, no atexit)."""
-    import torch
-
     from flashckpt.torch import Checkpointer
 
     model, opt = _model(rank)
-    ckpt = Checkpointer(directory, job_id=job, persist_every=100)
-    capture = ckpt.save_on_failure(lambda: {"model": model.state_dict(), "optim": opt.state_dict()}, optimizer=opt)
-    ckpt.save(2, {"model": model.state_dict(), "optim": opt.state_dict()}, persist=True)
-    ckpt.wait()
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.ones(3, 4)).sum().backward()
-        opt.step()
+    capture = train_to_5(Checkpointer(directory, job_id=job, persist_every=100), model, opt)
     if rank == 0:
         assert capture.capture("test") == 5
 
