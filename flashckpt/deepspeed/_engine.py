@@ -123,30 +123,48 @@ def _inside(path: str, directory: str) -> bool:
 @contextmanager
 def local_only(engine: Any) -> Iterator[None]:
     """DeepSpeed's ``save_checkpoint`` on this thread without its collectives, for a failure
-    capture (a peer may be dead; every rank's files are its own under ZeRO 0-2): ``barrier``
-    and the tag check (``engine._checkpoint_tag_validation``, DeepSpeed's) do nothing here,
-    and stay themselves on every other thread."""
+    capture (a peer may be dead; every rank's files are its own under ZeRO 0-3): ``barrier``,
+    the tag check (``engine._checkpoint_tag_validation``) and ZeRO-3's re-gather of its
+    persistent parameters after the save (the optimizer's ``checkpoint_event_epilogue``; the
+    process is failing, and its forward gathers them anyway) do nothing here, and stay
+    themselves on every other thread."""
     import deepspeed.comm as ds_comm
 
     me = threading.get_ident()
-    barrier, validation = ds_comm.barrier, engine._checkpoint_tag_validation
-    own = engine.__dict__.get("_checkpoint_tag_validation")  # set on the instance before (else the class's)
+    barrier = ds_comm.barrier
 
     def local_barrier(*args: Any, **kwargs: Any) -> Any:
         return None if threading.get_ident() == me else barrier(*args, **kwargs)
 
-    def local_validation(tag: str) -> Any:
-        return None if threading.get_ident() == me else validation(tag)
+    ds_comm.barrier = local_barrier
+    try:
+        with _skipped_here(engine, "_checkpoint_tag_validation", me), \
+                _skipped_here(engine.optimizer, "checkpoint_event_epilogue", me):
+            yield
+    finally:
+        ds_comm.barrier = barrier
 
-    ds_comm.barrier, engine._checkpoint_tag_validation = local_barrier, local_validation
+
+@contextmanager
+def _skipped_here(obj: Any, name: str, thread: int) -> Iterator[None]:
+    """``obj.<name>(...)`` does nothing on ``thread`` (set on the instance; put back after)."""
+    stock = getattr(obj, name, None)
+    if stock is None:
+        yield
+        return
+    own = obj.__dict__.get(name)  # set on the instance before (else the class's)
+
+    def skipped(*args: Any, **kwargs: Any) -> Any:
+        return None if threading.get_ident() == thread else stock(*args, **kwargs)
+
+    setattr(obj, name, skipped)
     try:
         yield
     finally:
-        ds_comm.barrier = barrier
         if own is None:
-            engine.__dict__.pop("_checkpoint_tag_validation", None)
+            obj.__dict__.pop(name, None)
         else:
-            engine._checkpoint_tag_validation = own
+            setattr(obj, name, own)
 
 
 def step_boundary(engine: Any, capture: Any, *, counts: bool = True) -> Callable[..., Any]:

@@ -58,6 +58,15 @@ def train_step(engine, rank: int, step: int) -> float:
     return loss.item()
 
 
+def train_to_5(ck, engine, rank: int) -> None:
+    """Steps 1-2, a save of step 2 (client state ``gs-2``), steps 3-5."""
+    for step in (1, 2):
+        train_step(engine, rank, step)
+    ck.save(2, client_state={"marker": "gs-2"})
+    for step in (3, 4, 5):
+        train_step(engine, rank, step)
+
+
 def consolidated(engine) -> dict:
     """Full fp32 parameters (gathered under ZeRO-3); all ranks call it."""
     import deepspeed

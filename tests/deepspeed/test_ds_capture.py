@@ -63,11 +63,7 @@ def _one_process(rank, world, directory, job):
     engine = _ds_train.make_engine(2)
     with DeepSpeedCheckpointer(engine, os.path.join(directory, "run"), job_id=job + "c") as ck:
         ck.save_on_failure(lambda: {"marker": f"gs-{engine.global_steps}"})
-        for step in (1, 2):
-            _ds_train.train_step(engine, rank, step)
-        ck.save(2, client_state={"marker": "gs-2"})
-        for step in (3, 4, 5):
-            _ds_train.train_step(engine, rank, step)
+        _ds_train.train_to_5(ck, engine, rank)
         expected = _ds_train.consolidated(engine)
         out["captured"] = ck.capture_failure("test")
         ck.wait()
