@@ -39,7 +39,7 @@ def _reference_and_stock(rank: int, world: int, directory: str) -> dict:
     return results
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_kill9_restart_from_memory_then_stock_load(tmp_path, job_id):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     env = dict(os.environ, FLASHCKPT_TEST_JOB=job_id, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
@@ -47,7 +47,7 @@ def test_kill9_restart_from_memory_then_stock_load(tmp_path, job_id):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
          os.path.join(HERE, "_ds_train.py"), ",".join(map(str, STAGES)), str(ckpt), str(out), str(STEPS),
          str(KILL_AT)],
-        env=env, capture_output=True, text=True, timeout=240)
+        env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = run_ranks(_reference_and_stock, 2, str(ckpt), timeout=180)
 
