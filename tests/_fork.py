@@ -32,6 +32,10 @@ from ._net import free_port
 __all__ = ["context", "Inherit", "Forked", "run_script", "run_ranks"]
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+DEEPSPEED = ["deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer"]
+"""DeepSpeed, and what ``deepspeed.initialize`` of a ZeRO engine imports the first time (its
+optimizer check imports the Muon optimizer, and with it ``torch._inductor``: seconds of CPU
+in every worker)."""
 
 
 def context() -> Any:
@@ -39,7 +43,7 @@ def context() -> Any:
     ctx = mp.get_context("forkserver")
     # DeepSpeed picks its accelerator on import: preloaded only where the tests chose one
     # (tests/deepspeed/conftest.py sets DS_ACCELERATOR before any test runs)
-    ctx.set_forkserver_preload(PRELOAD + (["deepspeed"] if os.environ.get("DS_ACCELERATOR") else []))
+    ctx.set_forkserver_preload(PRELOAD + (DEEPSPEED if os.environ.get("DS_ACCELERATOR") else []))
     return ctx
 
 

@@ -1,13 +1,13 @@
 """Deterministic DeepSpeed (ZeRO on CPU, gloo) training for the tests.
 
-    torchrun --standalone --nproc_per_node=2 --max-restarts=1 _ds_train.py STAGE CKPT OUT STEPS KILL_AT
+    torchrun --standalone --nproc_per_node=2 --max-restarts=1 _ds_train.py STAGES CKPT OUT STEPS KILL_AT
 
-Trains STEPS steps, flash-saving every step in memory only (persist_every is large);
-on the first attempt rank 1 kills itself with SIGKILL right after saving KILL_AT
-(-1: never). The restarted ranks resume from memory. Losses go to
-OUT/losses-<rank>-<attempt>.json, the load's step and source to OUT/load-<rank>-<attempt>.json,
-the consolidated fp32 parameters at the end to OUT/final.pt. CKPT "-" trains without
-checkpoints (the uninterrupted reference).
+One launch trains one engine per ZeRO stage of STAGES (e.g. "1,2,3"), side by side, STEPS
+steps, flash-saving every step in memory only (persist_every is large) to CKPT/stage<S>
+(job FLASHCKPT_TEST_JOB + S); on the first attempt rank 1 kills itself with SIGKILL right
+after every engine saved KILL_AT (-1: never). The restarted ranks resume from memory. Into
+OUT/stage<S>: losses to losses-<rank>-<attempt>.json, the load's step and source to
+load-<rank>-<attempt>.json, the consolidated fp32 parameters at the end to final.pt.
 """
 
 import json
@@ -75,41 +75,49 @@ def consolidated(engine) -> dict:
         return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 
 
+def _train(stage: int, directory: str, out: str, steps: int, rank: int, attempt: int, loads: list):
+    """Stage ``stage``'s engine and its checkpointer, resumed; yields after saving each step."""
+    from flashckpt.deepspeed import DeepSpeedCheckpointer
+    os.makedirs(out, exist_ok=True)
+    engine = make_engine(stage)
+    ck = DeepSpeedCheckpointer(engine, directory, persist_every=1000,
+                               job_id=os.environ["FLASHCKPT_TEST_JOB"] + str(stage))
+    start = ck.load() or 0
+    with open(os.path.join(out, f"load-{rank}-{attempt}.json"), "w") as f:
+        json.dump({"step": start, "source": loads[-1]["source"] if loads else None,
+                   "client": (getattr(ck, "client_state", None) or {}).get("marker")}, f)
+    loads.clear()
+    losses = {}
+    for step in range(start + 1, steps + 1):
+        losses[step] = train_step(engine, rank, step)
+        ck.save(step, client_state={"marker": f"step-{step}"})
+        yield step
+    with open(os.path.join(out, f"losses-{rank}-{attempt}.json"), "w") as f:
+        json.dump(losses, f)
+    final = consolidated(engine)
+    ck.close()  # persists the newest step and exports the DeepSpeed tag
+    if rank == 0:
+        torch.save(final, os.path.join(out, "final.pt"))
+
+
 def main() -> None:
     import deepspeed
     from flashckpt import _events
-    stage, directory, out, steps, kill_at = (int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]),
-                                             int(sys.argv[5]))
+    stages, directory, out, steps, kill_at = (sys.argv[1].split(","), sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                              int(sys.argv[5]))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     init_process_group()
     deepspeed.init_distributed("gloo")
     rank = dist.get_rank()
     loads = []
     _events.subscribe(lambda event, **info: loads.append(info) if event == "load" else None)
-    engine = make_engine(stage)
-    ck = None
-    start = 0
-    if directory != "-":
-        from flashckpt.deepspeed import DeepSpeedCheckpointer
-        ck = DeepSpeedCheckpointer(engine, directory, persist_every=1000, job_id=os.environ["FLASHCKPT_TEST_JOB"])
-        start = ck.load() or 0
-        with open(os.path.join(out, f"load-{rank}-{attempt}.json"), "w") as f:
-            json.dump({"step": start, "source": loads[0]["source"] if loads else None,
-                       "client": (getattr(ck, "client_state", None) or {}).get("marker")}, f)
-    losses = {}
-    for step in range(start + 1, steps + 1):
-        losses[step] = train_step(engine, rank, step)
-        if ck is not None:
-            ck.save(step, client_state={"marker": f"step-{step}"})
-        if attempt == 0 and rank == 1 and step == kill_at:
+    runs = [_train(int(s), os.path.join(directory, f"stage{s}"), os.path.join(out, f"stage{s}"), steps, rank,
+                   attempt, loads) for s in stages]
+    for steps_done in zip(*runs):  # one step of every engine at a time
+        if attempt == 0 and rank == 1 and steps_done[0] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-    with open(os.path.join(out, f"losses-{rank}-{attempt}.json"), "w") as f:
-        json.dump(losses, f)
-    final = consolidated(engine)
-    if ck is not None:
-        ck.close()  # persists the newest step and exports the DeepSpeed tag
-    if rank == 0:
-        torch.save(final, os.path.join(out, "final.pt"))
+    for run in runs:  # past its last step: writes its losses and final state, closes
+        next(run, None)
     dist.barrier()
     dist.destroy_process_group()
 
