@@ -70,6 +70,9 @@ class FailureCapture:
         loaded = self._seen_load
         self._base = loaded.step if loaded is not None and loaded.step is not None else 0
         """The last saved (or loaded) step; 0 for a run that neither loaded nor saved yet."""
+        self._saved = False
+        """``_base`` is a step this process saved (which wrote nothing where it keeps no copy
+        of replicated state: the capture writes it then, unless the node holds it)."""
         self._steps = 0
         """Optimizer updates finished since ``_base``."""
         self._checked = False
@@ -91,6 +94,7 @@ class FailureCapture:
         if loaded is not self._seen_load:
             self._seen_load = loaded
             self._base, self._steps = (loaded.step or 0) if loaded is not None else 0, 0
+            self._saved = False
 
     def update_begins(self) -> None:
         """The state starts to change (the optimizer's step pre-hook, or an adapter's own
@@ -133,7 +137,7 @@ class FailureCapture:
                 self._saving = None
                 if done:
                     self._sync_load()
-                    self._base, self._steps = step, 0
+                    self._base, self._steps, self._saved = step, 0, True
                 self._cond.notify_all()
             self.on_idle()
 
@@ -176,8 +180,9 @@ class FailureCapture:
 
     def capture(self, reason: str = "capture()") -> int | None:
         """Write the last finished step as a captured save, once per process; returns its
-        step (also where another local rank wrote the node's copy of it first), or None when
-        nothing was written (an update in progress, no update since the last save, closed). Any thread may call it; a second
+        step (also where memory held it already: a save of it, another local rank's
+        capture), or None when nothing was written (an update in progress, no update since
+        the last load or before the first save, closed). Any thread may call it; a second
         call returns the first's answer (waiting for it, where another thread captures)."""
         me = threading.get_ident()
         if os.getpid() == self._pid and self._saving != me:
@@ -200,7 +205,7 @@ class FailureCapture:
                 log.warning("failure (%s) inside an optimizer update of step %d: nothing captured, the state is "
                             "part old, part new; a restart loads the newest save", reason, step)
                 return None
-            if self._steps == 0:
+            if self._steps == 0 and not self._saved:
                 log.info("failure (%s): no optimizer step since step %d, nothing to capture", reason, step)
                 return None
             self._capturing = me
@@ -210,8 +215,7 @@ class FailureCapture:
             if written:
                 log.warning("failure (%s): captured step %d into memory (persisting)", reason, step)
             else:
-                log.info("failure (%s): step %d is in this node's memory already (another local rank captured it)",
-                         reason, step)
+                log.info("failure (%s): step %d is in this node's memory already", reason, step)
         except BaseException as exc:  # never let a capture turn one failure into another
             log.error("failure (%s): capturing step %d failed: %s: %s", reason, step, type(exc).__name__, exc)
         finally:

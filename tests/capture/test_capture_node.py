@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from flashckpt.storage._local import LocalStorage
 from tests._fork import run_ranks
 
@@ -33,16 +35,23 @@ def _train_to_5(directory: str, job: str, logged: list[str]):
     logging.getLogger("flashckpt").addHandler(handler)
     logging.getLogger("flashckpt").setLevel(logging.INFO)
     model, opt = _model()
-    return train_to_5(DdpCheckpointer(directory, job_id=job, persist_every=100), model, opt)
+    ckpt = DdpCheckpointer(directory, job_id=job, persist_every=100)
+    return ckpt, train_to_5(ckpt, model, opt), lambda: {"model": model.state_dict(), "optim": opt.state_dict()}
 
 
-def _survivor_captures(rank: int, world: int, directory: str, job: str) -> int | None:
-    """Local rank 0 ends unclosed and uncaptured, as a killed one does; rank 1 captures."""
+def _survivor_captures(rank: int, world: int, directory: str, job: str, saved_first: bool) -> int | None:
+    """Local rank 0 ends unclosed and uncaptured, as a killed one does; rank 1 captures.
+    ``saved_first``: rank 1 saved step 5 before (which writes nothing where it keeps no
+    copy): rank 0 died before its own save of step 5."""
     import torch.distributed as dist
 
-    capture = _train_to_5(directory, job, [])
+    ckpt, capture, state = _train_to_5(directory, job, [])
     dist.barrier()  # rank 0 is past its last save
-    return None if rank == 0 else capture.capture("test")
+    if rank == 0:
+        return None
+    if saved_first:
+        ckpt.save(5, state())
+    return capture.capture("test")
 
 
 def _restart(rank: int, world: int, directory: str, job: str) -> tuple[int | None, str | None]:
@@ -58,7 +67,7 @@ def _both_capture(rank: int, world: int, directory: str, job: str) -> tuple[int 
     import torch.distributed as dist
 
     logged: list[str] = []
-    capture = _train_to_5(directory, job, logged)
+    _, capture, _ = _train_to_5(directory, job, logged)
     dist.barrier()
     step = capture.capture("test")
     dist.barrier()
@@ -78,9 +87,10 @@ def _committed(directory: str, step: int, seconds: float = 60) -> int | None:
     return latest
 
 
-def test_a_survivor_writes_the_nodes_capture_when_local_rank_0_dies(tmp_path, job_id):
+@pytest.mark.parametrize("saved_first", [False, True])
+def test_a_survivor_writes_the_nodes_capture_when_local_rank_0_dies(tmp_path, job_id, saved_first):
     directory = str(tmp_path / "ckpt")
-    assert run_ranks(_survivor_captures, 2, directory, job_id) == [None, 5]
+    assert run_ranks(_survivor_captures, 2, directory, job_id, saved_first) == [None, 5]
     assert _committed(directory, 5) == 5  # the saver persists it once its writer is gone
     assert run_ranks(_restart, 2, directory, job_id) == [(5, "memory"), (5, "memory")]
 
