@@ -1,13 +1,14 @@
 """Failure capture under random kills: steps lost per kill, and exact restores.
 
-    python benchmarks/capture_campaign.py [--kills 50] [--worlds 2,4] [--steps 120]
-                                          [--save-every 50] [--seed 1] [--json results/capture_campaign.json]
+    python benchmarks/capture_campaign.py [--kills 50] [--worlds 2,4] [--steps 120] [--save-every 50]
+                                          [--seed 1] [--phases ...] [--json results/capture_campaign.json]
 
 Each kill is one ``torchrun --standalone --nproc-per-node=W --max-restarts=1`` job of
 ``tests/capture/_train.py`` (DDP over gloo, ``DdpCheckpointer`` with memory saves every
 ``--save-every`` steps and ``save_on_failure``): a random rank is SIGKILLed at a random step, at
 a random point of it (before its batch, in forward, in backward's all-reduce, inside the
-optimizer update). torchrun restarts the job, which loads and trains to the end. Per kill:
+optimizer update; or, with ``--phases raise``, its forward raises). torchrun restarts the job,
+which loads and trains to the end. Per kill:
 
 - the step loaded after the restart, and the steps lost: the newest step any rank finished
   (the killed step itself when the kill came inside an update, which the other ranks finish)
@@ -38,6 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "capture" / "_train.py"
 PHASES = ["kill9-data", "kill9-forward", "kill9", "kill9-update"]  # kill9: in backward's all-reduce
+"""The default faults; ``raise`` (a RuntimeError in the step's forward) may be chosen too (``--phases``)."""
 
 
 def run_job(world: int, steps: int, save_every: int, work: Path, *faults: str) -> subprocess.CompletedProcess:
@@ -89,9 +91,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--phases", default=",".join(PHASES), help="faults to draw from (tests/capture/_train.py's "
+                   "kinds: kill9-data, kill9-forward, kill9, kill9-update, raise)")
     p.add_argument("--json", default=str(REPO / "results" / "capture_campaign.json"))
     a = p.parse_args()
     rng = random.Random(a.seed)
+    phases = a.phases.split(",")
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
@@ -99,7 +104,7 @@ def main() -> None:
         ref = uninterrupted(world, a.steps, a.save_every)
         for i in range(a.kills):
             r = one_kill(world, a.steps, a.save_every, rng.randrange(world), rng.randint(2, a.steps - 1),
-                         rng.choice(PHASES), ref)
+                         rng.choice(phases), ref)
             results.append(r)
             print(f"world {world} kill {i + 1}/{a.kills}: rank {r['rank']} step {r['step']} {r['phase']}: "
                   + (f"loaded {r['loaded']}{' (captured)' if r['captured'] else ''}, lost {r['lost']} "
