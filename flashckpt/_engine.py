@@ -11,7 +11,6 @@ copy tensors) and a :class:`Collective` (how ranks exchange small objects).
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from . import _events, _names
 from .memory import _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
 from .restore._agreement import agree
 from .restore._load import agreed_image, load_agreed
-from .restore._ranks import on_all_ranks, raise_errors
+from .restore._ranks import flush_on_every_rank, on_all_ranks
 from .restore._sources import Agreement, Source, Sources, memory_keys
 from .saver._client import SaverClient, saver_timeout
 from ._errors import CheckpointError, CheckpointTimeoutError
@@ -461,29 +460,6 @@ class Engine:
         """The newest committed step (node-local directories: the newest committed on this node)."""
         return self.storage.latest_step()
 
-    def _flush_on_close(self, timeout: float | None) -> None:
-        """Flush; when every rank closes (not while an exception unwinds this one, whose
-        peers may still be training), also wait for every rank's flush, so that every rank
-        sees the same newest committed step after ``close`` and learns of any rank's
-        failure. Without a process group any more, this rank's flush only."""
-        mine: tuple[str, str] | None = None
-        failed: CheckpointError | None = None
-        try:
-            self.flush(timeout)
-        except CheckpointError as exc:
-            mine, failed = (type(exc).__name__, f"rank {self.collective.rank}: {exc}"), exc
-        if self.collective.world_size > 1 and sys.exc_info()[0] is None:
-            try:
-                views = self.collective.all_gather(mine)
-            except Exception as exc:  # the process group was destroyed before close
-                log.debug("close: no agreement with the other ranks (%s)", exc)
-                views = []
-            others = [view for rank, view in enumerate(views) if view is not None and rank != self.collective.rank]
-            if failed is None and others:
-                raise_errors(others, "persisting the newest step failed on other ranks")
-        if failed is not None:
-            raise failed
-
     def close(self, *, unlink: bool = True, timeout: float | None = None) -> None:
         """Flush the newest step, disconnect from the saver, free this rank's shared memory.
 
@@ -501,7 +477,7 @@ class Engine:
             copy_error = exc
         newest = max(self.memory_steps(), default=None) if self.placement.writes_memory else None
         try:
-            self._flush_on_close(timeout)
+            flush_on_every_rank(self.collective, lambda: self.flush(timeout))
         except CheckpointError as exc:
             if self.placement.writes_memory:
                 log.error("closing without persisting the newest step of %s: its memory copy is kept in %s "

@@ -3,13 +3,17 @@ exception naming each rank that failed (DCP's rule for collective steps)."""
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any, Callable
 
 from .. import _errors
 from .._errors import CheckpointError
 from .._placement import Collective
 
-__all__ = ["Errors", "gather", "on_all_ranks", "raise_errors"]
+__all__ = ["Errors", "flush_on_every_rank", "gather", "on_all_ranks", "raise_errors"]
+
+log = logging.getLogger("flashckpt")
 
 Errors = list[tuple[str, str]]
 """(error class name, "rank R: message") of each rank that failed."""
@@ -42,3 +46,27 @@ def on_all_ranks(collective: Collective, fn: Callable[[], Any], what: str) -> li
     if errors:
         raise_errors(errors, f"{what} failed")
     return results
+
+
+def flush_on_every_rank(collective: Collective, flush: Callable[[], None]) -> None:
+    """``flush()`` at close; when every rank closes (not while an exception unwinds this one,
+    whose peers may still be training), also wait for every rank's, so that every rank sees
+    the same newest committed step after ``close`` and learns of any rank's failure. Without
+    a process group any more, this rank's flush only."""
+    mine: tuple[str, str] | None = None
+    failed: CheckpointError | None = None
+    try:
+        flush()
+    except CheckpointError as exc:
+        mine, failed = (type(exc).__name__, f"rank {collective.rank}: {exc}"), exc
+    if collective.world_size > 1 and sys.exc_info()[0] is None:
+        try:
+            views = collective.all_gather(mine)
+        except Exception as exc:  # the process group was destroyed before close
+            log.debug("close: no agreement with the other ranks (%s)", exc)
+            views = []
+        others = [view for rank, view in enumerate(views) if view is not None and rank != collective.rank]
+        if failed is None and others:
+            raise_errors(others, "persisting the newest step failed on other ranks")
+    if failed is not None:
+        raise failed
