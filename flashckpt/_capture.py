@@ -180,9 +180,8 @@ class FailureCapture:
 
     def capture(self, reason: str = "capture()") -> int | None:
         """Write the last finished step as a captured save, once per process; returns its
-        step (also where memory held it already: a save of it, another local rank's
-        capture), or None when nothing was written (an update in progress, no update since
-        the last load or before the first save, closed). Any thread may call it; a second
+        step (also where another local rank's capture wrote it first), or None when nothing
+        was written (an update in progress, no update since the last save or load, closed). Any thread may call it; a second
         call returns the first's answer (waiting for it, where another thread captures)."""
         me = threading.get_ident()
         if os.getpid() == self._pid and self._saving != me:
@@ -211,10 +210,13 @@ class FailureCapture:
             self._capturing = me
         try:
             written = self._save(step, self._state_fn()) is not False
-            self._captured = step
             if written:
+                self._captured = step
                 log.warning("failure (%s): captured step %d into memory (persisting)", reason, step)
+            elif self._steps == 0:  # this process's own save of it
+                log.info("failure (%s): no optimizer step since step %d, nothing to capture", reason, step)
             else:
+                self._captured = step
                 log.info("failure (%s): step %d is in this node's memory already", reason, step)
         except BaseException as exc:  # never let a capture turn one failure into another
             log.error("failure (%s): capturing step %d failed: %s: %s", reason, step, type(exc).__name__, exc)
