@@ -181,8 +181,9 @@ class FailureCapture:
     def capture(self, reason: str = "capture()") -> int | None:
         """Write the last finished step as a captured save, once per process; returns its
         step (also where another local rank's capture wrote it first), or None when nothing
-        was written (an update in progress, no update since the last save or load, closed). Any thread may call it; a second
-        call returns the first's answer (waiting for it, where another thread captures)."""
+        was written (an update in progress, no update since the last save or load, closed).
+        Any thread may call it; a second call returns the first's answer (waiting for it,
+        where another thread captures)."""
         me = threading.get_ident()
         if os.getpid() == self._pid and self._saving != me:
             try:  # the step an overlapped save copies is complete before this process goes on to end
