@@ -206,7 +206,7 @@ class FailureCapture:
                             "part old, part new; a restart loads the newest save", reason, step)
                 return None
             if self._steps == 0 and not self._saved:
-                log.info("failure (%s): no optimizer step since step %d, nothing to capture", reason, step)
+                _nothing_since(reason, step)
                 return None
             self._capturing = me
         try:
@@ -215,7 +215,7 @@ class FailureCapture:
                 self._captured = step
                 log.warning("failure (%s): captured step %d into memory (persisting)", reason, step)
             elif self._steps == 0:  # this process's own save of it
-                log.info("failure (%s): no optimizer step since step %d, nothing to capture", reason, step)
+                _nothing_since(reason, step)
             else:
                 self._captured = step
                 log.info("failure (%s): step %d is in this node's memory already", reason, step)
@@ -270,3 +270,7 @@ def _signature(state: Any, allow_pickle: bool) -> dict[str, Any]:
 
     walk(flat.skeleton, "")
     return out
+
+
+def _nothing_since(reason: str, step: int) -> None:
+    log.info("failure (%s): no optimizer step since step %d, nothing to capture", reason, step)
