@@ -39,12 +39,21 @@ def run(args: argparse.Namespace) -> None:
 
     record(kind="started", pid=os.getpid())
     setup = time.monotonic()
-    torch.manual_seed(rank)
+    torch.manual_seed(0)  # every rank the same model, as DDP keeps it (replicated state)
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     payload = torch.zeros(max(1, (args.state_mb << 20) // 4 - 64 * 65))
     state: dict[str, Any] = {"model": model.state_dict(), "payload": payload, "step": 0}
-    method = Method.create(args, rank, world, state)
+    doing = {"step": 0}
+
+    def rest_of_the_update(*_: Any) -> None:
+        """The rest of the state changes with the parameters, inside ``optimizer.step()``
+        (the boundary failure capture relies on)."""
+        payload[doing["step"] % payload.numel()] += 1.0
+        state["step"] = doing["step"]
+
+    opt.register_step_post_hook(rest_of_the_update)
+    method = Method.create(args, rank, world, state, opt)
     if attempt == 0:
         method.calibrate()
     began = time.monotonic()
@@ -60,10 +69,9 @@ def run(args: argparse.Namespace) -> None:
         loss.backward()
         for p in model.parameters():
             dist.all_reduce(p.grad)
+        doing["step"] = step
         opt.step()
-        payload[step % payload.numel()] += 1.0
         time.sleep(args.step_seconds)
-        state["step"] = step
         blocking = method.after_step(step)
         record(kind="step", s=step, **({"save": blocking} if blocking is not None else {}))
         if args.method == "none":  # the driver ends the floor job with a file
@@ -80,18 +88,18 @@ def run(args: argparse.Namespace) -> None:
 class Method:
     """One way of checkpointing; ``interval`` is K (saves every K steps) or None."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, world: int, state: dict) -> None:
-        self.args, self.rank, self.world, self.state = args, rank, world, state
+    def __init__(self, args: argparse.Namespace, rank: int, world: int, state: dict, optimizer: Any) -> None:
+        self.args, self.rank, self.world, self.state, self.optimizer = args, rank, world, state, optimizer
         self.dir = Path(args.ckpt)
         self.interval: int | None = None
         self.cost: float | None = None  # the calibrated blocking seconds of one save
         self.phases: dict[str, float] = {}  # seconds of the setup's parts, for the record
 
     @staticmethod
-    def create(args: argparse.Namespace, rank: int, world: int, state: dict) -> "Method":
-        cls = {"none": Method, "flashckpt": Flash, "torch.save": TorchSave,
-               "dcp.async_save": DcpAsync}[args.method]
-        return cls(args, rank, world, state)
+    def create(args: argparse.Namespace, rank: int, world: int, state: dict, optimizer: Any) -> "Method":
+        cls = {"none": Method, "flashckpt": Flash, "torch.save": TorchSave, "dcp.async_save": DcpAsync,
+               **{m.name: m for m in (FlashDdp, FlashDdpCapture, FlashDdpEveryStep)}}[args.method]
+        return cls(args, rank, world, state, optimizer)
 
     def calibrate(self) -> None:
         """Measure the blocking cost of a save (attempt 0); pick K by Young's formula."""
@@ -134,14 +142,20 @@ class Flash(Method):
         super().__init__(*a)
         t0 = time.monotonic()
         import elastic
-        from flashckpt.torch import Checkpointer
+        import flashckpt.torch  # noqa: F401
 
         t1 = time.monotonic()
-        self.ckpt = Checkpointer(self.dir, persist_every=self.args.persist_every, keep_last=2)
+        self.ckpt = self.checkpointer(self.dir, persist_every=self.args.persist_every, keep_last=2)
         t2 = time.monotonic()
         self.agent = elastic.start_agent(checkpointer=self.ckpt,
                                          metrics_dir=str(Path(self.args.out) / "metrics"))
         self.phases = {"import": t1 - t0, "checkpointer": t2 - t1, "agent": time.monotonic() - t2}
+
+    @staticmethod
+    def checkpointer(*args: Any, **kwargs: Any) -> Any:
+        from flashckpt.torch import Checkpointer
+
+        return Checkpointer(*args, **kwargs)
 
     def calibrate(self) -> None:
         """Memory saves of the initial state (step 0, as if not trained yet), not persisted."""
@@ -167,6 +181,44 @@ class Flash(Method):
     def finish(self) -> None:
         self.ckpt.close()
         self.agent.stop()
+
+
+class FlashDdp(Flash):
+    """``DdpCheckpointer`` (one copy of the replicated state per node) into memory every
+    ``--ddp-every`` steps (default 50), no failure capture."""
+    name = "flashckpt.ddp"
+    capture = False
+
+    @staticmethod
+    def checkpointer(*args: Any, **kwargs: Any) -> Any:
+        from flashckpt.torch import DdpCheckpointer
+
+        return DdpCheckpointer(*args, **kwargs)
+
+    def _interval(self) -> int:
+        return self.args.ddp_every
+
+    def load(self) -> int:
+        self._k()  # the calibrated cost, for the record
+        self.interval = self._interval()
+        start = self.ckpt.load(self.state) or 0
+        if self.capture:
+            self.ckpt.save_on_failure(lambda: self.state, optimizer=self.optimizer)
+        return start
+
+
+class FlashDdpCapture(FlashDdp):
+    """:class:`FlashDdp` with ``save_on_failure``: a failure saves the last finished step."""
+    name = "flashckpt.ddp+capture"
+    capture = True
+
+
+class FlashDdpEveryStep(FlashDdp):
+    """:class:`FlashDdp` saving every step (loses no step, pays a copy per step)."""
+    name = "flashckpt.ddp.every-step"
+
+    def _interval(self) -> int:
+        return 1
 
 
 class TorchSave(Method):
@@ -315,7 +367,8 @@ def _atomic_write(path: Path, text: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description="one goodput job (run by benchmarks/goodput.py)")
     p.add_argument("--method", required=True,
-                   choices=("none", "flashckpt", "torch.save", "dcp.async_save"))
+                   choices=("none", "flashckpt", "torch.save", "dcp.async_save", FlashDdp.name, FlashDdpCapture.name,
+                            FlashDdpEveryStep.name))
     p.add_argument("--out", required=True)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--steps", type=int, required=True)
@@ -325,6 +378,7 @@ def main() -> None:
     p.add_argument("--mtbf", type=float, required=True)
     p.add_argument("--flash-every", type=int, default=0, help="flashckpt: memory every N steps "
                    "(0: K by Young's formula, like the others)")
+    p.add_argument("--ddp-every", type=int, default=50, help="flashckpt.ddp(+capture): memory every N steps")
     run(p.parse_args())
 
 

@@ -24,6 +24,12 @@ Methods, each run ``--repeats`` times, the order rotated from one repeat to the 
   steps, a barrier, then rank 0 commits ``latest``; K by Young's formula.
 - ``dcp.async_save``: ``torch.distributed.checkpoint.async_save`` on a side gloo group
   every K steps (waiting for the previous one first); K by Young's formula.
+- ``flashckpt.ddp``, ``flashckpt.ddp+capture``, ``flashckpt.ddp.every-step`` (issue 42;
+  not in the default ``--methods``): ``DdpCheckpointer`` (one copy per node of the
+  replicated state) into memory every ``--ddp-every`` steps (default 50), the second with
+  ``save_on_failure`` (a survivor saves the last finished step at the failure), the third
+  every step. Every method's state changes only inside ``optimizer.step()`` (a post-hook
+  updates the payload), as failure capture requires.
 
 Young's formula: the checkpoint interval is sqrt(2 * C * MTBF), C the blocking cost of
 one save, measured by each job before it trains (one untimed save, then the median of 3,
@@ -132,7 +138,7 @@ def run_job(method: str, args: argparse.Namespace, work: Path, seed: int) -> dic
            "--ckpt", str(ckpt), "--steps", str(10**6 if method == "none" else args.steps),
            "--step-seconds", str(args.step_seconds),
            "--state-mb", str(args.state_mb), "--persist-every", str(args.persist_every),
-           "--mtbf", str(args.mtbf), "--flash-every", str(args.flash_every)]
+           "--mtbf", str(args.mtbf), "--flash-every", str(args.flash_every), "--ddp-every", str(args.ddp_every)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     rng = random.Random(seed)
@@ -213,7 +219,9 @@ def analyse(job: dict[str, Any], ideal: float | None) -> dict[str, Any]:
         t_last, last = max(before)
         nxt = loads.get(a + 1)
         target = 1 if job["method"] == "none" else last + 1
-        later = [t for (x, s), t in steps.items() if x > a and s == target]
+        # (a failure capture may hold a step whose record was not written yet: its restart
+        # begins after ``target``)
+        later = [t for (x, s), t in steps.items() if x > a and s >= target]
         lost = (min(later) - t_last - (ideal or 0.0)) if later else None
         failures.append({
             "rank": kill["rank"], "at_step": last,
@@ -225,7 +233,7 @@ def analyse(job: dict[str, Any], ideal: float | None) -> dict[str, Any]:
             "setup_phases": nxt.get("phases") if nxt else None,
             "restored_step": nxt["loaded"] if nxt else None,
             "load_seconds": nxt["load_seconds"] if nxt else None,
-            "rollback_steps": (last - nxt["loaded"]) if nxt and job["method"] != "none" else None,
+            "rollback_steps": max(0, last - nxt["loaded"]) if nxt and job["method"] != "none" else None,
         })
     saves = [r["save"] for r in recs.of("step") if "save" in r]
     result: dict[str, Any] = {
@@ -349,13 +357,13 @@ def render(report: dict[str, Any]) -> str:
              f"state {c['state_mb']} MiB/rank, {c['repeats']} repeats interleaved; flashckpt: memory every "
              f"{'K (Young)' if not c.get('flash_every') else c['flash_every']} steps, storage every "
              f"{c['persist_every']} memory saves; mean±stdev (goodput over runs, lost time over failures)",
-             f"{'method':<16}{'K':>9}{'cost/save':>11}{'saves':>7}{'fails':>7}{'lost/failure':>15}"
+             f"{'method':<26}{'K':>9}{'cost/save':>11}{'saves':>7}{'fails':>7}{'lost/failure':>15}"
              f"{'- floor':>9}{'rollback':>10}{'goodput':>14}{'min-max':>13}"]
     for name, r in agg.items():
         lost, g = r["lost_seconds_per_failure"], r["goodput"]
         ks = r["interval_steps"]
         lines.append(
-            f"{name:<16}{'-' if not ks else '/'.join(map(str, ks)):>9}"
+            f"{name:<26}{'-' if not ks else '/'.join(map(str, ks)):>9}"
             f"{f(r['save_cost_calibrated_seconds'] and r['save_cost_calibrated_seconds']['mean'] * 1e3, '.0f', ' ms'):>11}"
             f"{f(r['saves_per_rank'] and r['saves_per_rank']['mean'], '.0f'):>7}{r['failures']:>7}"
             f"{pm(lost, 1, '.2f') + ' s':>15}"
@@ -366,25 +374,25 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", "where the wall time goes (mean fraction of the wall time): useful = steps x ideal step; "
               "stalls = blocking saves; failures = lost time of the failures; slower = the rest "
               "(steps slowed by background writes, the saver, DCP's thread, contention)",
-              f"{'method':<16}{'useful':>8}{'stalls':>8}{'failures':>10}{'slower':>8}"]
+              f"{'method':<26}{'useful':>8}{'stalls':>8}{'failures':>10}{'slower':>8}"]
     for name, r in agg.items():
         w = r.get("wall_fractions")
         if w:
-            lines.append(f"{name:<16}{w['useful'] * 100:>7.1f}%{w['save_stalls'] * 100:>7.1f}%"
+            lines.append(f"{name:<26}{w['useful'] * 100:>7.1f}%{w['save_stalls'] * 100:>7.1f}%"
                          f"{w['failures'] * 100:>9.1f}%{w['slower_steps'] * 100:>7.1f}%")
     lines += ["", "where a failure's lost time goes (mean per failure, seconds): relaunch = kill to "
               "init_process_group done (torchrun stops the group -- a flashckpt survivor flushes first --, "
               "spawns, imports); setup = state and checkpointer; load = restore; redo = re-done steps "
               "and the step in flight; own = what the method adds to a bare restart (its own setup + "
               "load + redo)",
-              f"{'method':<16}{'relaunch':>10}{'setup':>8}{'load':>8}{'redo':>8}{'lost':>8}{'own':>8}{'flush':>8}"]
+              f"{'method':<26}{'relaunch':>10}{'setup':>8}{'load':>8}{'redo':>8}{'lost':>8}{'own':>8}{'flush':>8}"]
     for name, r in agg.items():
         m = r.get("per_failure_seconds")
         if not m:
             continue
         redo = m["lost_seconds"] - m["relaunch_seconds"] - m["setup_seconds"] - m["load_seconds"]
         fl = r.get("agent_flush_seconds")
-        lines.append(f"{name:<16}{m['relaunch_seconds']:>10.2f}{m['setup_seconds']:>8.2f}"
+        lines.append(f"{name:<26}{m['relaunch_seconds']:>10.2f}{m['setup_seconds']:>8.2f}"
                      f"{m['load_seconds']:>8.2f}{redo:>8.2f}{m['lost_seconds']:>8.2f}{m['own']:>8.2f}"
                      f"{f(fl and fl['mean'], '.2f'):>8}")
     lines.append(f"floor (no checkpoint, restart only): {f(floor, '.2f', ' s')} per failure; final "
@@ -405,6 +413,8 @@ def main() -> None:
                    help="flashckpt: storage every N memory saves")
     p.add_argument("--flash-every", type=int, default=0,
                    help="flashckpt: memory every N steps (0: K by Young's formula, like the others)")
+    p.add_argument("--ddp-every", type=int, default=50,
+                   help="flashckpt.ddp and flashckpt.ddp+capture: memory every N steps")
     p.add_argument("--mtbf", type=float, default=12.0, help="seconds of training between kills (the "
                    "failure rate); keep it well above the restart time")
     p.add_argument("--max-failures", type=int, default=6, help="at most this many kills a job")
@@ -452,7 +462,7 @@ def main() -> None:
     finals = {json.dumps(r["final_state"]) for m, rs in runs.items() if m != "none"
               for r in rs if "final_state" in r}
     report = {
-        "config": {k: getattr(args, k) for k in ("steps", "step_seconds", "state_mb", "persist_every", "flash_every",
+        "config": {k: getattr(args, k) for k in ("steps", "step_seconds", "state_mb", "persist_every", "flash_every", "ddp_every",
                                                    "mtbf", "max_failures", "floor_failures", "repeats", "seed")},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "loadavg_after_each_job": load},
