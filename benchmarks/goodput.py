@@ -183,7 +183,7 @@ def run_job(method: str, args: argparse.Namespace, work: Path, seed: int) -> dic
                     continue
                 kills.append({"time": t, "rank": rank, "pid": pid, "attempt": attempt,
                               "last_step": mine[-1]})
-                next_kill = t + args.mtbf
+                next_kill = None  # the next clock starts once the job has recovered
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
