@@ -5,10 +5,11 @@ squeezes the page cache to nothing: every process stalls in page faults on its o
 for minutes, the rendezvous store's server thread included, until the kernel's OOM killer
 ends some process; a two-node job then looks hung in rendezvous, gloo's setup or a
 collective (one such stall here: the kernel logged ``pt_tcpstore_uv invoked oom-killer``
-the second every waiting rank timed out). :class:`MemoryWatch` notes the kernel's
-memory-stall counter (PSI) when a job starts, and :meth:`MemoryWatch.report` tells, at
-a failure, how long every task stalled on memory since then, which processes the OOM
-killer ended, and what memory is left.
+the second every waiting rank timed out). :class:`MemoryWatch` refuses to start a job
+on a machine without room, notes the kernel's memory-stall counter (PSI) when a job
+starts, says while it runs once the machine is starved (the test fails then, not at its
+deadline), and :meth:`MemoryWatch.report` tells, at a failure, how long every task stalled
+on memory since then, which processes the OOM killer ended, and what memory is left.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
+
 __all__ = ["MemoryWatch"]
+
+ROOM_MB = 3000
+"""Memory a two-node job needs available to start (four workers, two agents, the saver)."""
+STALL_LIMIT = 15.0
+"""Seconds during which every task stalled on memory, since the job started, that make the
+machine starved: nothing the job does can go on."""
 
 
 def _psi_full_seconds() -> float | None:
@@ -68,8 +77,21 @@ class MemoryWatch:
     """Started with a job; :meth:`report` at its failure."""
 
     def __init__(self) -> None:
+        mem = _meminfo_mb("MemAvailable", "Shmem")
+        if mem.get("MemAvailable", ROOM_MB) < ROOM_MB:
+            pytest.fail(f"only {mem['MemAvailable']} MB of memory available ({mem.get('Shmem', '?')} MB of it "
+                        f"held by shared memory, such as /dev/shm segments of earlier runs: `flashckpt gc`, or "
+                        f"remove them): a multi-node job needs {ROOM_MB} MB and would stall")
         self.uptime = _uptime()
         self.stalled = _psi_full_seconds()
+
+    def starved(self) -> str | None:
+        """Why the machine is out of memory since the start (None: it is not, or no PSI)."""
+        now = _psi_full_seconds()
+        if now is None or self.stalled is None or now - self.stalled <= STALL_LIMIT:
+            return None
+        return (f"the machine is out of memory: every task stalled on memory for {now - self.stalled:.0f} s "
+                f"since the job started (PSI full, limit {STALL_LIMIT:g} s)")
 
     def report(self) -> str:
         """One paragraph: memory stalls and OOM kills since the start, memory left now."""

@@ -70,6 +70,8 @@ class DataJob(Job):
                 self.fail(f"node {failed[0]}'s torchrun failed before {what}")
             if time.monotonic() > end:
                 self.fail(f"{what} not seen within {DEADLINE:.0f} s")
+            if starved := self.memory.starved():
+                self.fail(f"{what} not seen: {starved}")
             time.sleep(0.2)
 
     def importing_torch(self, i: int) -> bool:

@@ -81,6 +81,8 @@ class Job:
         while not ready():
             if time.monotonic() > end:
                 self.fail(f"{what} not seen within {DEADLINE:.0f} s")
+            if starved := self.memory.starved():
+                self.fail(f"{what} not seen: {starved}")
             time.sleep(0.2)
 
     def finish(self, end: float) -> None:
