@@ -28,7 +28,8 @@ The restart loads and trains to the end. Per kill:
   whose DDP wrapper is made anew before the step after the loaded one (``rewrap``): a
   restart's fresh DDP reduces its first iterations in its initial bucket order, not the rebuilt
   one, which on 4 gloo ranks rounds differently; identical to the control means the restart
-  itself was exact.
+  itself was exact. A bucket per parameter (``--ddp '{"find_unused_parameters": true,
+  "bucket_cap_mb": 1e-6}'``) makes both orders the same: then restarts end bit for bit.
 
 Prints one line per kill and a summary per world size; writes every kill to JSON.
 """
