@@ -1,22 +1,35 @@
 """Failure capture under random kills: steps lost per kill, and exact restores.
 
-    python benchmarks/capture_campaign.py [--kills 50] [--worlds 2,4] [--steps 120] [--save-every 50]
-                                          [--seed 1] [--phases ...] [--json results/capture_campaign.json]
+    python benchmarks/capture_campaign.py [--kills 50] [--worlds 2,4] [--mode kill|term-job] [--steps 120]
+                                          [--save-every 50] [--seed 1] [--phases ...] [--ddp JSON]
+                                          [--json results/capture_campaign.json]
 
-Each kill is one ``torchrun --standalone --nproc-per-node=W --max-restarts=1`` job of
-``tests/capture/_train.py`` (DDP over gloo, ``DdpCheckpointer`` with memory saves every
-``--save-every`` steps and ``save_on_failure``): a random rank is SIGKILLed at a random step, at
-a random point of it (before its batch, in forward, in backward's all-reduce, inside the
-optimizer update; or, with ``--phases raise``, its forward raises). torchrun restarts the job,
-which loads and trains to the end. Per kill:
+Each kill is one ``torchrun --standalone --nproc-per-node=W`` job of ``tests/capture/_train.py``
+(DDP over gloo, ``DdpCheckpointer`` with memory saves every ``--save-every`` steps and
+``save_on_failure``) that fails at a random step, at a random point of it (before its batch, in
+forward, in backward's all-reduce, inside the optimizer update):
 
-- the step loaded after the restart, and the steps lost: the newest step any rank finished
-  (the killed step itself when the kill came inside an update, which the other ranks finish)
-  minus the step loaded; without capture it would be the steps since the newest save;
-- whether every rank's final weights equal those of an uninterrupted run of the same job
-  (run first, once per world size: gloo's all-reduce order makes the floats a function of the
-  world size), bit for bit: the data order is a function of the step, so this holds only if the
-  restart resumed exactly at the loaded step.
+- ``--mode kill``: a random rank is SIGKILLed (or, with ``--phases raise``, its forward raises)
+  and torchrun (``--max-restarts=1``) restarts the job;
+- ``--mode term-job``: a random rank sends SIGTERM to torchrun's agent, its parent, which
+  forwards it to every worker and ends the job; a second torchrun on the same checkpoints
+  resumes (``CAPTURE_ATTEMPT_OFFSET=1``: the first run's fault does not fire again).
+
+The restart loads and trains to the end. Per kill:
+
+- the steps lost: the newest step any rank finished (each rank records its progress) minus the
+  step loaded; without capture it would be the steps since the newest save;
+- exact at load: every rank's weights and Adam state right after the load equal the
+  uninterrupted run's after that step, bit for bit, and its first step is the one after it
+  (the data order is a function of the step);
+- final exact: every rank's final weights equal the uninterrupted run's, bit for bit (it runs
+  first, once per world size: gloo's all-reduce order makes the floats a function of the world
+  size). Where they do not, the final weights are compared with a control run without failure
+  whose DDP wrapper is made anew before the step after the loaded one (``rewrap``): a
+  restart's fresh DDP reduces its first iterations in its initial bucket order, not the rebuilt
+  one, which on 4 gloo ranks rounds differently; identical to the control means the restart
+  itself was exact. A bucket per parameter (``--ddp '{"find_unused_parameters": true,
+  "bucket_cap_mb": 1e-6}'``) makes both orders the same: then restarts end bit for bit.
 
 Prints one line per kill and a summary per world size; writes every kill to JSON.
 """
@@ -33,93 +46,174 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "capture" / "_train.py"
-PHASES = ["kill9-data", "kill9-forward", "kill9", "kill9-update"]  # kill9: in backward's all-reduce
-"""The default faults; ``raise`` (a RuntimeError in the step's forward) may be chosen too (``--phases``)."""
+PHASES = {
+    "kill": ["kill9-data", "kill9-forward", "kill9", "kill9-update"],  # kill9: in backward's all-reduce
+    "term-job": ["term-job-data", "term-job-forward", "term-job", "term-job-update"],
+}
+"""The default faults per mode; ``raise`` (a RuntimeError in the step's forward) may be chosen too (``--phases``)."""
 
 
-def run_job(world: int, steps: int, save_every: int, work: Path, *faults: str) -> subprocess.CompletedProcess:
+def run_job(work: Path, world: int, steps: int, save_every: int, *faults: str, restarts: int = 1, offset: int = 0,
+            ddp: str = "{}") -> subprocess.CompletedProcess:
+    """One torchrun of the training in ``work`` (checkpoints in ``work/ckpt``, its files in ``work/out``)."""
     out = work / "out"
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "--max-restarts=1", "--monitor-interval=0.1", str(TRAIN), str(work / "ckpt"), str(out), str(steps), "-",
-           *faults]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "CAPTURE_SAVE_EVERY": str(save_every)})
+           f"--max-restarts={restarts}", "--monitor-interval=0.1", str(TRAIN), str(work / "ckpt"), str(out),
+           str(steps), "-", *faults]
+    env = {**os.environ, "CAPTURE_SAVE_EVERY": str(save_every), "CAPTURE_RECORD": "1",
+           "CAPTURE_ATTEMPT_OFFSET": str(offset), "CAPTURE_DDP": ddp}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
-def uninterrupted(world: int, steps: int, save_every: int) -> list[dict]:
-    """Every rank's final weights of the job run without a fault."""
+def equal(a: Any, b: Any) -> bool:
+    """Bit-for-bit equality of nested dicts of tensors."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def finals(out: Path, world: int) -> list[dict]:
+    return [torch.load(out / f"final{r}.pt") for r in range(world)]
+
+
+def uninterrupted(world: int, steps: int, save_every: int, *faults: str, ddp: str = "{}") -> dict:
+    """Every rank's final weights of the job run without a failure (``faults``: a control
+    such as ``rewrap``), and its weights and Adam state after every step."""
     with tempfile.TemporaryDirectory(prefix="flashckpt-capture-") as work:
-        proc = run_job(world, steps, save_every, Path(work))
+        out = Path(work) / "out"
+        proc = run_job(Path(work), world, steps, save_every, *faults, ddp=ddp)
         if proc.returncode != 0:
             raise RuntimeError(f"the uninterrupted run failed: {proc.stderr[-3000:]}")
-        return [torch.load(Path(work) / "out" / f"final{r}.pt") for r in range(world)]
+        return {"final": finals(out, world), "steps": [torch.load(out / f"attempt0-steps{r}.pt") for r in range(world)]}
 
 
-def one_kill(world: int, steps: int, save_every: int, rank: int, step: int, phase: str, ref: list[dict]) -> dict:
+class Reference:
+    """The uninterrupted run of a world size, and fresh-DDP controls (``rewrap`` before a step) on demand."""
+
+    def __init__(self, world: int, steps: int, save_every: int, ddp: str) -> None:
+        self.world, self.steps, self.save_every, self.ddp = world, steps, save_every, ddp
+        self.run = uninterrupted(world, steps, save_every, ddp=ddp)
+        self.controls: dict[int, list[dict]] = {}
+
+    def control(self, step: int) -> list[dict]:
+        """The final weights of the uninterrupted run whose DDP wrapper is made anew before ``step``."""
+        if step not in self.controls:
+            self.controls[step] = uninterrupted(self.world, self.steps, self.save_every, f"rewrap:*:{step}:0",
+                                                ddp=self.ddp)["final"]
+        return self.controls[step]
+
+
+def launch(work: Path, ref: Reference, mode: str, fault: str) -> tuple[subprocess.CompletedProcess, str]:
+    """The failed job and its restart: torchrun's own restart (kill), or a second torchrun on the
+    same checkpoints after SIGTERM ended the first (term-job). Returns the restart's run and the
+    first run's stderr."""
+    args = (work, ref.world, ref.steps, ref.save_every, fault)
+    if mode == "kill":
+        proc = run_job(*args, ddp=ref.ddp)
+        return proc, proc.stderr
+    first = run_job(*args, restarts=0, ddp=ref.ddp)
+    return run_job(*args, restarts=0, offset=1, ddp=ref.ddp), first.stderr
+
+
+def judge(out: Path, ref: Reference, result: dict) -> None:
+    """The restart's load and final weights against the uninterrupted run, into ``result``."""
+    world = ref.world
+    loaded = [json.loads((out / f"attempt1-rank{r}.json").read_text()) for r in range(world)]
+    step = result["loaded"] = loaded[0]["step"] or 0
+    result["captured"] = loaded[0]["captured"]
+    result["same_on_every_rank"] = all(l == loaded[0] for l in loaded)
+    result["lost"] = result["last_finished"] - step
+    at_load = [torch.load(out / f"attempt1-loaded{r}.pt") for r in range(world)]
+    result["exact_at_load"] = all(equal(s["model"], ref.run["steps"][r][step]["model"]) for r, s in enumerate(at_load))
+    result["optim_exact_at_load"] = all(equal(s["optim"], ref.run["steps"][r][step]["optim"])
+                                        for r, s in enumerate(at_load))
+    result["data_order"] = all(s["first_step"] == step + 1 for s in at_load)
+    final = finals(out, world)
+    result["exact"] = all(equal(f, g) for f, g in zip(final, ref.run["final"]))
+    if not result["exact"]:
+        result["as_fresh_ddp"] = all(equal(f, g) for f, g in zip(final, ref.control(step + 1)))
+
+
+def one_kill(ref: Reference, mode: str, rank: int, step: int, phase: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="flashckpt-capture-") as work:
         out = Path(work) / "out"
         began = time.monotonic()
-        proc = run_job(world, steps, save_every, Path(work), f"{phase}:{rank}:{step}:0")
-        seconds = time.monotonic() - began
-        finished = step if phase == "kill9-update" else step - 1
-        result = {"world": world, "rank": rank, "step": step, "phase": phase, "seconds": seconds,
-                  "returncode": proc.returncode, "last_finished": finished,
-                  "lost_without_capture": finished - finished // save_every * save_every}
+        proc, first_err = launch(Path(work), ref, mode, f"{phase}:{rank}:{step}:0")
+        result = {"world": ref.world, "mode": mode, "rank": rank, "step": step, "phase": phase,
+                  "seconds": time.monotonic() - began, "returncode": proc.returncode}
+        finished = max(int((out / f"attempt0-progress{r}").read_text() or 0) for r in range(ref.world))
+        result.update(last_finished=finished, lost_without_capture=finished % ref.save_every,
+                      in_update=(mode == "kill" and phase.endswith("-update"))
+                      or "inside an optimizer update" in first_err)
         if proc.returncode != 0:
             result["error"] = proc.stderr[-3000:]
             return result
-        loaded = [json.loads((out / f"attempt1-rank{r}.json").read_text()) for r in range(world)]
-        result["loaded"] = loaded[0]["step"] or 0
-        result["captured"] = loaded[0]["captured"]
-        result["same_on_every_rank"] = all(l == loaded[0] for l in loaded)
-        result["lost"] = finished - result["loaded"]
-        result["exact"] = all(all(torch.equal(torch.load(out / f"final{r}.pt")[k], v) for k, v in ref[r].items())
-                              for r in range(world))
+        judge(out, ref, result)
         return result
+
+
+def line(r: dict) -> str:
+    if "error" in r:
+        return f"FAILED rc {r['returncode']}"
+    fresh = {True: " (identical to a fresh-DDP control: the restart is exact)",
+             False: " (differs from the fresh-DDP control too)"}.get(r.get("as_fresh_ddp"), "")
+    return (f"finished {r['last_finished']}, loaded {r['loaded']}{' (captured)' if r['captured'] else ''}, "
+            f"lost {r['lost']} (without capture {r['lost_without_capture']}), exact at load "
+            f"{r['exact_at_load'] and r['optim_exact_at_load'] and r['data_order']}, final exact {r['exact']}{fresh}, "
+            f"{r['seconds']:.0f}s")
+
+
+def summary(done: list[dict], n: int) -> str:
+    """One setting's numbers: steps lost, and exactness at the load and at the end."""
+    if not done:
+        return f"0/{n} restarts finished"
+    lost = [r["lost"] for r in done]
+    outside = [r["lost"] for r in done if not r["in_update"]]
+    inexact = [r for r in done if not r["exact"]]
+    return (f"{len(done)}/{n} restarts finished; steps lost per kill: mean {statistics.mean(lost):.2f}, max "
+            f"{max(lost)} (outside an update: {len(outside)} kills, max {max(outside, default=None)}); without "
+            f"capture mean {statistics.mean(r['lost_without_capture'] for r in done):.1f}; exact at load "
+            f"(weights, Adam state, data order) {sum(r['exact_at_load'] and r['optim_exact_at_load'] and r['data_order'] for r in done)}/{len(done)}; "
+            f"final exact {len(done) - len(inexact)}/{len(done)}; of the inexact, identical to the fresh-DDP control "
+            f"{sum(r['as_fresh_ddp'] for r in inexact)}/{len(inexact)}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=50, help="kills per world size")
     p.add_argument("--worlds", default="2,4")
+    p.add_argument("--mode", choices=sorted(PHASES), default="kill")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--phases", default=",".join(PHASES), help="faults to draw from (tests/capture/_train.py's "
-                   "kinds: kill9-data, kill9-forward, kill9, kill9-update, raise)")
+    p.add_argument("--phases", help="faults to draw from (tests/capture/_train.py's kinds: kill9-data, kill9-forward, "
+                   "kill9, kill9-update, raise; term-job-data, ...); default: the mode's four")
+    p.add_argument("--ddp", default="{}", help="DDP's keyword arguments, as JSON")
     p.add_argument("--json", default=str(REPO / "results" / "capture_campaign.json"))
     a = p.parse_args()
     rng = random.Random(a.seed)
-    phases = a.phases.split(",")
+    phases = a.phases.split(",") if a.phases else PHASES[a.mode]
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     for world in map(int, a.worlds.split(",")):
-        ref = uninterrupted(world, a.steps, a.save_every)
+        ref = Reference(world, a.steps, a.save_every, a.ddp)
         for i in range(a.kills):
-            r = one_kill(world, a.steps, a.save_every, rng.randrange(world), rng.randint(2, a.steps - 1),
-                         rng.choice(phases), ref)
+            r = one_kill(ref, a.mode, rng.randrange(world), rng.randint(2, a.steps - 1), rng.choice(phases))
             results.append(r)
-            print(f"world {world} kill {i + 1}/{a.kills}: rank {r['rank']} step {r['step']} {r['phase']}: "
-                  + (f"loaded {r['loaded']}{' (captured)' if r['captured'] else ''}, lost {r['lost']} "
-                     f"(without capture {r['lost_without_capture']}), exact {r['exact']}, {r['seconds']:.0f}s"
-                     if "error" not in r else f"FAILED rc {r['returncode']}"), flush=True)
+            print(f"world {world} {a.mode} {i + 1}/{a.kills}: rank {r['rank']} step {r['step']} {r['phase']}: "
+                  f"{line(r)}", flush=True)
             out.write_text(json.dumps(results, indent=2) + "\n")
         done = [r for r in results if r["world"] == world and "error" not in r]
-        outside = [r["lost"] for r in done if r["phase"] != "kill9-update"]
-        print(f"== world {world}: {len(done)}/{a.kills} restarts finished; steps lost per kill: mean "
-              f"{statistics.mean([r['lost'] for r in done]) if done else float('nan'):.2f}, max "
-              f"{max((r['lost'] for r in done), default=None)} (outside an update: max {max(outside, default=None)}); "
-              f"without capture mean {statistics.mean([r['lost_without_capture'] for r in done]) if done else 0:.1f}; "
-              f"exact restores {sum(r['exact'] for r in done)}/{len(done)}", flush=True)
+        print(f"== world {world}, {a.mode}: {summary(done, a.kills)}", flush=True)
     print(f"wrote {out}")
-
 
 if __name__ == "__main__":
     main()

@@ -15,14 +15,24 @@ A FAULT is ``KIND:RANK:STEP:ATTEMPT``, done by that rank at that step of that at
 - ``term-update``: SIGTERM to itself inside the step's optimizer update;
 - ``term-early``: SIGTERM before the first optimizer step (STEP ignored);
 - ``term-blocked``: after the step's update, SIGTERM from another thread while the main
-  thread waits inside a C++ call (a TCPStore wait) that does not return to Python.
+  thread waits inside a C++ call (a TCPStore wait) that does not return to Python;
+- ``term-job``: SIGTERM to the parent (torchrun's agent, which forwards it to every worker and
+  ends the job) inside the step's backward; ``term-job-data``, ``-forward``, ``-update`` as for kill9;
+- ``rewrap``: a control, no failure: the DDP wrapper is made anew before the step, so the step
+  runs as a restart's first step does (RANK ``*``: every rank, as it must be).
 
 Each rank writes ``OUT/attempt<A>-rank<R>.json`` (what it loaded) after the load and
-``OUT/final<R>.pt`` (the model's weights) at the end.
+``OUT/final<R>.pt`` (the model's weights) at the end. ``CAPTURE_ATTEMPT_OFFSET`` is added to
+the attempt (a second torchrun on the same checkpoints, where the first one's faults must not
+fire again); ``CAPTURE_DDP`` is DDP's keyword arguments as JSON. With ``CAPTURE_RECORD`` set each
+rank also writes ``OUT/attempt<A>-loaded<R>.pt`` (the weights and Adam state right after the
+load, and the first step run), ``OUT/attempt<A>-steps<R>.pt`` (the same after every step, by
+step) and ``OUT/attempt<A>-progress<R>`` (the last finished step, rewritten as each update ends).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -31,6 +41,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
@@ -73,6 +84,87 @@ def _blocked_in_cpp() -> None:
     print("the C++ wait returned", file=sys.stderr)
 
 
+def _once(act: Callable[[], None]) -> Callable[..., None]:
+    """``act`` as a hook that acts the first time only (a signal to the agent is sent once)."""
+    done: list[bool] = []
+
+    def fire(*_: object) -> None:
+        if not done:
+            done.append(True)
+            act()
+    return fire
+
+
+ACTIONS: dict[str, Callable[[], None]] = {
+    "kill9": lambda: os.kill(os.getpid(), signal.SIGKILL),
+    "term-job": lambda: os.kill(os.getppid(), signal.SIGTERM),
+}
+
+
+def _arm(fault: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Arm a ``kill9*`` or ``term-job*`` fault at its point of this step (``-data``: now)."""
+    for name, act in ACTIONS.items():
+        if fault != name and not fault.startswith(name + "-"):
+            continue
+        point, fire = fault[len(name) + 1:], _once(act)
+        if point == "":
+            model.weight.register_hook(lambda g: fire())
+        elif point == "data":
+            fire()
+        elif point == "forward":
+            model.register_forward_pre_hook(fire)
+        elif point == "update":
+            opt.register_step_pre_hook(fire)
+
+
+def _faults(specs: list[str], rank: int, attempt: int) -> dict[int, str]:
+    """This rank's faults of this attempt, by step."""
+    faults = {}
+    for spec in specs:
+        kind, f_rank, f_step, f_attempt = spec.split(":")
+        if f_rank in ("*", str(rank)) and int(f_attempt) == attempt:
+            faults[int(f_step)] = kind
+    return faults
+
+
+def _wrap(model: torch.nn.Module) -> torch.nn.Module:
+    return torch.nn.parallel.DistributedDataParallel(model, **json.loads(os.environ.get("CAPTURE_DDP", "{}")))
+
+
+class Recorder:
+    """What ``CAPTURE_RECORD`` asks for: the state at the load, after every step, the progress."""
+
+    def __init__(self, out: str, attempt: int, rank: int) -> None:
+        self.prefix = os.path.join(out, f"attempt{attempt}-")
+        self.rank = rank
+        self.on = bool(os.environ.get("CAPTURE_RECORD"))
+        self.steps: dict[int, dict] = {}
+        self.fd = os.open(f"{self.prefix}progress{rank}", os.O_CREAT | os.O_WRONLY) if self.on else -1
+
+    @staticmethod
+    def state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+        return copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()["state"]})
+
+    def loaded(self, start: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        if self.on:
+            self.steps[start] = self.state(model, opt)
+            torch.save({**self.steps[start], "first_step": start + 1}, f"{self.prefix}loaded{self.rank}.pt")
+
+    def watch(self, opt: torch.optim.Optimizer, now: dict[str, int]) -> None:
+        """Write the progress as the update ends (a hook before failure capture's, so a SIGTERM
+        right after the update finds it written)."""
+        if self.on:
+            opt.register_step_post_hook(lambda *_: os.pwrite(self.fd, f"{now['step']:<12d}".encode(), 0))
+
+    def step(self, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        if self.on:
+            self.steps[step] = self.state(model, opt)
+
+    def close(self) -> None:
+        if self.on:
+            torch.save(self.steps, f"{self.prefix}steps{self.rank}.pt")
+
+
 def main() -> None:
     import torch.distributed as dist
     from flashckpt.torch import Checkpointer, DdpCheckpointer, init_process_group
@@ -81,19 +173,15 @@ def main() -> None:
     directory, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
-        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"]) + int(os.environ.get("CAPTURE_ATTEMPT_OFFSET", "0"))
         init_process_group("gloo")
         rank = dist.get_rank()
     else:
         attempt, rank = int(sys.argv[4]), 0
-    faults = {}
-    for spec in sys.argv[5:]:
-        kind, f_rank, f_step, f_attempt = spec.split(":")
-        if int(f_rank) == rank and int(f_attempt) == attempt:
-            faults[int(f_step)] = kind
+    faults = _faults(sys.argv[5:], rank, attempt)
 
     model, opt = make()
-    net = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+    net = _wrap(model) if distributed else model
     ckpt = (DdpCheckpointer if distributed else Checkpointer)(directory, persist_every=1000)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     start = ckpt.load(state) or 0
@@ -104,31 +192,30 @@ def main() -> None:
         report["captured"] = bool(ckpt.engine.memory_info(loaded.step).get("captured"))
     with open(os.path.join(out, f"attempt{attempt}-rank{rank}.json"), "w") as f:
         json.dump(report, f)
+    record = Recorder(out, attempt, rank)
+    record.loaded(start, model, opt)
+    now = {"step": 0}
+    record.watch(opt, now)
 
     ckpt.save_on_failure(lambda: {"model": model.state_dict(), "optim": opt.state_dict()}, optimizer=opt)
-    now = {"step": 0}
     if "term-early" in faults.values():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
     for step in range(start + 1, steps + 1):
         now["step"] = step
-        fault = faults.get(step)
-        if fault == "kill9":
-            model.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
-        if fault == "kill9-data":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if fault == "kill9-forward":
-            model.register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
-        if fault == "kill9-update":
-            opt.register_step_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+        fault = faults.get(step, "")
+        _arm(fault, model, opt)
         if fault == "term-update":
             opt.register_step_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGTERM))
         if fault == "raise":
             raise RuntimeError(f"injected failure at step {step}")
+        if fault == "rewrap":
+            net = _wrap(model)
         x, y = batch(rank, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(x), y).backward()
         opt.step()
+        record.step(step, model, opt)
         if fault == "term":
             os.kill(os.getpid(), signal.SIGTERM)
         if fault == "term-blocked":
@@ -136,10 +223,10 @@ def main() -> None:
         if step % SAVE_EVERY == 0:
             ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
     ckpt.close()
+    record.close()
     torch.save(model.state_dict(), os.path.join(out, f"final{rank}.pt"))
     if distributed:
         dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()
