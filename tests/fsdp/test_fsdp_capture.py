@@ -51,8 +51,8 @@ def _unpack(data: bytes) -> dict:
 
 
 def _train_to_5(rank: int, directory: str, job: str):
-    """Fresh start, armed capture (``extra``: the data position), step 2 saved and
-    persisted, steps 3-5 trained. Returns (checkpointer, model, optimizer, capture, the
+    """Fresh start, armed capture (``extra``: the data position), step 0 saved before the
+    optimizer's first step, step 2 saved and persisted, steps 3-5 trained. Returns (checkpointer, model, optimizer, capture, the
     local state of step 2)."""
     from flashckpt.torch import FsdpCheckpointer
 
@@ -63,6 +63,7 @@ def _train_to_5(rank: int, directory: str, job: str):
     assert ckpt.load(model, opt) is None
     position = {"step": 0}
     capture = ckpt.save_on_failure(lambda: {"position": position["step"] * 8 + rank}, optimizer=opt)
+    ckpt.save(0, model, opt, extra={"position": rank})  # a fresh optimizer: get_state_dict steps it inside
     for step in range(1, 6):
         train_step(model, opt, rank, step)
         position["step"] = step
