@@ -73,8 +73,8 @@ class EngineCheckpointer:
         per-rank or sharded state loads a capture only where every rank captured it.
         """
         if not self._captures_failures:
-            raise CheckpointError(f"{type(self).__name__} has no failure capture yet (the torch Checkpointer and "
-                                  "DdpCheckpointer have)")
+            raise CheckpointError(f"{type(self).__name__} has no failure capture yet (the torch Checkpointer, "
+                                  "DdpCheckpointer, FsdpCheckpointer and DeepSpeedCheckpointer have)")
         self._check_no_capture()  # before the optimizer's hooks are registered
         return self.capture_with(self.engine_capture(state_fn, optimizer))
 

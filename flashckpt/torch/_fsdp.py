@@ -29,12 +29,14 @@ import logging
 import os
 import time
 import types
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .._base import EngineCheckpointer
+from .._capture import FailureCapture
 from .._engine import Engine, SaveHandle, gc_paused, place
 from .._errors import CheckpointError, StateMismatchError
 from .._options import Options, resolve_options
@@ -61,12 +63,14 @@ def _api() -> types.SimpleNamespace:
     from torch.distributed.checkpoint import state_dict as sd
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.fsdp import FullyShardedDataParallel
     try:
         from torch.distributed._shard.sharded_tensor import ShardedTensor
     except ImportError:  # pragma: no cover - torch without the FSDP1 shard package
         ShardedTensor = None
     return types.SimpleNamespace(sd=sd, options=sd.StateDictOptions(full_state_dict=False), DTensor=DTensor,
                                  Shard=Shard, Replicate=Replicate, ShardedTensor=ShardedTensor,
+                                 FSDP1=FullyShardedDataParallel,
                                  local_shape_and_offset=compute_local_shape_and_global_offset)
 
 
@@ -101,6 +105,30 @@ class _SaveCache:
     pointers: tuple[int, ...]
     group_params: list[list[str]]
     """Each param group's parameter names, as ``get_state_dict`` gave them."""
+
+    @classmethod
+    def of(cls, key: tuple, target: _Target) -> "_SaveCache":
+        optim = target.tree.get("optim")
+        groups = [list(g["params"]) for g in optim["param_groups"]] if optim is not None else []
+        return cls(key, target, _pointers(target), groups)
+
+    def moved(self) -> bool:
+        """Whether a cached local tensor was given other storage since."""
+        return _pointers(self.target) != self.pointers
+
+    def tree(self, optimizer: Any, extra: Any) -> dict[str, Any]:
+        """The cached tree (a new dict, the same tensors) with its plain values read again:
+        the param groups' hyper-parameters, ``extra``."""
+        tree = dict(self.target.tree, extra=extra)
+        if optimizer is not None:
+            groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
+                      for group, names in zip(optimizer.param_groups, self.group_params)]
+            tree["optim"] = dict(tree["optim"], param_groups=groups)
+        return tree
+
+
+def _pointers(target: _Target) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in target.locals.values())
 
 
 def _live_key(model: torch.nn.Module, optimizer: Any) -> tuple:
@@ -170,6 +198,11 @@ class FsdpCheckpointer(EngineCheckpointer):
         self.extra: Any = None
         """What ``extra`` held at the step the last ``load`` restored (None before)."""
         self._save_cache: _SaveCache | None = None
+        self._model: torch.nn.Module | None = None
+        self._optimizer: Any = None
+        """Those of the last ``load`` or ``save``: the ones :meth:`save_on_failure` captures."""
+        self._shards: _CaptureShards | None = None
+        self._collecting = False
 
     # -- state ----------------------------------------------------------------------
 
@@ -178,8 +211,12 @@ class FsdpCheckpointer(EngineCheckpointer):
         no state yet (a step with zero gradients: Adam's step count becomes 1); unless the
         state is about to be filled (``filling``), that is undone and the optimizer is
         recorded as fresh, so saving before the first step changes no training."""
-        with torch.no_grad():  # DTensor.to_local is then a plain attribute read
-            return self._collect_state(model, optimizer, extra, filling)
+        self._collecting = True  # a fresh optimizer's state is made by a step: no capture refresh inside it
+        try:
+            with torch.no_grad():  # DTensor.to_local is then a plain attribute read
+                return self._collect_state(model, optimizer, extra, filling)
+        finally:
+            self._collecting = False
 
     def _collect_state(self, model: torch.nn.Module, optimizer: Any, extra: Any, filling: bool) -> _Target:
         api = _api()
@@ -226,7 +263,9 @@ class FsdpCheckpointer(EngineCheckpointer):
         :class:`~flashckpt.SaveHandle`. Every rank calls this
         for the same step: flashckpt adds no communication, but FSDP1's sharded state
         dict is itself collective (FSDP2's is not)."""
-        with gc_paused():
+        self._use(model, optimizer, "save")
+        capture = self._capture
+        with capture.saving(step, extra) if capture is not None else nullcontext(), gc_paused():
             target = self._reuse(model, optimizer, extra)
             if target is None:
                 target = self._collect(model, optimizer, extra)
@@ -239,13 +278,9 @@ class FsdpCheckpointer(EngineCheckpointer):
         cache = self._save_cache
         if cache is None or cache.key != _live_key(model, optimizer):
             return None
-        if tuple(t.data_ptr() for t in cache.target.locals.values()) != cache.pointers:
+        if cache.moved():
             return None
-        tree = cache.target.tree
-        if optimizer is not None:
-            tree["optim"]["param_groups"] = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
-                                             for group, names in zip(optimizer.param_groups, cache.group_params)]
-        tree["extra"] = extra
+        cache.target.tree = cache.tree(optimizer, extra)
         return cache.target
 
     def _remember(self, model: torch.nn.Module, optimizer: Any, target: _Target) -> None:
@@ -260,9 +295,67 @@ class FsdpCheckpointer(EngineCheckpointer):
         if optim is not None and not all(isinstance(v, torch.Tensor) for st in optim["state"].values()
                                          for v in st.values()):
             return
-        groups = [list(g["params"]) for g in optim["param_groups"]] if optim is not None else []
-        self._save_cache = _SaveCache(_live_key(model, optimizer), target,
-                                      tuple(t.data_ptr() for t in target.locals.values()), groups)
+        self._save_cache = _SaveCache.of(_live_key(model, optimizer), target)
+
+    # -- failure capture --------------------------------------------------------------
+
+    def save_on_failure(self, state_fn: Callable[[], Any], *, optimizer: Any) -> FailureCapture:
+        """On a failure, save the last finished optimizer step from this rank's local shards
+        (see ``flashckpt._capture``). Every rank calls it once, from the main thread, after
+        ``load(model, optimizer)`` (or a ``save``): the model and optimizer are that call's,
+        and later saves and loads must name the same ones.
+
+        ``state_fn()`` returns what ``save`` takes as ``extra`` (or None); it is checked
+        against the next save's ``extra``. On SIGTERM/SIGINT (also while the main thread is
+        blocked in a collective, in forward or backward), an uncaught exception or
+        ``capture()`` of the returned object, a rank not inside ``optimizer.step()`` writes
+        its local shards of that step with ``state_fn()`` into its memory slot and has them
+        persisted: no collective, and the model is not touched (FSDP2 puts unsharded
+        parameters in the modules during forward and backward; the capture copies the
+        sharded ones, which only ``optimizer.step()`` changes). The tree is collected on the
+        main thread after each load and again at the end of an optimizer step that gave the
+        optimizer's state new tensors; a capture finding its tensors replaced since (the
+        optimizer's ``load_state_dict``, a new buffer) writes nothing and logs why. The state is
+        sharded: a restart loads a capture only where every rank captured it. FSDP2 only:
+        FSDP1's sharded state dict is collective, and a model with parameters outside the
+        optimizer is refused (:class:`~flashckpt.CheckpointError` naming why).
+        """
+        self._check_no_capture()
+        model, known = self._model, self._optimizer
+        if model is None:
+            raise CheckpointError("save_on_failure: no model known yet; call load(model, optimizer) (or save) first: "
+                                  "the capture saves the model and optimizer of the last load or save")
+        if optimizer is None or optimizer is not known:
+            raise ValueError("save_on_failure: optimizer is not the optimizer of the last load or save "
+                             f"({'none' if known is None else type(known).__name__}): its step() is the boundary and "
+                             "its state is what the capture saves")
+        if not callable(state_fn):
+            raise TypeError(f"state_fn must be callable (returning what save takes as extra), got "
+                            f"{type(state_fn).__name__}")
+        shards = _CaptureShards(model, optimizer, lambda: self._collect(model, optimizer, None),
+                                lambda: self._collecting)
+        engine = self._engine
+        capture = FailureCapture(
+            state_fn, optimizer, allow_pickle=engine.options.allow_pickle, last_load=lambda: engine.last_load,
+            save=lambda step, extra: engine.save(step, shards.tree(extra), persist=True, captured=True) is not None)
+        self._shards = shards
+        return self.capture_with(capture, guard_saves=False)
+
+    def _use(self, model: torch.nn.Module, optimizer: Any, what: str) -> None:
+        shards = self._shards
+        if shards is not None and (model is not shards.model or optimizer not in (None, shards.optimizer)):
+            raise ValueError(f"{what}: save_on_failure armed this checkpointer for another model and optimizer "
+                             "(the capture would save those)")
+        self._model, self._optimizer = model, optimizer
+
+    def close(self, timeout: float | None = None) -> None:
+        """As :meth:`flashckpt._base.EngineCheckpointer.close`; the capture's optimizer hook is removed."""
+        try:
+            super().close(timeout)
+        finally:
+            if self._shards is not None:
+                self._shards.close()
+                self._shards = None
 
     # -- load -----------------------------------------------------------------------
 
@@ -275,7 +368,10 @@ class FsdpCheckpointer(EngineCheckpointer):
         world size or mesh it is resharded from storage.
         """
         start = time.perf_counter()
+        self._use(model, optimizer, "load")
         self._save_cache = None
+        if self._shards is not None:
+            self._shards.stale = True
         eng = self._engine
         coll = eng.collective
         eng.wait()  # a crash flush of the previous run commits first
@@ -430,11 +526,7 @@ class FsdpCheckpointer(EngineCheckpointer):
     @staticmethod
     def _aliased(model: torch.nn.Module, optimizer: Any, target: _Target) -> bool:
         """Whether every filled local tensor is a live parameter, buffer or optimizer state."""
-        live = {_local(t).data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-        if optimizer is not None:
-            live |= {_local(v).data_ptr() for st in optimizer.state.values() for v in st.values()
-                     if isinstance(v, torch.Tensor)}
-        return all(t.numel() == 0 or t.data_ptr() in live for t in target.locals.values())
+        return _all_live(target, list(model.parameters()) + list(model.buffers()), optimizer)
 
     @staticmethod
     def _set_hyperparameters(optimizer: Any, saved: list[dict[str, Any]]) -> None:
@@ -445,3 +537,70 @@ class FsdpCheckpointer(EngineCheckpointer):
             for k, v in values.items():
                 if k != "params":
                     group[k] = v
+
+
+class _CaptureShards:
+    """This rank's local shards of the model and optimizer a failure capture saves, as a
+    tree that any thread can hand the engine: a save's tree, collected on the main thread
+    (at arming, and at the end of the first optimizer step after it or after a load, or after
+    one that gave the optimizer's state more tensors), whose tensors are the live sharded
+    parameters, buffers and optimizer states. A capture checks that they still are."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, collect: Callable[[], _Target],
+                 collecting: Callable[[], bool]) -> None:
+        """``collect()`` gives the tree of a save; ``collecting()`` is true inside any
+        collect, where a fresh optimizer's state is made by a step whose hook must not collect."""
+        fsdp1 = [name or "the model" for name, m in model.named_modules() if isinstance(m, _api().FSDP1)]
+        if fsdp1:
+            raise CheckpointError(f"save_on_failure: {fsdp1[0]} is FSDP1 (FullyShardedDataParallel), which has no "
+                                  "failure capture: its sharded state dict is collective (at a failure a peer may be "
+                                  "dead or blocked) and a copy; use FSDP2 (fully_shard)")
+        self.model, self.optimizer, self._collect, self._collecting = model, optimizer, collect, collecting
+        target = collect()
+        self._cache = _SaveCache.of(self._count(), target)
+        if not _all_live(self._cache.target, list(model.parameters()) + list(model.buffers()), optimizer):
+            raise CheckpointError("save_on_failure: the model's state dict holds copies, not its live parameters "
+                                  "(not FSDP2): a capture could not read them without the model")
+        if not self._live(self._cache.target):
+            raise CheckpointError("save_on_failure: the model has parameters the optimizer does not hold (frozen "
+                                  "ones); failure capture needs every parameter in the optimizer")
+        self.stale = True
+        """Collect again at the end of the next optimizer step (after arming, after a load)."""
+        self._handle = optimizer.register_step_post_hook(lambda *_: self._refresh())
+
+    def _count(self) -> tuple[int]:
+        return (len(self.optimizer.state),)
+
+    def _live(self, target: _Target) -> bool:
+        """Read without the model's parameters, which FSDP2 swaps for unsharded ones."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return _all_live(target, params + list(self.model.buffers()), self.optimizer)
+
+    def _refresh(self) -> None:
+        """The optimizer's step post-hook (main thread; registered before the capture's, so
+        no capture sees the step as ended before this ran)."""
+        if not self._collecting() and (self.stale or self._cache.key != self._count()):
+            target = self._collect()
+            self._cache, self.stale = _SaveCache.of(self._count(), target), False
+
+    def tree(self, extra: Any) -> dict[str, Any]:
+        """What the capture saves (any thread, no collective)."""
+        cache = self._cache
+        if cache.key != self._count() or not self._live(cache.target):
+            raise CheckpointError("the optimizer's state or the model's buffers are other tensors than at the end "
+                                  "of the last optimizer step (replaced since)")
+        return cache.tree(self.optimizer, extra)
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _all_live(target: _Target, tensors: list[torch.Tensor], optimizer: Any) -> bool:
+    """Whether every local tensor of ``target`` starts where the local tensor of one of
+    ``tensors`` or of ``optimizer``'s state does."""
+    with torch.no_grad():
+        live = {_local(t).data_ptr() for t in tensors}
+        if optimizer is not None:
+            live |= {_local(v).data_ptr() for st in optimizer.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor)}
+    return all(t.numel() == 0 or t.data_ptr() in live for t in target.locals.values())

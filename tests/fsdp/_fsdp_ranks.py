@@ -175,6 +175,26 @@ def bad_input(rank: int, root: str, job: str) -> None:
                       "only in checkpoint: ['more.weight', 'more.bias']")
 
 
+def capture_bad_input(rank: int, root: str, job: str) -> None:
+    """save_on_failure before any load or save names a model, with another optimizer than
+    the loaded one, and on FSDP1 (whose sharded state dict is collective): clear errors."""
+    from flashckpt import CheckpointError
+    from flashckpt.torch import FsdpCheckpointer
+    model, opt = make(0)
+    with FsdpCheckpointer(os.path.join(root, "capture-bad"), job_id=f"{job}c") as ck:
+        _expect_error(lambda: ck.save_on_failure(dict, optimizer=opt), CheckpointError,
+                      "save_on_failure", "load(model, optimizer)")
+        ck.load(model, opt)
+        other = torch.optim.SGD(model.parameters(), lr=0.1)
+        _expect_error(lambda: ck.save_on_failure(dict, optimizer=other), ValueError, "not the optimizer")
+        ck.load(model)
+        _expect_error(lambda: ck.save_on_failure(dict, optimizer=opt), ValueError, "not the optimizer")
+    v1, v1_opt = make(0, fsdp=1)
+    with FsdpCheckpointer(os.path.join(root, "capture-bad1"), job_id=f"{job}c1") as ck:
+        ck.load(v1, v1_opt)
+        _expect_error(lambda: ck.save_on_failure(dict, optimizer=v1_opt), CheckpointError, "FSDP1", "collective")
+
+
 def save(rank: int, world: int, root: str, job: str, name: str, fsdp: int = 2, seed: int = 0,
          dcp_dir: str | None = None, mesh: tuple[int, int] | None = None) -> None:
     """Train 3 steps, save step 3 to ``root/name`` (and with DCP to ``dcp_dir``); the
@@ -247,7 +267,8 @@ def damaged(rank: int, world: int, root: str, job: str, name: str) -> None:
 
 
 OPS = {"round_trip": round_trip, "model_only": model_only, "fresh_optimizer": fresh_optimizer,
-       "repeated_saves": repeated_saves, "bad_input": bad_input}
+       "repeated_saves": repeated_saves, "bad_input": bad_input,
+       "capture_bad_input": capture_bad_input}
 WORLD_OPS = {"save": save, "load": load, "mismatch": mismatch, "damaged": damaged}
 
 

@@ -1,0 +1,173 @@
+"""FSDP2 failure capture (issue 42) on 2 gloo ranks, each run a new process pair.
+
+Both ranks: load (a fresh start), arm ``save_on_failure``, save step 2 (persisted), three
+updates; at step 6, inside backward (FSDP2's root parameters unsharded), the main thread
+blocks in a C++ wait and the process gets SIGTERM: the watcher thread captures step 5 from
+the local shards. The restart (a new pair) loads step 5 from memory, bit-exact, with its
+``extra``. Where only rank 1 captures (rank 0 died first), the restart loads step 2 exactly
+and rank 0 logs why the capture is not loaded. Bad input (no model known yet, another
+optimizer, FSDP1) is ``_fsdp_ranks.capture_bad_input`` in the shared 2-rank run.
+"""
+
+from __future__ import annotations
+
+from tests._fork import run_ranks
+
+from .conftest import assert_ok
+
+
+def _logged(lines: list[str], on_line=None) -> None:
+    import logging
+
+    handler = logging.Handler(logging.INFO)
+
+    def emit(record: logging.LogRecord) -> None:
+        lines.append(record.getMessage())
+        if on_line is not None:
+            on_line(lines[-1])
+    handler.emit = emit  # type: ignore[method-assign]
+    logging.getLogger("flashckpt").addHandler(handler)
+    logging.getLogger("flashckpt").setLevel(logging.INFO)
+
+
+def _pack(state: dict) -> bytes:
+    """Tensors as bytes: a worker's tensors pickled through the queue would be shared memory
+    that is gone once it ends."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> dict:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data))
+
+
+def _train_to_5(rank: int, directory: str, job: str):
+    """Fresh start, armed capture (``extra``: the data position), step 0 saved before the
+    optimizer's first step, step 2 saved and persisted, steps 3-5 trained. Returns (checkpointer, model, optimizer, capture, the
+    local state of step 2)."""
+    from flashckpt.torch import FsdpCheckpointer
+
+    from ._fsdp_common import local_state, make, train_step
+
+    model, opt = make(0)
+    ckpt = FsdpCheckpointer(directory, job_id=job, persist_every=100)
+    assert ckpt.load(model, opt) is None
+    position = {"step": 0}
+    capture = ckpt.save_on_failure(lambda: {"position": position["step"] * 8 + rank}, optimizer=opt)
+    ckpt.save(0, model, opt, extra={"position": rank})  # a fresh optimizer: get_state_dict steps it inside
+    for step in range(1, 6):
+        train_step(model, opt, rank, step)
+        position["step"] = step
+        if step == 2:
+            ckpt.save(2, model, opt, extra={"position": 16 + rank}, persist=True)
+            ckpt.wait()
+            at2 = local_state(model, opt)
+    return ckpt, model, opt, capture, at2
+
+
+def _sigterm_in_backward(rank: int, world: int, directory: str, job: str) -> dict:
+    """Step 6's backward: SIGTERM while the main thread waits in C++ until the watcher
+    thread has captured (a launcher's SIGTERM while a rank waits in a collective)."""
+    import os
+    import signal
+    import threading
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from ._fsdp_common import batch, local_state
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))
+    setter = torch.distributed.TCPStore("127.0.0.1", store.port, 1, False)  # a client is one connection
+    lines: list[str] = []
+    _logged(lines, lambda line: setter.set("captured", "1") if line.startswith("failure (") else None)
+    handled: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: handled.append(signum))  # the launcher's grace period
+    ckpt, model, opt, capture, _ = _train_to_5(rank, directory, job)
+    at5 = local_state(model, opt)
+    seen: dict = {}
+
+    def in_backward(grad: torch.Tensor) -> torch.Tensor:
+        seen["unsharded"] = not isinstance(model.emb.weight, DTensor)  # the root's parameters, all-gathered
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        store.wait(["captured"])  # a C++ wait: no Python signal handler runs meanwhile
+        return grad
+
+    x, y = batch(rank, 6)
+    opt.zero_grad()
+    out = model(x)
+    out.register_hook(in_backward)
+    torch.nn.functional.mse_loss(out, y).backward()
+    assert seen == {"unsharded": True}, seen
+    assert handled == [signal.SIGTERM]  # the previous handler ran, after the capture
+    said = [line for line in lines if "captured step" in line]
+    assert len(said) == 1 and "step 5" in said[0] and "watcher thread" in said[0], lines
+    assert capture.capture("again") == 5
+    return _pack(at5)  # the process ends unclosed, as one that a launcher stops does
+
+
+def _rank_1_captures(rank: int, world: int, directory: str, job: str) -> dict:
+    """Rank 0 ends without capturing (it died); rank 1 captures step 5."""
+    _, _, _, capture, at2 = _train_to_5(rank, directory, job)
+    if rank == 1:
+        assert capture.capture("test") == 5
+    return _pack(at2)
+
+
+def _restart(rank: int, world: int, directory: str, job: str) -> tuple:
+    from flashckpt.torch import FsdpCheckpointer
+
+    from ._fsdp_common import local_state, make
+
+    lines: list[str] = []
+    _logged(lines)
+    model, opt = make(3, lr=0.5)  # other weights, other learning rate
+    with FsdpCheckpointer(directory, job_id=job) as ckpt:
+        step = ckpt.load(model, opt)
+        loaded = ckpt.last_load
+        captured = bool(ckpt.engine.memory_info(step).get("captured")) if loaded.source == "memory" else False
+        return step, loaded.source, captured, ckpt.extra, _pack(local_state(model, opt)), opt.param_groups[0]["lr"], \
+            lines
+
+
+def test_sigterm_in_backward_captures_the_last_step_and_the_restart_loads_it(tmp_path, job_id):
+    from ._fsdp_common import assert_equal_states
+
+    directory = str(tmp_path / "ckpt")
+    at5 = run_ranks(_sigterm_in_backward, 2, directory, job_id)
+    results = run_ranks(_restart, 2, directory, job_id)
+    for rank, (step, source, captured, extra, state, lr, lines) in enumerate(results):
+        assert (step, source, captured) == (5, "memory", True), (rank, lines)
+        assert extra == {"position": 5 * 8 + rank}
+        assert lr == 0.01
+        assert_equal_states(_unpack(state), _unpack(at5[rank]), f"rank {rank}: ")
+
+
+def test_a_capture_one_rank_lacks_falls_back_to_the_newest_save(tmp_path, job_id):
+    from ._fsdp_common import assert_equal_states
+
+    directory = str(tmp_path / "ckpt")
+    at2 = run_ranks(_rank_1_captures, 2, directory, job_id)
+    results = run_ranks(_restart, 2, directory, job_id)
+    for rank, (step, source, captured, extra, state, _, _) in enumerate(results):
+        assert (step, captured, extra) == (2, False, {"position": 16 + rank}), rank
+        assert_equal_states(_unpack(state), _unpack(at2[rank]), f"rank {rank}: ")
+    said = [line for line in results[0][6] if "captured" in line]
+    assert len(said) == 1, results[0][6]
+    assert "step 5" in said[0] and "rank(s) 1" in said[0] and "loading step 2 from memory" in said[0] \
+        and "rank(s) 0 hold no copy" in said[0], said
+    assert not any("captured" in line for line in results[1][6]), results[1][6]
+
+
+def test_bad_input(ran2):
+    assert_ok(ran2, "capture_bad_input")
