@@ -152,8 +152,8 @@ class Engine:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         start = time.perf_counter()
         self._raise_persist_errors()
-        if self.placement.writes_memory:  # a saver stopped when this run started is needed now (bounded, named)
-            self._client.link()
+        if self.placement.writes_memory:  # a starting saver is waited for once the copy is made (overlapped: now)
+            self._client.before_save(now=defer is not None)
         self._saves += 1
         if self._branch is None:  # a run that never loaded starts its line here (every rank: see _capture_for_node)
             self.start_line(step - 1)
@@ -198,10 +198,11 @@ class Engine:
         due = due and self.placement.persists
 
         def complete() -> None:
+            reader = self._client.saver_pid if due else 0  # held for the saver (linked now, if it was starting)
             with self.slots.lock.held():
                 header.state = SlotState.COMPLETE
                 header.saved_at = time.time()
-                header.reader_pid = self._client.saver_pid if due else 0  # held for the saver
+                header.reader_pid = reader
                 slot.write_header(header)
 
         def announce() -> None:

@@ -1,8 +1,9 @@
 """``prepare``: the first flash DCP save of a fresh run made as cheap as the ones after it.
 
 A save copies into the rank's shared-memory slots, through the node's saver. In a fresh
-process the first save would also start the run (the saver process: most of a second)
-and touch the slots' fresh pages (more than the copy itself), and nothing a
+process the first save would also open the run and touch the slots' fresh pages (more than
+the copy itself; the saver's start, most of a second, overlaps the copy: see
+``flashckpt.saver._client``), and nothing a
 ``StorageWriter`` hears from DCP comes early enough to hide that: DCP calls
 ``set_up_storage_writer``, ``prepare_local_plan`` and ``write_data`` within one ``dcp.save``,
 milliseconds apart, and torchtitan makes the writer just before. So :func:`prepare`, called
@@ -38,7 +39,7 @@ def prepare(state_dict: dict[str, Any], folder: str | os.PathLike, *, store: str
             **shorthands: Any) -> None:
     """Ready the flash DCP saves of ``state_dict`` into ``folder`` (the folder the
     checkpoint ids are in, ``<folder>/step-N``; ``flashckpt://...`` for saves through the
-    protocol): open the run over the folder's store, start its saver, and size this rank's
+    protocol): open the run over the folder's store (its saver starts), and size this rank's
     shared-memory slots for the save in the background, so that the first ``dcp.save``
     blocks only for its copy, as the later ones do. Nothing is saved.
 

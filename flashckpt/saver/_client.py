@@ -7,22 +7,27 @@ Nothing here waits without a bound. Every wait on the saver ends after
 twice a second that the saver still lives: a dead saver (a zombie included) is replaced
 by a new one, which is told again about every save not yet reported persisted.
 
-A saver that is stopped (``kill -STOP``, a debugger) when a trainer starts does not stop
-the trainer: the link is left pending (``linked`` False), so that a restart can still load
-from memory, and the first call that needs the saver (a save, ``wait``, ``flush``) connects
-then, within its bound.
+The link is made on a thread of its own, started with the client (:class:`~flashckpt.saver._wire.Dial`):
+starting a saver is a new interpreter, most of a second, which a fresh process's first save
+would otherwise pay before its copy. Now the save copies into its slot meanwhile and waits
+for the link only to tell the saver of the slot (:meth:`SaverClient.saved`), so a save that
+returned was heard by the saver, as before (its crash flush persists it if the trainer
+dies); a load from memory does not wait at all. What is asked before the link is made (an
+exporter to warm, new crash-flush defaults) is told by that thread once it is. A saver that
+is stopped (``kill -STOP``, a debugger) when a trainer starts does not stop the trainer: the
+link is left pending (``linked`` False), so that a restart can still load from memory, and
+the first call that needs the saver (a save, ``wait``, ``flush``) connects then, within its bound.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import socket
-import struct
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -31,6 +36,7 @@ from ._exporters import export_timeout
 from .._errors import CheckpointTimeoutError, SaverError
 from .._options import env_count
 from ..memory._slot import pid_alive
+from ._wire import Dial, Made, encode, goodbye, peer_uid, process_state, read_line
 
 __all__ = ["SaverClient", "persist_threads", "saver_timeout", "stopped_saver"]
 
@@ -68,24 +74,6 @@ def persist_threads() -> int:
     return env_count(_THREADS_ENV, min(_THREADS_MAX_DEFAULT, max(1, (os.cpu_count() or 1) // _CORES_PER_THREAD)))
 
 
-def peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
-    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    return uid
-
-
-def process_state(pid: int) -> str:
-    """``running``, ``stopped`` (SIGSTOP, a debugger), ``exited`` or ``unknown``."""
-    if not pid_alive(pid):
-        return "exited"
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "unknown"
-    return "stopped" if state in (b"T", b"t") else "running"
-
-
 def _spawn_saver(job_id: str) -> subprocess.Popen:
     log_file = _names.saver_log_path(job_id)
     here = os.path.abspath(__file__)  # <package root>/flashckpt/saver/_client.py
@@ -115,7 +103,7 @@ class SaverClient:
         self._buffer = b""
         self.errors: list[str] = []
         self.last_committed: int | None = None
-        self.saver_pid = 0
+        self._saver_pid = 0
         self._slots = slots
         self.info = info
         self._saved: dict[str, dict[str, Any]] = {}
@@ -123,6 +111,13 @@ class SaverClient:
         self.pending: dict[tuple[str, int], float] = {}
         """(slot, generation) asked to persist, outcome not yet reported -> when it was saved."""
         self._spawned: list[subprocess.Popen] = []
+        self._spawn_lock = threading.Lock()
+        """Guards ``_spawned`` (a link made in the background starts savers too)."""
+        self._dial: Dial | None = None
+        """The link being made in the background (None once taken, or when there is none)."""
+        self._telling = threading.Lock()
+        """Held to record what the saver must hear while the link is made in the background,
+        and by that thread to tell it all and publish the link (``sock``)."""
         self._replica_config: list[dict[str, Any]] = []
         """The ``replicate`` and ``replica_peer`` messages sent, told again to a new saver."""
         self._warm: list[str] = []
@@ -134,22 +129,70 @@ class SaverClient:
             log.warning("the flashckpt saver of job %s (pid %d) is stopped: connecting at the first save, "
                         "flush or wait instead of now", job_id, holder)
         else:
-            self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
+            seconds, hello = min(_CONNECT_SECONDS, saver_timeout()), self.info
+            self._dial = Dial(lambda: self._connect(seconds, hello), lambda made: self._publish(made, hello),
+                              self._telling)
 
     @property
     def linked(self) -> bool:
-        """Connected to the saver (False while the link is pending)."""
+        """Connected to the saver (False while the link is pending or made in the background)."""
         return self.sock is not None
+
+    @property
+    def saver_pid(self) -> int:
+        """The saver's pid (waits, bounded, for a link being made in the background)."""
+        if self._dial is not None:
+            self.link()
+        return self._saver_pid
 
     def link(self, timeout: float | None = None) -> socket.socket:
         """The connection, made now if it is pending (at most ``timeout`` seconds, default
         ``FLASHCKPT_SAVER_TIMEOUT``, capped at 60; past it :class:`~flashckpt.CheckpointTimeoutError`
-        naming the saver and its state); the saver is then told this trainer's saves."""
+        naming the saver and its state), or taken once made in the background; the saver is
+        then told this trainer's saves."""
         if self.sock is None:
-            bound = saver_timeout() if timeout is None else timeout
-            self.sock = self._connect(min(_CONNECT_SECONDS, bound))
-            self._tell_again()
+            seconds = min(_CONNECT_SECONDS, saver_timeout() if timeout is None else timeout)
+            if self._dial is not None and not self._take_dial(seconds):
+                raise self._unreachable(_names.socket_path(self.job_id), seconds)
+            if self.sock is None:
+                self.sock, self._saver_pid, self._buffer = self._connect(seconds)
+                self._tell_again()
         return self.sock
+
+    def before_save(self, *, now: bool = False) -> None:
+        """A save starts: a pending link (a saver stopped when this trainer started) is made
+        now, bounded; one made in the background is taken if ready, else waited for only once
+        the save has copied (see :meth:`saved`), or now with ``now`` (an overlapped save, whose
+        copy ends on other threads)."""
+        if self._dial is None or now:
+            self.link()
+        else:
+            self._take_dial(0.0)
+
+    def _take_dial(self, seconds: float) -> bool:
+        """Wait at most ``seconds`` for the link made in the background (False if it is not
+        made yet); raises what failed it (the next link dials anew)."""
+        dial = self._dial
+        if dial is None or not dial.done.wait(seconds):
+            return dial is None
+        self._dial = None
+        if dial.error is not None:
+            raise dial.error
+        return True
+
+    def _publish(self, made: Made, hello: dict[str, Any]) -> None:
+        """On the thread that made the link (``_telling`` held): tell the saver what this
+        trainer recorded meanwhile (``hello``: the info its hello carried), then publish the
+        link. A saver lost meanwhile is found by the next call that uses the link."""
+        sock, pid, buffer = made
+        try:
+            if self.info is not hello:  # changed by a load meanwhile
+                sock.sendall(encode({"op": "info", "info": self.info}))
+            self._tell(sock)
+        except OSError as exc:
+            log.warning("telling the flashckpt saver (pid %d) this trainer's saves: %s", pid, exc)
+        self._saver_pid, self._buffer = pid, buffer
+        self.sock = sock
 
     @property
     def outstanding(self) -> int:
@@ -157,8 +200,11 @@ class SaverClient:
 
     # -- connection -----------------------------------------------------------------
 
-    def _connect(self, seconds: float) -> socket.socket:
+    def _connect(self, seconds: float, info: dict[str, Any] | None = None) -> Made:
+        """A connection the saver welcomed (starting one if none answers), its pid, and what
+        it sent after the welcome; ``info``: the hello's (default: :attr:`info`)."""
         path = _names.socket_path(self.job_id)
+        info = self.info if info is None else info
         deadline = time.monotonic() + seconds
         spawned: subprocess.Popen | None = None
         while True:
@@ -175,13 +221,11 @@ class SaverClient:
                 if peer_uid(sock) != os.getuid():
                     raise SaverError(f"the process listening on {path} runs as uid {peer_uid(sock)}, not as "
                                      f"this user (uid {os.getuid()}); refusing to hand it checkpoints")
-                self._buffer = b""
-                sock.sendall(_encode({"op": "hello", "v": _PROTOCOL, "pid": os.getpid(), "slots": self._slots,
-                                      "info": self.info}))
-                reply = self._read_message(sock, timeout=min(10.0, max(0.1, deadline - time.monotonic())))
+                sock.sendall(encode({"op": "hello", "v": _PROTOCOL, "pid": os.getpid(), "slots": self._slots,
+                                      "info": info}))
+                reply, rest = read_line(sock, b"", timeout=min(10.0, max(0.1, deadline - time.monotonic())))
                 if reply is not None and reply.get("op") == "welcome":
-                    self.saver_pid = int(reply["pid"])
-                    return sock
+                    return sock, int(reply["pid"]), rest
                 if reply is not None and reply.get("op") == "error":
                     sock.close()
                     raise SaverError(f"the flashckpt saver refused this trainer: {reply.get('message')}")
@@ -196,7 +240,8 @@ class SaverClient:
                 raise self._unreachable(path, seconds)
             if spawned is None or spawned.poll() is not None:  # none yet, or one that lost the race or ended
                 spawned = _spawn_saver(self.job_id)
-                self._spawned.append(spawned)
+                with self._spawn_lock:
+                    self._spawned.append(spawned)
             time.sleep(0.02)
 
     def _unreachable(self, path: str, seconds: float) -> CheckpointTimeoutError:
@@ -207,34 +252,37 @@ class SaverClient:
 
     def _reap(self) -> None:
         """Collect savers this process started that have exited (no zombies left behind)."""
-        self._spawned = [p for p in self._spawned if p.poll() is None]
+        with self._spawn_lock:
+            self._spawned = [p for p in self._spawned if p.poll() is None]
 
     def _reconnect(self, why: str) -> None:
         """A new saver (the old one died): it is told again about every save this
         trainer made and every persist not yet reported done."""
-        log.warning("lost the flashckpt saver (pid %d: %s); starting a new one", self.saver_pid, why)
+        log.warning("lost the flashckpt saver (pid %d: %s); starting a new one", self._saver_pid, why)
         if self.sock is not None:
             try:
                 self.sock.close()
             except OSError:
                 pass
-        self.sock = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
+        self.sock, self._saver_pid, self._buffer = self._connect(min(_CONNECT_SECONDS, saver_timeout()))
         self._tell_again()
 
     def _tell_again(self) -> None:
         """Tell a new connection what this trainer asked of the saver so far."""
-        sock = self.link()
+        self._tell(self.link())
+
+    def _tell(self, sock: socket.socket) -> None:
         for msg in self._replica_config:  # first: the saves below are then offered to the peer too
-            sock.sendall(_encode(msg))
+            sock.sendall(encode(msg))
         for slot, msg in self._saved.items():
             again = dict(msg, persist=(slot, msg["generation"]) in self.pending)
-            sock.sendall(_encode(again))
+            sock.sendall(encode(again))
         for name in self._warm:
-            sock.sendall(_encode({"op": "warm", "export": name}))
+            sock.sendall(encode({"op": "warm", "export": name}))
         self._warm = []
 
     def _send(self, msg: dict[str, Any]) -> None:
-        data = _encode(msg)
+        data = encode(msg)
         if self.sock is None:
             self.link()  # tells this save again itself
             if msg is self._saved.get(msg.get("slot")):
@@ -253,25 +301,8 @@ class SaverClient:
 
     def _read_message(self, sock: socket.socket, timeout: float) -> dict[str, Any] | None:
         """One message, blocking up to ``timeout`` (0: only what is buffered); None on EOF/timeout."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buffer:
-            sock.settimeout(max(0.0, deadline - time.monotonic()))
-            try:
-                data = sock.recv(1 << 16)
-            except (socket.timeout, BlockingIOError):
-                return None
-            except OSError:
-                return None
-            finally:
-                try:
-                    sock.settimeout(None)
-                except OSError:
-                    pass
-            if not data:
-                return None
-            self._buffer += data
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
+        msg, self._buffer = read_line(sock, self._buffer, timeout)
+        return msg
 
     # -- messages -------------------------------------------------------------------
 
@@ -297,29 +328,40 @@ class SaverClient:
         trainer dies), and with ``persist`` have it written to storage now."""
         msg = {"op": "saved", "slot": slot, "generation": generation, "step": step, "info": info,
                "persist": persist}
-        self._saved[slot] = msg
-        if persist:
-            self.pending[(slot, generation)] = time.time()
-        self._send(msg)
+        with self._telling:
+            self._saved[slot] = msg
+            if persist:
+                self.pending[(slot, generation)] = time.time()
+            told = self.sock is None and self._dial is not None  # by the thread making the link
+        if told:
+            self.link()  # the saver hears of the save before it returns (bounded)
+        else:
+            self._send(msg)
 
     def update_info(self, info: dict[str, Any]) -> None:
         """New defaults for a crash flush of this trainer (after a load changed its line);
         a pending link sends them with its ``hello``."""
-        self.info = info
-        if self.sock is not None:
-            self._send({"op": "info", "info": info})
+        with self._telling:
+            self.info = info
+            if self.sock is None:
+                return
+        self._send({"op": "info", "info": info})
 
     def warm_exporter(self, name: str) -> None:
         """Have the saver load the exporter ``name`` now (see ``flashckpt.saver._exporters``), so
         that the first export does not pay for its imports (seconds: torch, transformers);
         a pending link asks once it is made."""
-        if self.sock is None:
-            self._warm.append(name)
-            return
+        with self._telling:
+            if self.sock is None:
+                self._warm.append(name)
+                return
         self._send({"op": "warm", "export": name})
 
     def drain(self) -> None:
-        """Take in what the saver reported so far, without blocking (nothing while the link is pending)."""
+        """Take in what the saver reported so far, without blocking (nothing while the link is
+        pending); takes a link made in the background (raising what failed it)."""
+        if self._dial is not None:
+            self._take_dial(0.0)
         while self.sock is not None and (msg := self._read_message(self.sock, timeout=0)) is not None:
             self._note(msg)
 
@@ -336,7 +378,7 @@ class SaverClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CheckpointTimeoutError(
-                    f"the flashckpt saver (pid {self.saver_pid}, {process_state(self.saver_pid)}) did not finish "
+                    f"the flashckpt saver (pid {self._saver_pid}, {process_state(self._saver_pid)}) did not finish "
                     f"{op} within {bound:g}s ({self.outstanding} persists outstanding); see "
                     f"{_names.saver_log_path(self.job_id)}, or raise {_TIMEOUT_ENV}")
             msg = self._read_message(self.link(), min(remaining, _CHECK_SECONDS))
@@ -346,14 +388,14 @@ class SaverClient:
                 self._note(msg)
                 continue
             self._reap()
-            if pid_alive(self.saver_pid) and not self._closed_by_peer():
+            if pid_alive(self._saver_pid) and not self._closed_by_peer():
                 continue  # alive: keep waiting (a stopped saver runs into the bound)
             if replaced >= 2:
                 raise SaverError(f"the flashckpt saver for job {self.job_id} died {replaced + 1} times during "
                                  f"{op}; see {_names.saver_log_path(self.job_id)}")
             replaced += 1
             self._reconnect("it exited")
-            self.link().sendall(_encode(request))
+            self.link().sendall(encode(request))
 
     def _closed_by_peer(self) -> bool:
         """The saver's end of the socket is closed (it exited, or dropped us)."""
@@ -405,18 +447,14 @@ class SaverClient:
 
     def close(self) -> None:
         """Say goodbye to the saver (a clean close: it flushes nothing of this trainer) and
-        disconnect; a pending link is simply dropped."""
+        disconnect; a pending link is simply dropped (one made in the background says goodbye)."""
+        with self._telling:  # a link made in the background after this says goodbye itself
+            if self._dial is not None:
+                self._dial.drop()
+            self._dial = None
         if self.sock is not None:
-            try:
-                self.sock.sendall(_encode({"op": "close"}))
-            except OSError:
-                pass
-            self.sock.close()
+            goodbye(self.sock)
         self._reap()
-
-
-def _encode(msg: dict[str, Any]) -> bytes:
-    return json.dumps(msg).encode() + b"\n"
 
 
 def stopped_saver(job_id: str) -> int:

@@ -36,9 +36,9 @@ def test_a_saver_whose_lock_file_was_removed_steps_down_for_the_next(job_id):
         os.unlink(lock)  # a wiped /dev/shm, while the old saver still serves a trainer
         os.unlink(sock)
         second = SaverClient(job_id, [], {})
+        new = second.saver_pid  # linked (a client links in the background) before the old saver runs again
     finally:
         os.kill(old, signal.SIGCONT)
-    new = second.saver_pid
     try:
         assert new != old and _lock_holder(job_id) == new
         bound = os.stat(sock).st_ino

@@ -276,7 +276,8 @@ def test_the_saver_loads_an_exporter_when_asked_before_the_first_export(tmp_path
     a = _engine(tmp_path / "a", job_id, 0)
     a._client.warm_exporter("deepspeed")
     log_path = _names.saver_log_path(job_id)
-    _until(lambda: "loaded the exporter flashckpt.deepspeed._export" in open(log_path).read(),
+    _until(lambda: os.path.exists(log_path)  # the saver starts in the background
+           and "loaded the exporter flashckpt.deepspeed._export" in open(log_path).read(),
            "the saver loaded the DeepSpeed exporter before any save")
     save_dir = tmp_path / "ds"
     save_dir.mkdir()
