@@ -23,14 +23,11 @@ clear error.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import time
-import types
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -45,6 +42,8 @@ from ..restore._reshard import (LAYOUT_KEY, Fill, Piece, RangeReader, path_key, 
 from ..memory._tree import merge_into
 from ..restore._sources import Agreement, Source
 from ._checkpointer import collective_for
+from ._fsdp_capture import CaptureShards
+from ._fsdp_state import SaveCache, Target, all_live, fsdp_api, live_key, local_piece
 from ._tensors import DTYPE_NAMES, host_byte_array
 
 __all__ = ["FsdpCheckpointer"]
@@ -54,122 +53,6 @@ log = logging.getLogger("flashckpt")
 LAYOUT_VERSION = 1
 FRESH = "fresh"
 """The layout's ``optimizer`` value for an optimizer saved before its first step."""
-
-
-@functools.cache
-def _api() -> types.SimpleNamespace:
-    """torch.distributed's state-dict and tensor APIs, imported on first use (they
-    take about a second to import, which ``import flashckpt.torch`` should not pay)."""
-    from torch.distributed.checkpoint import state_dict as sd
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:  # pragma: no cover - torch without the FSDP1 shard package
-        ShardedTensor = None
-    return types.SimpleNamespace(sd=sd, options=sd.StateDictOptions(full_state_dict=False), DTensor=DTensor,
-                                 Shard=Shard, Replicate=Replicate, ShardedTensor=ShardedTensor,
-                                 FSDP1=FullyShardedDataParallel,
-                                 local_shape_and_offset=compute_local_shape_and_global_offset)
-
-
-@dataclass(slots=True)
-class _Target:
-    """One rank's view of model and optimizer for a save or a load."""
-
-    tree: dict[str, Any]
-    """What the engine saves or loads: local tensors, plain values, the layout string."""
-    msd: dict[str, Any]
-    osd: dict[str, Any] | None
-    layout: dict[str, Any]
-    locals: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Layout key -> the local tensor that holds (or receives) this rank's piece."""
-
-
-@functools.lru_cache(maxsize=4096)
-def _local_shape_and_offset(shape: tuple[int, ...], mesh: Any, placements: tuple) -> tuple[tuple, tuple]:
-    """This rank's piece of a DTensor of ``shape`` (the same for every save of a model)."""
-    lengths, offsets = _api().local_shape_and_offset(shape, mesh, placements)
-    return tuple(lengths), tuple(offsets)
-
-
-@dataclass(slots=True)
-class _SaveCache:
-    """What the next save of the same FSDP2 model reuses: its state-dict tensors are the
-    live parameters and optimizer states, so while those are the same tensors only the
-    plain values (param groups' hyper-parameters, ``extra``) are read again."""
-
-    key: tuple
-    target: _Target
-    pointers: tuple[int, ...]
-    group_params: list[list[str]]
-    """Each param group's parameter names, as ``get_state_dict`` gave them."""
-
-    @classmethod
-    def of(cls, key: tuple, target: _Target) -> "_SaveCache":
-        optim = target.tree.get("optim")
-        groups = [list(g["params"]) for g in optim["param_groups"]] if optim is not None else []
-        return cls(key, target, _pointers(target), groups)
-
-    def moved(self) -> bool:
-        """Whether a cached local tensor was given other storage since."""
-        return _pointers(self.target) != self.pointers
-
-    def tree(self, optimizer: Any, extra: Any) -> dict[str, Any]:
-        """The cached tree (a new dict, the same tensors) with its plain values read again:
-        the param groups' hyper-parameters, ``extra``."""
-        tree = dict(self.target.tree, extra=extra)
-        if optimizer is not None:
-            groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
-                      for group, names in zip(optimizer.param_groups, self.group_params)]
-            tree["optim"] = dict(tree["optim"], param_groups=groups)
-        return tree
-
-
-def _pointers(target: _Target) -> tuple[int, ...]:
-    return tuple(t.data_ptr() for t in target.locals.values())
-
-
-def _live_key(model: torch.nn.Module, optimizer: Any) -> tuple:
-    """Identities of the tensors a state dict of ``model`` and ``optimizer`` is made of."""
-    key = (id(model), tuple(map(id, model.parameters())), tuple(map(id, model.buffers())))
-    if optimizer is None:
-        return key
-    state = tuple((id(p), tuple((k, id(v)) for k, v in st.items())) for p, st in optimizer.state.items())
-    return key + (id(optimizer), len(optimizer.param_groups), state)
-
-
-def _local_piece(value: Any, key: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The local tensor of a (possibly sharded) tensor and its layout record."""
-    api = _api()
-    if isinstance(value, api.DTensor):
-        for p in value.placements:
-            if type(p) not in (api.Shard, api.Replicate):
-                raise CheckpointError(f"{key}: placement {p} is not supported (only Shard and Replicate)")
-        local = value.to_local()
-        lengths, offsets = _local_shape_and_offset(tuple(value.shape), value.device_mesh, tuple(value.placements))
-        if tuple(local.shape) != tuple(lengths):
-            raise CheckpointError(f"{key}: local shard has shape {list(local.shape)}, its placements "
-                                  f"{value.placements} imply {list(lengths)}; this layout cannot be described")
-        return local, {"shape": list(value.shape), "offsets": list(offsets), "lengths": list(lengths),
-                       "placements": [str(p) for p in value.placements], "mesh": list(value.device_mesh.shape)}
-    if api.ShardedTensor is not None and isinstance(value, api.ShardedTensor):
-        shards = value.local_shards()
-        shape = list(value.size())
-        if len(shards) > 1:
-            raise CheckpointError(f"{key}: {len(shards)} local shards on one rank are not supported")
-        if not shards:
-            lengths = [0] * len(shape)
-            return torch.empty(lengths, dtype=value.dtype), {"shape": shape, "offsets": lengths, "lengths": lengths}
-        md = shards[0].metadata
-        return shards[0].tensor, {"shape": shape, "offsets": list(md.shard_offsets), "lengths": list(md.shard_sizes)}
-    shape = list(value.shape)
-    return value, {"shape": shape, "offsets": [0] * len(shape), "lengths": shape, "replicated": True}
-
-
-def _local(t: Any) -> Any:
-    return t.to_local() if isinstance(t, _api().DTensor) else t
 
 
 class FsdpCheckpointer(EngineCheckpointer):
@@ -197,16 +80,16 @@ class FsdpCheckpointer(EngineCheckpointer):
         self._engine = Engine(os.fspath(directory), resolved, place(collective, replicated=False), collective)
         self.extra: Any = None
         """What ``extra`` held at the step the last ``load`` restored (None before)."""
-        self._save_cache: _SaveCache | None = None
+        self._save_cache: SaveCache | None = None
         self._model: torch.nn.Module | None = None
         self._optimizer: Any = None
         """Those of the last ``load`` or ``save``: the ones :meth:`save_on_failure` captures."""
-        self._shards: _CaptureShards | None = None
+        self._shards: CaptureShards | None = None
         self._collecting = False
 
     # -- state ----------------------------------------------------------------------
 
-    def _collect(self, model: torch.nn.Module, optimizer: Any, extra: Any, *, filling: bool = False) -> _Target:
+    def _collect(self, model: torch.nn.Module, optimizer: Any, extra: Any, *, filling: bool = False) -> Target:
         """The state tree of this rank. ``get_state_dict`` initialises an optimizer that has
         no state yet (a step with zero gradients: Adam's step count becomes 1); unless the
         state is about to be filled (``filling``), that is undone and the optimizer is
@@ -218,8 +101,8 @@ class FsdpCheckpointer(EngineCheckpointer):
         finally:
             self._collecting = False
 
-    def _collect_state(self, model: torch.nn.Module, optimizer: Any, extra: Any, filling: bool) -> _Target:
-        api = _api()
+    def _collect_state(self, model: torch.nn.Module, optimizer: Any, extra: Any, filling: bool) -> Target:
+        api = fsdp_api()
         fresh = False
         if optimizer is None:
             msd, osd = api.sd.get_model_state_dict(model, options=api.options), None
@@ -236,7 +119,7 @@ class FsdpCheckpointer(EngineCheckpointer):
             if not isinstance(value, torch.Tensor):
                 return value
             key = path_key(parts)
-            local, records[key] = _local_piece(value, key)
+            local, records[key] = local_piece(value, key)
             locals_[key] = local
             return local
 
@@ -252,7 +135,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         layout = {"version": LAYOUT_VERSION, "rank": coll.rank, "world_size": coll.world_size,
                   "optimizer": FRESH if fresh else osd is not None, "tensors": records}
         tree[LAYOUT_KEY] = json.dumps(layout, separators=(",", ":"))
-        return _Target(tree, msd, osd, layout, locals_)
+        return Target(tree, msd, osd, layout, locals_)
 
     # -- save -----------------------------------------------------------------------
 
@@ -272,18 +155,18 @@ class FsdpCheckpointer(EngineCheckpointer):
                 self._remember(model, optimizer, target)
             return self._engine.save(step, target.tree, persist=persist)
 
-    def _reuse(self, model: torch.nn.Module, optimizer: Any, extra: Any) -> _Target | None:
+    def _reuse(self, model: torch.nn.Module, optimizer: Any, extra: Any) -> Target | None:
         """The previous save's target with fresh plain values, if its tensors are still the
         live ones (``get_state_dict`` costs more than the rest of a save's bookkeeping)."""
         cache = self._save_cache
-        if cache is None or cache.key != _live_key(model, optimizer):
+        if cache is None or cache.key != live_key(model, optimizer):
             return None
         if cache.moved():
             return None
         cache.target.tree = cache.tree(optimizer, extra)
         return cache.target
 
-    def _remember(self, model: torch.nn.Module, optimizer: Any, target: _Target) -> None:
+    def _remember(self, model: torch.nn.Module, optimizer: Any, target: Target) -> None:
         """Keep ``target`` for :meth:`_reuse` when every tensor of it is live (FSDP2) and the
         optimizer's state holds nothing but tensors (FSDP1's state dicts are copies)."""
         self._save_cache = None
@@ -295,7 +178,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         if optim is not None and not all(isinstance(v, torch.Tensor) for st in optim["state"].values()
                                          for v in st.values()):
             return
-        self._save_cache = _SaveCache.of(_live_key(model, optimizer), target)
+        self._save_cache = SaveCache.of(live_key(model, optimizer), target)
 
     # -- failure capture --------------------------------------------------------------
 
@@ -332,7 +215,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable (returning what save takes as extra), got "
                             f"{type(state_fn).__name__}")
-        shards = _CaptureShards(model, optimizer, lambda: self._collect(model, optimizer, None),
+        shards = CaptureShards(model, optimizer, lambda: self._collect(model, optimizer, None),
                                 lambda: self._collecting)
         engine = self._engine
         capture = FailureCapture(
@@ -421,7 +304,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         self.extra = target.tree["extra"]
         return loaded
 
-    def _peek(self, target: _Target, agreement: Agreement) -> tuple[bool, Any, list[str]]:
+    def _peek(self, target: Target, agreement: Agreement) -> tuple[bool, Any, list[str]]:
         """(same layout as ``target``, the layout's ``optimizer``: True, False or
         :data:`FRESH`, the parameters the saved optimizer holds state for) for this rank's
         copy of the agreed step."""
@@ -443,7 +326,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         state = skeleton_child(image.meta.get("tree", {}), "optim", "state")
         return same, layout.get("optimizer", False), [name for name, _ in state.get("d", ())]
 
-    def _reshard(self, target: _Target, step: int) -> int:
+    def _reshard(self, target: Target, step: int) -> int:
         """Fill ``target`` from the overlapping byte ranges of every shard of ``step``;
         returns the number of tensor bytes read."""
         rank = self._engine.collective.rank
@@ -492,7 +375,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         return reader.bytes_read
 
     @staticmethod
-    def _drop_unsaved_state(optimizer: Any, target: _Target, saved: set[str]) -> None:
+    def _drop_unsaved_state(optimizer: Any, target: Target, saved: set[str]) -> None:
         """A parameter the saved optimizer held no state for (it never had a gradient) gets
         none: ``get_state_dict`` made some for every parameter of a fresh optimizer. FSDP2's
         state dict holds the optimizer's own per-parameter dicts, which go too (FSDP1's
@@ -511,22 +394,22 @@ class FsdpCheckpointer(EngineCheckpointer):
 
     # -- hand over to the model and optimizer ----------------------------------------------
 
-    def _apply(self, model: torch.nn.Module, optimizer: Any, target: _Target) -> None:
+    def _apply(self, model: torch.nn.Module, optimizer: Any, target: Target) -> None:
         if optimizer is not None:
             target.osd["param_groups"] = target.tree["optim"]["param_groups"]
         if self._aliased(model, optimizer, target):  # FSDP2: we filled the live tensors
             if optimizer is not None:
                 self._set_hyperparameters(optimizer, target.osd["param_groups"])
         elif optimizer is None:
-            _api().sd.set_model_state_dict(model, target.msd, options=_api().options)
+            fsdp_api().sd.set_model_state_dict(model, target.msd, options=fsdp_api().options)
         else:
-            _api().sd.set_state_dict(model, optimizer, model_state_dict=target.msd, optim_state_dict=target.osd,
-                                     options=_api().options)
+            fsdp_api().sd.set_state_dict(model, optimizer, model_state_dict=target.msd, optim_state_dict=target.osd,
+                                     options=fsdp_api().options)
 
     @staticmethod
-    def _aliased(model: torch.nn.Module, optimizer: Any, target: _Target) -> bool:
+    def _aliased(model: torch.nn.Module, optimizer: Any, target: Target) -> bool:
         """Whether every filled local tensor is a live parameter, buffer or optimizer state."""
-        return _all_live(target, list(model.parameters()) + list(model.buffers()), optimizer)
+        return all_live(target, list(model.parameters()) + list(model.buffers()), optimizer)
 
     @staticmethod
     def _set_hyperparameters(optimizer: Any, saved: list[dict[str, Any]]) -> None:
@@ -537,70 +420,3 @@ class FsdpCheckpointer(EngineCheckpointer):
             for k, v in values.items():
                 if k != "params":
                     group[k] = v
-
-
-class _CaptureShards:
-    """This rank's local shards of the model and optimizer a failure capture saves, as a
-    tree that any thread can hand the engine: a save's tree, collected on the main thread
-    (at arming, and at the end of the first optimizer step after it or after a load, or after
-    one that gave the optimizer's state more tensors), whose tensors are the live sharded
-    parameters, buffers and optimizer states. A capture checks that they still are."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: Any, collect: Callable[[], _Target],
-                 collecting: Callable[[], bool]) -> None:
-        """``collect()`` gives the tree of a save; ``collecting()`` is true inside any
-        collect, where a fresh optimizer's state is made by a step whose hook must not collect."""
-        fsdp1 = [name or "the model" for name, m in model.named_modules() if isinstance(m, _api().FSDP1)]
-        if fsdp1:
-            raise CheckpointError(f"save_on_failure: {fsdp1[0]} is FSDP1 (FullyShardedDataParallel), which has no "
-                                  "failure capture: its sharded state dict is collective (at a failure a peer may be "
-                                  "dead or blocked) and a copy; use FSDP2 (fully_shard)")
-        self.model, self.optimizer, self._collect, self._collecting = model, optimizer, collect, collecting
-        target = collect()
-        self._cache = _SaveCache.of(self._count(), target)
-        if not _all_live(self._cache.target, list(model.parameters()) + list(model.buffers()), optimizer):
-            raise CheckpointError("save_on_failure: the model's state dict holds copies, not its live parameters "
-                                  "(not FSDP2): a capture could not read them without the model")
-        if not self._live(self._cache.target):
-            raise CheckpointError("save_on_failure: the model has parameters the optimizer does not hold (frozen "
-                                  "ones); failure capture needs every parameter in the optimizer")
-        self.stale = True
-        """Collect again at the end of the next optimizer step (after arming, after a load)."""
-        self._handle = optimizer.register_step_post_hook(lambda *_: self._refresh())
-
-    def _count(self) -> tuple[int]:
-        return (len(self.optimizer.state),)
-
-    def _live(self, target: _Target) -> bool:
-        """Read without the model's parameters, which FSDP2 swaps for unsharded ones."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        return _all_live(target, params + list(self.model.buffers()), self.optimizer)
-
-    def _refresh(self) -> None:
-        """The optimizer's step post-hook (main thread; registered before the capture's, so
-        no capture sees the step as ended before this ran)."""
-        if not self._collecting() and (self.stale or self._cache.key != self._count()):
-            target = self._collect()
-            self._cache, self.stale = _SaveCache.of(self._count(), target), False
-
-    def tree(self, extra: Any) -> dict[str, Any]:
-        """What the capture saves (any thread, no collective)."""
-        cache = self._cache
-        if cache.key != self._count() or not self._live(cache.target):
-            raise CheckpointError("the optimizer's state or the model's buffers are other tensors than at the end "
-                                  "of the last optimizer step (replaced since)")
-        return cache.tree(self.optimizer, extra)
-
-    def close(self) -> None:
-        self._handle.remove()
-
-
-def _all_live(target: _Target, tensors: list[torch.Tensor], optimizer: Any) -> bool:
-    """Whether every local tensor of ``target`` starts where the local tensor of one of
-    ``tensors`` or of ``optimizer``'s state does."""
-    with torch.no_grad():
-        live = {_local(t).data_ptr() for t in tensors}
-        if optimizer is not None:
-            live |= {_local(v).data_ptr() for st in optimizer.state.values() for v in st.values()
-                     if isinstance(v, torch.Tensor)}
-    return all(t.numel() == 0 or t.data_ptr() in live for t in target.locals.values())
