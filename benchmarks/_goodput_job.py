@@ -167,9 +167,12 @@ class Flash(Method):
         self._young(samples[1:])
 
     def load(self) -> int:
-        k = self._k()
-        self.interval = self.args.flash_every or k
+        self.interval = self._interval(self._k())
         return self.ckpt.load(self.state) or 0
+
+    def _interval(self, k: int) -> int:
+        """Memory saves every this many steps (``k``: Young's)."""
+        return self.args.flash_every or k
 
     def after_step(self, step: int) -> float | None:
         if step % self.interval:
@@ -195,13 +198,11 @@ class FlashDdp(Flash):
 
         return DdpCheckpointer(*args, **kwargs)
 
-    def _interval(self) -> int:
+    def _interval(self, k: int) -> int:
         return self.args.ddp_every
 
     def load(self) -> int:
-        self._k()  # the calibrated cost, for the record
-        self.interval = self._interval()
-        start = self.ckpt.load(self.state) or 0
+        start = super().load()
         if self.capture:
             self.ckpt.save_on_failure(lambda: self.state, optimizer=self.optimizer)
         return start
@@ -217,7 +218,7 @@ class FlashDdpEveryStep(FlashDdp):
     """:class:`FlashDdp` saving every step (loses no step, pays a copy per step)."""
     name = "flashckpt.ddp.every-step"
 
-    def _interval(self) -> int:
+    def _interval(self, k: int) -> int:
         return 1
 
 

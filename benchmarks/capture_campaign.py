@@ -159,6 +159,11 @@ def one_kill(ref: Reference, mode: str, rank: int, step: int, phase: str) -> dic
         return result
 
 
+def exact_at_load(r: dict) -> bool:
+    """Weights, Adam state and data order right after the restart's load are the uninterrupted run's."""
+    return r["exact_at_load"] and r["optim_exact_at_load"] and r["data_order"]
+
+
 def line(r: dict) -> str:
     if "error" in r:
         return f"FAILED rc {r['returncode']}"
@@ -166,7 +171,7 @@ def line(r: dict) -> str:
              False: " (differs from the fresh-DDP control too)"}.get(r.get("as_fresh_ddp"), "")
     return (f"finished {r['last_finished']}, loaded {r['loaded']}{' (captured)' if r['captured'] else ''}, "
             f"lost {r['lost']} (without capture {r['lost_without_capture']}), exact at load "
-            f"{r['exact_at_load'] and r['optim_exact_at_load'] and r['data_order']}, final exact {r['exact']}{fresh}, "
+            f"{exact_at_load(r)}, final exact {r['exact']}{fresh}, "
             f"{r['seconds']:.0f}s")
 
 
@@ -180,7 +185,7 @@ def summary(done: list[dict], n: int) -> str:
     return (f"{len(done)}/{n} restarts finished; steps lost per kill: mean {statistics.mean(lost):.2f}, max "
             f"{max(lost)} (outside an update: {len(outside)} kills, max {max(outside, default=None)}); without "
             f"capture mean {statistics.mean(r['lost_without_capture'] for r in done):.1f}; exact at load "
-            f"(weights, Adam state, data order) {sum(r['exact_at_load'] and r['optim_exact_at_load'] and r['data_order'] for r in done)}/{len(done)}; "
+            f"(weights, Adam state, data order) {sum(map(exact_at_load, done))}/{len(done)}; "
             f"final exact {len(done) - len(inexact)}/{len(done)}; of the inexact, identical to the fresh-DDP control "
             f"{sum(r['as_fresh_ddp'] for r in inexact)}/{len(inexact)}")
 

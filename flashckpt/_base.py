@@ -79,14 +79,20 @@ class EngineCheckpointer:
         return self.capture_with(self.engine_capture(state_fn, optimizer))
 
     def engine_capture(self, state_fn: Callable[[], Any], optimizer: Any = None, *,
-                       export: dict[str, Any] | None = None) -> FailureCapture:
+                       export: dict[str, Any] | None = None,
+                       tree: Callable[[Any], Any] | None = None) -> FailureCapture:
         """A capture whose saves go through this checkpointer's engine (persisted, marked
         captured, exported by ``export``), not yet armed (:meth:`capture_with`); None as
-        ``optimizer``: the caller gives the step boundary."""
+        ``optimizer``: the caller gives the step boundary. ``tree(state)``: the tree the
+        engine saves, made from what ``state_fn`` returned (default: that itself)."""
         engine = self._engine
+
+        def save(step: int, state: Any) -> bool:
+            saved = state if tree is None else tree(state)
+            return engine.save(step, saved, persist=True, export=export, captured=True) is not None
+
         return FailureCapture(
-            state_fn, optimizer,
-            save=lambda step, state: engine.save(step, state, persist=True, export=export, captured=True) is not None,
+            state_fn, optimizer, save=save,
             last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle,
             settle=engine.finish_copy)
 

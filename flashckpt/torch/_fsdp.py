@@ -217,10 +217,7 @@ class FsdpCheckpointer(EngineCheckpointer):
                             f"{type(state_fn).__name__}")
         shards = CaptureShards(model, optimizer, lambda: self._collect(model, optimizer, None),
                                 lambda: self._collecting)
-        engine = self._engine
-        capture = FailureCapture(
-            state_fn, optimizer, allow_pickle=engine.options.allow_pickle, last_load=lambda: engine.last_load,
-            save=lambda step, extra: engine.save(step, shards.tree(extra), persist=True, captured=True) is not None)
+        capture = self.engine_capture(state_fn, optimizer, tree=shards.tree)
         self._shards = shards
         return self.capture_with(capture, guard_saves=False)
 

@@ -163,6 +163,7 @@ class Recorder:
     def close(self) -> None:
         if self.on:
             torch.save(self.steps, f"{self.prefix}steps{self.rank}.pt")
+            os.close(self.fd)
 
 
 def main() -> None:
