@@ -153,7 +153,11 @@ class SaverClient:
         if self.sock is None:
             seconds = min(_CONNECT_SECONDS, saver_timeout() if timeout is None else timeout)
             if self._dial is not None and not self._take_dial(seconds):
-                raise self._unreachable(_names.socket_path(self.job_id), seconds)
+                with self._telling:  # its late failure is not the next call's error
+                    dial, self._dial = self._dial, None
+                    dial.drop()
+                if self.sock is None:  # (not published just now)
+                    raise self._unreachable(_names.socket_path(self.job_id), seconds)
             if self.sock is None:
                 self.sock, self._saver_pid, self._buffer = self._connect(seconds)
                 self._tell_again()

@@ -19,11 +19,11 @@ PUT, is the commit); lines, ``keep_last`` and late commits :mod:`flashckpt.stora
 
 **Stores.** Everything is plain fsspec (``pipe_file``, ``cat_file``, ``find``, ``rm``), so
 any fsspec URL works; S3 (s3fs) adds multipart uploads, the abort of stale multipart
-uploads, and the run lease's conditional writes; Azure (``az://``, adlfs) block uploads
-(:mod:`flashckpt.storage._uploads`). Tested against an S3 server (moto), Azure's emulator
-(Azurite) and ``memory://``. GCS (``gs://``, gcsfs) and OSS (``oss://``, ossfs) are untested
-here (no server of theirs installs in the test environment): they take the generic path,
-a shard in one ``pipe_file`` (gcsfs chunks it itself), and an advisory run lease.
+uploads, and the run lease's conditional writes; Azure (``az://``, adlfs) block uploads and
+GCS (``gs://``, gcsfs) resumable uploads in chunks (:mod:`flashckpt.storage._uploads`), both
+with an advisory run lease. Tested against an S3 server (moto), Azure's emulator (Azurite),
+gcp-storage-emulator and ``memory://``. OSS (``oss://``, ossfs) is untested here (no server
+of its own installs in the test environment): a shard in one ``pipe_file``.
 """
 
 from __future__ import annotations

@@ -6,11 +6,14 @@
 - **Azure Blob** (adlfs): blocks staged with ``stage_block``, then one ``commit_block_list``;
   the blob appears whole at the commit. Blocks a killed writer staged are never part of a
   blob, and Azure discards uncommitted blocks after a week.
+- **GCS** (gcsfs): one resumable upload, its chunks sent in order (the protocol allows no
+  other), from the shared-memory view without a copy of the whole shard; the object appears
+  at the last chunk. A failed chunk cancels the upload; one a killed writer left open
+  expires after a week and is never an object.
 
 Parts go ``concurrency`` at a time; each is copied out of the shared-memory view only when
 it is sent (the HTTP clients need ``bytes``), so at most ``concurrency`` parts are in memory.
-Other stores (GCS through gcsfs, OSS, ``memory://``) take one ``pipe_file``, which their
-library may chunk itself (gcsfs: a resumable upload in sequential chunks).
+Other stores (OSS, ``memory://``) take one ``pipe_file``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def part_upload(fs: Any) -> PartUpload | None:
         return PartUpload(_s3_multipart, 10_000)
     if type(fs).__module__.startswith("adlfs") and hasattr(fs, "service_client"):
         return PartUpload(_azure_blocks, 50_000)
+    if type(fs).__module__.startswith("gcsfs"):
+        return PartUpload(_gcs_resumable, 10_000)
     return None
 
 
@@ -88,3 +93,42 @@ def _azure_blocks(fs: Any, key: str, url: str, image: memoryview, part: int, con
         _call(what, sync, fs.loop, blob.commit_block_list, ids, metadata={"is_directory": "false"})
     finally:
         fs.invalidate_cache(key)
+
+
+GCS_CHUNK_ALIGN = 256 << 10
+"""A resumable upload's chunks (but its last) are multiples of 256 KiB."""
+
+
+def _gcs_resumable(fs: Any, key: str, url: str, image: memoryview, part: int, concurrency: int) -> None:
+    from fsspec.asyn import sync
+    from gcsfs.core import initiate_upload, upload_chunk
+
+    bucket, path, _ = fs.split_path(key)
+    what = f"uploading {url}"
+    chunk = -(-part // GCS_CHUNK_ALIGN) * GCS_CHUNK_ALIGN
+    count = -(-len(image) // chunk)
+    session = _call(what, sync, fs.loop, initiate_upload, fs, bucket, path)
+    try:
+        for k in range(count):
+            _call(f"{what} (chunk {k + 1} of {count})", sync, fs.loop, upload_chunk, fs, session,
+                  image[k * chunk:(k + 1) * chunk], k * chunk, len(image), "application/octet-stream")
+    except BaseException:
+        _cancel_gcs_upload(session, url)
+        raise
+    finally:
+        fs.invalidate_cache(key)
+
+
+def _cancel_gcs_upload(session: str, url: str) -> None:
+    """Cancel a resumable upload (its session URI needs no credentials): one try, since an
+    upload never finished is never an object and GCS drops it after a week anyway."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(session, method="DELETE"), timeout=10).close()
+    except urllib.error.HTTPError as exc:
+        if exc.code != 499:  # GCS's answer to a cancelled upload
+            log.debug("cancelling the upload of %s: HTTP %d", url, exc.code)
+    except OSError as exc:
+        log.debug("cancelling the upload of %s: %s", url, exc)

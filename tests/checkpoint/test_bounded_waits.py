@@ -203,3 +203,30 @@ def test_the_first_save_after_a_restart_waits_for_the_stopped_saver_within_its_b
         assert LocalStorage(str(tmp_path)).latest_step() == 4
     finally:
         cleanup(job_id, trainer, restart)
+
+
+@pytest.mark.timeout(120)
+def test_a_saver_that_cannot_start_is_named_at_the_first_save(tmp_path, job_id, monkeypatch):
+    """The link to the saver is made in the background (construction does not wait for it):
+    a saver that cannot start (here: a folder where its log file goes) shows at the first
+    save, as CheckpointTimeoutError naming the saver's socket and log within the saver bound;
+    once the saver can start, the next save links, persists and commits."""
+    from flashckpt import _names
+
+    monkeypatch.setenv("FLASHCKPT_SAVER_TIMEOUT", "3")
+    blocker = _names.saver_log_path(job_id)
+    os.makedirs(blocker)
+    state = {"w": torch.arange(1000.0)}
+    ckpt = Checkpointer(str(tmp_path), job_id=job_id)
+    try:
+        with pytest.raises(CheckpointTimeoutError, match=r"could not reach the flashckpt saver .* within 3s.*see "):
+            ckpt.save(1, state)
+        os.rmdir(blocker)
+        state["w"] += 1
+        ckpt.save(2, state)
+        ckpt.wait(timeout=60)
+        assert LocalStorage(str(tmp_path)).latest_step() == 2
+    finally:
+        if os.path.isdir(blocker):
+            os.rmdir(blocker)
+        ckpt.close()

@@ -19,8 +19,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +28,7 @@ import pytest
 from flashckpt._engine import new_token
 from flashckpt.memory._format import plan_image
 
-from .._net import free_port
+from .._net import free_port, wait_for_http
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 
@@ -44,16 +42,7 @@ class MotoServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"moto server did not start on {self.endpoint}")
-                time.sleep(0.05)
+        wait_for_http(self.proc, f"{self.endpoint}/moto-api/", "moto server", timeout=30)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

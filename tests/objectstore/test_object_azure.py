@@ -10,8 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +21,7 @@ from flashckpt import CheckpointError
 from flashckpt.storage._object import ObjectStorage
 from flashckpt.torch import Checkpointer
 
-from .._net import free_port
+from .._net import free_port, wait_for_http
 
 AZURITE = Path(__file__).resolve().parents[2] / ".venv" / "azurite" / "node_modules" / ".bin" / "azurite-blob"
 ACCOUNT = "devstoreaccount1"
@@ -44,18 +42,7 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                              "--skipApiVersionCheck", "--disableTelemetry", "--location", str(tmp_path_factory.mktemp("azurite"))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}/{ACCOUNT}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}?comp=list", timeout=1).close()
-            break
-        except urllib.error.HTTPError:  # up: it refuses an unsigned request
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"Azurite did not start on {endpoint}")
-            time.sleep(0.1)
+    wait_for_http(proc, f"{endpoint}?comp=list", "Azurite")  # up when it refuses an unsigned request
     try:
         yield f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};BlobEndpoint={endpoint};"
     finally:
