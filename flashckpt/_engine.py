@@ -478,7 +478,7 @@ class Engine:
             copy_error = exc
         newest = max(self.memory_steps(), default=None) if self.placement.writes_memory else None
         try:
-            flush_on_every_rank(self.collective, lambda: self.flush(timeout))
+            flush_on_every_rank(self.collective, lambda: self.flush(timeout), lost=self.replicas.lost_nodes)
         except CheckpointError as exc:
             if self.placement.writes_memory:
                 log.error("closing without persisting the newest step of %s: its memory copy is kept in %s "

@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 from .._errors import CheckpointError
 from .._placement import Collective, Placement
-from ._link import Copies
+from ._link import Copies, silent_nodes
 from ._protocol import ReplicaError, advertised_host, fetch
 from ._store import replica_index
 from ..memory._rank_slots import RankSlots, Saver, Writer
@@ -54,6 +54,8 @@ class PeerReplicas:
         self._directory, self._info = directory, info
         self.endpoints: dict[str, Endpoint] = self._start(replicas)
         """node -> its saver's replica endpoint; empty when replicas are off."""
+        self.lost: set[str] = set()
+        """The nodes a node-local flush found lost (their savers silent on the replica link)."""
 
     def _start(self, replicas: int | None) -> dict[str, Endpoint]:
         """Peer-memory replicas on a ring (a collective call, when the job spans two or more
@@ -79,6 +81,16 @@ class PeerReplicas:
         if mine is not None and peer is not None:
             self._saver.replica_peer(peer)
         return endpoints
+
+    def lost_nodes(self) -> list[str]:
+        """The other nodes whose savers do not answer on the replica link: those a flush found
+        lost, else those silent now for ``LOST_SECONDS`` (one handshake each while they
+        answer; [] with replicas off). A collective with a lost node waits for the process
+        group's timeout, so ``close()`` skips its agreement then."""
+        if self.lost:
+            return sorted(self.lost)
+        me = self._placement.nodes[self._collective.rank] if self._placement.nodes else None
+        return silent_nodes({n: e for n, e in self.endpoints.items() if n != me}, self._placement.secret)
 
     def here(self) -> list[tuple[int, int, tuple[str, int]]]:
         """(storage rank, step, (line, step)) of the complete replicas of this run's directory
@@ -159,7 +171,7 @@ class PeerReplicas:
         p = self._placement
         return Copies(storage, token, step, p.storage_rank, node=node, ring=ring, scope=scope,
                       endpoints=self.endpoints, secret=p.secret,
-                      bound=saver_timeout() if timeout is None else timeout)
+                      bound=saver_timeout() if timeout is None else timeout, lost=self.lost)
 
     def slot_writer(self, step: int) -> Writer:
         """Where a copy of ``step`` for this rank goes (:meth:`flashckpt.memory._rank_slots.RankSlots.writer`)."""

@@ -20,6 +20,10 @@ authenticated connection to a saver's endpoint (op ``status``, answered from
   copy that never comes while its node is alive: e.g. a step the next node's directory does
   not keep for this run); the whole wait is bounded by the flush's ``timeout``
   (:class:`~flashckpt.CheckpointTimeoutError` naming what is missing).
+
+``close()`` asks the same liveness before its agreement with the other ranks
+(:func:`silent_nodes`, or the nodes a flush found lost): a collective with a lost node's ranks
+would wait for the process group's timeout (a node gone answers no packet), so it is skipped.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any, Protocol
 from .._errors import CheckpointTimeoutError
 from ._protocol import ReplicaError, connect_peer, recv_message, send_message
 
-__all__ = ["LOST_SECONDS", "Copies", "ask_status"]
+__all__ = ["LOST_SECONDS", "Copies", "ask_status", "silent_nodes"]
 
 log = logging.getLogger("flashckpt")
 
@@ -68,6 +72,23 @@ def ask_status(endpoint: Endpoint, secret: str, want: dict[str, Any],
         raise ReplicaError(f"the replica endpoint {endpoint[0]}:{endpoint[1]} refused a status request: "
                            f"{reply.get('error', reply)}")
     return ranks
+
+
+def silent_nodes(endpoints: dict[str, Endpoint], secret: str) -> list[str]:
+    """The nodes whose replica endpoint does not complete a handshake for :data:`LOST_SECONDS`
+    (lost: killed savers refuse, gone nodes stay silent); one handshake each while they answer."""
+    pending, began = dict(endpoints), time.monotonic()
+    while pending:
+        for node, endpoint in list(pending.items()):
+            try:
+                connect_peer(endpoint, secret, _ASK_SECONDS).close()
+                del pending[node]
+            except ReplicaError:
+                pass
+        if not pending or time.monotonic() - began >= LOST_SECONDS:
+            break
+        time.sleep(_POLL_SECONDS)
+    return sorted(pending)
 
 
 @dataclass(slots=True)
@@ -113,12 +134,15 @@ class Copies:
 
     ``ring`` lists the nodes in ring order, ``endpoints`` their savers' replica endpoints
     (a node missing there is not asked), ``scope`` the storage ranks this node's directory
-    commits; ``bound`` the longest the wait may take while every peer answers."""
+    commits; ``bound`` the longest the wait may take while every peer answers; ``lost``
+    gets the nodes the wait found lost."""
 
     def __init__(self, storage: Storage, token: str, step: int, rank: int, *, node: str, ring: list[str],
-                 scope: tuple[int, ...], endpoints: dict[str, Endpoint], secret: str, bound: float) -> None:
+                 scope: tuple[int, ...], endpoints: dict[str, Endpoint], secret: str, bound: float,
+                 lost: set[str] | None = None) -> None:
         self._storage, self._token, self._step, self._rank = storage, token, step, rank
         self._secret, self._bound = secret, bound
+        self._lost = set() if lost is None else lost
         self._want = {"directory": storage.root, "token": token, "step": step}
         at = ring.index(node)
         pred, succ = ring[at - 1], ring[(at + 1) % len(ring)]
@@ -187,11 +211,13 @@ class Copies:
         if not committed:
             for peer, whose in ((self._before, "its ranks' shards"), (self._here, "the predecessor's shards")):
                 if peer is not None and peer.lost():
+                    self._lost.add(peer.node)
                     raise ReplicaError(
                         f"step {self._step} cannot commit in {self._storage.root}: {peer.where()}, which "
                         f"{'sends' if peer is self._before else 'writes'} {whose}, has not answered for "
                         f"{LOST_SECONDS:.0f}s (lost?): {peer.why}")
         if committed and not confirmed and self._after.lost():
+            self._lost.add(self._after.node)
             log.warning("step %d is committed in %s, but %s, which keeps the second copy of rank %d's shard, has "
                         "not answered for %.0fs (lost?): %s", self._step, self._storage.root, self._after.where(),
                         self._rank, LOST_SECONDS, self._after.why)

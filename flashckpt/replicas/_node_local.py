@@ -5,7 +5,8 @@ that path) cannot commit a step across nodes: no node sees the others' shards. W
 replicas such a directory fails construction on every rank, naming the nodes that do not
 see rank 0's probe (a clear error rather than shards that never commit). With peer
 replicas (``replicas=1``, the default on two or more nodes) the job switches to
-**node-local mode** instead, and every rank agrees on it in the construction collective:
+**node-local mode** instead, and every rank agrees on it in the construction collective
+(a directory some nodes share and others do not fails construction, naming them):
 
 - **Scope.** Node ``k``'s directory commits the shards of the ranks it is responsible
   for: its own persisting ranks and those of its ring predecessor ``k - 1`` (whose newest
@@ -222,7 +223,7 @@ def _scopes(views: list[tuple]) -> dict[str, tuple[int, ...]]:
     """node -> its persisting storage ranks and its ring predecessor's (nodes ordered by
     their first rank, as the replica ring is)."""
     own: dict[str, set[int]] = {}
-    for node, _, _, persists, storage_rank in views:
+    for node, _, _, persists, storage_rank, _ in views:
         own.setdefault(node, set())
         if persists:
             own[node].add(storage_rank)
@@ -230,30 +231,50 @@ def _scopes(views: list[tuple]) -> dict[str, tuple[int, ...]]:
     return {node: tuple(sorted(own[node] | own[nodes[i - 1]])) for i, node in enumerate(nodes)}
 
 
+def _check_not_partly_shared(root: str, views: list[tuple]) -> None:
+    """A node-local directory must be one node's alone: nodes that see each other's probes
+    there would commit two scopes in one directory (and hold one run lock)."""
+    groups = {view[0]: tuple(sorted({views[r][0] for r in view[5]} | {view[0]})) for view in views}
+    shared = sorted({group for group in groups.values() if len(group) > 1})
+    if shared:
+        alone = sorted(node for node, group in groups.items() if len(group) == 1)
+        raise CheckpointError(
+            f"the checkpoint directory {root} is shared by some nodes but not all: "
+            + "; ".join(f"nodes {', '.join(group)} see one directory" for group in shared)
+            + (f", node(s) {', '.join(alone)} another" if alone else "")
+            + "; give every node the same directory (a shared file system) or each node a directory of its own "
+              "(node-local, with peer replicas)")
+
+
 def check_directory(root: str, collective: Collective, placement: Placement, *,
                     replicas: int | None) -> NodeLocal | None:
     """Whether every rank sees the directory ``root`` rank 0 writes (a collective call).
 
-    Rank 0 writes a probe with the run's token; each rank looks for it (a few seconds on a
-    network file system, for its cache; at once on a local one). Every node sees it: None (a shared directory). Some do
-    not: with replicas on and two or more nodes, node-local mode (every rank gets the same
-    :class:`NodeLocal`; each node's first rank records its scope in its directory), else a
-    :class:`CheckpointError` on every rank naming the nodes that do not see it."""
+    Each node's first rank writes a probe with the run's token; each rank looks for them (a
+    few seconds on a network file system, for its cache; at once on a local one). Every node
+    sees rank 0's: None (a shared directory). Some do not: with replicas on and two or more
+    nodes, node-local mode (every rank gets the same :class:`NodeLocal`; each node's first
+    rank records its scope in its directory), else a :class:`CheckpointError` on every rank
+    naming the nodes that do not see it. Nodes that see each other's probes but not every
+    node's (a directory shared by some nodes only) are a :class:`CheckpointError` naming them."""
     c = collective
-    probe = os.path.join(root, f".flashckpt-probe-{placement.token}")
     token = placement.token.encode()
-    if c.rank == 0:
+    writes = c.rank == 0 or placement.local_rank == 0
+    probes = {r: os.path.join(root, f".flashckpt-probe-{placement.token}-{r}")
+              for r, w in enumerate(c.all_gather(writes)) if w}
+    if writes:
         os.makedirs(root, exist_ok=True)
-        with open(probe, "wb") as f:
+        with open(probes[c.rank], "wb") as f:
             f.write(token)
-    c.all_gather(None)  # the probe is written
-    # a network file system's cache may show the probe late; a local one shows it now or never
+    c.all_gather(None)  # the probes are written
+    # a network file system's cache may show a probe late; a local one shows it now or never
     deadline = time.monotonic() + (0.0 if _file_system(root) in _LOCAL_TYPES else _PROBE_SECONDS)
-    while not (sees := _holds(probe, token)) and time.monotonic() < deadline:
+    while len(sees := [r for r, path in probes.items() if _holds(path, token)]) < len(probes) and \
+            time.monotonic() < deadline:
         time.sleep(0.1)
-    views = c.all_gather((node_id(), sees, root, placement.persists, placement.storage_rank))
-    if c.rank == 0:
-        os.unlink(probe)
+    views = c.all_gather((node_id(), 0 in sees, root, placement.persists, placement.storage_rank, sees))
+    if writes:
+        os.unlink(probes[c.rank])
     blind = sorted({view[0] for view in views if not view[1]})
     if not blind:
         return None
@@ -265,6 +286,7 @@ def check_directory(root: str, collective: Collective, placement: Placement, *,
             "give every node the same directory (a shared or network file system mounted at this path), use an "
             "object-store URL, or keep node-local directories with peer replicas (replicas=1, the default on two "
             "or more nodes)")
+    _check_not_partly_shared(root, views)
     roots = sorted({view[2] for view in views})
     if len(roots) > 1:
         raise CheckpointError(

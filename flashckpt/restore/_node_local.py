@@ -18,13 +18,15 @@ peer's memory replica, its own node's directory, or a peer node's directory. The
   directory holds its shard read it from there straight into its tensors instead.
 
 A rank for which no copy of any step the others hold survives is an error naming it,
-never a silent start from nothing.
+never a silent start from nothing; so is a run whose number of ranks differs from the one
+that saved the steps in the directories (a load here does not reshard: each node's directory
+holds the shards of two nodes' ranks of that world).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 from ._shard_read import open_shard
 from ._sources import Agreement, Key, Source, Sources
@@ -33,24 +35,32 @@ from ..replicas._protocol import ReplicaError
 from ..storage._step_meta import line_key
 from ..storage._local import LocalStorage
 
-__all__ = ["agree_node_local", "choose", "disk_copies", "lacking", "memory_copies"]
+__all__ = ["agree_node_local", "choose", "disk_copies", "lacking", "memory_copies", "other_worlds"]
 
 log = logging.getLogger("flashckpt")
 
 
-def disk_copies(storage: LocalStorage, world: int) -> list[tuple[Key, list[int]]]:
-    """(line, step) and storage ranks of every committed step of this node's directory saved
-    by ``world`` ranks, oldest first (an unreadable step is left out, and logged)."""
-    found = []
+def _committed(storage: LocalStorage) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Every committed step of this node's directory and its metadata, oldest first (an
+    unreadable step is left out, and logged)."""
     for step in storage.steps_in_order():
         try:
-            meta = storage.metadata(step)
+            yield step, storage.metadata(step)
         except CheckpointError as exc:
             log.info("not counting step %d of %s: %s", step, storage.root, exc)
-            continue
-        if meta["world_size"] == world:
-            found.append(((line_key(meta.get("token")), step), [int(r) for r in meta["shards"]]))
-    return found
+
+
+def disk_copies(storage: LocalStorage, world: int) -> list[tuple[Key, list[int]]]:
+    """(line, step) and storage ranks of every committed step of this node's directory saved
+    by ``world`` ranks, oldest first."""
+    return [((line_key(meta.get("token")), step), [int(r) for r in meta["shards"]])
+            for step, meta in _committed(storage) if meta["world_size"] == world]
+
+
+def other_worlds(storage: LocalStorage, world: int) -> list[tuple[int, int]]:
+    """(step, number of ranks) of the committed steps of this node's directory saved by
+    another number of ranks than ``world``."""
+    return [(step, meta["world_size"]) for step, meta in _committed(storage) if meta["world_size"] != world]
 
 
 def choose(copies: list[set[Key]], step: int | None = None) -> Key | None:
@@ -109,6 +119,7 @@ def agree_node_local(sources: Sources, views: list[dict[str, Any]], step: int | 
         if step is not None or any(anywhere):
             raise CheckpointNotFoundError(f"cannot restore {what} of the node-local directories {sources.storage.root} "
                                           f"on every rank: {lacking(anywhere) if any(anywhere) else 'none'}")
+        _no_resharding(views, nodes, sources.storage.root, len(views))
         return Agreement(None, None, None)
     if all(key in have for have in in_memory):
         agreed = key[1]
@@ -131,6 +142,21 @@ def agree_node_local(sources: Sources, views: list[dict[str, Any]], step: int | 
     sources.on_all_ranks(lambda: None if key in mine[me] or me in reads_disk else _bring(sources, key, replicas.get(
         (where["storage_rank"], key), []), key in own_disk[me], peers), f"restoring step {key[1]} on every rank")
     return Agreement(key[1], Source.MEMORY, committed, (), frozenset(views[r]["storage_rank"] for r in reads_disk))
+
+
+def _no_resharding(views: list[dict[str, Any]], nodes: tuple[str, ...], root: str, world: int) -> None:
+    """Nothing this run's ``world`` ranks saved anywhere, but a node's directory holds steps
+    another number of ranks saved: a :class:`CheckpointError` naming them, never a silent
+    fresh start (a load across node-local directories does not reshard)."""
+    found = [(step, saved, nodes[r]) for r, view in enumerate(views) for step, saved in view.get("other_worlds") or []]
+    if found:
+        step, saved, _ = max(found)
+        holders = sorted({node for s, w, node in found if (s, w) == (step, saved)})
+        raise CheckpointError(
+            f"the node-local directories {root} hold step {step} saved by {saved} ranks (on node(s) "
+            f"{', '.join(holders)}), and nothing saved by this run's {world}: a load across node-local directories "
+            f"cannot change the number of ranks (each directory holds two nodes' shards of that world, and this "
+            f"run would start from nothing); restart with {saved} ranks, or start this run in another directory")
 
 
 def _bring(sources: Sources, key: Key, holders: list, own: bool, peers: list) -> None:

@@ -48,11 +48,13 @@ def on_all_ranks(collective: Collective, fn: Callable[[], Any], what: str) -> li
     return results
 
 
-def flush_on_every_rank(collective: Collective, flush: Callable[[], None]) -> None:
+def flush_on_every_rank(collective: Collective, flush: Callable[[], None],
+                        lost: Callable[[], list[str]] = list) -> None:
     """``flush()`` at close; when every rank closes (not while an exception unwinds this one,
     whose peers may still be training), also wait for every rank's, so that every rank sees
     the same newest committed step after ``close`` and learns of any rank's failure. Without
-    a process group any more, this rank's flush only."""
+    a process group any more, or with nodes ``lost()`` names (a collective would wait for the
+    process group's timeout), this rank's flush only."""
     mine: tuple[str, str] | None = None
     failed: CheckpointError | None = None
     try:
@@ -60,13 +62,17 @@ def flush_on_every_rank(collective: Collective, flush: Callable[[], None]) -> No
     except CheckpointError as exc:
         mine, failed = (type(exc).__name__, f"rank {collective.rank}: {exc}"), exc
     if collective.world_size > 1 and sys.exc_info()[0] is None:
-        try:
-            views = collective.all_gather(mine)
-        except Exception as exc:  # the process group was destroyed before close
-            log.debug("close: no agreement with the other ranks (%s)", exc)
-            views = []
-        others = [view for rank, view in enumerate(views) if view is not None and rank != collective.rank]
-        if failed is None and others:
-            raise_errors(others, "persisting the newest step failed on other ranks")
+        if gone := lost():
+            log.warning("close: node(s) %s do not answer (lost?): not waiting for the other ranks' flushes",
+                        ", ".join(gone))
+        else:
+            try:
+                views = collective.all_gather(mine)
+            except Exception as exc:  # the process group was destroyed before close
+                log.debug("close: no agreement with the other ranks (%s)", exc)
+                views = []
+            others = [view for rank, view in enumerate(views) if view is not None and rank != collective.rank]
+            if failed is None and others:
+                raise_errors(others, "persisting the newest step failed on other ranks")
     if failed is not None:
         raise failed

@@ -13,22 +13,25 @@ WORKER = os.path.join(os.path.dirname(__file__), "_node_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_nodes(tmp_path, mode: str, *, node_local: bool = False, replicas: str = "") -> list[dict]:
-    """Two nodes; with ``node_local`` node 1 has its own (empty) directory at the checkpoint path."""
+def run_nodes(tmp_path, mode: str, *, node_local: bool = False, replicas: str = "", count: int = 2,
+              own: tuple[int, ...] = ()) -> list[dict]:
+    """``count`` nodes; the nodes in ``own`` (node 1 with ``node_local``) have their own (empty)
+    directory at the checkpoint path."""
+    own = (1,) if node_local else own
     port = free_port()
     procs = []
     (tmp_path / "ck").mkdir(exist_ok=True)
-    for rank in range(2):
-        own_dir = f"mount -t tmpfs -o size=64m tmpfs {tmp_path / 'ck'} && " if node_local and rank == 1 else ""
+    for rank in range(count):
+        own_dir = f"mount -t tmpfs -o size=64m tmpfs {tmp_path / 'ck'} && " if rank in own else ""
         cmd = (f"mount -t tmpfs -o size=256m tmpfs /dev/shm && {own_dir}exec {sys.executable} {WORKER} "
-               f"{rank} 2 {port} {tmp_path / 'ck'} {mode} {tmp_path / f'node{rank}.json'} {replicas}")
+               f"{rank} {count} {port} {tmp_path / 'ck'} {mode} {tmp_path / f'node{rank}.json'} {replicas}")
         procs.append(subprocess.Popen(["unshare", "-m", "-u", "sh", "-c", cmd], cwd=REPO,
                                       env={**os.environ, "PYTHONPATH": REPO},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]
-    return [json.loads((tmp_path / f"node{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"node{r}.json").read_text()) for r in range(count)]
 
 
 def test_each_nodes_saver_persists_its_rank_and_one_commit_joins_them(tmp_path):
@@ -65,6 +68,18 @@ def test_node_local_directories_whose_replicas_cannot_connect_fail_construction_
         assert "node-local" in report["error"] and "do not connect" in report["error"], report
         assert "cannot reach node node1:" in report["error"], report
     assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith("step-")]
+
+
+def test_a_directory_two_of_three_nodes_share_fails_construction_on_every_node_naming_them(tmp_path):
+    # replicas on: node 2's own directory alone would make the job node-local, but nodes 0 and 1 share theirs
+    # (before: rank 1 alone failed, taking its own job's run lock for another run's, the others in a collective)
+    reports = run_nodes(tmp_path, "own", count=3, own=(2,))
+    errors = {report["error"] for report in reports}
+    assert len(errors) == 1, reports
+    error = errors.pop()
+    assert "shared by some nodes but not all: nodes node0:" in error and ", node1:" in error, error
+    assert "node(s) node2:" in error, error
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(("step-", ".flashckpt"))]
 
 
 @pytest.fixture(autouse=True)

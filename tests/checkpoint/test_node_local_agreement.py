@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from flashckpt.restore._sources import Source
-from flashckpt._errors import CheckpointNotFoundError
+from flashckpt._errors import CheckpointError, CheckpointNotFoundError
 from flashckpt.restore._node_local import agree_node_local
 
 LINE = "0000000000001000abcdef01"
@@ -39,4 +39,14 @@ def test_a_failed_fetch_restores_from_a_peers_directory_when_no_disk_holds_it_fo
 def test_a_failed_fetch_with_no_common_step_on_disk_raises_naming_it():
     views = _views([[list(K4), [0]]], [[list(K5), [1]]])
     with pytest.raises(CheckpointNotFoundError, match="no older step has a copy for every rank"):
+        agree_node_local(_engine([]), views, None)
+
+
+def test_steps_of_another_world_in_the_directories_are_an_error_naming_them_not_a_fresh_start():
+    # three nodes saved step 5; node 1 was lost and two remain: nothing of this world anywhere
+    fresh = [{**view, "mine": []} for view in _views([], [])]
+    assert agree_node_local(_engine([]), fresh, None).step is None  # nothing anywhere: a fresh start
+    views = [{**view, "other_worlds": [[5, 3]]} for view in fresh]
+    with pytest.raises(CheckpointError, match=r"hold step 5 saved by 3 ranks \(on node\(s\) n0, n1\), and nothing "
+                                              r"saved by this run's 2: .* cannot change the number of ranks"):
         agree_node_local(_engine([]), views, None)

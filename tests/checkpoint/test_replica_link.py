@@ -19,10 +19,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashckpt.replicas._link import Copies
+from flashckpt.replicas._link import Copies, silent_nodes
 from flashckpt.replicas._node_local import NodeLocal, write_scope
 from flashckpt.replicas._protocol import ReplicaError, new_secret
 from flashckpt.replicas._service import ReplicaService
+from flashckpt.restore._ranks import flush_on_every_rank
 from flashckpt.saver import _node_local as saver_node_local
 from flashckpt.storage._step_meta import line_key
 
@@ -179,3 +180,33 @@ def test_a_lost_successor_after_this_node_committed_is_a_warning(ring, caplog):
     caplog.set_level("WARNING", logger="flashckpt")
     assert flush(sender, receiver, secret, directory, committed=True) < 12
     assert "second copy of rank 0" in caplog.text and "node n1" in caplog.text, caplog.text
+
+
+def test_close_takes_a_silent_node_for_lost_within_seconds_and_skips_its_agreement(ring, caplog):
+    """What ``close()`` asks before its agreement with the other ranks: n1's saver stopped (its
+    endpoint takes connections and never answers, as a node gone does) is lost, n0's is not; then
+    the agreement, a collective that would wait for the process group's timeout, is skipped."""
+    sender, receiver, secret, directory = ring
+    assert silent_nodes({"n0": sender.endpoint, "n1": receiver.endpoint}, secret) == []
+    receiver.close()
+    silent, endpoint = _silent_endpoint()
+    try:
+        began = time.monotonic()
+        assert silent_nodes({"n0": sender.endpoint, "n1": endpoint}, secret) == ["n1"]
+        assert time.monotonic() - began < 12
+    finally:
+        silent.close()
+
+    entered = []
+
+    def hangs(obj):  # on a real group: until its timeout
+        entered.append(obj)
+        raise RuntimeError("a collective with a lost node")
+
+    def flush():
+        raise ReplicaError("step 5 cannot commit")
+
+    caplog.set_level("WARNING", logger="flashckpt")
+    with pytest.raises(ReplicaError, match="step 5 cannot commit"):  # this rank's own outcome, still raised
+        flush_on_every_rank(SimpleNamespace(rank=0, world_size=2, all_gather=hangs), flush, lost=lambda: ["n1"])
+    assert not entered and "node(s) n1 do not answer" in caplog.text, caplog.text

@@ -1,7 +1,9 @@
-"""Nodes on one machine for the multi-node tests: network namespaces joined by a veth pair.
+"""Nodes on one machine for the multi-node tests: network namespaces joined by a bridge.
 
 Each node is a network namespace ``fcn-<random>-<i>`` with one address ``10.213.<n>.<i+1>/24``
-that exists only inside the namespaces (nothing is routed anywhere else). Every process of
+that exists only inside the namespaces (nothing is routed anywhere else): a veth pair joins it
+to a bridge in a namespace of its own, ``fcn-<random>-hub``, so any number of nodes see each
+other and a node's processes all killed leave the others' links up. Every process of
 a node runs in its own mount and UTS namespace, with a private tmpfs ``/dev/shm``, the
 hostname ``node<i>`` and an ``/etc/hosts`` naming every node, so ``node0`` resolves on all
 nodes as it would on a cluster. Other mounts (``/tmp``, the repository) are the host's, so
@@ -9,7 +11,7 @@ a directory under ``/tmp`` is shared storage.
 
 ``Nodes`` is a context manager; leaving it SIGKILLs every process still in the nodes' network
 namespaces (each was started by the test: torchrun, its workers, their savers) and deletes
-the namespaces, also when the test failed. Needs root, ``ip`` (iproute2) and ``unshare``.
+the namespaces (the hub's too), also when the test failed. Needs root, ``ip`` (iproute2) and ``unshare``.
 """
 
 from __future__ import annotations
@@ -49,10 +51,11 @@ class Nodes:
     """``count`` nodes; ``spawn(i, argv)`` runs a command on node ``i``."""
 
     def __init__(self, count: int = 2, *, shm_size: str = "256m") -> None:
-        if count != 2:
-            raise ValueError("one veth pair joins exactly two nodes")
+        if not 2 <= count <= 250:
+            raise ValueError(f"{count} nodes: one /24 holds 2 to 250")
         token = secrets.token_hex(3)
         self.namespaces = [f"{PREFIX}{token}-{i}" for i in range(count)]
+        self._hub = f"{PREFIX}{token}-hub"
         self.hostnames = [f"node{i}" for i in range(count)]
         subnet = secrets.randbelow(256)
         self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(count)]
@@ -77,12 +80,14 @@ class Nodes:
         with open(self._hosts, "w") as f:
             f.write("127.0.0.1 localhost\n")
             f.writelines(f"{a} {h}\n" for a, h in zip(self.addresses, self.hostnames))
-        for ns in self.namespaces:
+        for ns in (self._hub, *self.namespaces):
             _ip("netns", "add", ns)
-        # both ends are created inside the namespaces: the host's network never sees them
-        _ip("-n", self.namespaces[0], "link", "add", "fcn0", "type", "veth", "peer", "name", "fcn1",
-            "netns", self.namespaces[1])
+        # every link is created inside the namespaces: the host's network never sees them
+        _ip("-n", self._hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self._hub, "link", "set", "br0", "up")
         for i, ns in enumerate(self.namespaces):
+            _ip("-n", self._hub, "link", "add", f"p{i}", "type", "veth", "peer", "name", f"fcn{i}", "netns", ns)
+            _ip("-n", self._hub, "link", "set", f"p{i}", "master", "br0", "up")
             _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", f"fcn{i}")
             _ip("-n", ns, "link", "set", f"fcn{i}", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
@@ -114,6 +119,11 @@ class Nodes:
             time.sleep(0.1)
         raise RuntimeError(f"processes {self.pids(i)} of {self.namespaces[i]} survived SIGKILL")
 
+    def unplug(self, i: int) -> None:
+        """Take node ``i``'s link down: its peers' packets go nowhere, as to a machine lost with
+        its power (no reset answers them; killing its processes alone refuses connections)."""
+        _ip("-n", self._hub, "link", "set", f"p{i}", "down")
+
     def close(self) -> None:
         errors = []
         for i, ns in enumerate(self.namespaces):
@@ -125,7 +135,7 @@ class Nodes:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=30)
-        for ns in self.namespaces:
+        for ns in (*self.namespaces, self._hub):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(self._dir, ignore_errors=True)
         if errors:

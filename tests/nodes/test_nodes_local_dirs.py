@@ -35,19 +35,19 @@ def wipe(directory) -> None:
     directory.mkdir()
 
 
-def disks(tmp_path) -> list:
-    found = [tmp_path / f"disk{i}" for i in range(2)]
+def disks(tmp_path, count: int = 2) -> list:
+    found = [tmp_path / f"disk{i}" for i in range(count)]
     for d in found:
         d.mkdir()
     return found
 
 
-def check_committed_here(disk, step: int) -> None:
-    """``disk`` (one node's directory) committed ``step`` of all four ranks, intact."""
+def check_committed_here(disk, step: int, ranks: tuple[int, ...] = (0, 1, 2, 3)) -> None:
+    """``disk`` (one node's directory) committed ``step`` of ``ranks`` (all four by default), intact."""
     storage = LocalStorage(disk)
     assert step in storage.committed_steps(), sorted(p.name for p in disk.iterdir())
     meta = storage.metadata(step)
-    assert meta["ranks"] == [0, 1, 2, 3] and sorted(meta["shards"], key=int) == ["0", "1", "2", "3"], meta
+    assert meta["ranks"] == list(ranks) and sorted(meta["shards"], key=int) == [str(r) for r in ranks], meta
     assert storage.verify(step) == []
 
 

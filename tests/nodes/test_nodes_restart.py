@@ -34,12 +34,15 @@ pytestmark = pytest.mark.skipif(missing_requirements() is not None, reason=str(m
 
 
 class Job:
-    """The 2x2 torchrun job on ``nodes``; one torchrun per node, logs and events under tmp_path."""
+    """The torchrun job on ``nodes`` (``nproc`` workers per node, 2x2 by default); one torchrun
+    per node, logs and events under tmp_path."""
 
     def __init__(self, nodes: Nodes, tmp_path, *, kill_rank: int, share_store: bool, rdzv_conf: str = "",
                  steps: int = STEPS, kill_step: int = KILL_STEP, worker_args: tuple[str, ...] = (),
-                 disks: list | None = None) -> None:
+                 disks: list | None = None, nproc: int = 2) -> None:
         self.nodes, self.tmp_path, self.kill_rank, self.rdzv_conf = nodes, tmp_path, kill_rank, rdzv_conf
+        self.nproc = nproc
+        self.world = len(nodes.namespaces) * nproc
         self.steps, self.kill_step, self.worker_args = steps, kill_step, worker_args
         self.shared = tmp_path / "shared"
         self.shared.mkdir()
@@ -60,7 +63,7 @@ class Job:
         """Start (or replace) node ``i``'s torchrun."""
         log = open(self.tmp_path / f"torchrun-node{i}-{len(self.logs)}.log", "w")
         self.logs.append(log)
-        argv = [sys.executable, AGENT, "--nnodes=2", "--nproc-per-node=2",
+        argv = [sys.executable, AGENT, f"--nnodes={len(self.nodes.namespaces)}", f"--nproc-per-node={self.nproc}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={self.nodes.hostnames[0]}:{RDZV_PORT}",
                 f"--rdzv-id={self.nodes.namespaces[0]}", f"--rdzv-conf={self.rdzv_conf}", "--max-restarts=3",
                 WORKER, "--dir", str(self.shared), "--steps", str(self.steps), "--kill-rank", str(self.kill_rank),
@@ -86,9 +89,9 @@ class Job:
             time.sleep(0.2)
 
     def finish(self, end: float) -> None:
-        """Wait until both agents exit 0."""
-        self.wait_for("both torchruns exiting", lambda: all(p.poll() is not None for p in self.agents.values()), end)
-        if [p.returncode for p in self.agents.values()] != [0, 0]:
+        """Wait until every agent exits 0."""
+        self.wait_for("every torchrun exiting", lambda: all(p.poll() is not None for p in self.agents.values()), end)
+        if any(p.returncode != 0 for p in self.agents.values()):
             self.fail("a torchrun failed")
 
     def ask_stacks(self) -> None:
@@ -159,10 +162,10 @@ class Job:
             log.close()
 
     def run(self) -> "Job":
-        """Start both nodes and wait until both torchruns exit 0 (DEADLINE at most)."""
+        """Start every node and wait until every torchrun exits 0 (DEADLINE at most)."""
         try:
-            self.start(0)
-            self.start(1)
+            for i in range(len(self.nodes.namespaces)):
+                self.start(i)
             self.finish(time.monotonic() + DEADLINE)
         finally:
             self.close()
@@ -196,21 +199,22 @@ def test_a_killed_worker_costs_one_restart_and_restores_from_memory(tmp_path, ki
     assert len(restored) == 4 and {(e["step"], e["source"]) for e in restored} == {(KILL_STEP, "memory")}, restored
 
 
-def replace_node1(tmp_path, *, lost=None, **job_args) -> Job:
-    """Run the job with the own store until every rank pauses at its kill step, lose node 1
-    whole (then ``lost()``: e.g. its disk wiped), start a fresh node 1, and wait for both
-    torchruns to finish."""
-    with Nodes(2) as nodes:
+def replace_node1(tmp_path, *, count: int = 2, lost=None, **job_args) -> Job:
+    """Run the job on ``count`` nodes with the own store until every rank pauses at its kill
+    step, lose node 1 whole (then ``lost()``: e.g. its disk wiped), start a fresh node 1, and
+    wait for every torchrun to finish."""
+    with Nodes(count) as nodes:
         # a lost node leaves the rendezvous when 5 heartbeats of 1 s are missed (default: 3 of 5 s); with
         # 2 of 1 s, torch 2.13's rendezvous, which beats only about every other interval, took a live node
         # for dead and split an elastic job in two (issue 22's closing note)
         job = Job(nodes, tmp_path, kill_rank=-1, share_store=False,
                   rdzv_conf="keep_alive_interval=1,keep_alive_max_attempt=5", **job_args)
         try:
-            job.start(0)
-            job.start(1)
+            for i in range(count):
+                job.start(i)
             end = time.monotonic() + DEADLINE
-            job.wait_for(f"4 ranks at step {job.kill_step}", lambda: len(job.events("step")) == 4, end)
+            job.wait_for(f"{job.world} ranks at step {job.kill_step}", lambda: len(job.events("step")) == job.world,
+                         end)
             nodes.kill_node(1)  # torchrun, workers, saver; its /dev/shm goes with them
             job.agents[1].wait()
             if lost is not None:
