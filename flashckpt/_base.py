@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
 from ._capture import FailureCapture
@@ -114,6 +115,10 @@ class EngineCheckpointer:
         hooks.install()
         self._capture, self._hooks = capture, hooks
         return capture
+
+    def _loading(self) -> AbstractContextManager[Any]:
+        """Around a load into the live state: an armed capture writes nothing meanwhile."""
+        return self._capture.loading() if self._capture is not None else nullcontext()
 
     def capture_failure(self, reason: str = "capture_failure()") -> int | None:
         """Capture the last finished step now, as on a failure (an agent's hang or failure

@@ -65,7 +65,8 @@ class FailureCapture:
         """Waits for a save still copying (an overlapped save): a capture comes after it."""
         self._pid = os.getpid()
         self._cond = threading.Condition(threading.Lock())
-        self._updating = False
+        self._updating: str | None = None
+        """What is changing the state now ("an optimizer update", "a load"), else None."""
         self._seen_load = last_load()
         loaded = self._seen_load
         self._base = loaded.step if loaded is not None and loaded.step is not None else 0
@@ -103,19 +104,32 @@ class FailureCapture:
         with self._cond:
             self._wait_for(lambda: self._capturing is None or self._capturing == threading.get_ident(), "the capture")
             self._sync_load()
-            self._updating = True
+            self._updating = "an optimizer update"
 
     def update_ends(self, step: int | None = None) -> None:
         """The update is over: the state is that of the next step, or of ``step`` where the
         adapter knows its number (the Trainer's ``global_step`` at ``on_step_end``). An
         update that raised never ends: nothing is captured after it."""
         with self._cond:
-            self._updating = False
+            self._updating = None
             if step is None:
                 self._steps += 1
             else:
                 self._sync_load()
                 self._steps = max(0, step - self._base)
+
+    @contextmanager
+    def loading(self) -> Iterator[None]:
+        """Wraps a load into the live state: a capture meanwhile writes nothing (the state is
+        part old, part loaded), nor after a load that raised; one that returns makes the
+        loaded step the count's base."""
+        with self._cond:
+            self._wait_for(lambda: self._capturing is None, "the capture")
+            self._updating = "a load"
+        yield
+        with self._cond:
+            self._updating = None
+            self._sync_load()
 
     @contextmanager
     def saving(self, step: int, state: Any) -> Iterator[None]:
@@ -202,8 +216,8 @@ class FailureCapture:
             self._sync_load()
             step = self._base + self._steps
             if self._updating:
-                log.warning("failure (%s) inside an optimizer update of step %d: nothing captured, the state is "
-                            "part old, part new; a restart loads the newest save", reason, step)
+                log.warning("failure (%s) inside %s (step %d): nothing captured, the state is part old, part new; "
+                            "a restart loads the newest save", reason, self._updating, step)
                 return None
             if self._steps == 0 and not self._saved:
                 _nothing_since(reason, step)

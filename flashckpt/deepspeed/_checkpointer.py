@@ -207,6 +207,12 @@ class DeepSpeedCheckpointer:
         wrote). The client state of the loaded tag is in :attr:`client_state` after.
         All ranks must call this.
         """
+        capture = self._capture  # an armed capture writes nothing while the engine's tensors change
+        with capture.loading() if capture is not None else nullcontext():
+            return self._load(step, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+
+    def _load(self, step: int | None, tag: str | None, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+              load_module_only: bool) -> int | None:
         if tag is not None:
             if step is not None:
                 raise ValueError("pass step or tag, not both")

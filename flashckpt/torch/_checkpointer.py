@@ -130,7 +130,8 @@ class Checkpointer(EngineCheckpointer):
         previous run at most ``timeout`` seconds (default ``FLASHCKPT_SAVER_TIMEOUT``; past
         it :class:`~flashckpt.CheckpointTimeoutError` naming the saver).
         """
-        return self._engine.load(state, step=step, timeout=timeout)
+        with self._loading():
+            return self._engine.load(state, step=step, timeout=timeout)
 
 
 class DdpCheckpointer(Checkpointer):

@@ -247,6 +247,10 @@ class FsdpCheckpointer(EngineCheckpointer):
         :meth:`flashckpt.torch.Checkpointer.load`; if the step was saved with another
         world size or mesh it is resharded from storage.
         """
+        with self._loading():
+            return self._load(model, optimizer, step)
+
+    def _load(self, model: torch.nn.Module, optimizer: Any, step: int | None) -> int | None:
         start = time.perf_counter()
         self._use(model, optimizer, "load")
         self._save_cache = None

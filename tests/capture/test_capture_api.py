@@ -140,3 +140,35 @@ def test_an_exception_leaving_the_with_block_captures_before_close(tmp_path, job
     with Checkpointer(tmp_path, job_id=job_id) as ckpt:
         assert ckpt.latest_step() == 3  # captured, then persisted by close's flush
         assert ckpt.load(_state(*_model())) == 3
+
+
+def test_a_failure_during_a_load_captures_nothing(tmp_path, job_id, monkeypatch, caplog):
+    """A load into the live state after arming (a rollback to step 2, one update later): a
+    failure while the tensors are being overwritten finds the state part old, part loaded,
+    so nothing is captured (not step 3 with step 2's first tensors); the load goes on."""
+    from flashckpt.torch._tensors import TorchKind
+
+    model, opt = _model()
+    with Checkpointer(tmp_path, job_id=job_id) as ckpt:
+        capture = ckpt.save_on_failure(lambda: _state(model, opt), optimizer=opt)
+        _step(model, opt)
+        _step(model, opt)
+        ckpt.save(2, _state(model, opt))
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        _step(model, opt)
+        fired, outcome = [], []
+        real = TorchKind.copy
+
+        def copy_with_a_failure(self, dsts, srcs):
+            if not fired:  # the load's first copy into the model: a failure arrives
+                fired.append(True)
+                outcome.append(capture.capture("injected mid-load"))
+            return real(self, dsts, srcs)
+
+        monkeypatch.setattr(TorchKind, "copy", copy_with_a_failure)
+        with caplog.at_level("WARNING", logger="flashckpt"):
+            assert ckpt.load(_state(model, opt), step=2) == 2
+        assert outcome == [None], outcome
+        assert "inside a load" in caplog.text
+        assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+        assert 3 not in ckpt.engine.memory_steps()
