@@ -235,8 +235,13 @@ class FailureCapture:
             return False
         return True
 
+    def keep(self, handle: Any) -> None:
+        """Remove ``handle`` (its ``remove()``) with the optimizer hooks at :meth:`close`: an
+        adapter's own step boundary."""
+        self._handles.append(handle)
+
     def close(self) -> None:
-        """Remove the optimizer hooks; later captures do nothing."""
+        """Remove the optimizer hooks (and what :meth:`keep` holds); later captures do nothing."""
         with self._cond:
             self._closed = True
         for handle in self._handles:
