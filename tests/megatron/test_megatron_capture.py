@@ -5,8 +5,8 @@ Both ranks: load (a fresh start), arm ``save_on_failure`` with the megatron opti
 step 2 (persisted), three updates; in step 6's backward the main thread blocks in a C++
 wait and the process gets SIGTERM: the watcher thread builds the sharded state dict and
 captures step 5. A new pair loads step 5 from memory, bit-exact (parameters and Adam
-moments). Where only rank 1 captures (rank 0 ends without one, as a rank killed first
-does), the restart loads step 2 and rank 0 logs why. Bad input, in the restarting pair: a
+moments). Where only rank 1 captures (rank 0 was ``kill -9``ed after step 5), the restart
+loads step 2 and rank 0 logs why. Bad input, in the restarting pair: a
 ``state_fn`` that raises or gives another tree fails the first save; the distributed
 optimizer (alone or chained) is refused; an object with no step is a TypeError.
 """
@@ -18,6 +18,7 @@ import logging
 import os
 import uuid
 
+import numpy as np
 import pytest
 
 from flashckpt._names import job_prefix
@@ -77,12 +78,18 @@ def _sigterm_in_backward(rank: int, world: int, directory: str, job: str) -> dic
     return _numpy(at5)  # the process ends unclosed, as one that a launcher stops does
 
 
-def _rank_1_captures(rank: int, world: int, directory: str, job: str) -> dict:
-    """Rank 0 ends without capturing (it died); rank 1 captures step 5."""
+def _rank_0_killed(rank: int, world: int, directory: str, job: str) -> None:
+    """After step 5 rank 0 is ``kill -9``ed (it captures nothing); rank 1 captures step 5.
+    Each rank's state of step 2 goes to ``at2-<rank>.npz`` beside ``directory``."""
+    import signal
+
+    import numpy as np
+
     _, _, _, capture, at2 = _train_to_5(directory, job)
-    if rank == 1:
-        assert capture.capture("test") == 5
-    return _numpy(at2)
+    np.savez(f"{directory}-at2-{rank}.npz", **_numpy(at2))
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    assert capture.capture("test") == 5
 
 
 def _restart(directory: str, job: str) -> tuple:
@@ -169,7 +176,11 @@ def ran(tmp_path_factory):
     job = "t" + uuid.uuid4().hex[:12]
     try:
         at5 = run_ranks(_sigterm_in_backward, 2, f"{root}/sigterm", job + "a", timeout=240)
-        at2 = run_ranks(_rank_1_captures, 2, f"{root}/one", job + "b", timeout=240)
+        with pytest.raises(AssertionError) as died:
+            run_ranks(_rank_0_killed, 2, f"{root}/one", job + "b", timeout=240)
+        assert "rank 0: exited with code -9 and no result" in str(died.value) and "rank 1" not in str(died.value), \
+            died.value
+        at2 = [dict(np.load(f"{root}/one-at2-{rank}.npz")) for rank in range(2)]
         yield at5, at2, run_ranks(_restarts, 2, root, job, timeout=240)
     finally:
         for path in glob.glob(job_prefix(job) + "*"):
