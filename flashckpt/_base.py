@@ -75,7 +75,8 @@ class EngineCheckpointer:
         """
         if not self._captures_failures:
             raise CheckpointError(f"{type(self).__name__} has no failure capture yet (the torch Checkpointer, "
-                                  "DdpCheckpointer, FsdpCheckpointer and DeepSpeedCheckpointer have)")
+                                  "DdpCheckpointer, FsdpCheckpointer, DeepSpeedCheckpointer and "
+                                  "MegatronCheckpointer have)")
         self._check_no_capture()  # before the optimizer's hooks are registered
         return self.capture_with(self.engine_capture(state_fn, optimizer))
 

@@ -12,7 +12,8 @@ any save wait, so the parameters never change under the copy. At most one captur
 process: a second failure, even during the capture, adds nothing. Adapters whose update is
 not one torch ``optimizer.step()`` give the boundary themselves (:meth:`FailureCapture.update_begins`,
 :meth:`FailureCapture.update_ends`): the Trainer callback from ``on_pre_optimizer_step`` to
-``on_step_end``, the DeepSpeed checkpointer around ``engine.step``.
+``on_step_end``, the DeepSpeed checkpointer around ``engine.step``, the megatron checkpointer
+from the optimizer wrapper's ``step_with_ready_grads`` to the end of its ``step``.
 
 Trade-offs, plainly: step numbers must count optimizer steps (no gradient accumulation
 over several ``save`` steps); state that ``forward`` changes (BatchNorm statistics) or a
@@ -249,8 +250,13 @@ class FailureCapture:
             return False
         return True
 
+    def keep(self, handle: Any) -> None:
+        """Remove ``handle`` (its ``remove()``) with the optimizer hooks at :meth:`close`: an
+        adapter's own step boundary."""
+        self._handles.append(handle)
+
     def close(self) -> None:
-        """Remove the optimizer hooks; later captures do nothing."""
+        """Remove the optimizer hooks (and what :meth:`keep` holds); later captures do nothing."""
         with self._cond:
             self._closed = True
         for handle in self._handles:

@@ -8,12 +8,14 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, Callable
 
 import torch
 
 from .. import _names
 from .._base import EngineCheckpointer
+from .._capture import FailureCapture
 from .._engine import Engine, place
 from .._errors import CheckpointError, StateMismatchError
 from .._options import Options, resolve_options
@@ -23,6 +25,7 @@ from ..restore._shard_read import MemoryImage, ShardReader, open_shard
 from ..memory._slot import HEADER_SIZE, Slot, SlotState
 from ..torch._checkpointer import collective_for
 from ..torch._tensors import DTYPE_NAMES, host_byte_array
+from ._capture import StepBoundary, check_capturable, is_megatron_optimizer
 from ._reader import BYTESIO, StepReader
 
 __all__ = ["MegatronCheckpointer"]
@@ -38,6 +41,15 @@ def _is_main(replica_id: Any) -> bool:
 def _piece(sh: Any) -> Piece:
     """A ``ShardedTensor``'s block in global coordinates (its prepended axes of extent 1)."""
     return Piece(tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+
+
+def _packed(blocks: dict) -> dict:
+    """The tree a save hands the engine, from :meth:`MegatronCheckpointer._blocks`."""
+    # the blocks' places as one string, not a value per number: a save's fixed cost is
+    # walking the tree, and thousands of small values cost milliseconds (format 2)
+    layout = json.dumps(list(blocks["places"].values()), separators=(",", ":"))
+    return {"megatron": {"format": 2, "layout": layout, "data": list(blocks["data"].values()),
+                         "objects": blocks["objects"], "common": blocks["common"]}}
 
 
 def _encode_object(data: Any) -> Any:
@@ -64,7 +76,8 @@ class MegatronCheckpointer(EngineCheckpointer):
 
     All ranks construct it and call ``save``/``load``/``wait``/``close``; every load is
     recorded (``last_load``, a new line after a rollback) by the engine. Takes
-    :class:`flashckpt.Options`; never calls CUDA on CPU tensors.
+    :class:`flashckpt.Options`; never calls CUDA on CPU tensors. :meth:`save_on_failure`
+    saves the last finished optimizer step at a failure.
     """
 
     def __init__(self, directory: str | os.PathLike, options: Options | None = None, *,
@@ -80,9 +93,15 @@ class MegatronCheckpointer(EngineCheckpointer):
 
     def save(self, step: int, sharded_state_dict: dict, *, persist: bool | None = None) -> None:
         """Copy this rank's main-replica blocks into shared memory; persist if due."""
-        self._engine.save(step, self._tree(sharded_state_dict), persist=persist)
+        blocks = self._blocks(sharded_state_dict)
+        capture = self._capture
+        with capture.saving(step, blocks) if capture is not None else nullcontext():
+            self._engine.save(step, _packed(blocks), persist=persist)
 
-    def _tree(self, sharded_state_dict: dict) -> dict:
+    def _blocks(self, sharded_state_dict: dict) -> dict:
+        """This rank's main-replica blocks by name (key and global offsets), their places, the
+        sharded objects and (rank 0) the common part: what :func:`_packed` saves, and what a
+        failure capture's ``state_fn`` is checked by."""
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
@@ -90,7 +109,7 @@ class MegatronCheckpointer(EngineCheckpointer):
         if not isinstance(sharded_state_dict, dict):
             raise CheckpointError(f"expected a megatron sharded state dict, got {type(sharded_state_dict).__qualname__}")
         sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
-        layout, data, objects = [], [], {}
+        places, data, objects = {}, {}, {}
         for value in nested_values(sharded):
             if isinstance(value, ShardedTensor):
                 if value.flattened_range is not None:
@@ -101,16 +120,50 @@ class MegatronCheckpointer(EngineCheckpointer):
                     raise CheckpointError(f"{value.key}: ShardedTensor without data cannot be saved")
                 if _is_main(value.replica_id):
                     piece = _piece(value)
-                    layout.append([value.key, list(piece.offsets), list(piece.lengths), list(value.global_shape)])
-                    data.append(value.data)
+                    name = f"{value.key}@{','.join(map(str, piece.offsets))}"
+                    if name in data:
+                        raise CheckpointError(f"{value.key}: two main-replica blocks at offsets {piece.offsets}")
+                    places[name] = [value.key, list(piece.offsets), list(piece.lengths), list(value.global_shape)]
+                    data[name] = value.data
             elif isinstance(value, ShardedObject):
                 if _is_main(value.replica_id):
                     objects[value.unique_key] = _encode_object(value.data)
         keep_common = self._engine.collective.rank == 0
-        # the blocks' places as one string, not a value per number: a save's fixed cost is
-        # walking the tree, and thousands of small values cost milliseconds (format 2)
-        return {"megatron": {"format": 2, "layout": json.dumps(layout, separators=(",", ":")), "data": data,
-                             "objects": objects, "common": common if keep_common else None}}
+        return {"places": places, "data": data, "objects": objects, "common": common if keep_common else None}
+
+    # -- failure capture ------------------------------------------------------------
+
+    def save_on_failure(self, state_fn: Callable[[], dict], *, optimizer: Any) -> FailureCapture:
+        """On a failure, save the last finished optimizer step (see ``flashckpt._capture``).
+        Every rank calls it once, from the main thread, after :meth:`load`.
+
+        ``state_fn()`` returns the sharded state dict ``save`` takes (``{"model":
+        model.sharded_state_dict(), "optimizer": optim.sharded_state_dict(...)}``); it is
+        checked at the next save (raising, or other blocks, dtypes or shapes: an error
+        there). ``optimizer`` is megatron-core's optimizer (``FP32Optimizer``, the fp16/bf16
+        one, ``ChainedOptimizer``), or a torch optimizer where the loop steps one itself. The
+        megatron wrappers have no step hooks and their torch optimizers' steps are not the
+        whole update, so the boundary is the wrapper's: from ``step_with_ready_grads`` to the
+        end of ``step`` (``flashckpt.megatron._capture``). On SIGTERM/SIGINT (also while the main
+        thread is blocked in a collective, in forward or backward), an uncaught exception or
+        ``capture()`` of the returned object, a rank outside that update calls ``state_fn()``
+        on the thread that captures (in megatron-core 0.16, building the sharded state dicts of
+        the model and of these optimizers is no collective and changes nothing) and writes its main-replica blocks
+        as that step into its memory slot, persisted. The state is sharded: a restart loads a
+        capture only where every rank captured it. The distributed optimizer is refused
+        (:class:`~flashckpt.CheckpointError`: its sharded state dict is a collective).
+        """
+        self._check_no_capture()
+        if not callable(state_fn):
+            raise TypeError(f"state_fn must be callable (returning the sharded state dict save takes), got "
+                            f"{type(state_fn).__name__}")
+        megatron = is_megatron_optimizer(optimizer)
+        if megatron:
+            check_capturable(optimizer)
+        capture = self.engine_capture(lambda: self._blocks(state_fn()), None if megatron else optimizer, tree=_packed)
+        if megatron:
+            capture.keep(StepBoundary(optimizer, capture))  # removed when the checkpointer closes
+        return self.capture_with(capture, guard_saves=False)
 
     # -- load ---------------------------------------------------------------------
 

@@ -12,22 +12,9 @@ optimizer, FSDP1) is ``_fsdp_ranks.capture_bad_input`` in the shared 2-rank run.
 from __future__ import annotations
 
 from tests._fork import run_ranks
+from tests.capture._blocked import SigtermWhileBlocked, logged
 
 from .conftest import assert_ok
-
-
-def _logged(lines: list[str], on_line=None) -> None:
-    import logging
-
-    handler = logging.Handler(logging.INFO)
-
-    def emit(record: logging.LogRecord) -> None:
-        lines.append(record.getMessage())
-        if on_line is not None:
-            on_line(lines[-1])
-    handler.emit = emit  # type: ignore[method-assign]
-    logging.getLogger("flashckpt").addHandler(handler)
-    logging.getLogger("flashckpt").setLevel(logging.INFO)
 
 
 def _pack(state: dict) -> bytes:
@@ -77,30 +64,19 @@ def _train_to_5(rank: int, directory: str, job: str):
 def _sigterm_in_backward(rank: int, world: int, directory: str, job: str) -> dict:
     """Step 6's backward: SIGTERM while the main thread waits in C++ until the watcher
     thread has captured (a launcher's SIGTERM while a rank waits in a collective)."""
-    import os
-    import signal
-    import threading
-    from datetime import timedelta
-
     import torch
     from torch.distributed.tensor import DTensor
 
     from ._fsdp_common import batch, local_state
 
-    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))
-    setter = torch.distributed.TCPStore("127.0.0.1", store.port, 1, False)  # a client is one connection
-    lines: list[str] = []
-    _logged(lines, lambda line: setter.set("captured", "1") if line.startswith("failure (") else None)
-    handled: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: handled.append(signum))  # the launcher's grace period
+    term = SigtermWhileBlocked()
     ckpt, model, opt, capture, _ = _train_to_5(rank, directory, job)
     at5 = local_state(model, opt)
     seen: dict = {}
 
     def in_backward(grad: torch.Tensor) -> torch.Tensor:
         seen["unsharded"] = not isinstance(model.emb.weight, DTensor)  # the root's parameters, all-gathered
-        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
-        store.wait(["captured"])  # a C++ wait: no Python signal handler runs meanwhile
+        term.block()
         return grad
 
     x, y = batch(rank, 6)
@@ -109,10 +85,7 @@ def _sigterm_in_backward(rank: int, world: int, directory: str, job: str) -> dic
     out.register_hook(in_backward)
     torch.nn.functional.mse_loss(out, y).backward()
     assert seen == {"unsharded": True}, seen
-    assert handled == [signal.SIGTERM]  # the previous handler ran, after the capture
-    said = [line for line in lines if "captured step" in line]
-    assert len(said) == 1 and "step 5" in said[0] and "watcher thread" in said[0], lines
-    assert capture.capture("again") == 5
+    term.assert_captured(5, capture)
     return _pack(at5)  # the process ends unclosed, as one that a launcher stops does
 
 
@@ -130,7 +103,7 @@ def _restart(rank: int, world: int, directory: str, job: str) -> tuple:
     from ._fsdp_common import local_state, make
 
     lines: list[str] = []
-    _logged(lines)
+    logged(lines)
     model, opt = make(3, lr=0.5)  # other weights, other learning rate
     with FsdpCheckpointer(directory, job_id=job) as ckpt:
         step = ckpt.load(model, opt)

@@ -79,3 +79,57 @@ def expected_blocks(sharded_state_dict, full: dict) -> list:
 
     walk(sharded_state_dict, "")
     return out
+
+
+def optimizer(model, lr: float = 0.01):
+    """megatron-core's FP32Optimizer over torch Adam (what ``get_megatron_optimizer`` gives
+    for fp32 without the distributed optimizer). Its constructor puts the loss scale on
+    CUDA: built here with that one tensor on the CPU (no clipping, nothing else uses it)."""
+    from unittest import mock
+
+    from megatron.core.optimizer import FP32Optimizer, OptimizerConfig
+
+    stock = torch.tensor
+
+    def on_cpu(*args, **kwargs):
+        kwargs.pop("device", None)
+        return stock(*args, **kwargs)
+
+    group = {"params": list(model.parameters()), "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
+             "is_decoupled_lr": False}  # the keys megatron's load_state_dict matches groups by
+    inner = torch.optim.Adam([group], lr=lr)
+
+    def init_state(opt, config=None):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not opt.state[p]:
+                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    with mock.patch.object(torch, "tensor", on_cpu):
+        return FP32Optimizer(inner, OptimizerConfig(lr=lr, clip_grad=0.0), init_state)
+
+
+def loss(model, step: int):
+    """Stand-in for forward (attention needs CUDA): a loss of every parameter, the same
+    function on every rank (tensor-parallel duplicates stay equal)."""
+    total = torch.zeros(())
+    for i, (name, p) in enumerate(model.named_parameters()):
+        g = torch.Generator().manual_seed(1000 * step + i)
+        total = total + (p * torch.randn(p.shape, generator=g)).sum() + (p * p).sum() * 0.01
+    return total
+
+
+def state_of(model, opt, *, loading: bool = False) -> dict:
+    """The sharded state dict a megatron training loop saves: model and optimizer."""
+    model_ssd = model.sharded_state_dict()
+    return {"model": model_ssd, "optimizer": opt.sharded_state_dict(model.sharded_state_dict(), is_loading=loading)}
+
+
+def local_state(model, opt) -> dict:
+    """Copies of this rank's parameters and Adam moments (by parameter name)."""
+    out = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for k, v in opt.optimizer.state.get(p, {}).items():
+            out[f"{k}.{n}"] = v.detach().clone()
+    return out
