@@ -62,7 +62,7 @@ if [ "$PEER" = mlf ]; then
     src="$VENV/src/ml_flashpoint-0.0.10"
     if [ ! -d "$src" ]; then
         mkdir -p "$VENV/src"
-        "$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$VENV/src" \
+        "$VENV/bin/python" -m pip download -q --no-deps --no-binary ml-flashpoint -d "$VENV/src" \
             ml-flashpoint==0.0.10 2>/dev/null || true
         test -f "$VENV/src/ml_flashpoint-0.0.10.tar.gz" || "$VENV/bin/python" - "$VENV/src" <<'PYEOF'
 import json, sys, urllib.request
