@@ -1,4 +1,5 @@
-"""A real S3-compatible server for the object-store tests: moto's standalone server.
+"""A real S3-compatible server for the object-store tests: moto's standalone server (with its
+conditional writes made atomic, as S3's are: ``_moto_s3.py``).
 
 moto (``moto[server]`` from PyPI) is what s3fs's own test suite starts: a real HTTP S3
 endpoint in a process of its own, on a free loopback port, stopped at the end of the
@@ -22,6 +23,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -33,13 +35,17 @@ from .._net import free_port, wait_for_http
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 
 
+MOTO_S3 = Path(__file__).with_name("_moto_s3.py")
+"""moto's server with S3's atomic conditional writes (see that module)."""
+
+
 class MotoServer:
-    """``python -m moto.server`` on a free loopback port."""
+    """moto's S3 server (:data:`MOTO_S3`) on a free loopback port."""
 
     def __init__(self, env: dict[str, str] | None = None, port: int | None = None) -> None:
         self.port = port or free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+        self.proc = subprocess.Popen([sys.executable, str(MOTO_S3), "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, **(env or {})})
         wait_for_http(self.proc, f"{self.endpoint}/moto-api/", "moto server", timeout=30)
