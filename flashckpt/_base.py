@@ -82,11 +82,13 @@ class EngineCheckpointer:
 
     def engine_capture(self, state_fn: Callable[[], Any], optimizer: Any = None, *,
                        export: dict[str, Any] | None = None,
-                       tree: Callable[[Any], Any] | None = None) -> FailureCapture:
+                       tree: Callable[[Any], Any] | None = None,
+                       may_lack: tuple[str, ...] = ()) -> FailureCapture:
         """A capture whose saves go through this checkpointer's engine (persisted, marked
         captured, exported by ``export``), not yet armed (:meth:`capture_with`); None as
         ``optimizer``: the caller gives the step boundary. ``tree(state)``: the tree the
-        engine saves, made from what ``state_fn`` returned (default: that itself)."""
+        engine saves, made from what ``state_fn`` returned (default: that itself).
+        ``may_lack``: see :class:`FailureCapture`."""
         engine = self._engine
 
         def save(step: int, state: Any) -> bool:
@@ -96,7 +98,7 @@ class EngineCheckpointer:
         return FailureCapture(
             state_fn, optimizer, save=save,
             last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle,
-            settle=engine.finish_copy)
+            settle=engine.finish_copy, may_lack=may_lack)
 
     def _check_no_capture(self) -> None:
         if self._capture is not None:

@@ -50,18 +50,21 @@ class FailureCapture:
     persisted), returning False where the memory it writes holds that step already (a
     replicated state's node copy, which any local rank may capture: the first one's
     serves); ``last_load()`` is the engine's ``last_load`` (a load restarts the count from
-    the loaded step).
+    the loaded step). ``may_lack``: subtrees (paths such as ``/hf/model``) that the
+    check of ``state_fn`` against a save leaves out, where a capture writes less than a
+    save by design (the Trainer's ZeRO-3 weights, which only a gather across ranks gives).
     """
 
     def __init__(self, state_fn: Callable[[], Any], optimizer: Any, *, save: Callable[[int, Any], Any],
                  last_load: Callable[[], Any], allow_pickle: bool = False,
-                 settle: Callable[[], None] = lambda: None) -> None:
+                 settle: Callable[[], None] = lambda: None, may_lack: tuple[str, ...] = ()) -> None:
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
         if optimizer is not None:
             check_optimizer(optimizer)
         self._state_fn, self._save, self._last_load = state_fn, save, last_load
         self._allow_pickle = allow_pickle
+        self._may_lack = may_lack
         self._settle = settle
         """Waits for a save still copying (an overlapped save): a capture comes after it."""
         self._pid = os.getpid()
@@ -169,6 +172,10 @@ class FailureCapture:
         except CheckpointError as exc:
             raise CheckpointError(f"save_on_failure: state_fn() returned a state save() cannot take: {exc}") from exc
         want = _signature(state, self._allow_pickle)
+        if self._may_lack:
+            got, want = ({path: what for path, what in tree.items()
+                          if not any(path == top or path.startswith(top + "/") for top in self._may_lack)}
+                         for tree in (got, want))
         if got != want:
             missing = sorted(set(want) - set(got))
             extra = sorted(set(got) - set(want))

@@ -41,16 +41,18 @@ def saves_tag(trainer: Any) -> bool:
     return not trainer.args.save_only_model or (zero3(trainer) and not _gathers_weights(trainer))
 
 
-def model_state_dict(trainer: Any) -> tuple[dict[str, Any] | None, bool]:
+def model_state_dict(trainer: Any, local: bool = False) -> tuple[dict[str, Any] | None, bool]:
     """The model weights the stock save writes to ``model.safetensors``, and whether tied
     weights stay (as separate tensors). ZeRO 0-2: None, the model's own state dict (no
     copy), with tied weights kept, since the stock save clones every tensor
     (``accelerator.get_state_dict``) so ``save_pretrained`` finds no shared storage.
     ZeRO-3: the gathered 16-bit weights (a collective: every rank calls this), or ``{}``
-    when the config does not gather them (the stock save then writes no weight file)."""
+    when the config does not gather them (the stock save then writes no weight file) or
+    ``local`` asks for no collective (a failure capture; the tag holds every rank's
+    partition of the weights, which is what a ZeRO-3 resume loads)."""
     if not zero3(trainer):
         return None, True
-    if not _gathers_weights(trainer):
+    if local or not _gathers_weights(trainer):
         return {}, False
     return trainer.model_wrapped._zero3_consolidated_16bit_state_dict(), False
 

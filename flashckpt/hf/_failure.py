@@ -6,9 +6,20 @@ step (the RNG states are taken there, so a capture holds those of step k, not of
 next step's forward). Under the Trainer's DeepSpeed integration accelerate runs
 ``engine.step`` inside ``backward``, before ``on_pre_optimizer_step``, so the wrapped
 ``engine.step`` begins the update there, and the capture runs DeepSpeed's save without
-its collectives (``flashckpt.deepspeed._engine.local_only``); ZeRO-3 is not captured (its
-model files need a gather across ranks). A capture is saved like a Trainer save, so the
-saver writes it out as its ``checkpoint-<N>`` folder; see :mod:`flashckpt._capture`.
+its collectives (``flashckpt.deepspeed._engine.local_only``). A capture is saved like a
+Trainer save, so the saver writes it out as its ``checkpoint-<N>`` folder; see
+:mod:`flashckpt._capture`.
+
+Under ZeRO-3 every rank captures its own partitions of parameters and optimizer state
+(DeepSpeed's tag, ``global_step<N>/``) and the Trainer's state, but not the consolidated
+weights: gathering them is a collective, and a peer may be dead. So a captured folder
+lacks ``model.safetensors`` even with ``stage3_gather_16bit_weights_on_model_save`` (only
+regular saves write it); it holds the tag, ``latest``, ``zero_to_fp32.py``,
+``config.json``, ``trainer_state.json``, the RNG states, ``training_args.bin`` and
+``scheduler.pt`` where the stock save writes it. A ZeRO-3 resume reads the tag, not the
+weights file, so ``resume_from_checkpoint`` continues from it exactly; the weights file
+comes from ``zero_to_fp32.py`` or the next regular save. With ``save_only_model`` and
+gathered weights the stock save is the weights file alone, so nothing is captured then.
 """
 
 from __future__ import annotations
@@ -39,11 +50,15 @@ class TrainerCapture:
         self._capture: FailureCapture | None = None
         deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
         self._deepspeed = deepspeed
-        if deepspeed and _deepspeed.zero3(trainer):
-            log.warning("FlashCheckpointCallback(save_on_failure=True) does not capture under ZeRO-3 yet (its "
-                        "model files need a gather across ranks): a failure resumes from the last save")
+        if deepspeed and _deepspeed.zero3(trainer) and not _deepspeed.saves_tag(trainer):
+            log.warning("FlashCheckpointCallback(save_on_failure=True) does not capture under ZeRO-3 with "
+                        "save_only_model and stage3_gather_16bit_weights_on_model_save: that save is the gathered "
+                        "weights alone, a collective across ranks; a failure resumes from the last save")
             return
-        capture = self._capture = ckpt.capture_with(ckpt.engine_capture(self._tree, export=export))
+        # under ZeRO-3 a capture has no model weights (a save may have gathered them)
+        may_lack = ("/hf/model",) if deepspeed and _deepspeed.zero3(trainer) else ()
+        capture = self._capture = ckpt.capture_with(ckpt.engine_capture(self._tree, export=export,
+                                                                        may_lack=may_lack))
         if deepspeed:
             from ..deepspeed._engine import step_boundary
             self._step_wrapper = step_boundary(trainer.model_wrapped, capture, counts=False)
@@ -73,12 +88,12 @@ class TrainerCapture:
         trainer = self._trainer
         tree = dict(self._rng) if self._rng is not None else capture_rank_state(trainer)
         model_state: tuple[Any, bool] = (None, False)
-        if self._deepspeed:  # ZeRO 0-2: no collective in these
+        if self._deepspeed:  # no collective in these: a peer may be dead
             if _deepspeed.saves_tag(trainer):
                 from ..deepspeed._engine import local_only
-                with local_only(trainer.model_wrapped):  # a peer may be dead: no barrier
+                with local_only(trainer.model_wrapped):
                     tree["deepspeed"] = _deepspeed.capture_files(trainer, self._deepspeed_dir())
-            model_state = _deepspeed.model_state_dict(trainer)
+            model_state = _deepspeed.model_state_dict(trainer, local=True)
         if trainer.args.process_index == 0:
             tree["hf"] = capture_main_state(trainer, *model_state)
         return tree

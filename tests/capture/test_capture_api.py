@@ -48,6 +48,21 @@ def test_state_fn_of_another_tree_fails_the_first_save(tmp_path, job_id):
             ckpt.save(1, _state(model, opt))
 
 
+@pytest.mark.parametrize("may_lack", [("/optim",), ("/opt",)])
+def test_may_lack_leaves_only_those_subtrees_out_of_the_check(tmp_path, job_id, may_lack):
+    """An adapter whose capture lacks a subtree by design (the Trainer's ZeRO-3 weights)
+    names it; the check skips that subtree only (a mere prefix of a name is not one)."""
+    model, opt = _model()
+    with Checkpointer(tmp_path, job_id=job_id) as ckpt:
+        ckpt.capture_with(ckpt.engine_capture(lambda: {"model": model.state_dict()}, opt, may_lack=may_lack))
+        _step(model, opt)
+        if may_lack == ("/optim",):
+            ckpt.save(1, _state(model, opt))
+        else:
+            with pytest.raises(StateMismatchError, match="state_fn.*optim"):
+                ckpt.save(1, _state(model, opt))
+
+
 def test_capture_counts_steps_once_and_never_mid_update(tmp_path, job_id):
     model, opt = _model()
     before = signal.getsignal(signal.SIGTERM), sys.excepthook, threading.excepthook

@@ -9,10 +9,12 @@
 ``on_step_begin``) in that attempt: ``term`` SIGTERM to itself, ``raise`` a RuntimeError,
 ``kill9`` SIGKILL to itself. The run resumes from ``last_checkpoint(OUT)``;
 REPORT/attempt<A>-rank<R>.json says where (``global_step`` at ``on_train_begin``) and
-REPORT/final<R>.pt holds the weights of a run that reached the end. With
-``FLASHCKPT_TEST_HF_DS=1`` under torchrun: the Trainer's DeepSpeed integration (ZeRO-2).
+REPORT/final<R>.pt holds the weights of a run that reached the end (gathered under ZeRO-3).
+With ``FLASHCKPT_TEST_HF_DS=1`` under torchrun: the Trainer's DeepSpeed integration (ZeRO-2);
+``=3``: ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save`` (the saves write ``model.safetensors``).
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -55,9 +57,12 @@ def main() -> None:
         init_process_group("gloo")
         attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), dist.get_rank()
         extra = {"ddp_backend": "gloo", "per_device_train_batch_size": 2, "dataloader_num_workers": 0}
-        if os.environ.get("FLASHCKPT_TEST_HF_DS") == "1":
+        if os.environ.get("FLASHCKPT_TEST_HF_DS") in ("1", "3"):
             from tests.hf._torchrun_hf import DEEPSPEED
             extra["deepspeed"] = DEEPSPEED
+            if os.environ["FLASHCKPT_TEST_HF_DS"] == "3":
+                zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+                extra["deepspeed"] = dict(DEEPSPEED, zero_optimization=zero)
     else:
         attempt = int(sys.argv[3])
     faults = {}
@@ -71,7 +76,12 @@ def main() -> None:
     trainer = make_trainer(out, [flash, fault], max_steps=10, **extra)
     report["resumed_from"] = flash.resumed_from
     trainer.train(resume_from_checkpoint=last_checkpoint(out))
-    torch.save([p.detach().clone() for p in trainer.model.parameters()], os.path.join(report_dir, f"final{rank}.pt"))
+    params, gathered = list(trainer.model.parameters()), contextlib.nullcontext()
+    if os.environ.get("FLASHCKPT_TEST_HF_DS") == "3":  # every rank holds its partition: gather (all ranks)
+        import deepspeed
+        gathered = deepspeed.zero.GatheredParameters(params)
+    with gathered:
+        torch.save([p.detach().clone() for p in params], os.path.join(report_dir, f"final{rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -59,26 +59,52 @@ def test_sigterm_and_an_exception_resume_at_the_captured_steps(tmp_path, referen
     assert not shm_left(str(out))
 
 
-@pytest.mark.timeout(300)
-def test_ddp_resumes_at_a_capture_only_where_every_rank_captured(tmp_path):
+def _torchrun(out, report, restarts: int, *faults: str, deepspeed: str | None = None) -> subprocess.CompletedProcess:
+    """One torchrun launch of the script on two gloo ranks; ``deepspeed``: "1" (ZeRO-2) or "3" (ZeRO-3)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(SCRIPT)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           f"--max-restarts={restarts}", "--monitor-interval=0.1", SCRIPT, str(out), str(report), "-", *faults]
+    env = dict(os.environ, PYTHONPATH=root)
+    if deepspeed is not None:
+        env.update(DS_ACCELERATOR="cpu", FLASHCKPT_TEST_HF_DS=deepspeed)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("deepspeed", [None, "3"], ids=["ddp", "zero3"])
+def test_ddp_resumes_at_a_capture_only_where_every_rank_captured(tmp_path, deepspeed):
     """Attempt 0: rank 1 is SIGKILLed once step 5 finished; rank 0 captures 5 alone, so the
     restart resumes at the folder of step 3. Attempt 1: both ranks get SIGTERM once step 7
-    finished; both capture it and the restart resumes at 7."""
+    finished; both capture it and the restart resumes at 7. Under ZeRO-3 (the Trainer's
+    DeepSpeed, weights gathered at saves) each rank captures its own partitions without a
+    collective, the captured folder has DeepSpeed's tag but no model.safetensors, and the
+    run ends with the weights of an uninterrupted one."""
     out, report = tmp_path / "run", tmp_path / "report"
     report.mkdir()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(SCRIPT)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
-           "--monitor-interval=0.1", SCRIPT, str(out), str(report), "-", "kill9:1:5:0", "term:0:7:1", "term:1:7:1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=dict(os.environ, PYTHONPATH=root))
+    proc = _torchrun(out, report, 2, "kill9:1:5:0", "term:0:7:1", "term:1:7:1", deepspeed=deepspeed)
     log = proc.stderr[-6000:]
     assert proc.returncode == 0, log
     assert "captured step 5" in proc.stderr and "captured step 7" in proc.stderr, log
     for rank in (0, 1):
         assert json.loads((report / f"attempt1-rank{rank}.json").read_text())["resumed_at"] == 3, log
         assert json.loads((report / f"attempt2-rank{rank}.json").read_text())["resumed_at"] == 7, log
-    for a, b in zip(torch.load(report / "final0.pt"), torch.load(report / "final1.pt")):
+    final = torch.load(report / "final0.pt")
+    for a, b in zip(final, torch.load(report / "final1.pt")):
         assert torch.equal(a, b)
     assert "checkpoint-5" not in os.listdir(out)  # rank 0's lone capture never committed
+    if deepspeed is None:
+        return
+    assert proc.stderr.count("captured step 7") == 2, log
+    captured, saved = set(os.listdir(out / "checkpoint-7")), set(os.listdir(out / "checkpoint-9"))
+    assert {"global_step7", "latest", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= captured
+    assert saved - captured == {"model.safetensors", "global_step9"}, (saved, captured)  # weights: regular saves only
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    proc = _torchrun(tmp_path / "uninterrupted", reference, 0, deepspeed=deepspeed)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for a, b in zip(torch.load(reference / "final0.pt"), final):
+        assert a.numel() > 0 and torch.equal(a, b)
+    assert not shm_left(str(out))
 
 
 @pytest.mark.timeout(300)
@@ -88,11 +114,7 @@ def test_deepspeed_integration_resumes_at_the_captured_step(tmp_path):
     ends it; the restart resumes at checkpoint-7, DeepSpeed's tag included."""
     out, report = tmp_path / "run", tmp_path / "report"
     report.mkdir()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(SCRIPT)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "--monitor-interval=0.1", SCRIPT, str(out), str(report), "-", "term:0:7:0", "term:1:7:0"]
-    env = dict(os.environ, PYTHONPATH=root, DS_ACCELERATOR="cpu", FLASHCKPT_TEST_HF_DS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    proc = _torchrun(out, report, 1, "term:0:7:0", "term:1:7:0", deepspeed="1")
     log = proc.stderr[-6000:]
     assert proc.returncode == 0, log
     assert proc.stderr.count("captured step 7") == 2, log
