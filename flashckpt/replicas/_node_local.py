@@ -259,9 +259,9 @@ def check_directory(root: str, collective: Collective, placement: Placement, *,
     node's (a directory shared by some nodes only) are a :class:`CheckpointError` naming them."""
     c = collective
     token = placement.token.encode()
-    writes = c.rank == 0 or placement.local_rank == 0
-    probes = {r: os.path.join(root, f".flashckpt-probe-{placement.token}-{r}")
-              for r, w in enumerate(c.all_gather(writes)) if w}
+    firsts = {node: r for r, node in reversed(list(enumerate(placement.nodes)))}  # each node's local rank 0
+    probes = {r: os.path.join(root, f".flashckpt-probe-{placement.token}-{r}") for r in sorted(firsts.values())}
+    writes = c.rank in probes
     if writes:
         os.makedirs(root, exist_ok=True)
         with open(probes[c.rank], "wb") as f:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._node_local import agree_node_local, choose, disk_copies, memory_copies, other_worlds
+from ._node_local import agree_node_local, choose, disk_view, memory_copies
 from ._sources import Agreement, Key, Source, Sources, captured_keys, memory_keys, memory_not_older
 
 __all__ = ["agree"]
@@ -105,9 +105,8 @@ def _agree_now(sources: Sources, step: int | None, direct: bool) -> tuple[Agreem
                 "newest": storage.newest_key() if rank0 else None,
                 "storage_rank": p.storage_rank, "replicas": sources.replicas.here()}
         if node_local:  # every node's directory differs: each node's first rank reports its own
-            first = p.local_rank == 0
-            view.update(disk=disk_copies(storage, p.storage_world) if first else None,
-                        other_worlds=other_worlds(storage, p.storage_world) if first else None)
+            view.update(disk_view(storage, p.storage_world) if p.local_rank == 0 else
+                        {"disk": None, "other_worlds": None})
         return view
 
     views = sources.on_all_ranks(look, f"looking for checkpoints of {sources.storage.root} to load")

@@ -26,7 +26,7 @@ holds the shards of two nodes' ranks of that world).
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any
 
 from ._shard_read import open_shard
 from ._sources import Agreement, Key, Source, Sources
@@ -35,32 +35,29 @@ from ..replicas._protocol import ReplicaError
 from ..storage._step_meta import line_key
 from ..storage._local import LocalStorage
 
-__all__ = ["agree_node_local", "choose", "disk_copies", "lacking", "memory_copies", "other_worlds"]
+__all__ = ["agree_node_local", "choose", "disk_view", "lacking", "memory_copies"]
 
 log = logging.getLogger("flashckpt")
 
 
-def _committed(storage: LocalStorage) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Every committed step of this node's directory and its metadata, oldest first (an
-    unreadable step is left out, and logged)."""
+def disk_view(storage: LocalStorage, world: int) -> dict[str, list]:
+    """This node's directory as its first rank reports it to the agreement, reading each
+    committed step's metadata once (an unreadable step is left out, and logged): ``disk``,
+    the (line, step) and storage ranks of every step ``world`` ranks saved, and
+    ``other_worlds``, the (step, number of ranks) of those another number of ranks saved;
+    both oldest first."""
+    disk, other = [], []
     for step in storage.steps_in_order():
         try:
-            yield step, storage.metadata(step)
+            meta = storage.metadata(step)
         except CheckpointError as exc:
             log.info("not counting step %d of %s: %s", step, storage.root, exc)
-
-
-def disk_copies(storage: LocalStorage, world: int) -> list[tuple[Key, list[int]]]:
-    """(line, step) and storage ranks of every committed step of this node's directory saved
-    by ``world`` ranks, oldest first."""
-    return [((line_key(meta.get("token")), step), [int(r) for r in meta["shards"]])
-            for step, meta in _committed(storage) if meta["world_size"] == world]
-
-
-def other_worlds(storage: LocalStorage, world: int) -> list[tuple[int, int]]:
-    """(step, number of ranks) of the committed steps of this node's directory saved by
-    another number of ranks than ``world``."""
-    return [(step, meta["world_size"]) for step, meta in _committed(storage) if meta["world_size"] != world]
+            continue
+        if meta["world_size"] == world:
+            disk.append(((line_key(meta.get("token")), step), [int(r) for r in meta["shards"]]))
+        else:
+            other.append((step, meta["world_size"]))
+    return {"disk": disk, "other_worlds": other}
 
 
 def choose(copies: list[set[Key]], step: int | None = None) -> Key | None:
