@@ -46,7 +46,7 @@ demo: $(CORE)
 
 # two workers (CI has two cores); tests/conftest.py keeps what a session starts once together
 test: $(FULL) redis-server $(AZURITE)
-	$(PY) -m pytest tests -n 2 --dist loadgroup
+	$(PY) -m pytest tests -n 2 --dist loadfile
 
 bench: $(CORE)
 	$(PY) benchmarks/save_load.py

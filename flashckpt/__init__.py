@@ -17,7 +17,6 @@ from ._errors import (
     StateMismatchError,
     UnsafeFileError,
 )
-from ._engine import SaveHandle
 from ._options import Options
 
 __all__ = [
@@ -36,3 +35,12 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # the engine is imported at first use, not by every process importing a part of the package
+    # (the saver process starts without it)
+    if name == "SaveHandle":
+        from ._save_handle import SaveHandle
+        return SaveHandle
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

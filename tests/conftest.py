@@ -37,13 +37,28 @@ ONE_WORKER = {"fsdp", "objectstore"}
 S3 server with its buckets): under xdist they stay on one worker, so they run once."""
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n 2`` (``make test``): each file is a unit of work, but the directories
-    of :data:`ONE_WORKER` are one unit each."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    root = os.path.dirname(os.path.abspath(__file__))
-    for item in items:
-        rel = os.path.relpath(str(item.path), root)
-        top = rel.split(os.sep)[0]
-        item.add_marker(pytest.mark.xdist_group(top if top in ONE_WORKER else rel))
+def work_unit(nodeid: str, rootpath: str) -> str:
+    """What one xdist worker runs whole: the test's file (its module fixtures run once), or
+    its top directory if that is one of :data:`ONE_WORKER`."""
+    path = os.path.join(rootpath, nodeid.split("::", 1)[0])
+    rel = os.path.relpath(path, os.path.dirname(os.path.abspath(__file__)))
+    top = rel.split(os.sep)[0]
+    return top if top in ONE_WORKER else rel
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``pytest -n 2 --dist loadfile`` (``make test``) with :func:`work_unit` as the unit.
+
+    Not ``xdist_group`` marks with ``--dist loadgroup``: xdist 3.8 groups by rewriting node
+    ids, which pytest 9.2 no longer lets it do, so every test was scheduled on its own
+    (pytest-xdist#1386)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class WorkUnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid, str(config.rootpath))
+
+    return WorkUnitScheduling(config, log)

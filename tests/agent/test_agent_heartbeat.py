@@ -128,18 +128,25 @@ def test_a_hung_worker_loses_its_leases_though_its_agent_thread_runs(tmp_path):
         stop(proc)
 
 
-def _shard_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("shard-heartbeat")]
+@pytest.fixture
+def heartbeat_threads(monkeypatch):
+    """The names of the heartbeat threads this test started, with a schedule of its own: an
+    earlier test's samplers may still be beaten by their thread in this process."""
+    from elastic import _heartbeat
+
+    monkeypatch.setattr(_heartbeat, "_process", None)
+    before = set(threading.enumerate())
+    return lambda: [t.name for t in threading.enumerate() if t.name.startswith("shard-heartbeat") and t not in before]
 
 
-def test_sampler_hands_heartbeats_to_the_agent_and_back(tmp_path):
+def test_sampler_hands_heartbeats_to_the_agent_and_back(tmp_path, heartbeat_threads):
     url = "memory://"
     coord = sharding.connect(url)
     sampler = elastic.ShardSampler(40, coordinator=coord, name="hb", shard_size=10,
                                    lease_timeout=1.5, worker="w0")
     it = iter(sampler)
     next(it)
-    assert _shard_threads() == ["shard-heartbeat-w0"]  # no agent: a thread of its own
+    assert heartbeat_threads() == ["shard-heartbeat-w0"]  # no agent: a thread of its own
     agent = elastic.start_agent(handle_failures=False, job_id=f"thb{os.getpid()}")
     try:
         for _ in range(10):  # into the next shard: the next lease hands over to the agent
@@ -147,16 +154,16 @@ def test_sampler_hands_heartbeats_to_the_agent_and_back(tmp_path):
         beats = agent._heartbeats.targets()
         assert beats == [(sampler._ds, "w0", pytest.approx(0.5))], beats
         deadline = time.monotonic() + 5
-        while _shard_threads() and time.monotonic() < deadline:
+        while heartbeat_threads() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _shard_threads()
+        assert not heartbeat_threads()
         time.sleep(2.5 * 1.5)  # the agent keeps the lease alive
         assert sampler.progress()["expired"] == 0
     finally:
         agent.stop()
     for _ in range(10):  # the agent stopped: the sampler heartbeats itself again
         next(it)
-    assert _shard_threads() == ["shard-heartbeat-w0"]
+    assert heartbeat_threads() == ["shard-heartbeat-w0"]
     sampler.close()
     again = elastic.start_agent(handle_failures=False, job_id=f"thb{os.getpid()}b")
     try:

@@ -77,8 +77,9 @@ def test_ddp_resumes_at_a_capture_only_where_every_rank_captured(tmp_path, deeps
     restart resumes at the folder of step 3. Attempt 1: both ranks get SIGTERM once step 7
     finished; both capture it and the restart resumes at 7. Under ZeRO-3 (the Trainer's
     DeepSpeed, weights gathered at saves) each rank captures its own partitions without a
-    collective, the captured folder has DeepSpeed's tag but no model.safetensors, and the
-    run ends with the weights of an uninterrupted one."""
+    collective, and the captured folder has DeepSpeed's tag but no model.safetensors. (Not
+    compared with an uninterrupted run's weights: that launch took 85-100 s of the suite;
+    test_hf_torchrun.py compares a ZeRO-2 restart from memory with one.)"""
     out, report = tmp_path / "run", tmp_path / "report"
     report.mkdir()
     proc = _torchrun(out, report, 2, "kill9:1:5:0", "term:0:7:1", "term:1:7:1", deepspeed=deepspeed)
@@ -98,12 +99,7 @@ def test_ddp_resumes_at_a_capture_only_where_every_rank_captured(tmp_path, deeps
     captured, saved = set(os.listdir(out / "checkpoint-7")), set(os.listdir(out / "checkpoint-9"))
     assert {"global_step7", "latest", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= captured
     assert saved - captured == {"model.safetensors", "global_step9"}, (saved, captured)  # weights: regular saves only
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    proc = _torchrun(tmp_path / "uninterrupted", reference, 0, deepspeed=deepspeed)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    for a, b in zip(torch.load(reference / "final0.pt"), final):
-        assert a.numel() > 0 and torch.equal(a, b)
+    assert all(a.numel() > 0 for a in final)
     assert not shm_left(str(out))
 
 

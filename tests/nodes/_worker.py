@@ -1,7 +1,7 @@
 """One torchrun worker of the multi-node tests: a few DDP steps, a flash checkpoint every step.
 
     torchrun ... _worker.py --dir SHARED_DIR --steps N [--kill-rank R --kill-step S --kill-pause P]
-                            [--replicas auto|0|1] [--per-rank] [--close-at-kill]
+                            [--replicas auto|0|1] [--per-rank | --fsdp] [--close-at-kill]
 
 The process group comes from ``flashckpt.torch.init_process_group``. At step S every rank
 writes a ``step`` event; the first time each rank gets there (a marker file per rank in
@@ -14,6 +14,9 @@ node), then save step S + 1 and time ``close()``. Each process appends JSON line
 (host, restart count, rank, seconds to form the group), ``restored`` (step, source, the addresses of the peers that sent
 this rank a replica), ``step``, ``closed`` (seconds, the error or None, the warnings logged) and ``done``
 (the model's bias, to check that every step counted exactly once).
+
+``--fsdp``: the model sharded with FSDP2 and saved by ``FsdpCheckpointer`` (sharded state:
+every rank's shard is needed), stepped by SGD with the same update to the bias.
 """
 
 import argparse
@@ -51,6 +54,7 @@ def main() -> None:
     p.add_argument("--replicas", default="auto", help="the checkpointer's replicas: auto (None), 0 or 1")
     p.add_argument("--per-rank", action="store_true",
                    help="Checkpointer (every rank saves its own copy) instead of DdpCheckpointer")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 and FsdpCheckpointer (sharded state)")
     p.add_argument("--close-at-kill", action="store_true",
                    help="at the kill step wait for SHARED_DIR/go, save one more step and time close()")
     args = p.parse_args()
@@ -76,29 +80,29 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
-    initial = model.bias.sum().item()
     replicas = None if args.replicas == "auto" else int(args.replicas)
     logged = _Logged()
-    ckpt = (Checkpointer if args.per_rank else DdpCheckpointer)(os.path.join(args.dir, "ckpt"), persist_every=5,
-                                                                replicas=replicas)
-    state = {"model": model.state_dict(), "step": 0}
-    step = ckpt.load(state) or 0
+    directory = os.path.join(args.dir, "ckpt")
+    if args.fsdp:
+        train = _FsdpTraining(model, directory, replicas)
+    else:
+        train = _Training(model, (Checkpointer if args.per_rank else DdpCheckpointer)(
+            directory, persist_every=5, replicas=replicas))
+    initial = train.bias_sum()
+    ckpt = train.ckpt
+    step = train.load() or 0
     if step:
         emit(event="restored", rank=rank, step=step, source=ckpt.last_load.source, peers=logged.fetched)
     while step < args.steps:
         step += 1
-        grad = torch.full((16,), float(step))
-        dist.all_reduce(grad)
-        with torch.no_grad():
-            model.bias -= 1e-3 * grad
-        ckpt.save(step, {"model": model.state_dict(), "step": step})
+        train.step(step)
+        train.save(step)
         if step == args.kill_step:
             if ckpt.engine.replicas.endpoints and ckpt.engine.placement.local_rank == 0:
                 _wait_replicated(ckpt.job_id, step)
             emit(event="step", rank=rank, step=step)
             if args.close_at_kill:
-                _close_after_go(args.dir, ckpt, step + 1, {"model": model.state_dict(), "step": step + 1}, logged,
-                                lambda **e: emit(rank=rank, **e))
+                _close_after_go(args.dir, train, step + 1, logged, lambda **e: emit(rank=rank, **e))
                 return
             if _first_time(os.path.join(args.dir, f"reached-{rank}")):  # once per rank and job
                 if rank == args.kill_rank:
@@ -106,9 +110,63 @@ def main() -> None:
                 time.sleep(args.kill_pause)
         time.sleep(0.1)
     ckpt.close()
-    emit(event="done", rank=rank, step=step, bias=model.bias.sum().item(), initial=initial)
+    emit(event="done", rank=rank, step=step, bias=train.bias_sum(), initial=initial)
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
+
+
+class _Training:
+    """A step subtracts ``1e-3 * world * step`` from every bias entry (a gradient of ``step``
+    on every rank, all-reduced); the state is saved every step."""
+
+    def __init__(self, model: torch.nn.Module, ckpt) -> None:
+        self.model, self.ckpt = model, ckpt
+
+    def state(self, step: int) -> dict:
+        return {"model": self.model.state_dict(), "step": step}
+
+    def load(self) -> int | None:
+        return self.ckpt.load(self.state(0))
+
+    def step(self, step: int) -> None:
+        grad = torch.full((16,), float(step))
+        dist.all_reduce(grad)
+        with torch.no_grad():
+            self.model.bias -= 1e-3 * grad
+
+    def save(self, step: int) -> None:
+        self.ckpt.save(step, self.state(step))
+
+    def bias_sum(self) -> float:
+        return self.model.bias.sum().item()
+
+
+class _FsdpTraining(_Training):
+    """The same update through FSDP2: the loss's gradient on the bias is ``world * step`` on
+    every rank, FSDP averages it, SGD applies it."""
+
+    def __init__(self, model: torch.nn.Module, directory: str, replicas: int | None) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from flashckpt.torch import FsdpCheckpointer
+
+        fully_shard(model)
+        self.optim = torch.optim.SGD(model.parameters(), lr=1e-3)
+        super().__init__(model, FsdpCheckpointer(directory, persist_every=5, replicas=replicas))
+
+    def load(self) -> int | None:
+        return self.ckpt.load(self.model, self.optim)
+
+    def step(self, step: int) -> None:
+        self.optim.zero_grad()
+        loss = self.model(torch.zeros(1, 16)).sum() * dist.get_world_size() * step  # input 0: only the bias learns
+        loss.backward()
+        self.optim.step()
+
+    def save(self, step: int) -> None:
+        self.ckpt.save(step, self.model, self.optim)
+
+    def bias_sum(self) -> float:
+        return self.model.bias.full_tensor().sum().item()
 
 
 class _Logged(logging.Handler):
@@ -128,13 +186,14 @@ class _Logged(logging.Handler):
             self.warnings.append(record.getMessage())
 
 
-def _close_after_go(shared: str, ckpt, step: int, state: dict, logged: _Logged, emit, timeout: float = 60.0) -> None:
+def _close_after_go(shared: str, train: _Training, step: int, logged: _Logged, emit, timeout: float = 60.0) -> None:
     """Once the test wrote ``shared/go`` (it killed a node), save ``step`` and time ``close()``."""
+    ckpt = train.ckpt
     go = os.path.join(shared, "go")
     deadline = time.monotonic() + timeout
     while not os.path.exists(go) and time.monotonic() < deadline:
         time.sleep(0.05)
-    ckpt.save(step, state)
+    train.save(step)
     began, error = time.monotonic(), None
     try:
         ckpt.close()

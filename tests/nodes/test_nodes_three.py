@@ -3,7 +3,7 @@
 On three nodes the replica ring is 0 -> 1 -> 2 -> 0: node ``k`` holds node ``k - 1``'s newest
 steps in memory and commits its own rank's shards and node ``k - 1``'s in its directory (on
 two nodes the predecessor and the successor are one node; here they differ). Every rank saves
-its own state (``Checkpointer``, ``persist_every=5``).
+its own state (``Checkpointer``, ``persist_every=5``), or its FSDP2 shard (``FsdpCheckpointer``).
 
 - Node 1 lost whole at step 7 (its processes SIGKILLed, its ``/dev/shm`` gone, its directory
   wiped), a fresh node 1 joins: every rank restores step 7 from memory, rank 1's sent by node 2
@@ -36,9 +36,10 @@ pytestmark = pytest.mark.skipif(missing_requirements() is not None, reason=str(m
 
 
 @pytest.mark.timeout(180)
-def test_a_lost_node_restores_from_its_successors_replica(tmp_path):
+@pytest.mark.parametrize("state", ["--per-rank", "--fsdp"])
+def test_a_lost_node_restores_from_its_successors_replica(tmp_path, state):
     local = disks(tmp_path, 3)
-    job = replace_node1(tmp_path, count=3, steps=STEPS, kill_step=KILL_STEP, worker_args=("--per-rank",),
+    job = replace_node1(tmp_path, count=3, steps=STEPS, kill_step=KILL_STEP, worker_args=(state,),
                         disks=local, nproc=1, lost=lambda: wipe(local[1]))
     restored = {e["rank"]: e for e in job.events("restored")}
     assert sorted((r, e["step"], e["source"]) for r, e in restored.items()) == \
