@@ -4,8 +4,13 @@ import threading
 import uuid
 
 import pytest
-from flashckpt._names import job_prefix
-from flashckpt.memory import _slot
+
+# two xdist workers share two cores with every process their tests start: one OpenMP thread
+# each (torch's default, one per core, made the suite's processes contend; about 10% of its CPU)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from flashckpt._names import job_prefix  # noqa: E402
+from flashckpt.memory import _slot  # noqa: E402
 
 
 @pytest.fixture
