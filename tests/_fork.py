@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import runpy
 import signal
@@ -146,7 +147,9 @@ def _rank_entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     try:
         dist.init_process_group(backend, rank=rank, world_size=world)
-        out.put((rank, "ok", fn(rank, world, *args)))
+        # pickled here, by value: a queue would pass tensors as file descriptors that this
+        # process serves, and it may exit before the parent takes them (FileNotFoundError there)
+        out.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
     finally:
@@ -165,7 +168,7 @@ def _collect(out: Any, procs: list[Any], timeout: float) -> tuple[dict[int, Any]
         rank, status, value = item
         pending.discard(rank)
         if status == "ok":
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         else:
             errors.append(f"rank {rank}:\n{value}")
 
