@@ -35,7 +35,6 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-
 from ..storage._checksum import BlockSums
 from .._errors import CorruptCheckpointError
 from ..memory._format import Entry, Image
@@ -261,23 +260,26 @@ class MemoryImage:
     read's threads copy at once. ``close`` runs when the reader closes."""
 
     def __init__(self, buffer: Any, name: str, close: Callable[[], None]) -> None:
-        import numpy as np  # here, not at import: the saver process starts without numpy
+        import numpy as np  # in the methods, not at import: the saver process starts without numpy
 
-        self._np = np
         self.name, self._close = name, close
         self._bytes = np.frombuffer(buffer, np.uint8)
         self.size = len(self._bytes)
 
     def preadv(self, pieces: list[memoryview], offset: int) -> None:
+        import numpy as np
+
         for piece in pieces:
             if offset + len(piece) > self.size:
                 raise CorruptCheckpointError(f"{self.name}: bytes {offset}-{offset + len(piece)} lie outside "
                                              f"its {self.size} bytes")
-            self._np.copyto(self._np.frombuffer(piece, self._np.uint8), self._bytes[offset:offset + len(piece)])
+            np.copyto(np.frombuffer(piece, np.uint8), self._bytes[offset:offset + len(piece)])
             offset += len(piece)
 
     def close(self) -> None:
-        self._bytes = self._np.empty(0, self._np.uint8)  # no export of the buffer outlives the reader
+        import numpy as np
+
+        self._bytes = np.empty(0, np.uint8)  # no export of the buffer outlives the reader
         self._close()
 
 
