@@ -128,17 +128,6 @@ def test_a_hung_worker_loses_its_leases_though_its_agent_thread_runs(tmp_path):
         stop(proc)
 
 
-@pytest.fixture
-def heartbeat_threads(monkeypatch):
-    """The names of the heartbeat threads this test started, with a schedule of its own: an
-    earlier test's samplers may still be beaten by their thread in this process."""
-    from elastic import _heartbeat
-
-    monkeypatch.setattr(_heartbeat, "_process", None)
-    before = set(threading.enumerate())
-    return lambda: [t.name for t in threading.enumerate() if t.name.startswith("shard-heartbeat") and t not in before]
-
-
 def test_sampler_hands_heartbeats_to_the_agent_and_back(tmp_path, heartbeat_threads):
     url = "memory://"
     coord = sharding.connect(url)

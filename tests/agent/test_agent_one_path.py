@@ -26,20 +26,19 @@ LEASE = 0.6  # seconds: a beat every 0.2 s
 
 @pytest.fixture
 def beating_threads(monkeypatch):
-    """The names of the threads that call ``Dataset.heartbeat`` (filled as they beat)."""
+    """The names of the threads this test started that call ``Dataset.heartbeat`` (filled as
+    they beat); an earlier test's heartbeat thread may still beat its own leases."""
     seen: set[str] = set()
     original = sharding.Dataset.heartbeat
+    before = set(threading.enumerate())
 
     def heartbeat(self, worker):
-        seen.add(threading.current_thread().name)
+        if threading.current_thread() not in before:
+            seen.add(threading.current_thread().name)
         return original(self, worker)
 
     monkeypatch.setattr(sharding.Dataset, "heartbeat", heartbeat)
     return seen
-
-
-def _beating_threads_now() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("shard-heartbeat"))
 
 
 def _lease_everywhere(url: str) -> list:
@@ -64,11 +63,11 @@ def _close(owners: list) -> None:
         owner.close()
 
 
-def test_without_an_agent_one_thread_heartbeats_every_lease_of_the_process(beating_threads):
+def test_without_an_agent_one_thread_heartbeats_every_lease_of_the_process(beating_threads, heartbeat_threads):
     owners = _lease_everywhere(f"memory://{uuid.uuid4().hex}")
     try:
         time.sleep(4 * LEASE)
-        assert len(_beating_threads_now()) == 1, _beating_threads_now()
+        assert len(heartbeat_threads()) == 1, heartbeat_threads()
         assert len(beating_threads) == 1, beating_threads
         assert all(owner.progress()["expired"] == 0 for owner in owners[:2])
         assert owners[2].dataset.progress()["expired"] == 0
@@ -76,13 +75,13 @@ def test_without_an_agent_one_thread_heartbeats_every_lease_of_the_process(beati
         _close(owners)
 
 
-def test_with_an_agent_its_coordinator_thread_is_the_only_heartbeat_stream(beating_threads):
+def test_with_an_agent_its_coordinator_thread_is_the_only_heartbeat_stream(beating_threads, heartbeat_threads):
     agent = elastic.start_agent(handle_failures=False, job_id=job_id())
     owners = []
     try:
         owners = _lease_everywhere(f"memory://{uuid.uuid4().hex}")
         time.sleep(4 * LEASE)
-        assert _beating_threads_now() == []
+        assert heartbeat_threads() == []
         assert len(beating_threads) == 1, beating_threads
         assert beating_threads != {threading.main_thread().name}
     finally:
@@ -90,13 +89,13 @@ def test_with_an_agent_its_coordinator_thread_is_the_only_heartbeat_stream(beati
         agent.stop()
 
 
-def test_a_closed_owner_stops_beating_and_the_thread_ends(beating_threads):
+def test_a_closed_owner_stops_beating_and_the_thread_ends(beating_threads, heartbeat_threads):
     owners = _lease_everywhere(f"memory://{uuid.uuid4().hex}")
     _close(owners)
     deadline = time.monotonic() + 5
-    while _beating_threads_now() and time.monotonic() < deadline:
+    while heartbeat_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _beating_threads_now() == []
+    assert heartbeat_threads() == []
 
 
 def test_a_hang_the_backstop_handled_is_not_reported_again_by_the_agent(tmp_path):
