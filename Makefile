@@ -4,6 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 CORE  := $(VENV)/.stamp-core
 FULL  := $(VENV)/.stamp-full
+DSOPS := $(VENV)/.stamp-deepspeed-ops
 
 .PHONY: demo test bench redis-server clean
 
@@ -30,6 +31,13 @@ $(FULL): $(CORE)
 	$(PIP) --no-deps torchtitan
 	touch $@
 
+# DeepSpeed compiles its CPU communication op (deepspeed_shm_comm) into ~/.cache/torch_extensions on
+# its first init_distributed, for each venv path: about a minute of both cores. Once here, not inside
+# whichever test comes first, with other tests' processes waiting on its lock.
+$(DSOPS): $(FULL)
+	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)"
+	touch $@
+
 APT   := SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); apt() { $$SUDO apt-get install -y -q "$$@" >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q "$$@" >/dev/null; }; }; apt
 
@@ -45,7 +53,7 @@ demo: $(CORE)
 	$(PY) examples/demo.py
 
 # two workers (CI has two cores); tests/conftest.py keeps what a session starts once together
-test: $(FULL) redis-server $(AZURITE)
+test: $(FULL) $(DSOPS) redis-server $(AZURITE)
 	$(PY) -m pytest tests -n 2 --dist loadfile
 
 bench: $(CORE)
