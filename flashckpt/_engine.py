@@ -405,6 +405,7 @@ class Engine:
         self.start_line(-1 if step is None else step)
         source = None if source is None else str(source)
         self.last_load = LoadInfo(step, source, time.perf_counter() - start)
+        self._client.dial_now()
         captured = source == "memory" and step is not None and self._captured(step)
         if step is not None:
             log.info("restored step %d from %s in %.3fs%s", step, source, self.last_load.seconds,

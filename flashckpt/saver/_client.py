@@ -43,6 +43,11 @@ __all__ = ["SaverClient", "persist_threads", "saver_timeout", "stopped_saver"]
 log = logging.getLogger(__name__)
 
 _CONNECT_SECONDS = 60.0
+_HOLD_SECONDS = 2.0
+"""How long a new trainer's link waits before it starts a saver, unless a load ends, a save
+starts or the link is needed first: a restarted process's load from memory does not share the
+CPU with a saver's start (an interpreter and its imports, most of a second), which slowed it
+by a quarter to a half on two cores."""
 _CHECK_SECONDS = 0.5
 _PROTOCOL = 2
 _TIMEOUT_ENV = "FLASHCKPT_SAVER_TIMEOUT"
@@ -124,6 +129,8 @@ class SaverClient:
         """Exporters to warm, asked while the link was pending (sent once it is made)."""
         self.sock: socket.socket | None = None
         """None while the link is pending (the saver was stopped at construction)."""
+        self._dial_due = threading.Event()
+        """Set when the link made in the background may start (see ``_HOLD_SECONDS``)."""
         holder = stopped_saver(job_id)
         if holder:
             log.warning("the flashckpt saver of job %s (pid %d) is stopped: connecting at the first save, "
@@ -131,7 +138,7 @@ class SaverClient:
         else:
             seconds, hello = min(_CONNECT_SECONDS, saver_timeout()), self.info
             self._dial = Dial(lambda: self._connect(seconds, hello), lambda made: self._publish(made, hello),
-                              self._telling)
+                              self._telling, due=self._dial_due, hold=_HOLD_SECONDS)
 
     @property
     def linked(self) -> bool:
@@ -145,11 +152,16 @@ class SaverClient:
             self.link()
         return self._saver_pid
 
+    def dial_now(self) -> None:
+        """Let the link made in the background start now (a load ended)."""
+        self._dial_due.set()
+
     def link(self, timeout: float | None = None) -> socket.socket:
         """The connection, made now if it is pending (at most ``timeout`` seconds, default
         ``FLASHCKPT_SAVER_TIMEOUT``, capped at 60; past it :class:`~flashckpt.CheckpointTimeoutError`
         naming the saver and its state), or taken once made in the background; the saver is
         then told this trainer's saves."""
+        self._dial_due.set()
         if self.sock is None:
             seconds = min(_CONNECT_SECONDS, saver_timeout() if timeout is None else timeout)
             if self._dial is not None and not self._take_dial(seconds):
@@ -168,6 +180,7 @@ class SaverClient:
         now, bounded; one made in the background is taken if ready, else waited for only once
         the save has copied (see :meth:`saved`), or now with ``now`` (an overlapped save, whose
         copy ends on other threads)."""
+        self._dial_due.set()
         if self._dial is None or now:
             self.link()
         else:
@@ -456,6 +469,7 @@ class SaverClient:
             if self._dial is not None:
                 self._dial.drop()
             self._dial = None
+        self._dial_due.set()  # a link not begun is never made
         if self.sock is not None:
             goodbye(self.sock)
         self._reap()

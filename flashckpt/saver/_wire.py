@@ -80,19 +80,26 @@ def process_state(pid: int) -> str:
 class Dial:
     """A link made on a thread of its own: ``connect()`` makes it (bounded: it raises past
     its bound), then ``publish(made)`` runs with ``lock`` held, unless :meth:`drop` came first
-    (the link then says goodbye). ``done`` once published, dropped or failed (``error``)."""
+    (the link then says goodbye, or is never made). With ``due``, the thread first waits for
+    that event, at most ``hold`` seconds. ``done`` once published, dropped or failed (``error``)."""
 
-    def __init__(self, connect: Callable[[], Made], publish: Callable[[Made], None], lock: threading.Lock) -> None:
+    def __init__(self, connect: Callable[[], Made], publish: Callable[[Made], None], lock: threading.Lock,
+                 *, due: threading.Event | None = None, hold: float = 0.0) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self._dropped = False
         self._lock = lock
-        threading.Thread(target=self._run, args=(connect, publish), name="flashckpt-saver-link", daemon=True).start()
+        threading.Thread(target=self._run, args=(connect, publish, due, hold), name="flashckpt-saver-link",
+                         daemon=True).start()
 
-    def _run(self, connect: Callable[[], Made], publish: Callable[[Made], None]) -> None:
+    def _run(self, connect: Callable[[], Made], publish: Callable[[Made], None], due: threading.Event | None,
+             hold: float) -> None:
+        if due is not None:
+            due.wait(hold)
         made = None
         try:
-            made = connect()
+            if not self._dropped:
+                made = connect()
         except BaseException as exc:  # noqa: BLE001 -- raised where the link is taken
             self.error = exc
         with self._lock:

@@ -230,3 +230,26 @@ def test_a_saver_that_cannot_start_is_named_at_the_first_save(tmp_path, job_id, 
         if os.path.isdir(blocker):
             os.rmdir(blocker)
         ckpt.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_new_run_starts_its_saver_once_its_load_ends(tmp_path, job_id):
+    """A restarted process's load from memory does not share the CPU with a saver's start (an
+    interpreter and its imports: a quarter to a half more load time on two cores): the saver
+    starts once the load ends (or a save starts, or 2 s after construction)."""
+    from .test_ckpt_crash import saver_pids
+
+    ckpt = Checkpointer(str(tmp_path), job_id=job_id)
+    try:
+        time.sleep(1.0)
+        assert saver_pids(job_id) == []
+        ckpt.load({"w": torch.zeros(3)})  # nothing saved: a fresh start
+        deadline = time.monotonic() + 30
+        while not saver_pids(job_id):
+            assert time.monotonic() < deadline, "no saver started after the load"
+            time.sleep(0.05)
+        ckpt.save(1, {"w": torch.ones(3)})
+        ckpt.wait(timeout=30)
+        assert LocalStorage(str(tmp_path)).latest_step() == 1
+    finally:
+        ckpt.close()
