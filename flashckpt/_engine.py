@@ -381,7 +381,9 @@ class Engine:
 
     def prepare_for(self, state: Any) -> None:
         """Size this rank's slots for ``state`` in the background, so the next saves do not
-        pay for fresh shared-memory pages (writers only; ``load`` does this itself)."""
+        pay for fresh shared-memory pages (writers only; ``load`` does this itself); saves
+        come next, so the saver starts now if it must."""
+        self._client.dial_now()
         self.finish_copy()
         if self.placement.writes_memory:
             flat = flatten(state, allow_pickle=self.options.allow_pickle)

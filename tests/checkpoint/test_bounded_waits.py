@@ -253,3 +253,19 @@ def test_a_new_run_starts_its_saver_once_its_load_ends(tmp_path, job_id):
         assert LocalStorage(str(tmp_path)).latest_step() == 1
     finally:
         ckpt.close()
+
+
+@pytest.mark.timeout(60)
+def test_prepare_starts_the_saver_at_once(tmp_path, job_id):
+    """``prepare`` says saves come next: the saver starts then, not up to 2 s later."""
+    from .test_ckpt_crash import saver_pids
+
+    ckpt = Checkpointer(str(tmp_path), job_id=job_id)
+    try:
+        ckpt.prepare({"w": torch.zeros(3)})
+        deadline = time.monotonic() + 1.0
+        while not saver_pids(job_id):
+            assert time.monotonic() < deadline, "no saver within 1 s of prepare"
+            time.sleep(0.02)
+    finally:
+        ckpt.close()
