@@ -31,11 +31,14 @@ $(FULL): $(CORE)
 	$(PIP) --no-deps torchtitan
 	touch $@
 
-# DeepSpeed compiles its CPU communication op (deepspeed_shm_comm) into ~/.cache/torch_extensions on
-# its first init_distributed, for each venv path: about a minute of both cores. Once here, not inside
-# whichever test comes first, with other tests' processes waiting on its lock.
+# DeepSpeed compiles its CPU communication op (deepspeed_shm_comm) on its first init_distributed:
+# about a minute of both cores. Once here, not inside whichever test comes first, and into the venv,
+# not ~/.cache/torch_extensions: that folder outlives a clone, and a build killed there leaves its
+# lock file, on which every later build waits forever (stop 50's CI hung there for 80 minutes).
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch-extensions
 $(DSOPS): $(FULL)
-	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)"
+	rm -rf $(TORCH_EXTENSIONS_DIR)
+	DS_ACCELERATOR=cpu timeout 900 $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)"
 	touch $@
 
 APT   := SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); apt() { $$SUDO apt-get install -y -q "$$@" >/dev/null 2>&1 || \
