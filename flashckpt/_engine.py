@@ -371,18 +371,16 @@ class Engine:
         return step
 
     def _prepare_after_load(self, state: Any, step: int | None, source: Source | str | None) -> None:
-        """Size the slots for the next saves: as the image just loaded from this rank's
-        memory, which costs no walk over the state (a tenth of a load from memory); else
-        (storage, nothing) as :meth:`prepare_for` does."""
+        """Size the slots for the next saves: as the image just loaded from this rank's memory, which
+        costs no walk over the state (a tenth of a load from memory); else as :meth:`prepare_for` does."""
         held = None
         if self.placement.writes_memory and source == Source.MEMORY:
             held = next((h.image_len for _, h in self.slots.copies() if h.step == step), None)
         self.prepare_for(state) if held is None else self.prepare_image(held)
 
     def prepare_for(self, state: Any) -> None:
-        """Size this rank's slots for ``state`` in the background, so the next saves do not
-        pay for fresh shared-memory pages (writers only; ``load`` does this itself); saves
-        come next, so the saver starts now if it must."""
+        """Size this rank's slots for ``state`` in the background, so the next saves do not pay for
+        fresh shared-memory pages (writers only; ``load`` does this itself); saves come next: the saver starts."""
         self._client.dial_now()
         self.finish_copy()
         if self.placement.writes_memory:
