@@ -14,7 +14,7 @@ import logging
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from . import _events, _names
 from .memory import _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
@@ -33,7 +33,7 @@ from ._options import Options
 from ._placement import (Collective, Placement, SingleProcess, new_token,  # noqa: F401  (re-exported)
                          next_line_token, place)
 from .replicas._engine import PeerReplicas
-from .memory._slot import HEADER_SIZE, SlotState
+from .memory._slot import HEADER_SIZE, Slot, SlotState
 from .storage._url import open_storage
 from .memory._tree import Flat, Places, flatten, gc_paused  # noqa: F401  (gc_paused re-exported)
 
@@ -390,10 +390,9 @@ class Engine:
                 self.slots.locker = self.slots.locker or page_locker(leaf.kind, [leaf.obj])
             self.prepare_image(size)
 
-    def prepare_image(self, size: int) -> None:
-        """Size this rank's slots for ``size``-byte images in the background (writers only)."""
-        if self.placement.writes_memory:
-            self.slots.prepare(list(range(len(self.slots))), size)
+    def prepare_image(self, size: int, retired: Sequence[Slot] = ()) -> None:
+        """Size the slots for ``size``-byte images in the background (writers only), unmapping ``retired`` first."""
+        self.slots.prepare(list(range(len(self.slots))) if size and self.placement.writes_memory else [], size, retired)
 
     def finish_load(self, step: int | None, source: Source | str | None, start: float, **details: Any) -> None:
         """Record a finished load, once for every adapter: this run's saves descend from

@@ -24,7 +24,7 @@ from ..restore._shard_read import open_shard
 from ..storage._protocol import Storage
 from ..torch._image_views import image_tree, unpickler
 
-__all__ = ["MemoryCopy", "committed_step", "complete_headers", "memory_copies", "memory_ids", "memory_tree"]
+__all__ = ["MemoryCopy", "committed_step", "complete_headers", "memory_copies", "memory_ids", "memory_tree", "unmap_later"]
 
 _MAX_LOCAL_RANKS = 1024
 _SCAN = 32
@@ -87,10 +87,12 @@ def memory_copies(job_id: str, store: str, checkpoint_id: str, slots_per_rank: i
 
 
 @contextlib.contextmanager
-def memory_tree(copy: MemoryCopy) -> Iterator[dict[str, Any]]:
+def memory_tree(copy: MemoryCopy, retired: list[Slot] | None = None) -> Iterator[dict[str, Any]]:
     """The ``dcp`` tree of ``copy``, its tensors viewing the slot, for the ``with`` block;
     raises :class:`CheckpointError` if the slot was written again meanwhile. The tree is
-    emptied when the block ends (see :func:`_unmap_later`): keep none of its tensors."""
+    emptied when the block ends (keep none of its tensors) and the slot, still mapped, is
+    added to ``retired`` for the caller to close (None: :func:`unmap_later`): unmapping the
+    pages a load read (a page-table entry each) takes 10-60 ms at 357 MB, best off the loading thread."""
     slot = Slot.open(copy.path, populate=False)
     if slot is None:
         raise CheckpointError(f"memory slot {copy.path} vanished")
@@ -107,17 +109,18 @@ def memory_tree(copy: MemoryCopy) -> Iterator[dict[str, Any]]:
         if after.generation != copy.generation or after.state != SlotState.COMPLETE:
             raise CheckpointError(f"memory slot {copy.path} changed while loading")
     finally:
-        _unmap_later(slot, tree)
+        tree.clear()  # the views go; the mapping stays the slot's
+        if retired is None:
+            unmap_later([slot])
+        else:
+            retired.append(slot)
 
 
-def _unmap_later(slot: Slot, tree: dict[str, Any]) -> None:
-    """Close ``slot`` and let go of ``tree``'s views of it on a thread of its own, emptying
-    ``tree``: the mapping goes when its last view does, and unmapping the pages a load read
-    (a page table entry each) takes 10-60 ms at 357 MB that the load need not wait for."""
-    held = [dict(tree), slot.mm]  # only the list refers to them once this returns
-    tree.clear()
-    slot.close()
-    threading.Thread(target=held.clear, name="flashckpt-unmap", daemon=True).start()
+def unmap_later(slots: list[Slot]) -> None:
+    """Close ``slots`` on a thread of its own, emptying the list."""
+    held = slots[:]
+    slots.clear()
+    threading.Thread(target=lambda: [slot.close() for slot in held], name="flashckpt-unmap", daemon=True).start()
 
 
 def _id_in_skeleton(skeleton: Any) -> Any:

@@ -27,9 +27,10 @@ from torch.futures import Future
 from .._engine import LoadInfo
 from .._errors import CheckpointNotFoundError
 from .._options import Options
+from ..memory._slot import Slot
 from ..torch._tensors import TorchKind
 from ._export import METADATA, export, write_rank_file
-from ._images import MemoryCopy, committed_step, memory_copies, memory_tree
+from ._images import MemoryCopy, committed_step, memory_copies, memory_tree, unmap_later
 from ._run import Run, RunMember, normalize_id, step_of
 from ._writer import distcp_name
 
@@ -68,6 +69,8 @@ class FlashStorageReader(RunMember, StorageReader):
     def _reset_state(self) -> None:
         self.storage_data: dict[Any, _StorageInfo] = {}
         self._copies: dict[int, MemoryCopy] = {}
+        self._read: list[Slot] = []
+        """Slots this load read from, still mapped: see :meth:`_prepare_next_saves`."""
         self._step: int | None = None
         self._last_load: LoadInfo | None = None
         self._start = time.perf_counter()
@@ -91,7 +94,7 @@ class FlashStorageReader(RunMember, StorageReader):
         self._copies = memory_copies(engine.job_id, engine.storage.root, self.path, engine.options.memory_slots)
         if 0 in self._copies:
             self._step = self._copies[0].step
-            with memory_tree(self._copies[0]) as saved:
+            with memory_tree(self._copies[0], self._read) as saved:
                 metadata = pickle.loads(memoryview(saved["metadata"].numpy()))
         else:
             self._ensure_files(run)
@@ -128,6 +131,16 @@ class FlashStorageReader(RunMember, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            self._read_items(plan, planner)
+        finally:
+            if self._read:  # not handed on: a load that failed
+                unmap_later(self._read)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -138,7 +151,7 @@ class FlashStorageReader(RunMember, StorageReader):
             if copy is None:
                 from_files += items
                 continue
-            with memory_tree(copy) as saved:
+            with memory_tree(copy, self._read) as saved:
                 self._read_from_memory(saved, items, planner)
         if from_files:
             run = self._run()
@@ -153,23 +166,21 @@ class FlashStorageReader(RunMember, StorageReader):
             run.engine.finish_load(self._step, source, self._start, checkpoint_id=self.path)
         self._last_load = LoadInfo(self._step, source, time.perf_counter() - self._start)
         self._prepare_next_saves(run)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
 
     def _prepare_next_saves(self, run: Run) -> None:
         """Size the run's slots for the saves that follow this load, in the background, so that
         the first of them copies into ready memory (a resume loads before it saves): as large as
         this rank's save that was loaded, its image in memory or its file on storage (DCP's plan
-        gives a rank the same items again at the same world size)."""
+        gives a rank the same items again at the same world size). The thread that does it first
+        unmaps the slots this load read: started after the unmapping, it would wait for it."""
         copy = self._copies.get(self._rank)
         if copy is not None:
             size = copy.image_len
         else:
             size = _image_bound(self.path, distcp_name(self._rank), self._coordinator,
                                 sum(info.relative_path == distcp_name(self._rank) for info in self.storage_data.values()))
-        if size:
-            run.engine.prepare_image(size)
+        run.engine.prepare_image(size, self._read)
+        self._read.clear()
 
     def _read_from_memory(self, saved: dict[str, Any], items: list[ReadItem], planner: LoadPlanner) -> None:
         """Each item straight from its tensor in the slot (one copy) when the image keeps items

@@ -21,7 +21,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from .. import _names
 from .._errors import CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError, JobConflictError
@@ -184,11 +184,15 @@ class RankSlots:
             self._views = {k: v for k, v in self._views.items() if k[0] != index}
         return slot
 
-    def prepare(self, indices: list[int], size: int) -> None:
+    def prepare(self, indices: list[int], size: int, retired: Sequence[Slot] = ()) -> None:
         """Grow and map slots ``indices`` for an image of ``size`` bytes in the background,
         so later saves do not pay for fresh pages (the first touch of shared memory costs
-        more than the copy itself). The slot the next save takes is prepared first."""
-        retired, self._retired = self._retired, []
+        more than the copy itself). The slot the next save takes is prepared first.
+
+        The same thread first closes ``retired`` and the slots :meth:`reading` mapped (their
+        unmapping, a page-table entry per page read, holds the process's memory map: a
+        thread started meanwhile waits for it, so it is started before any unmapping)."""
+        retired, self._retired = [*self._retired, *retired], []
         for i in indices:
             if i in self._preparing and self._preparing[i].size < size:
                 self.prepared(i)  # the state grew while it was prepared

@@ -40,9 +40,10 @@ def test_async_save_then_load_from_memory(tmp_path):
     assert reader.last_load.source == "memory" and reader.last_load.step == 1
 
 
-def test_a_load_from_memory_unmaps_the_copy_off_the_loading_thread(tmp_path, monkeypatch):
-    """Unmapping the pages a load read costs 10-60 ms at 357 MB: ``dcp.load`` returns before
-    that, the read mappings go on a thread of their own."""
+def test_a_load_from_memory_unmaps_the_copy_on_the_thread_that_prepares_the_next_save(tmp_path, monkeypatch):
+    """Unmapping the pages a load read costs 10-60 ms at 357 MB and holds the process's memory
+    map meanwhile, so that a thread started then waits for it: ``dcp.load`` returns before the
+    unmapping, which the one thread the load starts (to prepare the next save's slot) does first."""
     from flashckpt.dcp import _images
 
     unmapped_on: list[str] = []
@@ -63,7 +64,7 @@ def test_a_load_from_memory_unmaps_the_copy_off_the_loading_thread(tmp_path, mon
     deadline = time.monotonic() + 10
     while len(unmapped_on) < 2 and time.monotonic() < deadline:  # the .metadata's and the items'
         time.sleep(0.01)
-    assert unmapped_on == ["flashckpt-unmap"] * 2
+    assert unmapped_on == ["flashckpt-prepare"] * 2
 
 
 def test_stock_files_load_with_the_stock_reader(tmp_path):
