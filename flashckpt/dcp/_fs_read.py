@@ -65,7 +65,7 @@ def folder_files(job_id: str, store: str, folder: str) -> dict[str, int]:
 
 def metadata_bytes(copy: MemoryCopy) -> bytes:
     """The pickled ``.metadata`` rank 0's copy holds."""
-    with memory_tree(copy) as tree:
+    with memory_tree(copy, keys=("metadata",)) as tree:
         return bytes(memoryview(tree["metadata"].numpy()))
 
 

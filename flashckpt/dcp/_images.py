@@ -87,12 +87,14 @@ def memory_copies(job_id: str, store: str, checkpoint_id: str, slots_per_rank: i
 
 
 @contextlib.contextmanager
-def memory_tree(copy: MemoryCopy, retired: list[Slot] | None = None) -> Iterator[dict[str, Any]]:
-    """The ``dcp`` tree of ``copy``, its tensors viewing the slot, for the ``with`` block;
-    raises :class:`CheckpointError` if the slot was written again meanwhile. The tree is
-    emptied when the block ends (keep none of its tensors) and the slot, still mapped, is
-    added to ``retired`` for the caller to close (None: :func:`unmap_later`): unmapping the
-    pages a load read (a page-table entry each) takes 10-60 ms at 357 MB, best off the loading thread."""
+def memory_tree(copy: MemoryCopy, retired: list[Slot] | None = None,
+                keys: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
+    """The ``dcp`` tree of ``copy`` (``keys``: only those entries), its tensors viewing the
+    slot, for the ``with`` block; raises :class:`CheckpointError` if the slot was written
+    again meanwhile. The tree is emptied when the block ends (keep none of its tensors) and
+    the slot, still mapped, is added to ``retired`` for the caller to close (None:
+    :func:`unmap_later`): unmapping the pages a load read (a page-table entry each) takes
+    10-60 ms at 357 MB, best off the loading thread."""
     slot = Slot.open(copy.path, populate=False)
     if slot is None:
         raise CheckpointError(f"memory slot {copy.path} vanished")
@@ -102,7 +104,9 @@ def memory_tree(copy: MemoryCopy, retired: list[Slot] | None = None) -> Iterator
         if header.generation != copy.generation or header.state != SlotState.COMPLETE:
             raise CheckpointError(f"memory slot {copy.path} was written again")
         image = parse_header(slot.image(header.image_len), copy.path, header.image_len)
-        tree = image_tree(slot.mm, image, HEADER_SIZE + len(image.header), _REFUSE)["dcp"]
+        base = HEADER_SIZE + len(image.header)
+        tree = image_tree(slot.mm, image, base, _REFUSE, ("dcp",)) if keys is None else \
+            {k: image_tree(slot.mm, image, base, _REFUSE, ("dcp", k)) for k in keys}
         del image  # it views the mapping too
         yield tree
         after = slot.read_header()

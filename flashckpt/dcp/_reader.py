@@ -94,7 +94,7 @@ class FlashStorageReader(RunMember, StorageReader):
         self._copies = memory_copies(engine.job_id, engine.storage.root, self.path, engine.options.memory_slots)
         if 0 in self._copies:
             self._step = self._copies[0].step
-            with memory_tree(self._copies[0], self._read) as saved:
+            with memory_tree(self._copies[0], self._read, keys=("metadata",)) as saved:
                 metadata = pickle.loads(memoryview(saved["metadata"].numpy()))
         else:
             self._ensure_files(run)

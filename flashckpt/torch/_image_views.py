@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointError
-from ..memory._format import Image, parse_header
+from ..memory._format import Entry, Image, parse_header
 from ..memory._numpy_kind import _DTYPES as _NUMPY_DTYPES
 from ..restore._shard_read import ShardReader, open_shard, unflatten
 from ._tensors import _DTYPES as _TORCH_DTYPES
@@ -47,26 +47,37 @@ def unpickler(allow_pickle: bool, refusal: str) -> Unpickle:
     return unpickle
 
 
-def image_tree(buf: Any, image: Image, base: int, unpickle: Unpickle) -> Any:
+def image_tree(buf: Any, image: Image, base: int, unpickle: Unpickle, within: tuple[Any, ...] = ()) -> Any:
     """The state tree of the image whose body starts at byte ``base`` of ``buf``, its
-    tensors viewing ``buf`` (each with a storage of its own over exactly its bytes)."""
+    tensors viewing ``buf`` (each with a storage of its own over exactly its bytes);
+    ``within``: the keys (of nested dicts) of the one subtree wanted, only its tensors built."""
     kinds = image.meta["kinds"]
+    entries = {e.name: e for e in image.entries}
     leaves: dict[str, Any] = {}
+
+    def leaf(name: str) -> Any:
+        if name not in leaves:
+            leaves[name] = _view(buf, entries[name], kinds[name], base)
+        return leaves[name]
+
+    node = image.meta["tree"]
+    for key in within:
+        node = next(child for k, child in node["d"] if k == key)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only views: only ever read
-        for e in image.entries:
-            count = 1
-            for d in e.shape:
-                count *= d
-            if kinds[e.name] == "numpy":
-                leaves[e.name] = np.frombuffer(buf, dtype=_NUMPY_DTYPES[e.dtype], count=count,
-                                               offset=base + e.offset).reshape(e.shape)
-            elif count == 0:
-                leaves[e.name] = torch.empty(e.shape, dtype=_TORCH_DTYPES[e.dtype])
-            else:  # its own storage over exactly these bytes, as the saved tensor had
-                leaves[e.name] = torch.frombuffer(buf, dtype=_TORCH_DTYPES[e.dtype], count=count,
-                                                  offset=base + e.offset).view(e.shape)
-    return unflatten(image.meta["tree"], leaves.__getitem__, unpickle)
+        return unflatten(node, leaf, unpickle)
+
+
+def _view(buf: Any, e: Entry, kind: str, base: int) -> Any:
+    count = 1
+    for d in e.shape:
+        count *= d
+    if kind == "numpy":
+        return np.frombuffer(buf, dtype=_NUMPY_DTYPES[e.dtype], count=count, offset=base + e.offset).reshape(e.shape)
+    if count == 0:
+        return torch.empty(e.shape, dtype=_TORCH_DTYPES[e.dtype])
+    # its own storage over exactly these bytes, as the saved tensor had
+    return torch.frombuffer(buf, dtype=_TORCH_DTYPES[e.dtype], count=count, offset=base + e.offset).view(e.shape)
 
 
 def memory_tree(memory: ImageHold, unpickle: Unpickle) -> Any:

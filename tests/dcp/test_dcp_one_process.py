@@ -67,6 +67,18 @@ def test_a_load_from_memory_unmaps_the_copy_on_the_thread_that_prepares_the_next
     assert unmapped_on == ["flashckpt-prepare"] * 2
 
 
+def test_reading_the_metadata_from_memory_views_only_the_metadata(tmp_path, monkeypatch):
+    """``read_metadata`` needs one entry of rank 0's copy: building a view of every tensor of
+    the save took 11-15 ms at 1.49 GB."""
+    saved = _state(1)
+    dcp.save(saved, storage_writer=FlashStorageWriter(tmp_path / "step-1"))
+    views = []
+    frombuffer = torch.frombuffer
+    monkeypatch.setattr(torch, "frombuffer", lambda *a, **k: views.append(1) or frombuffer(*a, **k))
+    metadata = FlashStorageReader(tmp_path / "step-1").read_metadata()
+    assert "w" in metadata.state_dict_metadata and len(views) == 1
+
+
 def test_stock_files_load_with_the_stock_reader(tmp_path):
     saved = _state(2)
     dcp.save(saved, storage_writer=FlashStorageWriter(tmp_path / "step-2"))
