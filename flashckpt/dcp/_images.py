@@ -24,7 +24,9 @@ from ..restore._shard_read import open_shard
 from ..storage._protocol import Storage
 from ..torch._image_views import image_tree, unpickler
 
-__all__ = ["MemoryCopy", "committed_step", "complete_headers", "memory_copies", "memory_ids", "memory_tree", "unmap_later"]
+__all__ = [
+    "MemoryCopy", "committed_step", "complete_headers", "memory_copies", "memory_ids", "memory_tree", "unmap_later",
+]
 
 _MAX_LOCAL_RANKS = 1024
 _SCAN = 32
@@ -124,7 +126,12 @@ def unmap_later(slots: list[Slot]) -> None:
     """Close ``slots`` on a thread of its own, emptying the list."""
     held = slots[:]
     slots.clear()
-    threading.Thread(target=lambda: [slot.close() for slot in held], name="flashckpt-unmap", daemon=True).start()
+
+    def close() -> None:
+        for slot in held:
+            slot.close()
+
+    threading.Thread(target=close, name="flashckpt-unmap", daemon=True).start()
 
 
 def _id_in_skeleton(skeleton: Any) -> Any:
