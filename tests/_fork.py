@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 import warnings
+from dataclasses import dataclass, field
 from multiprocessing.reduction import DupFd
 from typing import Any, Callable
 
@@ -143,7 +144,16 @@ class Forked:
 
 _INIT_FAILED = "init-failed"
 _INIT_TRIES = 3
-_JOIN_FAILED = " (joining the process group)"
+
+
+@dataclass
+class _Outcome:
+    """What the ranks of one try reported."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    unformed: bool = False
+    """A rank failed to join the process group (the others wait for a group that will not form)."""
 
 
 def _rank_entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out: Any, backend: str,
@@ -167,11 +177,12 @@ def _rank_entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out
             dist.destroy_process_group()
 
 
-def _collect(out: Any, procs: list[Any], timeout: float) -> tuple[dict[int, Any], list[str]]:
+def _collect(out: Any, procs: list[Any], timeout: float) -> _Outcome:
     """Each rank's result or failure: a traceback it sent, an exit without a result (a
-    signal, ``os._exit``), or silence for ``timeout`` seconds after the last report."""
-    results: dict[int, Any] = {}
-    errors: list[str] = []
+    signal, ``os._exit``), or silence for ``timeout`` seconds after the last report; none
+    waited for once a rank failed to join the process group."""
+    outcome = _Outcome()
+    results, errors = outcome.results, outcome.errors
     pending = set(range(len(procs)))
 
     def take(item: tuple[int, str, Any]) -> None:
@@ -179,11 +190,12 @@ def _collect(out: Any, procs: list[Any], timeout: float) -> tuple[dict[int, Any]
         pending.discard(rank)
         if status == "ok":
             results[rank] = pickle.loads(value)
-        else:
-            errors.append(f"rank {rank}{_JOIN_FAILED if status == _INIT_FAILED else ''}:\n{value}")
+            return
+        outcome.unformed |= status == _INIT_FAILED
+        errors.append(f"rank {rank}{' (joining the process group)' if status == _INIT_FAILED else ''}:\n{value}")
 
     deadline = time.monotonic() + timeout
-    while pending and not any(_JOIN_FAILED in e for e in errors):  # the others cannot form the group now
+    while pending and not outcome.unformed:
         try:
             take(out.get(timeout=min(1.0, max(0.01, deadline - time.monotonic()))))
         except queue.Empty:
@@ -203,7 +215,7 @@ def _collect(out: Any, procs: list[Any], timeout: float) -> tuple[dict[int, Any]
         if pending and time.monotonic() > deadline:
             errors += [f"rank {r}: no result within {timeout:g}s" for r in sorted(pending)]
             break
-    return results, errors
+    return outcome
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0, backend: str = "gloo") -> list[Any]:
@@ -213,19 +225,20 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0, back
     silence for ``timeout`` seconds). ``fn`` and its results must pickle."""
     attempt = 1
     while True:
-        results, errors = _run_once(fn, world, args, timeout, backend)
-        if not errors:
-            return [results[r] for r in range(world)]
-        if attempt == _INIT_TRIES or not any(_JOIN_FAILED in e for e in errors):
-            raise AssertionError("\n".join(errors))
+        outcome = _run_once(fn, world, args, timeout, backend)
+        if not outcome.errors:
+            return [outcome.results[r] for r in range(world)]
+        if attempt == _INIT_TRIES or not outcome.unformed:
+            raise AssertionError("\n".join(outcome.errors))
         # gloo's full mesh over loopback, with other tests' ranks connecting and dying on the
         # same ports, now and then fails before fn ran ("Connection closed by peer"): nothing
         # of the test happened yet, so it starts over on a new port
-        warnings.warn(f"process group of {world} failed to form (attempt {attempt}), retrying:\n" + "\n".join(errors))
+        warnings.warn(f"process group of {world} failed to form (attempt {attempt}), retrying:\n"
+                      + "\n".join(outcome.errors))
         attempt += 1
 
 
-def _run_once(fn: Callable, world: int, args: tuple, timeout: float, backend: str) -> tuple[dict[int, Any], list[str]]:
+def _run_once(fn: Callable, world: int, args: tuple, timeout: float, backend: str) -> _Outcome:
     ctx = context()
     out = ctx.Queue()
     port = free_port()
@@ -233,15 +246,13 @@ def _run_once(fn: Callable, world: int, args: tuple, timeout: float, backend: st
              for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
+    outcome = _Outcome()
     try:
-        results, errors = _collect(out, procs, timeout)
+        outcome = _collect(out, procs, timeout)
     finally:
-        unformed = any(_JOIN_FAILED in e for e in errors)  # the others wait for a group that will not form
         for p in procs:
-            p.join(timeout=0 if unformed else 10)
+            p.join(timeout=0 if outcome.unformed else 10)
             if p.is_alive():
                 p.kill()
                 p.join()
-    return results, errors
+    return outcome
