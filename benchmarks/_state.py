@@ -151,9 +151,10 @@ def fingerprint(tree: Any) -> float:
 
 
 class ShmFloor:
-    """A /dev/shm file mapped once, with one ``torch.frombuffer`` view per tensor."""
+    """A /dev/shm file mapped once, with one ``torch.frombuffer`` view per tensor; a file
+    created with ``touch=False`` has no page yet (the first copy into it faults them in)."""
 
-    def __init__(self, path: Path, like: list[torch.Tensor], *, create: bool) -> None:
+    def __init__(self, path: Path, like: list[torch.Tensor], *, create: bool, touch: bool = True) -> None:
         self.path = path
         offsets, size = _layout(like)
         self._fd = os.open(path, (os.O_CREAT | os.O_EXCL if create else 0) | os.O_RDWR, 0o600)
@@ -162,7 +163,7 @@ class ShmFloor:
                 os.ftruncate(self._fd, max(size, 1))
             self._mm = mmap.mmap(self._fd, max(size, 1))
             self._views = [_view(self._mm, t, offset) for t, offset in zip(like, offsets, strict=True)]
-            if create:
+            if create and touch:
                 for view in self._views:
                     view.zero_()  # touch every page before anything is timed
         except BaseException:  # an interrupted benchmark must not leave the file in /dev/shm

@@ -8,8 +8,9 @@ The state is the GPT-2-shaped AdamW state of ``save_load.py`` (357 MB "small", 1
 once, in an order rotated per repeat; the table shows medians and ratios to the floor.
 
 - floor: one copy of every tensor into an already-touched /dev/shm file (the save floor),
-  and a new process mapping that file and copying out (the floor of a load from memory
-  after a restart).
+  the same copy into a new /dev/shm file whose pages the copy faults in (``save_fresh``:
+  the floor of any first save into memory not made ready before), and a new process mapping
+  that file and copying out (the floor of a load from memory after a restart).
 - dcp.save: stock ``FileSystemWriter``, blocking until durable (it fsyncs).
 - dcp.async_save (thread executor): stall until staged, total until the future resolves;
   with its default per-call stager, and with one ``DefaultStager`` kept across saves
@@ -29,6 +30,8 @@ once, in an order rotated per repeat; the table shows medians and ratios to the 
   ``checkpoint_id="flashckpt://{dir}/step-N"`` (DCP's ``FsspecWriter`` / ``FsspecReader`` over
   flashckpt's fsspec protocol): stall (first, steady), durable, load from memory in a new
   process, first save after ``prepare``; its ratio to the writer's steady stall is printed (goal: within 2x).
+  The import of ``flashckpt.dcp`` that the URL's first use triggers is timed apart (``import``):
+  the writer's and reader's runs import it before their clocks start.
 - ml-flashpoint 0.0.10's ``MemoryStorageWriter`` (``mlf``, in .bench-mlf: benchmarks/setup_peer_venv.sh
   mlf): ``dcp.save`` + its ``finalize_checkpoint`` into its tmpfs tier under /dev/shm, one gloo
   rank (blocking: the stall, first and steady), and a new process loading the newest step
@@ -93,6 +96,11 @@ def bench_floor(size: str, state: dict[str, Any], work: Path, samples: dict[str,
         samples.setdefault("floor.load_new_process", []).append(result["seconds"])
     finally:
         floor.close(unlink=True)
+    fresh = ShmFloor(path, ts, create=True, touch=False)
+    try:
+        samples.setdefault("floor.save_fresh", []).append(_timed(lambda: fresh.save(ts)))
+    finally:
+        fresh.close(unlink=True)
 
 
 def bench_stock(size: str, state: dict[str, Any], work: Path, samples: dict[str, list[float]]) -> None:
@@ -124,6 +132,8 @@ def _save_then_load(name: str, size: str, state: dict[str, Any], work: Path,
     saved = _child(f"{name}-save", "--size", size, "--dir", str(work))
     for key in ("first", "steady", "durable"):
         samples.setdefault(f"{name}.{key}", []).extend(saved[key])
+    if "import" in saved:
+        samples.setdefault(f"{name}.import", []).append(saved["import"])
     loaded = _child(f"{name}-load", "--size", size, "--dir", str(work), "--id", saved["id"])
     if loaded["fingerprint"] != fingerprint(state) or loaded["source"] != "memory":
         raise RuntimeError(f"the {name} load in a new process read {loaded['source']}, fingerprint "
@@ -288,20 +298,25 @@ def _prepared_first(state: dict[str, Any], work: Path, protocol: bool) -> dict[s
     return {"prepare": seconds, "first": first}
 
 
-def _protocol() -> None:
+def _protocol() -> float:
+    """Register ``flashckpt://`` (where the checkout is not the installed package) and import
+    its file system, as the URL's first use would: the seconds that import took."""
     import fsspec.config
     from fsspec.registry import known_implementations
 
     if "flashckpt" not in known_implementations:  # a checkout that is not the installed one
         fsspec.register_implementation("flashckpt", "flashckpt.dcp._fs.FlashFileSystem")
     fsspec.config.conf["flashckpt"] = {"keep_last": 2}
+    start = time.perf_counter()
+    fsspec.get_filesystem_class("flashckpt")
+    return time.perf_counter() - start
 
 
 def _protocol_save(state: dict[str, Any], work: Path) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    _protocol()
-    return _saves(lambda target: dcp.save(state, checkpoint_id=target), work, "flashckpt://")
+    imported = _protocol()
+    return {**_saves(lambda target: dcp.save(state, checkpoint_id=target), work, "flashckpt://"), "import": imported}
 
 
 def _protocol_load(state: dict[str, Any], target: str) -> dict[str, Any]:
@@ -340,7 +355,10 @@ def run_size(size: str, repeats: int, root: Path, methods: list[str]) -> dict[st
     floor_save, floor_load = medians["floor.save"], medians["floor.load_new_process"]
     ratios = {k: v / (floor_load if "load_new_process" in k or "open_new" in k else floor_save)
               for k, v in medians.items() if not k.startswith("floor.") and "cold" not in k and "durable" not in k
-              and "prepare_call" not in k and k not in ("dcp.save", "dcp.async_total")}
+              and "prepare_call" not in k and "import" not in k and k not in ("dcp.save", "dcp.async_total")}
+    for key in ("flash.first", "protocol.first", "mlf.first", "dcp.async_stall", "dcp.reused_stall_first"):
+        if key in medians:  # first saves into memory nothing made ready: against the fresh-page floor
+            ratios[f"{key}_to_fresh_floor"] = medians[key] / medians["floor.save_fresh"]
     if "protocol.steady" in medians and "flash.steady" in medians:
         ratios["protocol.steady_to_writer"] = medians["protocol.steady"] / medians["flash.steady"]
     for key in ("steady", "first", "load_new_process"):  # > 1: flashckpt's writer/reader is faster
@@ -375,6 +393,9 @@ def main() -> None:
             for key, value in sorted(result["medians"].items()):
                 ratio = result["ratios_to_floor"].get(key)
                 print(f"  {key:32s} {value:8.3f} s" + (f"   {ratio:5.2f}x floor" if ratio is not None else ""))
+            for key, ratio in sorted(result["ratios_to_floor"].items()):
+                if key.endswith("_to_fresh_floor"):
+                    print(f"  {key[:-len('_to_fresh_floor')]:32s} {ratio:5.2f}x the fresh-page floor (floor.save_fresh)")
             if "protocol.steady_to_writer" in result["ratios_to_floor"]:
                 print(f"  protocol steady stall / writer steady stall: "
                       f"{result['ratios_to_floor']['protocol.steady_to_writer']:.2f}x (goal <= 2x)")
