@@ -3,8 +3,9 @@
 import torch
 
 
-def build(tp: int, *, seed: int = 0, hidden: int = 32):
-    """Initialise model parallelism (TP=tp, DP=world/tp) and build the model on CPU."""
+def build(tp: int, *, seed: int = 0, hidden: int = 32, dtype=torch.float32):
+    """Initialise model parallelism (TP=tp, DP=world/tp) and build the model on CPU, its
+    parameters in ``dtype`` (bf16/fp16: converted as megatron's ``Float16Module`` does)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -15,8 +16,9 @@ def build(tp: int, *, seed: int = 0, hidden: int = 32):
     # gated_linear_unit: fc1 holds two halves, saved through a ShardedTensorFactory
     config = TransformerConfig(num_layers=2, hidden_size=hidden, num_attention_heads=4, use_cpu_initialization=True,
                                params_dtype=torch.float32, gated_linear_unit=True)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
-                    max_sequence_length=16)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                     max_sequence_length=16)
+    return model.to(dtype)
 
 
 def perturb(model, seed: int) -> None:
@@ -82,18 +84,30 @@ def expected_blocks(sharded_state_dict, full: dict) -> list:
 
 
 def optimizer(model, lr: float = 0.01):
-    """megatron-core's FP32Optimizer over torch Adam (what ``get_megatron_optimizer`` gives
-    for fp32 without the distributed optimizer). Its constructor puts the loss scale on
-    CUDA: built here with that one tensor on the CPU (no clipping, nothing else uses it)."""
+    """megatron-core's optimizer over torch Adam, as ``get_megatron_optimizer`` picks it by
+    the model's dtype without the distributed optimizer (which needs the DDP wrapper): fp32,
+    ``FP32Optimizer``; bf16, ``Float16OptimizerWithFloat16Params`` with no grad scaler; fp16,
+    that one with a ``ConstantGradScaler`` (a ``DynamicGradScaler`` steps on CPU too, but its
+    ``load_state_dict`` calls ``.cuda()``). No clipping: ``get_grad_norm_fp32`` makes a CUDA
+    tensor. Built with two CUDA-only spots replaced by their CPU equivalents, nothing else
+    patched: the constructors' scalar tensors (the loss scale, ``found_inf``, the overflow
+    buffer) made with ``torch.tensor(..., device='cuda')``, built on the CPU; and the fp16/bf16
+    optimizer's check of ``param.type()`` against ``'torch.cuda.BFloat16Tensor'`` (and the
+    Half and Float names), which sees a CPU parameter's type under its CUDA name."""
     from unittest import mock
 
-    from megatron.core.optimizer import FP32Optimizer, OptimizerConfig
+    from megatron.core.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, OptimizerConfig
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler
 
-    stock = torch.tensor
+    stock_tensor, stock_type = torch.tensor, torch.Tensor.type
 
     def on_cpu(*args, **kwargs):
         kwargs.pop("device", None)
-        return stock(*args, **kwargs)
+        return stock_tensor(*args, **kwargs)
+
+    def cuda_name(tensor, *args, **kwargs):
+        name = stock_type(tensor, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not (args or kwargs) and tensor.device.type == "cpu" else name
 
     group = {"params": list(model.parameters()), "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
              "is_decoupled_lr": False}  # the keys megatron's load_state_dict matches groups by
@@ -106,8 +120,14 @@ def optimizer(model, lr: float = 0.01):
                     opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
                     opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
-    with mock.patch.object(torch, "tensor", on_cpu):
-        return FP32Optimizer(inner, OptimizerConfig(lr=lr, clip_grad=0.0), init_state)
+    dtype = group["params"][0].dtype
+    with mock.patch.object(torch, "tensor", on_cpu), mock.patch.object(torch.Tensor, "type", cuda_name):
+        if dtype == torch.float32:
+            return FP32Optimizer(inner, OptimizerConfig(lr=lr, clip_grad=0.0), init_state)
+        fp16 = dtype == torch.float16
+        config = OptimizerConfig(lr=lr, clip_grad=0.0, bf16=not fp16, fp16=fp16, loss_scale=1024.0 if fp16 else None)
+        return Float16OptimizerWithFloat16Params(inner, config, ConstantGradScaler(1024.0) if fp16 else None,
+                                                 init_state)
 
 
 def loss(model, step: int):
@@ -127,9 +147,13 @@ def state_of(model, opt, *, loading: bool = False) -> dict:
 
 
 def local_state(model, opt) -> dict:
-    """Copies of this rank's parameters and Adam moments (by parameter name)."""
+    """Copies of this rank's parameters, their fp32 main copies (bf16/fp16) and Adam moments
+    (of the main copies there), by parameter name."""
     out = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
-        for k, v in opt.optimizer.state.get(p, {}).items():
+        main = getattr(p, "main_param", p)
+        if main is not p:
+            out[f"main.{n}"] = main.detach().clone()
+        for k, v in opt.optimizer.state.get(main, {}).items():
             out[f"{k}.{n}"] = v.detach().clone()
     return out
