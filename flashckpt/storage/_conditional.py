@@ -7,21 +7,25 @@ refuses the others atomically (:class:`PreconditionFailed`). The run lease
 
 - **S3** (s3fs): ``If-None-Match: *`` and ``If-Match: <ETag>`` on PUT and DELETE (AWS S3,
   MinIO, moto); a server answering ``NotImplemented`` raises :class:`NotImplementedError`.
+- **Azure Blob** (adlfs): the same headers through azure-storage-blob (Azurite honours them).
 
-Other stores (``az://``, ``gs://``, ``memory://``) have none here
-(:func:`conditional_object` returns None). GCS has them (``ifGenerationMatch``), but
-gcp-storage-emulator, the only GCS server the tests can start, ignores them (it stores every
-write), so GCS's could not be tested and are not written.
+Other stores have none here (:func:`conditional_object` returns None). GCS has them
+(``ifGenerationMatch``), but gcp-storage-emulator, the only GCS server the tests can start,
+ignores them (it stores every write), so GCS's could not be tested and are not written.
 """
 
 from __future__ import annotations
 
 import errno
-from typing import Any, Protocol
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from ._object_shard import _call, _translate
 
 __all__ = ["ConditionalObject", "PreconditionFailed", "conditional_object"]
+
+_T = TypeVar("_T")
+_AZURE_FILE = {"is_directory": "false"}
+"""A blob's metadata by which adlfs tells files from folders (as its own ``pipe_file`` writes it)."""
 
 
 class PreconditionFailed(Exception):
@@ -48,6 +52,8 @@ def conditional_object(fs: Any, key: str, url: str) -> ConditionalObject | None:
     """The conditional writes of object ``key`` (``url``, for errors) in ``fs``'s store, or None."""
     if hasattr(fs, "call_s3"):
         return _S3Object(fs, key, url)
+    if type(fs).__module__.startswith("adlfs") and hasattr(fs, "service_client"):
+        return _AzureObject(fs, key, url)
     return None
 
 
@@ -101,4 +107,52 @@ class _S3Object:
                 raise PreconditionFailed() from exc
             if (isinstance(exc, OSError) and exc.errno == errno.ENOSYS) or _refused(exc, "NotImplemented", "501"):
                 raise NotImplementedError(str(exc)) from exc
+            raise _translate(exc, f"{what} {self.url}") from exc
+
+
+class _AzureObject:
+    def __init__(self, fs: Any, key: str, url: str) -> None:
+        self.fs, self.url = fs, url
+        self.container, self.path, _ = fs.split_path(key)
+
+    def read(self, limit: int) -> tuple[bytes, str | None]:
+        async def get(blob: Any) -> tuple[bytes, str | None]:
+            download = await blob.download_blob(offset=0, length=limit + 1)
+            return await download.readall(), download.properties.etag
+
+        return self._call("reading", get)
+
+    def create(self, body: bytes) -> str | None:
+        return self._call("writing", lambda blob: blob.upload_blob(
+            body, overwrite=False, metadata=_AZURE_FILE))["etag"]
+
+    def replace(self, body: bytes, version: str) -> str | None:
+        from azure.core import MatchConditions
+
+        return self._call("writing", lambda blob: blob.upload_blob(
+            body, overwrite=True, metadata=_AZURE_FILE, etag=version,
+            match_condition=MatchConditions.IfNotModified))["etag"]
+
+    def delete(self, version: str) -> None:
+        from azure.core import MatchConditions
+
+        self._call("deleting", lambda blob: blob.delete_blob(etag=version,
+                                                             match_condition=MatchConditions.IfNotModified))
+
+    def _call(self, what: str, job: Callable[[Any], Awaitable[_T]]) -> _T:
+        """``job(blob client)`` on adlfs's loop; a refused precondition as :class:`PreconditionFailed`."""
+        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
+        from fsspec.asyn import sync
+
+        async def run() -> _T:
+            async with self.fs.service_client.get_blob_client(container=self.container, blob=self.path) as blob:
+                return await job(blob)
+
+        try:
+            return sync(self.fs.loop, run)
+        except (ResourceExistsError, ResourceModifiedError) as exc:  # 409 to If-None-Match, 412 to If-Match
+            raise PreconditionFailed() from exc
+        except ResourceNotFoundError as exc:
+            raise _translate(FileNotFoundError(str(exc)), f"{what} {self.url}") from exc
+        except Exception as exc:
             raise _translate(exc, f"{what} {self.url}") from exc

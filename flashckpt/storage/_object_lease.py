@@ -10,21 +10,21 @@ same job); a live lease is a :class:`JobConflictError` naming its pid and host.
 torchrun's default run id, "none", names no job: a job launched without ``--rdzv-id``
 whose rank 0 comes back on another host is refused until the old lease expires.
 
-**Exclusive on S3.** Every write of the lease is conditional
+**Exclusive on S3 and Azure Blob.** Every write of the lease is conditional
 (:mod:`flashckpt.storage._conditional`): created only if absent (``If-None-Match: *``);
 a dead run's lease taken over, and one's own renewed, only while it is the version read
 (``If-Match: <ETag>``). Of runs claiming at the same instant the store lets exactly one
 write succeed; the others read the winner's lease and raise :class:`JobConflictError`. A
 renewal refused because another run took the lease over (this run stalled past
 ``lease_seconds``) stops renewing, with an error logged; release deletes the lease only
-while it is still this run's version. AWS S3, MinIO and moto honour these headers.
+while it is still this run's version. AWS S3, MinIO, moto and Azurite honour these headers.
 
-**Advisory elsewhere.** A store without conditional writes here (``az://``; ``gs://``,
-whose test server ignores GCS's preconditions; ``memory://``; an S3-compatible server
-answering ``NotImplemented``) keeps a best-effort lease, logged once per URL: read, then
-write, so two runs claiming in the same instant may both succeed; each heartbeat then
-notices the other's token and the run that lost stops renewing with an error logged. A
-server that silently ignores the headers cannot be told apart and is advisory too.
+**Advisory elsewhere.** A store without conditional writes here (``gs://``, whose test
+server ignores GCS's preconditions; ``memory://``; an S3-compatible server answering
+``NotImplemented``) keeps a best-effort lease, logged once per URL: read, then write, so
+two runs claiming in the same instant may both succeed; each heartbeat then notices the
+other's token and the run that lost stops renewing with an error logged. A server that
+silently ignores the headers cannot be told apart and is advisory too.
 
 Trade-off: a run that died on another host blocks the URL for up to ``lease_seconds``
 (60 s).
