@@ -14,9 +14,9 @@ small objects (metadata, markers, ``latest``, the lease) are read with a bounded
 A missing bucket or object is a :class:`CheckpointNotFoundError`, denied access or an
 unreachable endpoint a :class:`CheckpointError`.
 
-**The run lease** is :mod:`flashckpt.storage._object_lease` (conditional writes on S3,
-advisory elsewhere). fsspec and the scheme's package are imported only when a backend is
-constructed.
+**The run lease** is :mod:`flashckpt.storage._object_lease` (conditional writes on S3 and
+Azure Blob, advisory elsewhere). fsspec and the scheme's package are imported only when a
+backend is constructed.
 """
 
 from __future__ import annotations

@@ -18,12 +18,13 @@ PUT, is the commit); lines, ``keep_last`` and late commits :mod:`flashckpt.stora
 :class:`ObjectShard`. Errors name the object's URL.
 
 **Stores.** Everything is plain fsspec (``pipe_file``, ``cat_file``, ``find``, ``rm``), so
-any fsspec URL works; S3 (s3fs) adds multipart uploads, the abort of stale multipart
-uploads, and the run lease's conditional writes; Azure (``az://``, adlfs) block uploads and
-GCS (``gs://``, gcsfs) resumable uploads in chunks (:mod:`flashckpt.storage._uploads`), both
-with an advisory run lease. Tested against an S3 server (moto), Azure's emulator (Azurite),
-gcp-storage-emulator and ``memory://``. OSS (``oss://``, ossfs) is untested here (no server
-of its own installs in the test environment): a shard in one ``pipe_file``.
+any fsspec URL works; S3 (s3fs) adds multipart uploads and the abort of stale multipart
+uploads, Azure (``az://``, adlfs) block uploads, GCS (``gs://``, gcsfs) resumable uploads in
+chunks (:mod:`flashckpt.storage._uploads`); the run lease is exclusive on S3 and Azure
+(conditional writes, :mod:`flashckpt.storage._conditional`), advisory on GCS. Tested against
+an S3 server (moto), Azure's emulator (Azurite), gcp-storage-emulator and ``memory://``. OSS
+(``oss://``, ossfs) is untested here (no server of its own installs in the test
+environment): a shard in one ``pipe_file``.
 """
 
 from __future__ import annotations

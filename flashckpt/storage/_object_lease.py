@@ -10,19 +10,20 @@ same job); a live lease is a :class:`JobConflictError` naming its pid and host.
 torchrun's default run id, "none", names no job: a job launched without ``--rdzv-id``
 whose rank 0 comes back on another host is refused until the old lease expires.
 
-**Exclusive on S3.** Every write of the lease is a conditional PUT: ``If-None-Match: *``
-creates it, ``If-Match: <ETag read>`` takes over a dead run's lease and renews one's
-own. Of runs claiming at the same instant the store lets exactly one write succeed; the
-others read the winner's lease and raise :class:`JobConflictError`. A renewal refused
-because another run took the lease over (this run stalled past ``lease_seconds``) stops
-renewing, with an error logged; release deletes the lease only while it is still this
-run's (``If-Match``). AWS S3, MinIO and moto honour these headers.
+**Exclusive on S3 and Azure Blob.** Every write of the lease is conditional
+(:mod:`flashckpt.storage._conditional`): created only if absent (``If-None-Match: *``);
+a dead run's lease taken over, and one's own renewed, only while it is the version read
+(``If-Match: <ETag>``). Of runs claiming at the same instant the store lets exactly one
+write succeed; the others read the winner's lease and raise :class:`JobConflictError`. A
+renewal refused because another run took the lease over (this run stalled past
+``lease_seconds``) stops renewing, with an error logged; release deletes the lease only
+while it is still this run's version. AWS S3, MinIO, moto and Azurite honour these headers.
 
-**Advisory elsewhere.** A store without conditional writes (a non-S3 fsspec backend such
-as ``memory://`` or ``gs://``, or an S3-compatible server answering ``NotImplemented``)
-keeps a best-effort lease, logged once per URL: read, then write, so two runs claiming
-in the same instant may both succeed; each heartbeat then notices the other's token and
-the run that lost stops renewing with an error logged. An S3-compatible server that
+**Advisory elsewhere.** A store without conditional writes here (``gs://``, whose test
+server ignores GCS's preconditions; ``memory://``; an S3-compatible server answering
+``NotImplemented``) keeps a best-effort lease, logged once per URL: read, then write, so
+two runs claiming in the same instant may both succeed; each heartbeat then notices the
+other's token and the run that lost stops renewing with an error logged. A server that
 silently ignores the headers cannot be told apart and is advisory too.
 
 Trade-off: a run that died on another host blocks the URL for up to ``lease_seconds``
@@ -31,7 +32,6 @@ Trade-off: a run that died on another host blocks the URL for up to ``lease_seco
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -39,10 +39,10 @@ import socket
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, JobConflictError
-from ._object_shard import _call, _translate
+from ._conditional import ConditionalObject, PreconditionFailed, conditional_object
 from ..memory._slot import pid_alive
 from ._step_meta import MAX_MARKER
 
@@ -62,24 +62,20 @@ _ATTEMPTS = 4
 """Claims retried when the lease changed between its read and the conditional write."""
 
 
-class _Lost(Exception):
-    """A conditional write or delete refused: the lease is not the one read."""
-
-
 class _Found(NamedTuple):
     """The lease object as read: its record (None if absent or unreadable), whether it
-    exists, and its ETag (None without conditional writes)."""
+    exists, and its version (None without conditional writes)."""
 
     record: dict | None
     exists: bool
-    etag: str | None
+    version: str | None
 
 
 class _Lease:
     """This process's hold of one URL's run lease, renewed by a daemon thread."""
 
-    def __init__(self, storage: FsspecBackend, record: dict, seconds: float, etag: str | None) -> None:
-        self.pid, self.record, self.seconds, self.etag = os.getpid(), record, seconds, etag
+    def __init__(self, storage: FsspecBackend, record: dict, seconds: float, version: str | None) -> None:
+        self.pid, self.record, self.seconds, self.version = os.getpid(), record, seconds, version
         self.holders: weakref.WeakSet[FsspecBackend] = weakref.WeakSet([storage])
         self.stop = threading.Event()
         self.thread = threading.Thread(target=_renew, args=(storage, self), name="flashckpt-lease", daemon=True)
@@ -107,14 +103,14 @@ def claim(storage: FsspecBackend, token: str, seconds: float) -> None:
             if other is not None and other.get("token") != token and _live(other, seconds):
                 raise JobConflictError(_conflict(storage, other, seconds))
             try:
-                etag = _write(storage, record, None if found.exists else "*", found.etag)
+                version = _write(storage, record, create=not found.exists, version=found.version)
                 break
-            except _Lost:  # written by another claimant since the read: read the winner's lease
+            except PreconditionFailed:  # written by another claimant since the read: read the winner's lease
                 continue
         else:
             raise JobConflictError(f"the run lease {storage.root}/{LEASE} changed under each of {_ATTEMPTS} claims "
                                    "(other runs are claiming this URL); give this run another checkpoint URL")
-        _LEASES[storage.root] = _Lease(storage, record, seconds, etag)
+        _LEASES[storage.root] = _Lease(storage, record, seconds, version)
 
 
 def release(storage: FsspecBackend) -> None:
@@ -132,20 +128,21 @@ def release(storage: FsspecBackend) -> None:
     try:
         found = _read(storage)
         if found.record is not None and found.record.get("token") == held.record["token"]:
-            _delete(storage, found.etag)
-    except _Lost:
+            _delete(storage, found.version)
+    except PreconditionFailed:
         pass  # taken over since the read: not this run's to delete
     except CheckpointError as exc:
         log.warning("could not remove the run lease (it expires by itself): %s", exc)
 
 
-def _conditional(storage: FsspecBackend) -> bool:
-    """Whether the lease of ``storage`` is written conditionally (an S3 store that has
-    not refused conditional writes); logs once per URL when it is advisory."""
-    if hasattr(storage.fs, "call_s3") and storage.root not in _ADVISORY:
-        return True
-    _advisory(storage, "the store has no conditional writes")
-    return False
+def _conditional(storage: FsspecBackend) -> ConditionalObject | None:
+    """The lease object's conditional writes, or None where the lease is advisory (logged once per URL)."""
+    if storage.root in _ADVISORY:
+        return None
+    writes = conditional_object(storage.fs, storage.key(LEASE), f"{storage.root}/{LEASE}")
+    if writes is None:
+        _advisory(storage, "the store has no conditional writes")
+    return writes
 
 
 def _advisory(storage: FsspecBackend, why: str) -> None:
@@ -155,53 +152,26 @@ def _advisory(storage: FsspecBackend, why: str) -> None:
                     "it; give each run its own checkpoint URL", storage.root, LEASE, why)
 
 
-def _refused(exc: BaseException, *codes: str) -> bool:
-    """Whether an S3 client error (or one it caused) carries one of the error ``codes`` or HTTP statuses."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            error = response.get("Error") or {}
-            status = str((response.get("ResponseMetadata") or {}).get("HTTPStatusCode", ""))
-            if error.get("Code") in codes or status in codes:
-                return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _s3_call(storage: FsspecBackend, what: str, method: str, **kwargs: Any) -> Any:
-    """One S3 API call on the lease object, a precondition refusal as :class:`_Lost`."""
-    bucket, key, _ = storage.fs.split_path(storage.key(LEASE))
-    try:
-        return storage.fs.call_s3(method, Bucket=bucket, Key=key, **kwargs)
-    except FileExistsError as exc:  # s3fs's translation of a refused If-None-Match
-        raise _Lost() from exc
-    except Exception as exc:
-        if _refused(exc, "PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
-            raise _Lost() from exc
-        if (isinstance(exc, OSError) and exc.errno == errno.ENOSYS) or _refused(exc, "NotImplemented", "501"):
-            raise NotImplementedError(str(exc)) from exc
-        raise _translate(exc, f"{what} {storage.root}/{LEASE}") from exc
-
-
-def _write(storage: FsspecBackend, record: dict, if_none_match: str | None, if_match: str | None) -> str | None:
-    """Write ``record`` with a fresh heartbeat: conditionally on S3 (``If-None-Match`` when
-    given, else ``If-Match``); its new ETag, or None when written unconditionally."""
+def _write(storage: FsspecBackend, record: dict, *, create: bool, version: str | None) -> str | None:
+    """Write ``record`` with a fresh heartbeat, where the store has conditional writes only if
+    the lease is absent (``create``) or still at ``version``; its new version, or None when
+    written unconditionally."""
     body = json.dumps({**record, "heartbeat_at": time.time()}).encode()
-    if _conditional(storage):
-        condition = {"IfNoneMatch": if_none_match} if if_none_match else {"IfMatch": if_match} if if_match else {}
+    writes = _conditional(storage)
+    if writes is not None and (create or version is not None):
         try:
-            return _s3_call(storage, "writing", "put_object", Body=body, **condition).get("ETag")
+            return writes.create(body) if create else writes.replace(body, version)
         except NotImplementedError as exc:
             _advisory(storage, f"the server refused a conditional write: {exc}")
     storage.write(LEASE, memoryview(body))
     return None
 
 
-def _delete(storage: FsspecBackend, etag: str | None) -> None:
-    if etag is not None and _conditional(storage):
+def _delete(storage: FsspecBackend, version: str | None) -> None:
+    writes = _conditional(storage)
+    if writes is not None and version is not None:
         try:
-            _s3_call(storage, "deleting", "delete_object", IfMatch=etag)
+            writes.delete(version)
             return
         except NotImplementedError:
             pass  # a conditional delete is newer than conditional writes: delete as read
@@ -209,12 +179,10 @@ def _delete(storage: FsspecBackend, etag: str | None) -> None:
 
 
 def _read(storage: FsspecBackend) -> _Found:
-    """The lease as it is now; on S3 with the ETag of the very bytes read (one GET)."""
+    """The lease as it is now, with the version of the very bytes read where the store has one."""
+    writes = _conditional(storage)
     try:
-        if _conditional(storage):
-            raw, etag = _get_with_etag(storage)
-        else:
-            raw, etag = storage.read_small(LEASE, MAX_MARKER), None
+        raw, version = writes.read(MAX_MARKER) if writes else (storage.read_small(LEASE, MAX_MARKER), None)
     except CheckpointNotFoundError:
         return _Found(None, False, None)
     try:
@@ -223,22 +191,8 @@ def _read(storage: FsspecBackend) -> _Found:
         lease = json.loads(raw)
     except (ValueError, CorruptCheckpointError) as exc:
         log.warning("ignoring the unreadable run lease %s/%s: %s", storage.root, LEASE, exc)
-        return _Found(None, True, etag)
-    return _Found(lease if isinstance(lease, dict) else None, True, etag)
-
-
-def _get_with_etag(storage: FsspecBackend) -> tuple[bytes, str | None]:
-    from fsspec.asyn import sync
-
-    async def get() -> tuple[bytes, str | None]:
-        bucket, key, _ = storage.fs.split_path(storage.key(LEASE))
-        resp = await storage.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{MAX_MARKER}")
-        try:
-            return await resp["Body"].read(), resp.get("ETag")
-        finally:
-            resp["Body"].close()
-
-    return _call(f"reading {storage.root}/{LEASE}", sync, storage.fs.loop, get)
+        return _Found(None, True, version)
+    return _Found(lease if isinstance(lease, dict) else None, True, version)
 
 
 def _live(lease: dict, seconds: float) -> bool:
@@ -270,18 +224,18 @@ def _renew(storage: FsspecBackend, lease: _Lease) -> None:
 
 def _renew_once(storage: FsspecBackend, lease: _Lease) -> bool:
     """Write a new heartbeat; False (an error logged) if another run holds the lease now."""
-    if lease.etag is None:  # advisory: look before writing
+    if lease.version is None:  # advisory: look before writing
         there = _read(storage).record
         if there is not None and there.get("token") != lease.record["token"]:
             return _taken_over(storage, lease, there)
     try:
-        lease.etag = _write(storage, lease.record, None, lease.etag)
+        lease.version = _write(storage, lease.record, create=False, version=lease.version)
         return True
-    except _Lost:
+    except PreconditionFailed:
         found = _read(storage)
         if found.record is not None and (found.record.get("token"), found.record.get("pid")) == (
                 lease.record["token"], lease.pid):
-            lease.etag = found.etag  # our own write, answered late (a client retry): still ours
+            lease.version = found.version  # our own write, answered late (a client retry): still ours
             return True
         return _taken_over(storage, lease, found.record or {})
 

@@ -1,6 +1,6 @@
 """A process that claims run leases in step with its peers (the exclusive-lease race test).
 
-Run through ``multiprocessing`` (spawn): :func:`race` waits at ``barrier`` before each
+Run in workers of ``tests._fork``'s fork server: :func:`race` waits at ``barrier`` before each
 claim so that every racer's claim lands in the same instant, and reports each outcome.
 """
 
@@ -10,9 +10,12 @@ from flashckpt import JobConflictError
 from flashckpt._engine import new_token
 from flashckpt.storage._object import ObjectStorage
 
+from .._fork import Inherit
 
-def race(urls: list[str], barrier, results) -> None:
+
+def race(inherit: Inherit, urls: list[str], barrier, results) -> None:
     """Claim each of ``urls`` in turn at the barrier; put ("won"|"conflict"|"error", url, detail) on ``results``."""
+    inherit.apply()  # the test's environment: fsspec's configuration of its servers
     stores = [ObjectStorage(url) for url in urls]
     for storage in stores:
         storage.committed_steps()  # the client connected before the race

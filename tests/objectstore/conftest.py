@@ -10,6 +10,8 @@ sends (the ranged-read test). A server really killed and restarted keeps its obj
 through moto's recorder (its log of requests, replayed by the restarted server),
 standing in for a real store's durable state. Clients find the server as a user's
 would: fsspec's configuration (``FSSPEC_S3`` in the environment of subprocesses).
+
+Azure's emulator, Azurite, is ``_azurite.py``'s; its fixtures are imported here to be shared.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from flashckpt._engine import new_token
 from flashckpt.memory._format import plan_image
 
 from .._net import free_port, wait_for_http
+from ._azurite import azurite, container  # noqa: F401 (fixtures shared by the object-store tests)
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 
