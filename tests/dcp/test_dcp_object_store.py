@@ -114,6 +114,20 @@ def test_a_save_to_a_bucket_is_stock_dcp_there(bucket):
         failed.value
 
 
+def test_a_step_the_store_retired_loads_from_its_stock_files(bucket):
+    """``keep_last=1``: step 1's flash shards are gone once step 2 commits; its stock files in
+    the bucket stay, and a new run reads them (DCP's FsspecReader)."""
+    run = f"s3://{bucket}/run"
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=FlashStorageWriter(f"{run}/step-{step}", keep_last=1))
+    close()
+    _wait_for_object(f"{run}/step-2/.metadata")
+    assert [n for n in _listing(f"{run}/.flashckpt") if n == "metadata.json"] == ["metadata.json"]  # step 2's only
+    loaded, reader = _blank(), FlashStorageReader(f"{run}/step-1")
+    dcp.load(loaded, storage_reader=reader)
+    assert reader.last_load.source == "storage" and _equal(loaded, _state(1))
+
+
 def _save_then_die(url: str) -> None:
     dcp.save(_state(7), storage_writer=FlashStorageWriter(url))
     print("saved", flush=True)
