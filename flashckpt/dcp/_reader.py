@@ -64,8 +64,8 @@ def _rank_of(relative_path: str) -> int | None:
 class FlashStorageReader(RunMember, StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`~flashckpt.dcp.FlashStorageWriter`:
     reads each rank's file from this node's shared memory when it is there (a restart on the
-    same node), else the stock files in ``path`` (which it also reads when flashckpt never
-    saved them: any DCP checkpoint). ``store``, ``options``: as the writer's."""
+    same node), else storage (see the module doc; the stock files of ``path`` also when
+    flashckpt never saved them: any DCP checkpoint). ``path``, ``store``, ``options``: as the writer's."""
 
     def __init__(self, path: str | os.PathLike, *, store: str | os.PathLike | None = None,
                  options: Options | None = None, process_group: Any = None, **shorthands: Any) -> None:
