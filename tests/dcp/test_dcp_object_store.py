@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from flashckpt import CheckpointError, CheckpointNotFoundError
-from flashckpt.dcp import FlashStorageReader, FlashStorageWriter, close
+from flashckpt.dcp import FlashStorageReader, FlashStorageWriter, Latest, close, latest_checkpoint
 from tests.objectstore.conftest import bucket, moto_server, raw_fs, s3  # noqa: F401 -- fixtures
 
 from .._fork import Forked, run_ranks
@@ -59,7 +59,7 @@ def _stock_load(url: str) -> dict:
 
 
 def test_a_save_to_a_bucket_is_stock_dcp_there(bucket):
-    """One process: the save loads from memory; once persisted the bucket holds the flash step
+    """One process: the save loads from memory (and is the folder's latest); once persisted the bucket holds the flash step
     under ``.flashckpt`` and the stock files under the id, which stock ``dcp.load`` reads; a
     new run reads the committed shards (verified: a damaged one is an error naming it); a committed step whose stock files are gone
     is written again by the reader that asks for it, ``.metadata`` last, through the storage
@@ -69,6 +69,7 @@ def test_a_save_to_a_bucket_is_stock_dcp_there(bucket):
     url = f"s3://{bucket}/run/step-1"
     saved = _state(1)
     dcp.save(saved, storage_writer=FlashStorageWriter(url))
+    assert latest_checkpoint(f"s3://{bucket}/run") == Latest(1, url, "memory")
     loaded, reader = _blank(), FlashStorageReader(url)
     dcp.load(loaded, storage_reader=reader)
     assert reader.last_load.source == "memory" and reader.last_load.step == 1 and _equal(loaded, saved)
@@ -78,7 +79,8 @@ def test_a_save_to_a_bucket_is_stock_dcp_there(bucket):
     assert "metadata.json" in _listing(f"s3://{bucket}/run/.flashckpt/step-1")
     assert _equal(_stock_load(url), saved)
 
-    loaded, reader = _blank(), FlashStorageReader(url)  # a new run: nothing in memory
+    assert latest_checkpoint(f"s3://{bucket}/run") == Latest(1, url, "storage")  # a new run: nothing in memory
+    loaded, reader = _blank(), FlashStorageReader(url)
     dcp.load(loaded, storage_reader=reader)
     assert reader.last_load.source == "storage" and _equal(loaded, saved)
     close()
