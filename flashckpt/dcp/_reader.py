@@ -1,9 +1,12 @@
 """``FlashStorageReader``: DCP loads that read a flash save from shared memory first.
 
 A file of the checkpoint (``__<rank>_0.distcp``) is read from its rank's image in this
-node's shared memory when a local slot holds the save, else from the stock file on
-storage. A save that committed but whose stock files were never written (its saver was
-killed between the two) is exported first, here.
+node's shared memory when a local slot holds the save, else from storage: for a local id
+the stock file (DCP's ``FileSystemReader``); for an object-store id the rank's committed
+flash shard in the run's store, verified block by block as every load from storage is, or,
+once the store retired the step (``keep_last``), the stock files (DCP's ``FsspecReader``).
+A save that committed but whose stock files were never written (its saver was killed
+between the two) is exported first, here.
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
 from .._engine import LoadInfo
-from .._errors import CheckpointNotFoundError
+from .._errors import CheckpointError, CheckpointNotFoundError
 from .._options import Options
 from ..memory._slot import Slot
+from ..restore._shard_read import open_shard
+from ..storage._object import object_backend
+from ..storage._protocol import Storage
+from ..torch._image_views import read_shard, unpickler
 from ..torch._tensors import TorchKind
 from ._export import METADATA, export, write_rank_file
 from ._images import MemoryCopy, committed_step, memory_copies, memory_tree, unmap_later
-from ._run import Run, RunMember, normalize_id, step_of
+from ._run import Run, RunMember, is_url, normalize_id, step_of
 from ._writer import distcp_name
 
 __all__ = ["FlashStorageReader"]
@@ -39,6 +46,7 @@ __all__ = ["FlashStorageReader"]
 log = logging.getLogger(__name__)
 
 _TORCH = TorchKind()
+_REFUSE = unpickler(False, "a DCP step holds no pickled entries")
 _BATCH_BYTES = 256 << 20
 _ENTRY_BYTES = 512
 """Bound on what an item adds to a slot's image beyond its bytes in the file (header entry, alignment, recipe)."""
@@ -56,8 +64,8 @@ def _rank_of(relative_path: str) -> int | None:
 class FlashStorageReader(RunMember, StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`~flashckpt.dcp.FlashStorageWriter`:
     reads each rank's file from this node's shared memory when it is there (a restart on the
-    same node), else the stock files in ``path`` (which it also reads when flashckpt never
-    saved them: any DCP checkpoint). ``store``, ``options``: as the writer's."""
+    same node), else storage (see the module doc; the stock files of ``path`` also when
+    flashckpt never saved them: any DCP checkpoint). ``path``, ``store``, ``options``: as the writer's."""
 
     def __init__(self, path: str | os.PathLike, *, store: str | os.PathLike | None = None,
                  options: Options | None = None, process_group: Any = None, **shorthands: Any) -> None:
@@ -72,6 +80,8 @@ class FlashStorageReader(RunMember, StorageReader):
         self._read: list[Slot] = []
         """Slots this load read from, still mapped: see :meth:`_prepare_next_saves`."""
         self._step: int | None = None
+        self._stored_image = 0
+        """Bytes of this rank's image read from the store (its committed shard), if it was."""
         self._last_load: LoadInfo | None = None
         self._start = time.perf_counter()
         self._rank = 0
@@ -98,14 +108,14 @@ class FlashStorageReader(RunMember, StorageReader):
                 metadata = pickle.loads(memoryview(saved["metadata"].numpy()))
         else:
             self._ensure_files(run)
-            metadata = FileSystemReader(self.path).read_metadata()
+            metadata = self._stock_files().read_metadata()
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         return metadata
 
     def _ensure_files(self, run: Run) -> None:
         """Make sure the stock files exist: export a committed save that was never exported."""
-        if os.path.exists(os.path.join(self.path, METADATA)):
+        if self._has_metadata():
             if self._step is None:
                 self._step = step_of(self.path)
             return
@@ -118,6 +128,61 @@ class FlashStorageReader(RunMember, StorageReader):
                     "writing them now", self.path, step, run.store)
         export(run.store, step, {"checkpoint_id": self.path})
         self._step = step
+
+    def _has_metadata(self) -> bool:
+        if not is_url(self.path):
+            return os.path.exists(os.path.join(self.path, METADATA))
+        try:
+            object_backend(self.path).size(METADATA)
+        except CheckpointNotFoundError:
+            return False
+        return True
+
+    def _stock_files(self) -> FileSystemReader:
+        """DCP's own reader of the stock files: ``FsspecReader`` for a URL."""
+        if is_url(self.path):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            return FsspecReader(self.path)
+        return FileSystemReader(self.path)
+
+    def _read_from_storage(self, run: Run, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Items from storage (see the module doc)."""
+        self._ensure_files(run)
+        if is_url(self.path):
+            step = committed_step(run.engine.storage, self.path, step_of(self.path))
+            if step is not None:
+                self._step = step
+                self._read_from_shards(run.engine.storage, step, items, planner)
+                return
+        files = self._stock_files()
+        files.storage_data = self.storage_data
+        files.read_data(LoadPlan(items), planner).wait()
+
+    def _read_from_shards(self, storage: Storage, step: int, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Items from the committed shards of ``step``, a rank's file from its shard, each shard
+        read whole and verified before any item is taken from it."""
+        per_rank: dict[int, list[ReadItem]] = {}
+        for item in items:
+            relative_path = self.storage_data[item.storage_index].relative_path
+            rank = _rank_of(relative_path)
+            if rank is None:
+                raise CheckpointError(f"{self.path}: the .metadata names {relative_path!r}, not a file of the "
+                                      f"flash writer (__<rank>_0.distcp)")
+            per_rank.setdefault(rank, []).append(item)
+        for rank, wanted in sorted(per_rank.items()):
+            with open_shard(storage, step, rank, whole=True) as reader:
+                tree, whole = read_shard(reader, _REFUSE)
+            if rank == self._rank:
+                self._stored_image = len(whole)
+            try:
+                saved = tree["dcp"]
+                if saved["checkpoint_id"] != self.path:
+                    raise CheckpointError(f"step {step} of {storage.root} holds {saved['checkpoint_id']}, "
+                                          f"not {self.path}")
+                self._read_from_memory(saved, wanted, planner)
+            finally:
+                tree = saved = whole = None  # the views go with the bytes
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -154,11 +219,7 @@ class FlashStorageReader(RunMember, StorageReader):
             with memory_tree(copy, self._read) as saved:
                 self._read_from_memory(saved, items, planner)
         if from_files:
-            run = self._run()
-            self._ensure_files(run)
-            files = FileSystemReader(self.path)
-            files.storage_data = self.storage_data
-            files.read_data(LoadPlan(from_files), planner).wait()
+            self._read_from_storage(self._run(), from_files, planner)
         source = "storage" if from_files else "memory"
         run = self._run()
         if self._step is not None:
@@ -176,6 +237,8 @@ class FlashStorageReader(RunMember, StorageReader):
         copy = self._copies.get(self._rank)
         if copy is not None:
             size = copy.image_len
+        elif self._stored_image or is_url(self.path):
+            size = self._stored_image
         else:
             size = _image_bound(self.path, distcp_name(self._rank), self._coordinator,
                                 sum(info.relative_path == distcp_name(self._rank) for info in self.storage_data.values()))
@@ -183,7 +246,7 @@ class FlashStorageReader(RunMember, StorageReader):
         self._read.clear()
 
     def _read_from_memory(self, saved: dict[str, Any], items: list[ReadItem], planner: LoadPlanner) -> None:
-        """Each item straight from its tensor in the slot (one copy) when the image keeps items
+        """(``saved``: a rank's ``dcp`` tree, viewing a slot or a shard read from the store.) Each item straight from its tensor in the slot (one copy) when the image keeps items
         apart, as the writer's do; else (a save through the ``flashckpt://`` protocol, whose image
         holds the file's bytes as ``torch.save`` wrote them) through the file's bytes rebuilt in memory."""
         places = _item_places(saved) if saved.get("items") else {}

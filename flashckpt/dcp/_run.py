@@ -6,6 +6,11 @@ run, not to the id, so every writer and reader of a process that names the same 
 shares one :class:`Run`: the steady save stall holds with a new id and a new writer each
 time. A run's store is flashckpt's own directory (default ``<parent of the id>/.flashckpt``);
 the stock DCP files of each id are written from it by the ``dcp`` exporter.
+
+An id is a local path or an object-store URL (``s3://bucket/run/step-100``, any scheme of
+:data:`~flashckpt.storage._location.OBJECT_SCHEMES`, checked as the core checks a
+checkpoint location): the store is then ``s3://bucket/run/.flashckpt``, persisted through
+the storage layer, and the stock files go into the bucket under the id.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from typing import Any
 
 from .._errors import CheckpointError, JobConflictError
 from .._options import Options, resolve_options
+from ..storage._location import OBJECT_SCHEMES, parse_location
 from ..storage._run_lock import holder
 
-__all__ = ["Run", "RunMember", "check_store_free", "close_all", "normalize_id", "run_for", "store_of", "step_of"]
+__all__ = ["Run", "RunMember", "check_store_free", "close_all", "is_url", "normalize_id", "run_for", "store_of",
+           "step_of"]
 
 log = logging.getLogger(__name__)
 
@@ -33,25 +40,39 @@ STORE_NAME = ".flashckpt"
 """The store's folder beside the checkpoint ids, unless the caller names one."""
 
 _STEP = re.compile(r"(\d+)(?:\.[A-Za-z]+)?$")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def normalize_id(checkpoint_id: str | os.PathLike) -> str:
-    """The id as a key: an absolute, normalized local path."""
+    """The id as a key: an absolute, normalized local path, or a checked, normalized
+    object-store URL (``s3://bucket/run/step-1``). Anything else that starts like a URL
+    (``word:``: an unknown scheme, a query, user info, ``s3:/x``) is a
+    :class:`~flashckpt.CheckpointError` naming it, as a checkpoint location is."""
     text = os.fspath(checkpoint_id)
     if not isinstance(text, str) or not text:
         raise ValueError(f"a checkpoint id must be a non-empty path, got {checkpoint_id!r}")
-    if "://" in text:
-        raise ValueError(f"checkpoint id {text!r}: the flash DCP writer and reader take local paths (the "
-                         "backing folder of a node, shared or not); object-store URLs are not supported yet")
-    return os.path.normpath(os.path.abspath(text))
+    if _SCHEME.match(text) is None:
+        return os.path.normpath(os.path.abspath(text))
+    where = parse_location(text)
+    if not where.scheme:  # file:///abs/dir
+        return os.path.normpath(where.path)
+    if where.scheme not in OBJECT_SCHEMES:
+        raise CheckpointError(f"checkpoint id {text!r}: the flash DCP writer and reader take a local path or an "
+                              f"object-store URL ({', '.join(OBJECT_SCHEMES)}), not a {where.scheme}:// location")
+    return where.url
+
+
+def is_url(checkpoint_id: str) -> bool:
+    """Whether a normalized id is an object-store URL."""
+    return "://" in checkpoint_id
 
 
 def store_of(checkpoint_id: str, store: str | os.PathLike | None) -> str:
     """The run's store for ``checkpoint_id``: ``store`` if given, else ``.flashckpt`` beside the id."""
     if store is not None:
         return normalize_id(store)
-    parent = os.path.dirname(checkpoint_id)
-    if parent == checkpoint_id:
+    parent = checkpoint_id.rsplit("/", 1)[0] if is_url(checkpoint_id) else os.path.dirname(checkpoint_id)
+    if parent == checkpoint_id or parent.endswith(":/"):
         raise ValueError(f"checkpoint id {checkpoint_id!r} has no parent folder to keep flashckpt's store in; "
                          "pass store=")
     return f"{parent}/{STORE_NAME}"
@@ -60,9 +81,12 @@ def store_of(checkpoint_id: str, store: str | os.PathLike | None) -> str:
 def check_store_free(store: str) -> None:
     """On global rank 0 (whose run holds a store), raise :class:`~flashckpt.JobConflictError`
     if another live run holds ``store``; a child of this process (``dcp.async_save``'s
-    checkpoint process, which saves for it) may."""
+    checkpoint process, which saves for it) may. An object store's run lease is checked when
+    the run claims it (at its first write)."""
     import torch.distributed as dist
 
+    if is_url(store):
+        return
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if rank != 0:
         return
@@ -201,7 +225,7 @@ class RunMember:
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
             normalize_id(checkpoint_id)
-        except ValueError:
+        except (ValueError, CheckpointError):
             return False
         return True
 

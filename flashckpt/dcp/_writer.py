@@ -82,9 +82,11 @@ class FlashStorageWriter(RunMember, StorageWriter):
     background, and a restarted process reads them from memory
     (:class:`~flashckpt.dcp.FlashStorageReader`).
 
-    ``path`` is the checkpoint id (a folder; ``dcp.save(checkpoint_id=...)`` may change it).
+    ``path`` is the checkpoint id (a folder; ``dcp.save(checkpoint_id=...)`` may change it):
+    a local path, or an object-store URL (``s3://bucket/run/step-100``: the stock files are
+    objects under it, ``.metadata`` written last).
     ``store``: flashckpt's own directory for the run (default: ``.flashckpt`` beside
-    ``path``); one run per store. ``options`` / keyword shorthands: :class:`flashckpt.Options`
+    ``path``, in the bucket for a URL); one run per store. ``options`` / keyword shorthands: :class:`flashckpt.Options`
     (``persist_every``, ``keep_last`` of the store, ...). The step a save takes is the
     number its id ends with (``step-100``), else one past the newest.
     """

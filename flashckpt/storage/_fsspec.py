@@ -27,7 +27,7 @@ from typing import Any, Callable
 from . import _object_lease
 from ._object_shard import CONCURRENCY, ObjectShard, _call, _translate
 from ._protocol import ObjectInfo
-from ._uploads import part_upload
+from ._uploads import Joined, part_upload
 from .._errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["MAX_CONNECTIONS", "PART_BYTES", "FsspecBackend"]
@@ -61,7 +61,7 @@ class FsspecBackend:
 
     # -- the primitives -----------------------------------------------------------
 
-    def write(self, name: str, data: memoryview) -> None:
+    def write(self, name: str, data: memoryview | Joined) -> None:
         size = len(data)
         part = max(self.part_bytes, -(-size // self._parts.max_parts)) if self._parts else size
         if self._parts is None or size < 2 * part:

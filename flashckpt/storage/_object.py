@@ -36,7 +36,18 @@ from ._location import OBJECT_SCHEMES, parse_location
 from ._object_shard import CONCURRENCY, ObjectShard
 from .._errors import CheckpointError
 
-__all__ = ["BLOCK_BYTES", "CONCURRENCY", "MAX_CONNECTIONS", "PART_BYTES", "ObjectShard", "ObjectStorage"]
+__all__ = ["BLOCK_BYTES", "CONCURRENCY", "MAX_CONNECTIONS", "PART_BYTES", "ObjectShard", "ObjectStorage",
+           "object_backend"]
+
+
+def object_backend(url: str, **settings: object) -> FsspecBackend:
+    """The byte primitives under object-store ``url`` (no I/O yet): what :class:`ObjectStorage`
+    commits over, and what an exporter writes a framework's files into a bucket with
+    (uploads in parts, ``settings`` as :class:`FsspecBackend` takes them)."""
+    location = parse_location(url)
+    if location.url is None or location.scheme not in OBJECT_SCHEMES:
+        raise CheckpointError(f"{url!r} is not an object-store URL; use LocalStorage or open_storage")
+    return FsspecBackend(location.url, OBJECT_SCHEMES[location.scheme], **settings)
 
 
 class ObjectStorage(CommittedStore):
@@ -46,8 +57,5 @@ class ObjectStorage(CommittedStore):
 
     def __init__(self, url: str, *, part_bytes: int = PART_BYTES, concurrency: int = CONCURRENCY,
                  lease_seconds: float = _object_lease.LEASE_SECONDS) -> None:
-        location = parse_location(url)
-        if location.url is None or location.scheme not in OBJECT_SCHEMES:
-            raise CheckpointError(f"{url!r} is not an object-store URL; use LocalStorage or open_storage")
-        super().__init__(FsspecBackend(location.url, OBJECT_SCHEMES[location.scheme], part_bytes=part_bytes,
-                                       concurrency=concurrency, lease_seconds=lease_seconds))
+        super().__init__(object_backend(url, part_bytes=part_bytes, concurrency=concurrency,
+                                        lease_seconds=lease_seconds))

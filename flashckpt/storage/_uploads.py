@@ -14,19 +14,54 @@
 Parts go ``concurrency`` at a time; each is copied out of the shared-memory view only when
 it is sent (the HTTP clients need ``bytes``), so at most ``concurrency`` parts are in memory.
 Other stores (OSS, ``memory://``) take one ``pipe_file``.
+
+An object need not be one buffer: :class:`Joined` reads several as one (a DCP rank file is
+its framing and its tensors' bytes in the image, interleaved), copying only the part sent.
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
+import itertools
 import logging
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 from ._object_shard import _call, _run_all
 
-__all__ = ["PartUpload", "part_upload"]
+__all__ = ["Joined", "PartUpload", "part_upload"]
 
 log = logging.getLogger(__name__)
+
+
+class Joined:
+    """Buffers read as one object, without joining them: ``len()``, slices (``bytes``, only
+    the bytes sliced copied) and ``bytes()``, which is what an upload takes of its data
+    (:meth:`~flashckpt.storage._fsspec.FsspecBackend.write`: one PUT or a part at a time)."""
+
+    def __init__(self, pieces: Sequence[Any]) -> None:
+        self._pieces = [v for v in (memoryview(p).cast("B") for p in pieces) if v.nbytes]
+        self._starts = list(itertools.accumulate((v.nbytes for v in self._pieces), initial=0))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, key: slice) -> bytes:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("Joined takes plain slices")
+        start, stop, _ = key.indices(len(self))
+        out: list[memoryview] = []
+        at = bisect.bisect_right(self._starts, start) - 1
+        while start < stop:
+            piece = self._pieces[at]
+            part = piece[start - self._starts[at]:stop - self._starts[at]]
+            out.append(part)
+            start += part.nbytes
+            at += 1
+        return b"".join(out)
+
+    def __bytes__(self) -> bytes:
+        return self[:]
 
 
 class PartUpload(NamedTuple):

@@ -122,10 +122,11 @@ def test_a_committed_save_never_exported_is_written_by_the_reader(tmp_path):
 
 @pytest.mark.parametrize("bad", ["s3://user:secret@bucket/ckpt/step-1", "file:///ckpt/step-1?x=1",
                                  "http://host/ckpt/step-1"])
-def test_a_url_is_a_clear_error(bad):
-    with pytest.raises(ValueError, match="local paths"):
+def test_a_url_that_names_no_checkpoint_location_is_a_clear_error(bad):
+    """Object-store ids are tests/dcp/test_dcp_object_store.py's."""
+    with pytest.raises(flashckpt.CheckpointError, match="checkpoint location"):
         FlashStorageWriter(bad)
-    with pytest.raises(ValueError, match="local paths"):
+    with pytest.raises(flashckpt.CheckpointError, match="checkpoint location"):
         FlashStorageReader(bad)
 
 

@@ -14,7 +14,9 @@ import time
 import pytest
 
 from flashckpt import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, JobConflictError
+from flashckpt.storage._fsspec import FsspecBackend
 from flashckpt.storage._object import ObjectStorage
+from flashckpt.storage._uploads import Joined
 from flashckpt.storage._url import open_storage
 
 from .conftest import MotoServer, free_port, image, proxy_to, raw_fs, token, use_endpoint
@@ -231,7 +233,9 @@ def test_endpoint_down(monkeypatch):
 
 _CLAIM = """
 import sys, flashckpt
+from flashckpt.storage._fsspec import FsspecBackend
 from flashckpt.storage._object import ObjectStorage
+from flashckpt.storage._uploads import Joined
 try:
     ObjectStorage(sys.argv[1]).claim_run(sys.argv[2])
     print("claimed")
@@ -361,3 +365,20 @@ def test_a_shard_records_1_mib_blocks(url):
     record = storage.metadata(1)["shards"]["0"]
     assert record["block_size"] == MiB and len(record["block_crc32"]) == 4
     assert storage.verify(1) == []
+
+
+def test_an_object_of_several_buffers_goes_up_in_parts(bucket):
+    """An object of several buffers (a DCP rank file: framing and tensors' bytes, interleaved in
+    the image) goes up in parts from the buffers joined, without a copy of the whole."""
+    pieces = [os.urandom(n) for n in (3, 6 << 20, 17, 5 << 20, 0, 1 << 20)]
+    whole = b"".join(pieces)
+    joined = Joined([memoryview(p) for p in pieces])
+    assert len(joined) == len(whole) and bytes(joined) == whole
+    for a, b in [(0, 4), (2, 9), (3, 6 << 20), (5, len(whole)), (len(whole) - 3, len(whole) + 9)]:
+        assert joined[a:b] == whole[a:b]
+    backend = FsspecBackend(f"s3://{bucket}/parts", "s3fs", part_bytes=5 << 20)
+    real, parts = backend._parts, []
+    backend._parts = real._replace(send=lambda *args: parts.append(args[4]) or real.send(*args))
+    backend.write("f", joined)  # 12 MiB in 5 MiB parts: a multipart upload
+    assert parts == [5 << 20]
+    assert raw_fs().cat_file(f"{bucket}/parts/f") == whole
