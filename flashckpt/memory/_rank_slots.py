@@ -356,14 +356,15 @@ class RankSlots:
 
     def writer(self, step: int, base: dict[str, Any], saver: Saver, bound: float) -> Writer:
         """Where a copy of ``step`` from elsewhere goes: ``into(size, info)`` readies a slot
-        (marked WRITING, recording ``base`` with ``info``'s token and branch) and returns the
-        view to fill; ``done()`` marks it COMPLETE and tells the saver. The slot is claimed
+        (marked WRITING, recording ``base`` with ``info``'s token, branch and failure-capture
+        mark) and returns the view to fill; ``done()`` marks it COMPLETE and tells the saver. The slot is claimed
         (:meth:`claim`) at ``into``; a free one is waited for here, before any peer is asked."""
         self.choose(saver, bound)
         written: list[tuple[Slot, SlotHeader]] = []
 
         def into(size: int, info: dict[str, Any]) -> memoryview:
-            mine = dict(base, token=str(info.get("token")), branch=info.get("branch", -1))
+            mine = dict(base, token=str(info.get("token")), branch=info.get("branch", -1),
+                        **({"captured": True} if info.get("captured") else {}))
             claimed = self.claim(saver, bound, size, step, mine)
             assert claimed is not None  # None only where ``unless_held``
             _, slot, header = claimed

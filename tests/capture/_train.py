@@ -4,8 +4,9 @@
     torchrun --nproc-per-node=2 --max-restarts=2 _train.py CKPT OUT STEPS - [FAULT ...]
 
 Saves to memory every 20 steps (``save_on_failure`` registered after the load). Under
-torchrun (``WORLD_SIZE`` set) the model is DDP over gloo and the attempt is torchrun's
-restart count; else one process with a ``Checkpointer`` and ATTEMPT as given.
+torchrun (``WORLD_SIZE`` set) the model is DDP over gloo and the attempt is the largest
+restart count of the job's agents (on several nodes only the agent whose worker failed
+counts the restart); else one process with a ``Checkpointer`` and ATTEMPT as given.
 A FAULT is ``KIND:RANK:STEP:ATTEMPT``, done by that rank at that step of that attempt:
 
 - ``kill9``: SIGKILL inside the step's backward; ``kill9-data`` before its batch is made,
@@ -127,6 +128,18 @@ def _faults(specs: list[str], rank: int, attempt: int) -> dict[int, str]:
     return faults
 
 
+def _attempt() -> int:
+    """The job's attempt under torchrun (a collective): the largest restart count of any rank's
+    agent, plus ``CAPTURE_ATTEMPT_OFFSET``. On one node every rank has the same count; on
+    several, an agent whose workers the next rendezvous round stopped restarts them uncounted
+    (``tests/nodes/test_nodes_restart.py``), so its ranks alone would run attempt 0 again."""
+    import torch.distributed as dist
+
+    count = torch.tensor([int(os.environ["TORCHELASTIC_RESTART_COUNT"])])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item()) + int(os.environ.get("CAPTURE_ATTEMPT_OFFSET", "0"))
+
+
 def _wrap(model: torch.nn.Module) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(model, **json.loads(os.environ.get("CAPTURE_DDP", "{}")))
 
@@ -174,9 +187,8 @@ def main() -> None:
     directory, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
-        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"]) + int(os.environ.get("CAPTURE_ATTEMPT_OFFSET", "0"))
         init_process_group("gloo")
-        rank = dist.get_rank()
+        attempt, rank = _attempt(), dist.get_rank()
     else:
         attempt, rank = int(sys.argv[4]), 0
     faults = _faults(sys.argv[5:], rank, attempt)

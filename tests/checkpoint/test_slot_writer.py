@@ -51,3 +51,19 @@ def test_a_slot_claimed_after_the_writers_choice_is_not_written_over(job_id):
         claimer.stdin.close()
         claimer.wait(30)
         slots.close(unlink=False)
+
+
+def test_a_copy_from_elsewhere_keeps_the_failure_capture_mark(job_id):
+    """A failure capture fetched from a peer's replica is still a capture: the restart on the node
+    that fetched it says so (its ``restored ... (a failure capture)`` line and ``load`` event), as
+    the node that captured it does. Seen on two nodes (benchmarks/capture_campaign.py --nodes 2):
+    the killed rank's node fetched the survivor's capture of step 72 and reported a plain copy."""
+    slots = RankSlots(job_id, 0, 2, {})
+    try:
+        for step, info in ((7, {"token": "t", "captured": True}), (8, {"token": "t"})):
+            into, done = slots.writer(step, {"directory": "elsewhere"}, _Saver(), 5.0)
+            into(64, info)
+            done()
+        assert slots.info(7).get("captured") is True and "captured" not in slots.info(8)
+    finally:
+        slots.close(unlink=False)

@@ -28,7 +28,8 @@ import pytest
 
 from ..elastic_data.test_sampler_shard import sqlite_url
 from ._netns import Nodes, missing_requirements
-from .test_nodes_restart import AGENT, RDZV_PORT, Job
+from ._torchrun import AGENT, RDZV_PORT
+from .test_nodes_restart import Job
 
 WORKER = os.path.join(os.path.dirname(__file__), "_data_worker.py")
 SAMPLES = 120

@@ -13,18 +13,16 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from ._memory import MemoryWatch
 from ._netns import Nodes, missing_requirements
+from ._torchrun import agent_argv
 
 WORKER = os.path.join(os.path.dirname(__file__), "_worker.py")
-AGENT = os.path.join(os.path.dirname(__file__), "_torchrun.py")  # torchrun, its stacks on SIGUSR1
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RDZV_PORT = 29400  # each node has a network namespace of its own: any port is free
 STEPS = 8
 KILL_STEP = 3
 KILL_PAUSE = 6.0  # the ranks left alive are in a long step: their agents restart them uncounted
@@ -63,11 +61,10 @@ class Job:
         """Start (or replace) node ``i``'s torchrun."""
         log = open(self.tmp_path / f"torchrun-node{i}-{len(self.logs)}.log", "w")
         self.logs.append(log)
-        argv = [sys.executable, AGENT, f"--nnodes={len(self.nodes.namespaces)}", f"--nproc-per-node={self.nproc}",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={self.nodes.hostnames[0]}:{RDZV_PORT}",
-                f"--rdzv-id={self.nodes.namespaces[0]}", f"--rdzv-conf={self.rdzv_conf}", "--max-restarts=3",
-                WORKER, "--dir", str(self.shared), "--steps", str(self.steps), "--kill-rank", str(self.kill_rank),
-                "--kill-step", str(self.kill_step), "--kill-pause", str(KILL_PAUSE), *self.worker_args]
+        argv = agent_argv(self.nodes, [WORKER, "--dir", str(self.shared), "--steps", str(self.steps), "--kill-rank",
+                                       str(self.kill_rank), "--kill-step", str(self.kill_step), "--kill-pause",
+                                       str(KILL_PAUSE), *self.worker_args],
+                          nproc=self.nproc, max_restarts=3, rdzv_conf=self.rdzv_conf)
         if self.disks:  # in node i's mount namespace: its own directory at the one checkpoint path
             argv = ["sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(self.disks[i]),
                     str(self.shared / "ckpt"), *argv]
