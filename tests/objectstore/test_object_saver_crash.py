@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 from .conftest import raw_fs
 from .test_object_storage import objects, store
@@ -60,6 +61,27 @@ class Trainer:
         self._reader.join(10)
 
 
+def _evidence(trainer: Trainer, job_id: str, storage: Any) -> str:
+    """What a failed round's message carries: the restarted trainer's log (its load's
+    agreement), the committed steps, the slots' headers and the saver log's tail."""
+    from flashckpt._names import saver_log_path, slot_path
+    from flashckpt.memory._slot import Slot
+
+    slots = [Slot.peek_header(slot_path(job_id, 0, i)) for i in range(2)]
+    try:
+        with open(saver_log_path(job_id)) as f:
+            saver_log = f.read()[-4000:]
+    except OSError as exc:
+        saver_log = str(exc)
+    return (f"\ncommitted {storage.committed_steps()}\nslots {slots}\ntrainer {trainer.lines}\n"
+            f"trainer stderr {_stderr(trainer)[-4000:]}\nsaver log {saver_log}")
+
+
+def _stderr(trainer: Trainer) -> str:
+    trainer.kill()
+    return trainer.proc.stderr.read()
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -89,8 +111,9 @@ def test_saver_killed_during_upload_and_commit(url, job_id):
         try:
             loaded, source = trainer.first("loaded").split()
             if floor is not None:
-                assert loaded != "None" and int(loaded) >= floor, f"seed {seed} round {round_}: loaded {loaded} " \
-                                                                  f"({source}), expected at least {floor}"
+                assert loaded != "None" and int(loaded) >= floor, \
+                    f"seed {seed} round {round_}: loaded {loaded} ({source}), expected at least {floor}" \
+                    + _evidence(trainer, job_id, storage)
             saver = int(trainer.first("saver"))
             start = len(trainer.saved())
             while len(trainer.saved()) - start < 2 and trainer.proc.poll() is None:
