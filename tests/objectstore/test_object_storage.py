@@ -233,9 +233,7 @@ def test_endpoint_down(monkeypatch):
 
 _CLAIM = """
 import sys, flashckpt
-from flashckpt.storage._fsspec import FsspecBackend
 from flashckpt.storage._object import ObjectStorage
-from flashckpt.storage._uploads import Joined
 try:
     ObjectStorage(sys.argv[1]).claim_run(sys.argv[2])
     print("claimed")
