@@ -3,7 +3,7 @@ gcp-storage-emulator) checkpoint ids, as ``test_dcp_object_store.py`` does for S
 loads from memory; once persisted the store holds the flash step under ``<parent>/.flashckpt``
 and the stock files under the id, which stock ``dcp.load`` (DCP's FsspecReader over adlfs or
 gcsfs, no flashckpt) reads; a new run reads the committed shards; DCP's process executor
-saves to an ``az://`` id."""
+saves to an ``az://`` id; ``prepare`` readies the first save into an ``az://`` folder."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import fsspec
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from flashckpt.dcp import FlashStorageReader, FlashStorageWriter, Latest, close, latest_checkpoint
+from flashckpt.dcp import FlashStorageReader, FlashStorageWriter, Latest, close, latest_checkpoint, prepare
+from flashckpt.dcp._run import run_for
+from flashckpt.memory import _slot
 from tests.objectstore._azurite import azurite, container  # noqa: F401 -- fixtures
 from tests.objectstore.test_object_gcs import SETTINGS, gcs_server  # noqa: F401 -- fixture
 
@@ -92,3 +94,20 @@ def test_async_save_with_the_process_executor_on_azure(container):  # noqa: F811
     saved = run_ranks(_ranks.async_save_in_a_process, 1, root)
     loaded = run_ranks(_ranks.load_step_4, 1, root)
     assert loaded == [{"w": saved[0], "epoch": 4, "source": "memory"}]
+
+
+@pytest.mark.skipif(not _slot._POPULATE_WRITE, reason="the kernel lacks MADV_POPULATE_WRITE")
+def test_prepare_on_an_object_store_folder_readies_the_first_save(container, populates):  # noqa: F811
+    """``prepare(state, "az://...")`` opens the run over ``<folder>/.flashckpt`` and sizes the
+    slots: the first save maps no fresh memory."""
+    folder = f"az://{container}/run"
+    state = _state(1)
+    try:
+        prepare(state, folder)
+        run_for(f"{folder}/.flashckpt", None).engine.slots.prepared()  # training runs before the first save
+        before = len(populates)
+        dcp.save(state, storage_writer=FlashStorageWriter(f"{folder}/step-1"))
+        assert populates[before:] == [], "the first save after prepare populated slot pages itself"
+    finally:
+        close()
+    _wait_for(f"{folder}/step-1", ".metadata")
