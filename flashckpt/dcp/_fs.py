@@ -1,5 +1,6 @@
 """``flashckpt://``: the fsspec protocol that gives flash checkpoints to callers of
-``torch.distributed.checkpoint`` that pass only a ``checkpoint_id``.
+``torch.distributed.checkpoint`` that pass only a ``checkpoint_id``; chained
+(``flashckpt::s3://bucket/ckpt/step-100``), the same with an object store behind it.
 
 ``dcp.save(state, checkpoint_id="flashckpt:///ckpt/step-100")`` with no writer: DCP picks
 its ``FsspecWriter``, which writes each rank's items into ``__<rank>_0.distcp`` and the
@@ -16,6 +17,18 @@ of the backing folder. Options (:class:`flashckpt.Options` fields, ``persist_eve
 ``keep_last``, ...) come as fsspec storage options: ``fsspec.config.conf["flashckpt"]`` or
 ``FSSPEC_FLASHCKPT_<OPTION>`` environment variables.
 
+Chained, fsspec splits ``flashckpt::s3://bucket/ckpt/step-100`` and makes this file system
+with ``target_protocol="s3"``, ``fo`` the inner path and ``target_options`` the inner
+protocol's options (``url_to_fs(url, s3={...})``, ``FsspecWriter(url, s3={...})``). The
+backing folder is then the URL ``s3://bucket/ckpt/step-100`` (the run's store
+``s3://bucket/ckpt/.flashckpt``, as :class:`~flashckpt.dcp.FlashStorageWriter`'s for that id),
+read and listed through the storage layer's client (:mod:`flashckpt.dcp._fs_backing`), and
+the options are the client's for this process's stores and the savers it starts
+(:mod:`flashckpt.storage._client_options`). Paths a chained file system is given or lists
+are the inner URLs (``s3://bucket/ckpt/step-100``); fsspec's stripped form
+(``bucket/ckpt/step-100``) and the chained URL name the same. ``flashckpt::file:///abs/dir``
+is ``flashckpt:///abs/dir``.
+
 Registered with fsspec through the ``fsspec.specs`` entry point of the distribution.
 """
 
@@ -25,22 +38,22 @@ import io
 import logging
 import os
 import re
-import shutil
 import threading
 from typing import Any
 
-from fsspec import AbstractFileSystem
+from fsspec.implementations.chained import ChainedFileSystem
 from fsspec.utils import stringify_path
 
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._options import OPTION_NAMES, Options, resolve_options
-from ..storage._run_lock import holder
+from ..storage import _client_options
 from ._export import export
+from ._fs_backing import backing_of
 from ._fs_read import METADATA, MemoryFile, file_copy, folder_files, job_of, memory_folders, metadata_bytes
 from ._fs_saves import DISTCP, METADATA_TMP, Saves
 from ._images import MemoryCopy, committed_step
-from ._run import STORE_NAME, run_for, step_of
-from ._url import PROTOCOL, chained_error, local_path
+from ._run import STORE_NAME, normalize_id, run_for, step_of, store_of
+from ._url import PROTOCOL, chained_location, no_folder_error, strip
 
 __all__ = ["FlashFileSystem"]
 
@@ -55,8 +68,10 @@ _MAX_SOURCES = 4096
 
 def _store(folder: str) -> str | None:
     """The run's store of checkpoint folder ``folder`` (``.flashckpt`` beside it)."""
-    parent = os.path.dirname(folder)
-    return None if parent == folder else os.path.join(parent, STORE_NAME)
+    try:
+        return store_of(folder, None)
+    except ValueError:  # a bucket or the root: no folder beside it
+        return None
 
 
 def _option(value: Any) -> Any:
@@ -69,30 +84,54 @@ def _option(value: Any) -> Any:
     return value
 
 
-class FlashFileSystem(AbstractFileSystem):
-    """fsspec file system of ``flashckpt://`` URLs (see the module doc): a path is the local
-    backing path, ``flashckpt:///abs/dir`` (``flashckpt://rel/dir`` relative to the current
-    directory). ``storage_options``: :class:`flashckpt.Options` fields."""
+class FlashFileSystem(ChainedFileSystem):
+    """fsspec file system of ``flashckpt://`` URLs and their chained form (see the module
+    doc): a path is the backing path, ``flashckpt:///abs/dir`` (``flashckpt://rel/dir``
+    relative to the current directory) or ``flashckpt::s3://bucket/dir``.
+    ``storage_options``: :class:`flashckpt.Options` fields; chained, also fsspec's
+    ``target_protocol``, ``target_options`` and ``fo``."""
 
     protocol = PROTOCOL
     root_marker = "/"
 
-    def __init__(self, *args: Any, **storage_options: Any) -> None:
-        if "target_protocol" in storage_options or "fo" in storage_options:
-            raise chained_error(f"{PROTOCOL}::{storage_options.get('target_protocol')}://"
-                                f"{storage_options.get('fo', '')}")
+    def __init__(self, *args: Any, target_protocol: str | None = None, target_options: dict[str, Any] | None = None,
+                 fo: str | None = None, names_no_folder: bool = False, **storage_options: Any) -> None:
+        self._inner: str | None = None
+        """The object-store scheme of a chain (``s3``), None for a local folder."""
+        if target_protocol is not None:
+            if chained_location(target_protocol, fo or "") is not None:
+                self._inner = target_protocol
+                if target_options:
+                    _client_options.use(target_protocol, target_options)
+            elif target_options:
+                raise CheckpointError(f"{PROTOCOL}::{target_protocol}://{fo}: a local folder takes no options, got "
+                                      f"{sorted(target_options)}")
+        elif names_no_folder:
+            raise no_folder_error(f"{PROTOCOL}://")
         shorthands = {k: _option(storage_options.pop(k)) for k in list(storage_options) if k in OPTION_NAMES}
         super().__init__(*args, **storage_options)
         self.options: Options | None = resolve_options(**shorthands) if shorthands else None
+
+    @staticmethod
+    def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
+        """``flashckpt://`` with nothing after it is refused when made alone (the outer part
+        of a chain, as fsspec splits it, is the same text)."""
+        return {"names_no_folder": True} if stringify_path(path) == f"{PROTOCOL}://" else {}
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> Any:
         if isinstance(path, list):
             return [cls._strip_protocol(p) for p in path]
-        return local_path(stringify_path(path))
+        return strip(stringify_path(path))
 
     def _path(self, path: Any) -> str:
-        return self._strip_protocol(path)
+        """The backing path of ``path``: a normalized local path or object-store URL."""
+        found = self._strip_protocol(path)
+        if not found:
+            raise no_folder_error(stringify_path(path))
+        if "://" in found or (self._inner is not None and not found.startswith("/")):
+            return normalize_id(found if "://" in found else f"{self._inner}://{found}")
+        return os.path.normpath(os.path.abspath(found))
 
     def last_source(self, path: str) -> str | None:
         """Where this process last read file ``path`` from: "memory" or "storage"."""
@@ -115,8 +154,7 @@ class FlashFileSystem(AbstractFileSystem):
             if _RANK_METADATA.fullmatch(name):
                 raise CheckpointError(f"{path}: {PROTOCOL}:// saves with DCP's collectives "
                                       "(use_collectives=False writes a metadata file a rank, not supported)")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return open(path, mode)
+        return backing_of(path).open(path, mode)
 
     def _read(self, path: str) -> io.IOBase:
         folder, name = os.path.split(path)
@@ -131,11 +169,11 @@ class FlashFileSystem(AbstractFileSystem):
                     log.info("%s://%s: step %d from memory", PROTOCOL, folder, copy.step)
                     return io.BytesIO(metadata_bytes(copy))
                 return MemoryFile(copy)
-            if name == METADATA and not os.path.exists(path):
+            if name == METADATA and not backing_of(path).exists(path):
                 self._export_committed(folder, store)
         _record(path, "storage")
         try:
-            return open(path, "rb")
+            return backing_of(path).open(path, "rb")
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{PROTOCOL}://{path}: not in this node's memory, not on storage") from None
 
@@ -148,7 +186,7 @@ class FlashFileSystem(AbstractFileSystem):
         count from the loaded step. (The slots are not sized here for the next saves, as the
         reader sizes them after its load: here, before the bytes are read, that would compete
         with the load.)"""
-        if not os.path.isdir(store) or holder(store) is not None:
+        if not backing_of(store).store_in_use(store):
             return
         run = run_for(store, self.options)
         if copy is not None:
@@ -157,7 +195,7 @@ class FlashFileSystem(AbstractFileSystem):
     def _export_committed(self, folder: str, store: str) -> None:
         """Write the stock files of a save of ``folder`` that committed but was never
         exported (its saver was killed between the two) and that memory no longer holds."""
-        if not os.path.isdir(store):
+        if not backing_of(store).store_in_use(store):
             return
         from ..storage._url import open_storage
 
@@ -171,8 +209,7 @@ class FlashFileSystem(AbstractFileSystem):
         source, target = self._path(path1), self._path(path2)
         if _SAVES.commit(source, target):
             return
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(source, target)
+        backing_of(source).move(source, target)
 
     def rm(self, path: Any, recursive: bool = False, maxdepth: Any = None) -> None:
         for p in path if isinstance(path, list) else [path]:
@@ -182,13 +219,9 @@ class FlashFileSystem(AbstractFileSystem):
         self._rm_one(self._path(path), False)
 
     def _rm_one(self, path: str, recursive: bool) -> None:
-        if _SAVES.drop(path):
+        if _SAVES.drop(path) or backing_of(path).remove(path, recursive):
             return
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path) if recursive else os.rmdir(path)
-        elif os.path.lexists(path):
-            os.remove(path)
-        elif self._memory_info(path) is not None:
+        if self._memory_info(path) is not None:
             log.warning("%s://%s is held in memory only: nothing to remove on storage", PROTOCOL, path)
         else:
             raise FileNotFoundError(path)
@@ -196,36 +229,32 @@ class FlashFileSystem(AbstractFileSystem):
     # -- folders ----------------------------------------------------------------------
 
     def makedirs(self, path: Any, exist_ok: bool = False) -> None:
-        os.makedirs(self._path(path), exist_ok=exist_ok)
+        path = self._path(path)
+        backing_of(path).makedirs(path, exist_ok)
 
     def mkdir(self, path: Any, create_parents: bool = True, **kwargs: Any) -> None:
-        (os.makedirs if create_parents else os.mkdir)(self._path(path))
+        path = self._path(path)
+        backing_of(path).mkdir(path, create_parents)
 
     def exists(self, path: Any, **kwargs: Any) -> bool:
         path = self._path(path)
-        return os.path.lexists(path) or self._memory_exists(path)
+        return self._memory_exists(path) or backing_of(path).exists(path)
 
     def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
         path = self._path(path)
-        found = self._memory_info(path)
-        if found is not None:
-            return found
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            raise FileNotFoundError(path) from None
-        return {"name": path, "size": st.st_size, "type": "directory" if os.path.isdir(path) else "file"}
+        found = self._memory_info(path) or backing_of(path).info(path)
+        if found is None:
+            raise FileNotFoundError(path)
+        return found
 
     def ls(self, path: Any, detail: bool = True, **kwargs: Any) -> list[Any]:
         path = self._path(path)
-        entries: dict[str, dict[str, Any]] = {}
-        if os.path.isdir(path):
-            for name in os.listdir(path):
-                full = os.path.join(path, name)
-                entries[full] = {"name": full, "size": os.path.getsize(full) if os.path.isfile(full) else 0,
-                                 "type": "directory" if os.path.isdir(full) else "file"}
-        elif os.path.exists(path):
-            entries[path] = self.info(path)
+        backing = backing_of(path)
+        entries = {e["name"]: e for e in backing.listing(path)}
+        if not entries:
+            found = backing.info(path)
+            if found is not None and found["type"] == "file":
+                entries[path] = found
         store = os.path.join(path, STORE_NAME)
         for folder in memory_folders(job_of(store, self.options), store, path):
             entries[folder] = {"name": folder, "size": 0, "type": "directory"}
@@ -234,7 +263,7 @@ class FlashFileSystem(AbstractFileSystem):
             for name, size in folder_files(job_of(store, self.options), store, path).items():
                 full = os.path.join(path, name)
                 entries[full] = {"name": full, "size": size, "type": "file"}
-        if not entries and not os.path.isdir(path):
+        if not entries and not backing.is_folder(path):
             raise FileNotFoundError(path)
         listed = [entries[k] for k in sorted(entries)]
         return listed if detail else [e["name"] for e in listed]

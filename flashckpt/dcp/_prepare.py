@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .._options import Options
 from ._run import check_store_free, normalize_id, run_for, store_of
-from ._url import PROTOCOL, local_path
+from ._url import PROTOCOL, no_folder_error, strip
 from ._writer import rank_tree
 
 __all__ = ["prepare"]
@@ -38,8 +38,8 @@ def prepare(state_dict: dict[str, Any], folder: str | os.PathLike, *, store: str
             options: Options | None = None, process_group: Any = None, planner: SavePlanner | None = None,
             **shorthands: Any) -> None:
     """Ready the flash DCP saves of ``state_dict`` into ``folder`` (the folder the
-    checkpoint ids are in, ``<folder>/step-N``; ``flashckpt://...`` for saves through the
-    protocol): open the run over the folder's store (its saver starts), and size this rank's
+    checkpoint ids are in, ``<folder>/step-N``; ``flashckpt://...`` or ``flashckpt::s3://...`` for
+    saves through the protocol): open the run over the folder's store (its saver starts), and size this rank's
     shared-memory slots for the save in the background, so that the first ``dcp.save``
     blocks only for its copy, as the later ones do. Nothing is saved.
 
@@ -54,7 +54,9 @@ def prepare(state_dict: dict[str, Any], folder: str | os.PathLike, *, store: str
     """
     text = os.fspath(folder)
     if text.startswith(f"{PROTOCOL}:"):
-        text = local_path(text)
+        text = strip(text)
+        if not text:
+            raise no_folder_error(os.fspath(folder))
         if options is None and not shorthands:
             import fsspec
 

@@ -36,6 +36,7 @@ from ._exporters import export_timeout
 from .._errors import CheckpointTimeoutError, SaverError
 from .._options import env_count
 from ..memory._slot import pid_alive
+from ..storage._client_options import saver_environment
 from ._wire import Dial, Made, encode, goodbye, peer_uid, process_state, read_line
 
 __all__ = ["SaverClient", "persist_threads", "saver_timeout", "stopped_saver"]
@@ -83,7 +84,7 @@ def _spawn_saver(job_id: str) -> subprocess.Popen:
     log_file = _names.saver_log_path(job_id)
     here = os.path.abspath(__file__)  # <package root>/flashckpt/saver/_client.py
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
-    env = dict(os.environ)
+    env = dict(os.environ, **saver_environment(os.environ))  # with client options given with a chained URL
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     log.info("starting the flashckpt saver for job %s (log: %s)", job_id, log_file)
     return subprocess.Popen(

@@ -25,6 +25,7 @@ import logging
 from typing import Any, Callable
 
 from . import _object_lease
+from ._client_options import options_of
 from ._object_shard import CONCURRENCY, ObjectShard, _call, _translate
 from ._protocol import ObjectInfo
 from ._uploads import Joined, part_upload
@@ -140,9 +141,9 @@ def _filesystem(url: str, package: str) -> tuple[Any, str]:
         import fsspec.config
         from fsspec.core import url_to_fs
 
-        options = {}
+        options = options_of(scheme)  # given with a chained URL (flashckpt::s3://...), over fsspec's configuration
         if package == "s3fs":  # botocore's pool of 10 connections would cap the parts in flight
-            config = dict(fsspec.config.conf.get("s3", {}).get("config_kwargs") or {})
+            config = dict(options.get("config_kwargs") or fsspec.config.conf.get("s3", {}).get("config_kwargs") or {})
             config.setdefault("max_pool_connections", MAX_CONNECTIONS)
             options["config_kwargs"] = config
         fs, path = url_to_fs(url, **options)

@@ -1,5 +1,5 @@
 """States the one-process DCP tests save (bytes items, bfloat16, a non-contiguous tensor,
-plain values), a wait for a file the saver writes, and ranks killed after a save then restarted."""
+plain values), waits for a file or object the saver writes, and ranks killed after a save then restarted."""
 
 from __future__ import annotations
 
@@ -34,6 +34,26 @@ def wait_for(path: str, timeout: float = 60.0) -> None:
     while not os.path.exists(path):
         assert time.monotonic() < deadline, f"{path} did not appear within {timeout:g}s"
         time.sleep(0.05)
+
+
+def object_names(fs, url: str) -> list[str]:
+    """The names of the objects under ``url`` (``fs``: its fsspec client), sorted."""
+    fs.invalidate_cache()
+    try:
+        return sorted(p.rsplit("/", 1)[1] for p in fs.find(url))
+    except FileNotFoundError:
+        return []
+
+
+def wait_for_object(fs, url: str, timeout: float = 60.0) -> None:
+    """Until object ``url`` exists (the saver's export), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fs.invalidate_cache()
+        if fs.exists(url):
+            return
+        assert time.monotonic() < deadline, f"{url} did not appear within {timeout:g}s"
+        time.sleep(0.1)
 
 
 def killed_then_restarted(root: str, save_then_die, restart, world: int = 2) -> list:

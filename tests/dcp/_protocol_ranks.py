@@ -29,32 +29,41 @@ def _sharded(values: dict[str, torch.Tensor]) -> dict:
             "step": 0}
 
 
-def save_then_die(rank: int, world: int, root: str) -> None:
-    """Save steps 1, 2 and 3 through ``flashckpt://{root}/step-N``, then ``kill -9``."""
+def save_then_die(rank: int, world: int, base: str) -> None:
+    """Save steps 1, 2 and 3 through ``{base}/step-N`` (``flashckpt:///root``,
+    ``flashckpt::s3://bucket/run``), then ``kill -9``."""
     for step in (1, 2, 3):
         state = _sharded(full(step))
         state["step"] = step
-        dcp.save(state, checkpoint_id=f"flashckpt://{root}/step-{step}")
+        dcp.save(state, checkpoint_id=f"{base}/step-{step}")
     dist.barrier()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def restore(rank: int, world: int, root: str) -> dict:
-    """A new process finds the newest step by listing the protocol folder, loads it with
-    only its checkpoint id; returns where the bytes came from and whether they are right."""
-    import fsspec
+def restore(rank: int, world: int, base: str) -> dict:
+    """A new process finds the newest step by listing the protocol folder ``base``, loads it
+    with only its checkpoint id; returns where the bytes came from and whether they are right."""
+    from fsspec.core import url_to_fs
 
-    fs = fsspec.filesystem("flashckpt")
+    fs, root = url_to_fs(base)
     steps = [int(p.rsplit("-", 1)[1]) for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[1].startswith("step-")]
     newest = max(steps)
     state = _sharded({k: torch.zeros_like(v) for k, v in full(0).items()})
-    url = f"flashckpt://{root}/step-{newest}"
+    url = f"{base}/step-{newest}"
     dcp.load(state, checkpoint_id=url)
     want = full(newest)
     same = torch.equal(state["model"]["emb"].full_tensor(), want["emb"]) and \
         torch.equal(state["model"]["bias"], want["bias"]) and state["step"] == newest
     sources = {name: fs.last_source(f"{url}/{name}") for name in (".metadata", f"__{rank}_0.distcp")}
     return {"newest": newest, "same": same, "sources": sources}
+
+
+def check_restored(results: list[dict]) -> None:
+    """What :func:`restore` returned on 2 ranks: the newest step, right, from memory."""
+    assert [r["newest"] for r in results] == [3, 3]
+    assert all(r["same"] for r in results), results
+    assert results[0]["sources"] == {".metadata": "memory", "__0_0.distcp": "memory"}
+    assert results[1]["sources"] == {".metadata": "memory", "__1_0.distcp": "memory"}
 
 
 def hold_memory_only(root: str) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from flashckpt.dcp import FlashStorageReader, FlashStorageWriter, Latest, close,
 from tests.objectstore.conftest import bucket, moto_server, raw_fs, s3  # noqa: F401 -- fixtures
 
 from .._fork import Forked, run_ranks
-from ._common import blank as _blank, equal as _equal, state as _state
+from ._common import blank as _blank, equal as _equal, object_names, state as _state, wait_for_object
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -32,24 +31,11 @@ def _closed():
 
 
 def _listing(url: str) -> list[str]:
-    fs = raw_fs()
-    fs.invalidate_cache()
-    try:
-        return sorted(p.rsplit("/", 1)[1] for p in fs.find(url))
-    except FileNotFoundError:
-        return []
+    return object_names(raw_fs(), url)
 
 
-def _wait_for_object(url: str, timeout: float = 60.0) -> None:
-    """Until ``url`` exists in the bucket (the saver's export), at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    fs = raw_fs()
-    while True:
-        fs.invalidate_cache()
-        if fs.exists(url):
-            return
-        assert time.monotonic() < deadline, f"{url} did not appear within {timeout:g}s"
-        time.sleep(0.1)
+def _wait_for_object(url: str) -> None:
+    wait_for_object(raw_fs(), url)
 
 
 def _stock_load(url: str) -> dict:
