@@ -61,6 +61,10 @@ class DeepSpeedCheckpointer:
     shards from the bucket, never the tag; a tag in a bucket that no flash step holds
     (stock DeepSpeed's) is not loaded from there.
 
+    On node-local directories of three nodes or more (each node's directory holds its own and
+    its ring predecessor's shards, never every rank's files) no tag is written, as rank 0 logs
+    at construction; :meth:`load` restores the flash steps there as anywhere.
+
     All ranks construct it together (after ``deepspeed.initialize``) and all ranks call
     :meth:`save`, :meth:`load`, :meth:`wait` and :meth:`close`. ``options`` (a
     :class:`flashckpt.Options`) are those of every checkpointer; each of its fields can
@@ -92,6 +96,7 @@ class DeepSpeedCheckpointer:
         self._ckpt = Checkpointer(flash_dir, process_group=process_group,
                                   **{f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved)})
         self._flash = self._ckpt.engine
+        self._exports = self._tags_exportable()
         self._scratch_hold = make_scratch("deepspeed") if where.url else None
         self._scratch = self._scratch_hold.path if self._scratch_hold is not None else None
         """DeepSpeed's save_dir for its own file calls when the location is a URL (private, local;
@@ -112,6 +117,18 @@ class DeepSpeedCheckpointer:
     @property
     def job_id(self) -> str:
         return self._ckpt.job_id
+
+    def _tags_exportable(self) -> bool:
+        """Whether the saver can write DeepSpeed's tags: not on node-local directories that each
+        hold only some ranks' shards (three nodes or more), which is logged once (rank 0)."""
+        flash = self._flash
+        if flash.node_local is None or not flash.node_local.partial(flash.placement.storage_world):
+            return True
+        if flash.collective.rank == 0:
+            log.warning("node-local directories on %d nodes: no DeepSpeed tags are written (a node's directory holds "
+                        "the shards of two nodes' ranks, not every rank's files of a tag); "
+                        "DeepSpeedCheckpointer.load restores the flash steps", len(flash.node_local.scopes))
+        return False
 
     # -- save ---------------------------------------------------------------------
 
@@ -193,7 +210,8 @@ class DeepSpeedCheckpointer:
         export = {"name": "deepspeed", "params": {
             "save_dir": save_dir, "tag": tag, "save_latest": save_latest or self._latest_on_export,
             "keep_last": options.keep_last, "allow_pickle": options.allow_pickle}}
-        self._flash.save(step, state, persist=self._persist, export=export, captured=self._captured)
+        self._flash.save(step, state, persist=self._persist, export=export if self._exports else None,
+                         captured=self._captured)
 
     # -- load ---------------------------------------------------------------------
 

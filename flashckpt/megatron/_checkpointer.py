@@ -73,6 +73,8 @@ class MegatronCheckpointer(EngineCheckpointer):
     requested block needs; a restart with the same layout reads this node's memory (on
     node-local directories, a rank whose memory lacks the step reads its shard from its own
     node's directory straight into the tensors: one copy, never through its slot).
+    Node-local directories on three nodes or more, where no node's directory holds every
+    rank's shard, are a :class:`~flashckpt.CheckpointError` at construction.
 
     All ranks construct it and call ``save``/``load``/``wait``/``close``; every load is
     recorded (``last_load``, a new line after a rollback) by the engine. Takes
@@ -88,6 +90,23 @@ class MegatronCheckpointer(EngineCheckpointer):
         resolved = resolve_options(options, **shorthands)  # before the collective: a bad keyword fails alone
         collective = collective_for(process_group)
         self._engine = Engine(os.fspath(directory), resolved, place(collective, replicated=False), collective)
+        self._refuse_partial_directories()
+
+    def _refuse_partial_directories(self) -> None:
+        """Node-local directories that do not each hold every rank's shard (three nodes or more)
+        are a :class:`CheckpointError` on every rank, the engine closed: a load reads blocks from
+        every rank's shard (replicated blocks are saved by one rank), from memory or storage."""
+        engine = self._engine
+        partial = engine.node_local.partial(engine.placement.storage_world) if engine.node_local else []
+        if not partial:
+            return
+        engine.close()
+        raise CheckpointError(
+            f"MegatronCheckpointer cannot use node-local directories on {len(engine.node_local.scopes)} nodes: the "
+            f"directory {self.directory} of node(s) {', '.join(partial)} holds only its own and its ring "
+            f"predecessor's shards, but a megatron load reads blocks of every rank's shard (a replicated block is "
+            f"saved once, by its data-parallel rank 0, and a load from storage opens every rank's shard); use a "
+            f"directory every node shares, an object store, or node-local directories on two nodes")
 
     # -- save ---------------------------------------------------------------------
 

@@ -139,6 +139,11 @@ class NodeLocal:
         """The storage ranks this node's directory commits."""
         return self.scopes[self.node]
 
+    def partial(self, world: int) -> list[str]:
+        """The nodes whose directory commits only some of the ``world`` storage ranks (every
+        node's, from three nodes on: its own ranks' and its ring predecessor's)."""
+        return sorted(node for node, scope in self.scopes.items() if len(set(scope)) < world)
+
     def flush(self, rank: Flushing, timeout: float | None) -> None:
         """Node-local flush (a persisting rank): this rank's newest in-memory step goes to this
         node's directory and, as a save due for storage, to the next node's, unless it is

@@ -1,6 +1,8 @@
 """One rank on its own "node" (a private /dev/shm), for the multi-node test.
 
-    python _node_worker.py RANK WORLD PORT DIR own|ddp OUT_JSON [REPLICAS]
+    python _node_worker.py RANK WORLD PORT DIR own|ddp|megatron OUT_JSON [REPLICAS]
+
+``megatron``: only constructs a ``MegatronCheckpointer`` (reports its error, or None).
 """
 
 import glob
@@ -23,7 +25,7 @@ def main() -> None:
     socket.sethostname(f"node{rank}")  # its own mount namespace; the hostname names the node in errors
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     replicas = int(sys.argv[7]) if len(sys.argv) > 7 else None
-    cls = Checkpointer if mode == "own" else DdpCheckpointer
+    cls = {"own": Checkpointer, "ddp": DdpCheckpointer, "megatron": _megatron}[mode]
     value = float(rank) if mode == "own" else 7.0
     try:
         ck = cls(directory, job_id="nodes", replicas=replicas)
@@ -31,6 +33,12 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump({"error": str(exc)}, f)
         dist.destroy_process_group()  # left to interpreter exit, gloo's teardown sometimes aborts (SIGABRT)
+        return
+    if mode == "megatron":
+        ck.close()
+        with open(out, "w") as f:
+            json.dump({"error": None}, f)
+        dist.destroy_process_group()
         return
     for step in (1, 2):
         ck.save(step, {"w": torch.full((100,), value + step)})
@@ -45,6 +53,11 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
+
+
+def _megatron(directory: str, **options):
+    from flashckpt.megatron import MegatronCheckpointer
+    return MegatronCheckpointer(directory, **options)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """One torchrun worker of the multi-node tests: a few DDP steps, a flash checkpoint every step.
 
     torchrun ... _worker.py --dir SHARED_DIR --steps N [--kill-rank R --kill-step S --kill-pause P]
-                            [--replicas auto|0|1] [--per-rank | --fsdp] [--close-at-kill]
+                            [--replicas auto|0|1] [--per-rank | --fsdp | --deepspeed]
+                            [--close-at-kill]
 
 The process group comes from ``flashckpt.torch.init_process_group``. At step S every rank
 writes a ``step`` event; the first time each rank gets there (a marker file per rank in
@@ -12,11 +13,13 @@ the ranks wait at step S instead until the test writes ``SHARED_DIR/go`` (after 
 node), then save step S + 1 and time ``close()``. Each process appends JSON lines to
 ``SHARED_DIR/events-<host>-<pid>.jsonl``: ``launch`` (before the process group), ``start``
 (host, restart count, rank, seconds to form the group), ``restored`` (step, source, the addresses of the peers that sent
-this rank a replica), ``step``, ``closed`` (seconds, the error or None, the warnings logged) and ``done``
-(the model's bias, to check that every step counted exactly once).
+this rank a replica, a digest of its training state), ``step`` (with that digest at the kill step),
+``closed`` (seconds, the error or None, the warnings logged) and ``done`` (the model's bias, to check
+that every step counted exactly once, the state's digest and the warnings logged).
 
 ``--fsdp``: the model sharded with FSDP2 and saved by ``FsdpCheckpointer`` (sharded state:
-every rank's shard is needed), stepped by SGD with the same update to the bias.
+every rank's shard is needed), stepped by SGD with the same update to the bias. ``--deepspeed``:
+ZeRO-1 and ``DeepSpeedCheckpointer``, the same update to the bias (``_frameworks.py``).
 """
 
 import argparse
@@ -36,6 +39,7 @@ from flashckpt import CheckpointError
 from flashckpt.replicas._store import replica_index
 from flashckpt.torch import Checkpointer, DdpCheckpointer, init_process_group
 from tests._exit import exit_now
+from tests.nodes._frameworks import DeepSpeedTraining, digest
 
 
 STACK_SECONDS = 45.0
@@ -55,6 +59,7 @@ def main() -> None:
     p.add_argument("--per-rank", action="store_true",
                    help="Checkpointer (every rank saves its own copy) instead of DdpCheckpointer")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 and FsdpCheckpointer (sharded state)")
+    p.add_argument("--deepspeed", action="store_true", help="ZeRO-1 and DeepSpeedCheckpointer")
     p.add_argument("--close-at-kill", action="store_true",
                    help="at the kill step wait for SHARED_DIR/go, save one more step and time close()")
     args = p.parse_args()
@@ -85,22 +90,25 @@ def main() -> None:
     directory = os.path.join(args.dir, "ckpt")
     if args.fsdp:
         train = _FsdpTraining(model, directory, replicas)
+    elif args.deepspeed:
+        train = DeepSpeedTraining(directory, replicas)
     else:
         train = _Training(model, (Checkpointer if args.per_rank else DdpCheckpointer)(
             directory, persist_every=5, replicas=replicas))
     initial = train.bias_sum()
-    ckpt = train.ckpt
+    flash = train.flash
     step = train.load() or 0
     if step:
-        emit(event="restored", rank=rank, step=step, source=ckpt.last_load.source, peers=logged.fetched)
+        emit(event="restored", rank=rank, step=step, source=flash.last_load.source, peers=logged.fetched,
+             digest=train.digest())
     while step < args.steps:
         step += 1
         train.step(step)
         train.save(step)
         if step == args.kill_step:
-            if ckpt.engine.replicas.endpoints and ckpt.engine.placement.local_rank == 0:
-                _wait_replicated(ckpt.job_id, step)
-            emit(event="step", rank=rank, step=step)
+            if flash.replicas.endpoints and flash.placement.local_rank == 0:
+                _wait_replicated(flash.job_id, step)
+            emit(event="step", rank=rank, step=step, digest=train.digest())
             if args.close_at_kill:
                 _close_after_go(args.dir, train, step + 1, logged, lambda **e: emit(rank=rank, **e))
                 return
@@ -109,8 +117,9 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(args.kill_pause)
         time.sleep(0.1)
-    ckpt.close()
-    emit(event="done", rank=rank, step=step, bias=train.bias_sum(), initial=initial)
+    train.close()
+    emit(event="done", rank=rank, step=step, bias=train.bias_sum(), initial=initial, digest=train.digest(),
+         warnings=logged.warnings)
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
 
@@ -121,6 +130,11 @@ class _Training:
 
     def __init__(self, model: torch.nn.Module, ckpt) -> None:
         self.model, self.ckpt = model, ckpt
+
+    @property
+    def flash(self):
+        """The flash engine under the checkpointer."""
+        return self.ckpt.engine
 
     def state(self, step: int) -> dict:
         return {"model": self.model.state_dict(), "step": step}
@@ -139,6 +153,12 @@ class _Training:
 
     def bias_sum(self) -> float:
         return self.model.bias.sum().item()
+
+    def digest(self) -> str:
+        return digest(self.model.state_dict())
+
+    def close(self) -> None:
+        self.ckpt.close()
 
 
 class _FsdpTraining(_Training):
@@ -168,6 +188,9 @@ class _FsdpTraining(_Training):
     def bias_sum(self) -> float:
         return self.model.bias.full_tensor().sum().item()
 
+    def digest(self) -> str:
+        return digest({k: v.to_local() for k, v in self.model.state_dict().items()})
+
 
 class _Logged(logging.Handler):
     """What the library logs: the peers replicas were fetched from, and warnings."""
@@ -188,7 +211,6 @@ class _Logged(logging.Handler):
 
 def _close_after_go(shared: str, train: _Training, step: int, logged: _Logged, emit, timeout: float = 60.0) -> None:
     """Once the test wrote ``shared/go`` (it killed a node), save ``step`` and time ``close()``."""
-    ckpt = train.ckpt
     go = os.path.join(shared, "go")
     deadline = time.monotonic() + timeout
     while not os.path.exists(go) and time.monotonic() < deadline:
@@ -196,7 +218,7 @@ def _close_after_go(shared: str, train: _Training, step: int, logged: _Logged, e
     train.save(step)
     began, error = time.monotonic(), None
     try:
-        ckpt.close()
+        train.close()
     except CheckpointError as exc:
         error = f"{type(exc).__name__}: {exc}"
     emit(event="closed", step=step, seconds=time.monotonic() - began, error=error, warnings=logged.warnings)

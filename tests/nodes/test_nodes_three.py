@@ -3,11 +3,14 @@
 On three nodes the replica ring is 0 -> 1 -> 2 -> 0: node ``k`` holds node ``k - 1``'s newest
 steps in memory and commits its own rank's shards and node ``k - 1``'s in its directory (on
 two nodes the predecessor and the successor are one node; here they differ). Every rank saves
-its own state (``Checkpointer``, ``persist_every=5``), or its FSDP2 shard (``FsdpCheckpointer``).
+its own state (``Checkpointer``, ``persist_every=5``), or its FSDP2 shard (``FsdpCheckpointer``), or
+its DeepSpeed ZeRO-1 files (``DeepSpeedCheckpointer``), or its megatron-core blocks of a data-parallel
+GPTModel (``MegatronCheckpointer``; only rank 0 saves the replicated blocks): see ``_frameworks.py``.
 
 - Node 1 lost whole at step 7 (its processes SIGKILLed, its ``/dev/shm`` gone, its directory
   wiped), a fresh node 1 joins: every rank restores step 7 from memory, rank 1's sent by node 2
-  (which holds node 1's replica), 0 steps lost; at the end each directory committed step 10 of
+  (which holds node 1's replica), 0 steps lost, every rank's restored state (parameters and
+  optimizer state) equal to its state at step 7; at the end each directory committed step 10 of
   its own rank and its predecessor's.
 - Node 1 gone after step 3 (its link down, as a machine without power answers nothing, then its
   processes SIGKILLed), then nodes 0 and 2 save step 4 and ``close()``: node 2's commit of 4
@@ -29,6 +32,9 @@ from .test_nodes_replicas import STEPS, check_every_step_once
 from .test_nodes_restart import DEADLINE, Job, replace_node1
 
 KILL_STEP = 7
+NO_TAGS = ("node-local directories on 3 nodes: no DeepSpeed tags are written (a node's directory holds the "
+           "shards of two nodes' ranks, not every rank's files of a tag); DeepSpeedCheckpointer.load restores "
+           "the flash steps")
 CLOSE_SECONDS = 15.0
 """A close that sees a lost peer ends within this (the link's liveness is 5 s; a loaded machine)."""
 
@@ -36,7 +42,7 @@ pytestmark = pytest.mark.skipif(missing_requirements() is not None, reason=str(m
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("state", ["--per-rank", "--fsdp"])
+@pytest.mark.parametrize("state", ["--per-rank", "--fsdp", "--deepspeed"])
 def test_a_lost_node_restores_from_its_successors_replica(tmp_path, state):
     local = disks(tmp_path, 3)
     job = replace_node1(tmp_path, count=3, steps=STEPS, kill_step=KILL_STEP, worker_args=(state,),
@@ -46,9 +52,16 @@ def test_a_lost_node_restores_from_its_successors_replica(tmp_path, state):
         [(rank, KILL_STEP, "memory") for rank in range(3)], restored  # 0 steps lost
     # rank 1's step came from node 2, which keeps node 1's replica; the others had it in memory
     assert {r: e["peers"] for r, e in restored.items()} == {0: [], 1: [job.nodes.addresses[2]], 2: []}, restored
+    at_kill = {e["rank"]: e["digest"] for e in job.events("step")}
+    assert {r: e["digest"] for r, e in restored.items()} == at_kill  # parameters and optimizer state, exactly
     check_every_step_once(job)
+    flash = "flashckpt" if state == "--deepspeed" else ""  # DeepSpeedCheckpointer's flash steps
     for disk, scope in zip(local, [(0, 2), (0, 1), (1, 2)]):  # its own rank and its predecessor's
-        check_committed_here(disk, STEPS, scope)
+        check_committed_here(disk / flash, STEPS, scope)
+    if state == "--deepspeed":  # no node's directory holds every rank's files of a tag: none is exported, as said
+        assert not [p for disk in local for p in disk.glob("global_step*")], [list(d.iterdir()) for d in local]
+        said = {e["rank"]: [w for w in e["warnings"] if "DeepSpeed tags" in w] for e in job.events("done")}
+        assert said == {0: [NO_TAGS], 1: [], 2: []}, said  # rank 0 says so at construction
 
 
 @pytest.mark.timeout(120)
