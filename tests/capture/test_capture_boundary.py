@@ -163,3 +163,23 @@ def test_a_load_forgets_what_the_last_boundary_kept():
     assert capture.capture("test") == 2
     for name, value in written[2]["model"].items():
         assert torch.equal(value, loaded[name]), name
+
+
+def test_frozen_parameters_are_not_copied_at_every_boundary(tmp_path, job_id, caplog):
+    """Tensors outside the optimizer past max(4 MiB, 1% of its bytes) -- a frozen layer of
+    4.3 MiB here -- are not copied at each boundary: a warning says so, and a capture writes
+    them as they are."""
+    torch.manual_seed(0)
+    frozen, head = torch.nn.Linear(1024, 1100), torch.nn.Linear(1100, 1)
+    frozen.requires_grad_(False)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    state = lambda: {"frozen": frozen.state_dict(), "head": head.state_dict()}  # noqa: E731
+    with Checkpointer(tmp_path, job_id=job_id, persist_every=1000) as ckpt:
+        capture = ckpt.save_on_failure(state, optimizer=opt)
+        with caplog.at_level("INFO", logger="flashckpt"):
+            opt.zero_grad()
+            head(frozen(torch.ones(2, 1024))).sum().backward()
+            opt.step()
+        assert "outside the optimizer hold 4.3 MiB (frozen parameters?)" in caplog.text
+        assert "copied at each step boundary" in caplog.text and "module buffers" not in caplog.text
+        assert capture.capture("test") == 1
