@@ -4,10 +4,12 @@
                                           [--json results/capture_overhead.json]
 
 ``save_on_failure`` costs nothing until a failure but its optimizer step hooks (one
-pre-hook and one post-hook per ``optimizer.step()``) and the guard around every save.
-Two measurements, side by side:
+pre-hook and one post-hook per ``optimizer.step()``), the guard around every save, and at
+each step boundary the snapshot of what changes outside the update: here ``boundary_state``
+(an ``ElasticDistributedSampler``'s state and ``flashckpt.rng_state()``) and the copy of the
+model's BatchNorm statistics. Two measurements, side by side:
 
-1. A/B: two identical models (an MLP of ``--width``, Adam, a batch of 64), each with its
+1. A/B: two identical models (an MLP of ``--width`` with a BatchNorm, Adam, a batch of 64), each with its
    own ``Checkpointer`` saving to memory every 50 steps; only the second called
    ``save_on_failure``. Their training loops run in alternating rounds (interleaved, so a
    busy spell of the machine falls on both); the difference of the mean step times over
@@ -32,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+import flashckpt
+from elastic import ElasticDistributedSampler
 from flashckpt.torch import Checkpointer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,16 +47,22 @@ class Job:
 
     def __init__(self, directory: str, width: int, capture: bool) -> None:
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.ReLU(),
-                                         torch.nn.Linear(4 * width, width))
+        self.model = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.BatchNorm1d(4 * width),
+                                         torch.nn.ReLU(), torch.nn.Linear(4 * width, width))
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.sampler = ElasticDistributedSampler(range(1 << 20), num_replicas=1, rank=0)
         self.ckpt = Checkpointer(directory, job_id="bench" + uuid.uuid4().hex[:8], persist_every=1 << 20)
         self.step = self.ckpt.load(self.state()) or 0
-        self.capture = self.ckpt.save_on_failure(self.state, optimizer=self.opt) if capture else None
+        self.capture = self.ckpt.save_on_failure(self.state, optimizer=self.opt, boundary_state=self.moving) \
+            if capture else None
         self.x = torch.randn(64, width)
 
     def state(self) -> dict:
-        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict(), **self.moving()}
+
+    def moving(self) -> dict:
+        """What changes outside the update and is small: taken at each step boundary."""
+        return {"sampler": self.sampler.state_dict(), "rng": flashckpt.rng_state()}
 
     def train(self, steps: int) -> float:
         """Mean seconds per step over ``steps`` steps."""
@@ -74,9 +84,10 @@ def per_call(fn, n: int) -> float:
     return (time.perf_counter() - began) / n
 
 
-def hook_seconds(capture, n: int = 100_000) -> dict[str, float]:
+def hook_seconds(capture, moving, n: int = 100_000) -> dict[str, float]:
     """The hooks' time per ``optimizer.step()``: a one-element SGD stepped with the
-    capture's boundary hooked on and without; and the boundary calls alone."""
+    capture's boundary hooked on and without; the boundary calls alone; of them, the
+    ``boundary_state`` call (``moving``) and ``flashckpt.rng_state()`` in it (least of 5)."""
     from flashckpt._step_hooks import hook_steps
 
     p = torch.nn.Parameter(torch.zeros(1))
@@ -94,7 +105,8 @@ def hook_seconds(capture, n: int = 100_000) -> dict[str, float]:
         handle.remove()
     boundary = per_call(lambda: (capture.update_begins(), capture.update_ends()), n)
     return {"sgd_step_bare_s": min(b), "sgd_step_hooked_s": min(h), "hooks_per_step_s": min(h) - min(b),
-            "boundary_calls_s": boundary}
+            "boundary_calls_s": boundary, "boundary_state_s": min(per_call(moving, n // 10) for _ in range(5)),
+            "rng_state_s": min(per_call(flashckpt.rng_state, n // 10) for _ in range(5))}
 
 
 def main() -> None:
@@ -113,7 +125,7 @@ def main() -> None:
             order = [(plain, base), (captured, with_capture)]
             for job, times in order if r % 2 == 0 else order[::-1]:
                 times.append(job.train(a.steps))
-        hooks = hook_seconds(captured.capture)
+        hooks = hook_seconds(captured.capture, captured.moving)
         for job in (plain, captured):
             job.ckpt.close()
     b, c = statistics.mean(base), statistics.mean(with_capture)
@@ -127,6 +139,8 @@ def main() -> None:
     print(f"hooks per optimizer step  : {hooks['hooks_per_step_s'] * 1e6:.2f} us (SGD on one element: "
           f"{hooks['sgd_step_bare_s'] * 1e6:.2f} us bare, {hooks['sgd_step_hooked_s'] * 1e6:.2f} us hooked; "
           f"the boundary calls alone {hooks['boundary_calls_s'] * 1e6:.2f} us)")
+    print(f"of which boundary_state   : {hooks['boundary_state_s'] * 1e6:.2f} us (flashckpt.rng_state() "
+          f"{hooks['rng_state_s'] * 1e6:.2f} us); the rest the hooks and the BatchNorm statistics' copy")
     print(f"direct overhead           : {result['direct_overhead'] * 100:.4f}% of this step "
           f"({hooks['hooks_per_step_s'] / 0.010 * 100:.3f}% of a 10 ms step; goal <= 1%)")
     out = Path(a.json)

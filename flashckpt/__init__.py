@@ -18,6 +18,7 @@ from ._errors import (
     UnsafeFileError,
 )
 from ._options import Options
+from ._rng import rng_state, set_rng_state
 
 __all__ = [
     "CheckpointError",
@@ -32,6 +33,8 @@ __all__ = [
     "StateMismatchError",
     "UnsafeFileError",
     "__version__",
+    "rng_state",
+    "set_rng_state",
 ]
 
 __version__ = "0.1.0"

@@ -58,7 +58,8 @@ class EngineCheckpointer:
         abandoned line stays the newest until this line commits one."""
         return self._engine.latest_step()
 
-    def save_on_failure(self, state_fn: Callable[[], Any], *, optimizer: Any) -> FailureCapture:
+    def save_on_failure(self, state_fn: Callable[[], Any], *, optimizer: Any,
+                        boundary_state: Callable[[], Any] | None = None) -> FailureCapture:
         """On a failure, save the last finished optimizer step: call once, from the main
         thread, after ``load`` (see ``flashckpt._capture``).
 
@@ -72,23 +73,33 @@ class EngineCheckpointer:
         Replicated state (``DdpCheckpointer``): the first local rank to capture writes the
         node's copy, which serves every rank (local rank 0 killed, a survivor captures);
         per-rank or sharded state loads a capture only where every rank captured it.
+
+        The main thread may have gone on into the next step when another thread captures.
+        What changes outside the update is written as of the step's end: the tensors of
+        ``state_fn()``'s tree that the optimizer does not own (module buffers such as
+        BatchNorm's statistics), and ``boundary_state()``, called at the end of every update,
+        on that thread: a partial tree of ``state_fn()``'s (dicts merge, anything else
+        replaces) of small state that changes outside the update, e.g. ``{"sampler":
+        sampler.state_dict(), "rng": flashckpt.rng_state()}``; cheap (it runs every step), no
+        collective; checked at the next save with ``state_fn``.
         """
         if not self._captures_failures:
             raise CheckpointError(f"{type(self).__name__} has no failure capture yet (the torch Checkpointer, "
                                   "DdpCheckpointer, FsdpCheckpointer, DeepSpeedCheckpointer and "
                                   "MegatronCheckpointer have)")
         self._check_no_capture()  # before the optimizer's hooks are registered
-        return self.capture_with(self.engine_capture(state_fn, optimizer))
+        return self.capture_with(self.engine_capture(state_fn, optimizer, boundary_state=boundary_state))
 
     def engine_capture(self, state_fn: Callable[[], Any], optimizer: Any = None, *,
                        export: dict[str, Any] | None = None,
                        tree: Callable[[Any], Any] | None = None,
-                       may_lack: tuple[str, ...] = ()) -> FailureCapture:
+                       may_lack: tuple[str, ...] = (),
+                       boundary_state: Callable[[], Any] | None = None) -> FailureCapture:
         """A capture whose saves go through this checkpointer's engine (persisted, marked
         captured, exported by ``export``), not yet armed (:meth:`capture_with`); None as
         ``optimizer``: the caller gives the step boundary. ``tree(state)``: the tree the
         engine saves, made from what ``state_fn`` returned (default: that itself).
-        ``may_lack``: see :class:`FailureCapture`."""
+        ``may_lack``, ``boundary_state``: see :class:`FailureCapture`."""
         engine = self._engine
 
         def save(step: int, state: Any) -> bool:
@@ -98,7 +109,7 @@ class EngineCheckpointer:
         return FailureCapture(
             state_fn, optimizer, save=save,
             last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle,
-            settle=engine.finish_copy, may_lack=may_lack)
+            settle=engine.finish_copy, may_lack=may_lack, boundary_state=boundary_state)
 
     def _check_no_capture(self) -> None:
         if self._capture is not None:

@@ -15,11 +15,14 @@ not one torch ``optimizer.step()`` give the boundary themselves (:meth:`FailureC
 ``on_step_end``, the DeepSpeed checkpointer around ``engine.step``, the megatron checkpointer
 from the optimizer wrapper's ``step_with_ready_grads`` to the end of its ``step``.
 
+The main thread may have gone on into the next step when another thread captures (drawn
+its batch, used the RNGs, run forward): what changes outside the update is kept as of each
+boundary (:mod:`flashckpt._boundary`: ``boundary_state``'s values, the tensors outside the
+optimizer) and written in place of the live values.
+
 Trade-offs, plainly: step numbers must count optimizer steps (no gradient accumulation
-over several ``save`` steps); state that ``forward`` changes (BatchNorm statistics) or a
-sampler that drew the next batch may be a step ahead when the main thread keeps running
-while another thread captures; a data-loader or RNG position of step k is the user's
-``state_fn``'s to give.
+over several ``save`` steps); a data-loader or RNG position not in ``boundary_state`` is
+written as it is at the failure (possibly a step ahead).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from ._boundary import BoundarySnapshot
 from ._errors import CheckpointError, StateMismatchError
 from ._step_hooks import check_optimizer, hook_steps
 from .memory._tree import flatten
@@ -53,15 +57,19 @@ class FailureCapture:
     the loaded step). ``may_lack``: subtrees (paths such as ``/hf/model``) that the
     check of ``state_fn`` against a save leaves out, where a capture writes less than a
     save by design (the Trainer's ZeRO-3 weights, which only a gather across ranks gives).
+    ``boundary_state``: a partial tree of ``state_fn``'s, taken at each step boundary and
+    written in place of the live values (see :mod:`flashckpt._boundary`).
     """
 
     def __init__(self, state_fn: Callable[[], Any], optimizer: Any, *, save: Callable[[int, Any], Any],
                  last_load: Callable[[], Any], allow_pickle: bool = False,
-                 settle: Callable[[], None] = lambda: None, may_lack: tuple[str, ...] = ()) -> None:
+                 settle: Callable[[], None] = lambda: None, may_lack: tuple[str, ...] = (),
+                 boundary_state: Callable[[], Any] | None = None) -> None:
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
         if optimizer is not None:
             check_optimizer(optimizer)
+        self._boundary = BoundarySnapshot(state_fn, boundary_state, optimizer)
         self._state_fn, self._save, self._last_load = state_fn, save, last_load
         self._allow_pickle = allow_pickle
         self._may_lack = may_lack
@@ -100,6 +108,7 @@ class FailureCapture:
             self._seen_load = loaded
             self._base, self._steps = (loaded.step or 0) if loaded is not None else 0, 0
             self._saved = False
+            self._boundary.forget()
 
     def update_begins(self) -> None:
         """The state starts to change (the optimizer's step pre-hook, or an adapter's own
@@ -113,7 +122,14 @@ class FailureCapture:
     def update_ends(self, step: int | None = None) -> None:
         """The update is over: the state is that of the next step, or of ``step`` where the
         adapter knows its number (the Trainer's ``global_step`` at ``on_step_end``). An
-        update that raised never ends: nothing is captured after it."""
+        update that raised never ends: nothing is captured after it; nor after a
+        ``boundary_state`` that raised (raised here)."""
+        try:  # while the update still counts as in progress: no capture copies meanwhile
+            self._boundary.take()
+        except BaseException:
+            with self._cond:
+                self._updating = "a step boundary whose boundary_state() raised"
+            raise
         with self._cond:
             self._updating = None
             if step is None:
@@ -171,6 +187,8 @@ class FailureCapture:
             got = _signature(mine, self._allow_pickle)
         except CheckpointError as exc:
             raise CheckpointError(f"save_on_failure: state_fn() returned a state save() cannot take: {exc}") from exc
+        if self._boundary.boundary_state is not None:
+            self._check_boundary(got)
         want = _signature(state, self._allow_pickle)
         if self._may_lack:
             got, want = ({path: what for path, what in tree.items()
@@ -185,6 +203,18 @@ class FailureCapture:
                      if names]
             raise StateMismatchError("save_on_failure: state_fn() returns another tree than save() "
                                      f"got ({'; '.join(parts)})")
+
+    def _check_boundary(self, tree: dict[str, Any]) -> None:
+        """``boundary_state()`` gives parts of ``state_fn()``'s tree (``tree``: its signature)."""
+        try:
+            given = _signature(self._boundary.boundary_state(), self._allow_pickle)
+        except Exception as exc:
+            raise CheckpointError(f"save_on_failure: boundary_state() raised or returned what save() cannot take: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        wrong = sorted(path for path, what in given.items() if tree.get(path) != what)
+        if wrong:
+            raise StateMismatchError("save_on_failure: boundary_state() gives what state_fn()'s tree does not hold "
+                                     f"alike ({', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''})")
 
     # -- the capture -------------------------------------------------------------
 
@@ -232,7 +262,7 @@ class FailureCapture:
                 return None
             self._capturing = me
         try:
-            written = self._save(step, self._state_fn()) is not False
+            written = self._save(step, self._boundary.apply(self._state_fn())) is not False
             if written:
                 self._captured = step
                 log.warning("failure (%s): captured step %d into memory (persisting)", reason, step)

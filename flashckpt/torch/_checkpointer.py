@@ -97,12 +97,12 @@ class Checkpointer(EngineCheckpointer):
                              "the copy: pass optimizer=... (once), or call save_on_failure(..., optimizer=...) first")
         return self._engine.save(step, state, persist=persist, defer=self._step_waits.deferred())
 
-    def save_on_failure(self, state_fn: Any, *, optimizer: Any) -> Any:
+    def save_on_failure(self, state_fn: Any, *, optimizer: Any, boundary_state: Any = None) -> Any:
         """As :meth:`flashckpt._base.EngineCheckpointer.save_on_failure`; ``optimizer`` is
         also the one overlapped saves wait for (see :meth:`save`)."""
         self._check_no_capture()
         self._step_waits.add(optimizer)  # hooked first: a copy's error raised in step() comes before an update begins
-        return super().save_on_failure(state_fn, optimizer=optimizer)
+        return super().save_on_failure(state_fn, optimizer=optimizer, boundary_state=boundary_state)
 
     def close(self, timeout: float | None = None) -> None:
         """As :meth:`flashckpt._base.EngineCheckpointer.close`, after an overlapped save's copy;

@@ -1,0 +1,225 @@
+"""What changes outside ``optimizer.step()``, kept as of the last step boundary (issue 42).
+
+A failure capture writes ``state_fn()`` as the last finished step k from whichever thread
+comes first, while the main thread may have gone on into step k+1: drawn its batch (the
+sampler's position moved), used the RNGs, run its forward (BatchNorm's running statistics
+moved). Parameters and optimizer state cannot have moved (a capture during an update writes
+nothing), but these can. So at each step boundary (the end of the update: the optimizer's
+step post-hook, an adapter's ``update_ends``) :meth:`BoundarySnapshot.take` keeps
+
+- what ``boundary_state()`` returns: the user's partial tree of small state that changes
+  outside the update (a sampler's ``state_dict()``, ``flashckpt.rng_state()``), copied;
+- the tensors of ``state_fn()``'s tree that the optimizer does not own (its parameters and
+  their state) and that are the same tensors at each call: module buffers such as
+  BatchNorm's statistics, copied into tensors of their own. They are found once, at the
+  first boundary (two calls of ``state_fn()``), where the optimizer is a torch one; when
+  they hold more than ``max(4 MiB, 1% of what the optimizer owns)`` (frozen parameters, an
+  EMA of the weights) none is kept, with a warning.
+
+:meth:`BoundarySnapshot.apply` lays them over the capture's ``state_fn()`` tree: dicts merge
+key by key, any other value is replaced. Trade-offs, plainly: each step pays one call of
+``boundary_state()`` and one copy of those buffers (``benchmarks/capture_overhead.py``); the
+values are those at the end of ``optimizer.step()``, so state the loop changes after
+``step()`` returns and before the failure (a scheduler's step, an EMA update) is a step
+behind in a capture when it is in ``boundary_state`` or one of those tensors -- leave it to
+``state_fn``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable, Iterator
+
+__all__ = ["BoundarySnapshot"]
+
+log = logging.getLogger("flashckpt")
+
+BUFFER_BYTES_FLOOR = 4 << 20
+BUFFER_SHARE = 0.01
+"""The tensors outside the optimizer are copied at each boundary only when they hold at most
+``max(BUFFER_BYTES_FLOOR, BUFFER_SHARE * bytes the optimizer owns)``."""
+
+Path = tuple[Any, ...]
+
+
+class BoundarySnapshot:
+    """The values as of the last step boundary that a capture writes in place of the live
+    ones (see the module docstring). ``optimizer``: a torch optimizer, or None where the
+    adapter's state is not the optimizer's (then only ``boundary_state`` is kept)."""
+
+    def __init__(self, state_fn: Callable[[], Any], boundary_state: Callable[[], Any] | None,
+                 optimizer: Any) -> None:
+        if boundary_state is not None and not callable(boundary_state):
+            raise TypeError("boundary_state must be callable (returning the parts of state_fn's tree as of a "
+                            f"step boundary), got {type(boundary_state).__name__}")
+        self.boundary_state = boundary_state
+        self._state_fn, self._optimizer = state_fn, optimizer
+        self._taken = False
+        """A boundary was taken since the start or the last load (:meth:`forget`)."""
+        self._given: Any = None
+        """``boundary_state()`` of the last boundary, copied."""
+        self._buffers: list[tuple[Path, Any, Any]] | None = None if optimizer is not None else []
+        """(path, live tensor, its copy) of the tensors outside the optimizer; None: not found yet."""
+
+    def take(self) -> None:
+        """At a step boundary, on the thread that ends the update (no capture runs meanwhile)."""
+        if self._buffers is None:
+            self._find_buffers()
+        if self._buffers:
+            import torch
+
+            torch._foreach_copy_([copy for _, _, copy in self._buffers], [live for _, live, _ in self._buffers])
+        if self.boundary_state is not None:
+            self._given = _copied(self.boundary_state())
+        self._taken = True
+
+    def forget(self) -> None:
+        """A load replaced the live state: what the last boundary kept is of another step."""
+        self._taken, self._given = False, None
+
+    def apply(self, tree: Any) -> Any:
+        """``tree`` (a fresh ``state_fn()``) with the values of the last boundary in place of
+        the live ones (as it is where no boundary came since the start or the last load); the
+        containers on their paths are copied, the caller's left as they are."""
+        if not self._taken:
+            return tree
+        replaced = []
+        for path, live, copy in self._buffers or ():
+            now = _get(tree, path)
+            if now is not None and _same_tensor(now, live):
+                tree = _put(tree, path, copy)
+            else:
+                replaced.append("/" + "/".join(map(str, path)))
+        if replaced:
+            log.warning("failure capture: %s no longer the tensor(s) found at the first step boundary; written as "
+                        "they are now (possibly changed since the step's end)", ", ".join(replaced[:5]))
+        if self._given is not None:
+            tree = _overlay(tree, self._given)
+        return tree
+
+    def _find_buffers(self) -> None:
+        """The tensors of ``state_fn()``'s tree that the optimizer does not own, with a copy each."""
+        try:  # twice: a tensor made anew by each call (a value computed from others) is no buffer
+            tree, again = self._state_fn(), self._state_fn()
+        except Exception as exc:  # the first save's check says it; found at a later boundary
+            log.debug("step boundary: state_fn() raised %s; its buffers are looked for at the next one", exc)
+            return
+        owned, owned_bytes = _optimizer_storages(self._optimizer)
+        owned.add(None)  # a tensor whose storage cannot be read is left as it is
+        outside = [(path, t) for path, t in _tensors(tree, ())
+                   if _storage(t) not in owned and t.numel() and _same_tensor(_get(again, path), t)]
+        size = sum(t.nelement() * t.element_size() for _, t in outside)
+        limit = max(BUFFER_BYTES_FLOOR, BUFFER_SHARE * owned_bytes)
+        if size > limit:
+            log.warning("failure capture: the %d tensor(s) of state_fn()'s tree outside the optimizer hold %.1f MiB "
+                        "(frozen parameters?), more than the %.1f MiB copied at each step boundary: none is; a "
+                        "capture writes them as they are at the failure (give the buffers forward changes in "
+                        "boundary_state)", len(outside), size / 2**20, limit / 2**20)
+            self._buffers = []
+            return
+        self._buffers = [(path, t, t.detach().clone()) for path, t in outside]
+        if outside:
+            log.info("failure capture: %d tensor(s) outside the optimizer (%.1f KiB, module buffers) are copied at "
+                     "each step boundary", len(outside), size / 1024)
+
+
+def _local(t: Any) -> Any:
+    """``t``, or a DTensor's local shard."""
+    return t.to_local() if callable(getattr(t, "to_local", None)) else t
+
+
+def _storage(t: Any) -> int | None:
+    """Where ``t``'s bytes live; None where that cannot be read (a tensor subclass without storage)."""
+    try:
+        return _local(t).untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    """``a`` is ``b`` or a view of the same bytes alike (``state_dict()`` detaches anew each call)."""
+    import torch
+
+    if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    try:
+        return a is b or _local(a).data_ptr() == _local(b).data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _optimizer_storages(optimizer: Any) -> tuple[set[int], int]:
+    """The storages of the optimizer's parameters and state tensors, and their bytes."""
+    import torch
+
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return {_storage(t) for t in tensors}, sum(t.nelement() * t.element_size() for t in tensors)
+
+
+def _tensors(node: Any, path: Path) -> Iterator[tuple[Path, Any]]:
+    import torch
+
+    if isinstance(node, torch.Tensor):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, child in node.items():
+            yield from _tensors(child, path + (key,))
+    elif isinstance(node, (list, tuple)):
+        for i, child in enumerate(node):
+            yield from _tensors(child, path + (i,))
+
+
+def _copied(node: Any) -> Any:
+    """``node`` with its dicts and lists rebuilt and its tensors and arrays copied; tuples
+    and other values as they are (immutable, or the caller's to give fresh)."""
+    kind = type(node)
+    if kind in _KEPT:
+        return node
+    if isinstance(node, dict):
+        return {key: _copied(child) for key, child in node.items()}
+    if kind is list:
+        return [_copied(child) for child in node]
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
+    if torch is not None and isinstance(node, torch.Tensor):
+        return node.detach().clone()
+    if numpy is not None and isinstance(node, numpy.ndarray):
+        return node.copy()
+    return node
+
+
+_KEPT = (int, float, str, bool, type(None), tuple, bytes)
+
+
+def _get(tree: Any, path: Path) -> Any:
+    for key in path:
+        try:
+            tree = tree[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return tree
+
+
+def _put(tree: Any, path: Path, value: Any) -> Any:
+    """``tree`` with ``value`` at ``path``, its containers on the path copied."""
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(tree, dict):
+        out = dict(tree)
+        out[key] = _put(tree[key], rest, value)
+        return out
+    items = list(tree)
+    items[key] = _put(items[key], rest, value)
+    return type(tree)(items) if isinstance(tree, tuple) else items
+
+
+def _overlay(tree: Any, given: Any) -> Any:
+    """``given`` laid over ``tree``: dicts merge key by key, anything else replaces."""
+    if isinstance(tree, dict) and isinstance(given, dict):
+        out = dict(tree)
+        for key, value in given.items():
+            out[key] = _overlay(tree[key], value) if key in tree else value
+        return out
+    return given
