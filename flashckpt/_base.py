@@ -103,13 +103,12 @@ class EngineCheckpointer:
         engine = self._engine
 
         def save(step: int, state: Any) -> bool:
-            saved = state if tree is None else tree(state)
-            return engine.save(step, saved, persist=True, export=export, captured=True) is not None
+            return engine.save(step, state, persist=True, export=export, captured=True) is not None
 
         return FailureCapture(
             state_fn, optimizer, save=save,
             last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle,
-            settle=engine.finish_copy, may_lack=may_lack, boundary_state=boundary_state)
+            settle=engine.finish_copy, may_lack=may_lack, boundary_state=boundary_state, tree=tree)
 
     def _check_no_capture(self) -> None:
         if self._capture is not None:

@@ -49,12 +49,16 @@ class BoundarySnapshot:
     adapter's state is not the optimizer's (then only ``boundary_state`` is kept)."""
 
     def __init__(self, state_fn: Callable[[], Any], boundary_state: Callable[[], Any] | None,
-                 optimizer: Any) -> None:
+                 optimizer: Any, tree: Callable[[Any], Any] | None = None) -> None:
+        """``tree(state)``: the whole tree a capture saves, made from ``state_fn()``'s (an
+        adapter's: FSDP's local shards around the ``extra``); ``boundary_state`` overlays
+        ``state_fn()``'s tree, the tensors outside the optimizer are looked for in the whole."""
         if boundary_state is not None and not callable(boundary_state):
             raise TypeError("boundary_state must be callable (returning the parts of state_fn's tree as of a "
                             f"step boundary), got {type(boundary_state).__name__}")
         self.boundary_state = boundary_state
         self._state_fn, self._optimizer = state_fn, optimizer
+        self._tree = tree
         self._taken = False
         """A boundary was taken since the start or the last load (:meth:`forget`)."""
         self._given: Any = None
@@ -78,30 +82,36 @@ class BoundarySnapshot:
         """A load replaced the live state: what the last boundary kept is of another step."""
         self._taken, self._given = False, None
 
-    def apply(self, tree: Any) -> Any:
-        """``tree`` (a fresh ``state_fn()``) with the values of the last boundary in place of
-        the live ones (as it is where no boundary came since the start or the last load); the
-        containers on their paths are copied, the caller's left as they are."""
+    def apply(self, state: Any) -> Any:
+        """The whole tree of ``state`` (a fresh ``state_fn()``) with the values of the last
+        boundary in place of the live ones (as it is where no boundary came since the start
+        or the last load); the containers on their paths are copied, the caller's left as
+        they are."""
+        if self._taken and self._given is not None:
+            state = _overlay(state, self._given)
+        tree = self._whole(state)
         if not self._taken:
             return tree
         replaced = []
+        given = {id(t) for _, t in _tensors(self._given, ())}  # boundary_state's copies stay
         for path, live, copy in self._buffers or ():
             now = _get(tree, path)
             if now is not None and _same_tensor(now, live):
                 tree = _put(tree, path, copy)
-            else:
+            elif id(now) not in given:
                 replaced.append("/" + "/".join(map(str, path)))
         if replaced:
             log.warning("failure capture: %s no longer the tensor(s) found at the first step boundary; written as "
                         "they are now (possibly changed since the step's end)", ", ".join(replaced[:5]))
-        if self._given is not None:
-            tree = _overlay(tree, self._given)
         return tree
 
+    def _whole(self, state: Any) -> Any:
+        return state if self._tree is None else self._tree(state)
+
     def _find_buffers(self) -> None:
-        """The tensors of ``state_fn()``'s tree that the optimizer does not own, with a copy each."""
+        """The tensors of the whole tree that the optimizer does not own, with a copy each."""
         try:  # twice: a tensor made anew by each call (a value computed from others) is no buffer
-            tree, again = self._state_fn(), self._state_fn()
+            tree, again = self._whole(self._state_fn()), self._whole(self._state_fn())
         except Exception as exc:  # the first save's check says it; found at a later boundary
             log.debug("step boundary: state_fn() raised %s; its buffers are looked for at the next one", exc)
             return

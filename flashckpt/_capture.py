@@ -58,18 +58,19 @@ class FailureCapture:
     check of ``state_fn`` against a save leaves out, where a capture writes less than a
     save by design (the Trainer's ZeRO-3 weights, which only a gather across ranks gives).
     ``boundary_state``: a partial tree of ``state_fn``'s, taken at each step boundary and
-    written in place of the live values (see :mod:`flashckpt._boundary`).
+    written in place of the live values (see :mod:`flashckpt._boundary`). ``tree(state)``:
+    the tree ``save`` gets, made from ``state_fn()``'s with those values (default: that itself).
     """
 
     def __init__(self, state_fn: Callable[[], Any], optimizer: Any, *, save: Callable[[int, Any], Any],
                  last_load: Callable[[], Any], allow_pickle: bool = False,
                  settle: Callable[[], None] = lambda: None, may_lack: tuple[str, ...] = (),
-                 boundary_state: Callable[[], Any] | None = None) -> None:
+                 boundary_state: Callable[[], Any] | None = None, tree: Callable[[Any], Any] | None = None) -> None:
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
         if optimizer is not None:
             check_optimizer(optimizer)
-        self._boundary = BoundarySnapshot(state_fn, boundary_state, optimizer)
+        self._boundary = BoundarySnapshot(state_fn, boundary_state, optimizer, tree)
         self._state_fn, self._save, self._last_load = state_fn, save, last_load
         self._allow_pickle = allow_pickle
         self._may_lack = may_lack

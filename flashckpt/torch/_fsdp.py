@@ -182,7 +182,8 @@ class FsdpCheckpointer(EngineCheckpointer):
 
     # -- failure capture --------------------------------------------------------------
 
-    def save_on_failure(self, state_fn: Callable[[], Any], *, optimizer: Any) -> FailureCapture:
+    def save_on_failure(self, state_fn: Callable[[], Any], *, optimizer: Any,
+                        boundary_state: Callable[[], Any] | None = None) -> FailureCapture:
         """On a failure, save the last finished optimizer step from this rank's local shards
         (see ``flashckpt._capture``). Every rank calls it once, from the main thread, after
         ``load(model, optimizer)`` (or a ``save``): the model and optimizer are that call's,
@@ -202,6 +203,12 @@ class FsdpCheckpointer(EngineCheckpointer):
         sharded: a restart loads a capture only where every rank captured it. FSDP2 only:
         FSDP1's sharded state dict is collective, and a model with parameters outside the
         optimizer is refused (:class:`~flashckpt.CheckpointError` naming why).
+
+        As of the step's end (see ``flashckpt._boundary``): the model's buffers (BatchNorm's
+        running statistics, which the next forward changes) are copied at every optimizer
+        step's end and a capture writes the copies; ``boundary_state()``, called there too,
+        gives parts of ``state_fn()``'s tree (the ``extra``: a sampler's state,
+        ``flashckpt.rng_state()``) that a capture writes in place of the live ones.
         """
         self._check_no_capture()
         model, known = self._model, self._optimizer
@@ -217,7 +224,7 @@ class FsdpCheckpointer(EngineCheckpointer):
                             f"{type(state_fn).__name__}")
         shards = CaptureShards(model, optimizer, lambda: self._collect(model, optimizer, None),
                                 lambda: self._collecting)
-        capture = self.engine_capture(state_fn, optimizer, tree=shards.tree)
+        capture = self.engine_capture(state_fn, optimizer, tree=shards.tree, boundary_state=boundary_state)
         self._shards = shards
         return self.capture_with(capture, guard_saves=False)
 
