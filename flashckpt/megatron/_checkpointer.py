@@ -152,7 +152,8 @@ class MegatronCheckpointer(EngineCheckpointer):
 
     # -- failure capture ------------------------------------------------------------
 
-    def save_on_failure(self, state_fn: Callable[[], dict], *, optimizer: Any) -> FailureCapture:
+    def save_on_failure(self, state_fn: Callable[[], dict], *, optimizer: Any,
+                        boundary_state: Callable[[], dict] | None = None) -> FailureCapture:
         """On a failure, save the last finished optimizer step (see ``flashckpt._capture``).
         Every rank calls it once, from the main thread, after :meth:`load`.
 
@@ -171,6 +172,13 @@ class MegatronCheckpointer(EngineCheckpointer):
         as that step into its memory slot, persisted. The state is sharded: a restart loads a
         capture only where every rank captured it. The distributed optimizer is refused
         (:class:`~flashckpt.CheckpointError`: its sharded state dict is a collective).
+
+        ``boundary_state()``: a partial sharded state dict of ``state_fn()``'s, called at the
+        end of every update (see ``flashckpt._boundary``): its plain values (the common part),
+        ``ShardedObject`` s and ``ShardedTensor`` blocks, copied, replace those of the same
+        keys in a capture, e.g. ``{"data": {"consumed": n}, "rng_state": ShardedObject(...)}``.
+        Tensors outside the optimizer are copied at each boundary only where ``optimizer`` is
+        a torch optimizer (megatron's wrappers own no torch parameters of their own).
         """
         self._check_no_capture()
         if not callable(state_fn):
@@ -179,10 +187,17 @@ class MegatronCheckpointer(EngineCheckpointer):
         megatron = is_megatron_optimizer(optimizer)
         if megatron:
             check_capturable(optimizer)
-        capture = self.engine_capture(lambda: self._blocks(state_fn()), None if megatron else optimizer, tree=_packed)
+        given = None if boundary_state is None else lambda: self._given_blocks(boundary_state())
+        capture = self.engine_capture(lambda: self._blocks(state_fn()), None if megatron else optimizer, tree=_packed,
+                                      boundary_state=given)
         if megatron:
             capture.keep(StepBoundary(optimizer, capture))  # removed when the checkpointer closes
         return self.capture_with(capture, guard_saves=False)
+
+    def _given_blocks(self, partial: dict) -> dict:
+        """``boundary_state()``'s partial sharded state dict as the parts of :meth:`_blocks`
+        it fills (none empty), laid over a capture's blocks."""
+        return {part: value for part, value in self._blocks(partial).items() if value}
 
     # -- load ---------------------------------------------------------------------
 

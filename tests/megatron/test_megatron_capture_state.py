@@ -1,0 +1,75 @@
+"""Failure capture of a megatron-core GPTModel writes the state as of the step boundary
+(issue 42), one gloo rank (TP=1), megatron-core's FP32Optimizer.
+
+A capture after the main thread went past step 3's boundary (step 4's batch drawn: the data
+position in the common part moved; the RNG used: the ``ShardedObject`` of the RNG states
+changed) writes step 3's values that ``boundary_state`` gave. A ``boundary_state`` naming
+what the sharded state dict lacks fails the first save.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._fork import run_ranks
+
+from . import _gpt
+
+pytest.importorskip("megatron.core")
+
+
+def _capture_past_the_boundary(rank: int, world: int, directory: str, job: str) -> dict:
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    import flashckpt
+    from flashckpt import StateMismatchError
+    from flashckpt.megatron import MegatronCheckpointer
+
+    position, out = {"consumed": 0}, {}
+
+    def boundary() -> dict:
+        return {"data": dict(position), "rng": ShardedObject("rng_state", flashckpt.rng_state(), (1,), (0,))}
+
+    def state(model, opt, loading: bool = False) -> dict:
+        return {**_gpt.state_of(model, opt, loading=loading), **boundary()}
+
+    def step(model, opt, n: int) -> None:
+        opt.zero_grad()
+        _gpt.loss(model, n).backward()
+        opt.step()
+
+    model = _gpt.build(1)
+    opt = _gpt.optimizer(model)
+    with MegatronCheckpointer(directory, job_id=job, persist_every=100) as ckpt:
+        assert ckpt.load(state(model, opt)) == (None, None)
+        capture = ckpt.save_on_failure(lambda: state(model, opt), optimizer=opt, boundary_state=boundary)
+        for n in range(1, 4):
+            position["consumed"] += 8  # the batch is drawn
+            step(model, opt, n)
+        at3 = {"data": dict(position), "torch": torch.get_rng_state()}
+        position["consumed"] += 8  # step 4: its batch drawn, the RNG used
+        torch.rand(3)
+        out["captured"] = capture.capture("test")
+    with MegatronCheckpointer(directory, job_id=job) as ckpt:
+        loaded, out["loaded"] = ckpt.load(state(model, opt, loading=True))
+    out["data"] = (loaded["data"], at3["data"])
+    out["rng"] = torch.equal(loaded["rng"]["torch"], at3["torch"])
+    with MegatronCheckpointer(f"{directory}-bad", job_id=f"{job}b") as ckpt:
+        ckpt.save_on_failure(lambda: state(model, opt), optimizer=opt, boundary_state=lambda: {"epoch": 1})
+        step(model, opt, 1)
+        try:
+            ckpt.save(1, state(model, opt))
+        except StateMismatchError as exc:
+            out["mismatch"] = str(exc)
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_a_capture_past_the_boundary_writes_the_boundary_state(tmp_path, job_id):
+    out, = run_ranks(_capture_past_the_boundary, 1, str(tmp_path / "ckpt"), job_id, timeout=180)
+    assert out["captured"] == 3 and out["loaded"] == 3, out
+    assert out["data"] == ({"consumed": 24}, {"consumed": 24}), out["data"]
+    assert out["rng"]
+    assert "boundary_state" in out.get("mismatch", "") and "epoch" in out["mismatch"], out
