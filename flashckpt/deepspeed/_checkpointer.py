@@ -156,7 +156,8 @@ class DeepSpeedCheckpointer:
 
     # -- failure capture ----------------------------------------------------------
 
-    def save_on_failure(self, state_fn: Callable[[], dict] | None = None, *, optimizer: Any = None) -> FailureCapture:
+    def save_on_failure(self, state_fn: Callable[[], dict] | None = None, *, optimizer: Any = None,
+                        boundary_state: Callable[[], dict] | None = None) -> FailureCapture:
         """On a failure, save the last finished ``engine.step`` as a DeepSpeed tag (see
         ``flashckpt._capture``). All ranks call it once, from the main thread, after :meth:`load`.
 
@@ -173,7 +174,11 @@ class DeepSpeedCheckpointer:
         may be dead, and every rank's files are its own. ZeRO state is per rank, so a
         capture loads only where every rank captured it (else the newest regular save).
         Save through :meth:`save` while it is armed (``engine.save_checkpoint`` called
-        directly neither waits for a capture nor restarts the step count)."""
+        directly neither waits for a capture nor restarts the step count).
+        ``boundary_state()``, called at the end of every boundary ``engine.step``, gives parts
+        of the ``client_state`` (a sampler's state, ``flashckpt.rng_state()``) that a capture
+        writes as they were then (see ``flashckpt._boundary``); the module's buffers are the
+        engine's own state and are written as they are at the failure."""
         engine = self.engine
         if optimizer is not None and optimizer is not engine.optimizer \
                 and optimizer is not getattr(engine.optimizer, "optimizer", None):
@@ -185,7 +190,7 @@ class DeepSpeedCheckpointer:
         flash = self._flash
         # allow_pickle: only for comparing the trees' shapes; client_state objects are pickled anyway
         capture = FailureCapture(state_fn or dict, None, save=self._capture_save, last_load=lambda: flash.last_load,
-                                 allow_pickle=True)
+                                 allow_pickle=True, boundary_state=boundary_state)
         self._capture = self._ckpt.capture_with(capture, guard_saves=False)
         self._step_wrapper = step_boundary(engine, capture)
         return capture

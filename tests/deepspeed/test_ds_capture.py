@@ -1,6 +1,9 @@
 """``DeepSpeedCheckpointer.save_on_failure``: its arguments and boundary in one process, then
 under torchrun (ZeRO-2, gloo), one launch.
 
+In the one process, a capture after the main thread went past step 3's boundary (step 4's
+batch drawn, the RNG used) writes step 3's ``boundary_state`` over the client state.
+
 Attempt 0: rank 1 is SIGKILLed inside step 8's backward; rank 0 captures step 7, but ZeRO
 state is per rank and rank 1 has no capture, so the restart loads the save of step 5.
 Attempt 1: the whole job gets SIGTERM after step 12; both ranks capture 12 and the restart
@@ -74,6 +77,44 @@ def _one_process(rank, world, directory, job):
         out["client"] = ck.client_state.get("marker")
         out["same"] = all(torch.equal(v, _ds_train.consolidated(engine)[k]) for k, v in expected.items())
     out["tag"] = os.path.isfile(os.path.join(directory, "run", "global_step5", "mp_rank_00_model_states.pt"))
+    out.update(_past_the_boundary(directory, job))
+    return out
+
+
+def _past_the_boundary(directory, job):
+    """A capture after step 4's batch was drawn and the RNG used writes step 3's
+    ``boundary_state`` over the client state; one naming what it lacks fails the first save."""
+    import flashckpt
+    from flashckpt import StateMismatchError
+    from flashckpt.deepspeed import DeepSpeedCheckpointer
+    position, out = {"consumed": 0}, {}
+
+    def state():
+        return {"sampler": dict(position), "rng": flashckpt.rng_state()}
+
+    engine = _ds_train.make_engine(2)
+    with DeepSpeedCheckpointer(engine, os.path.join(directory, "boundary"), job_id=job + "d") as ck:
+        ck.save_on_failure(state, boundary_state=state)
+        for step in range(1, 4):
+            position["consumed"] += _ds_train.MICRO_BATCH  # the batch is drawn
+            _ds_train.train_step(engine, 0, step)
+        at3 = {"sampler": dict(position), "torch": torch.get_rng_state()}
+        position["consumed"] += _ds_train.MICRO_BATCH  # step 4: its batch drawn, the RNG used
+        torch.rand(3)
+        out["boundary_captured"] = ck.capture_failure("test")
+    engine = _ds_train.make_engine(2)
+    with DeepSpeedCheckpointer(engine, os.path.join(directory, "boundary"), job_id=job + "d") as ck:
+        out["boundary_loaded"] = ck.load()
+        client = ck.client_state
+    out["boundary_sampler"] = (client["sampler"], at3["sampler"])
+    out["boundary_rng"] = torch.equal(client["rng"]["torch"], at3["torch"])
+    with DeepSpeedCheckpointer(engine, os.path.join(directory, "bad-boundary"), job_id=job + "e") as ck:
+        ck.save_on_failure(state, boundary_state=lambda: {"epoch": 1})
+        _ds_train.train_step(engine, 0, 1)
+        try:
+            ck.save(1, client_state=state())
+        except StateMismatchError as exc:
+            out["boundary_mismatch"] = str(exc)
     return out
 
 
@@ -86,6 +127,9 @@ def test_arguments_and_the_boundary_in_one_process(tmp_path, job_id):
     assert out["step_restored"]
     assert out["captured"] == 5 and out["latest"] == 5 and out["tag"], out
     assert out["loaded"] == 5 and out["client"] == "gs-5" and out["same"], out
+    assert out["boundary_captured"] == 3 and out["boundary_loaded"] == 3, out
+    assert out["boundary_sampler"] == ({"consumed": 12}, {"consumed": 12}) and out["boundary_rng"], out
+    assert "boundary_state" in out["boundary_mismatch"] and "/epoch" in out["boundary_mismatch"], out
 
 
 @pytest.mark.timeout(300)
