@@ -9,7 +9,8 @@ step post-hook, an adapter's ``update_ends``) :meth:`BoundarySnapshot.take` keep
 
 - what ``boundary_state()`` returns: the user's partial tree of small state that changes
   outside the update (a sampler's ``state_dict()``, ``flashckpt.rng_state()``), copied;
-- the tensors of ``state_fn()``'s tree that the optimizer does not own (its parameters and
+- the tensors of the tree a capture saves (``state_fn()``'s, or the adapter's tree around it:
+  FSDP's local shards) that the optimizer does not own (its parameters and
   their state) and that are the same tensors at each call: module buffers such as
   BatchNorm's statistics, copied into tensors of their own. They are found once, at the
   first boundary (two calls of ``state_fn()``), where the optimizer is a torch one; when

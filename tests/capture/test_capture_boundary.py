@@ -183,3 +183,23 @@ def test_frozen_parameters_are_not_copied_at_every_boundary(tmp_path, job_id, ca
         assert "outside the optimizer hold 4.3 MiB (frozen parameters?)" in caplog.text
         assert "copied at each step boundary" in caplog.text and "module buffers" not in caplog.text
         assert capture.capture("test") == 1
+
+
+def test_a_buffer_boundary_state_gives_is_written_without_a_warning(tmp_path, job_id, caplog):
+    """A module buffer both copied at the boundary and given by ``boundary_state``: a capture
+    writes ``boundary_state``'s copy and does not call it replaced."""
+    model, opt = _bn_job()
+    state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
+    with Checkpointer(tmp_path, job_id=job_id, persist_every=1000) as ckpt:
+        capture = ckpt.save_on_failure(state, optimizer=opt,
+                                       boundary_state=lambda: {"model": {"1.running_mean": model[1].running_mean}})
+        _step(model, opt)
+        at_boundary = model[1].running_mean.clone()
+        model(torch.randn(8, 4))
+        with caplog.at_level("WARNING", logger="flashckpt"):
+            assert capture.capture("test") == 1
+        assert "no longer the tensor" not in caplog.text, caplog.text
+    model2, opt2 = _bn_job()
+    with Checkpointer(tmp_path, job_id=job_id) as ckpt:
+        assert ckpt.load({"model": model2.state_dict(), "optim": opt2.state_dict()}) == 1
+    assert torch.equal(model2[1].running_mean, at_boundary)
