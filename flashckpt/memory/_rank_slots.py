@@ -125,8 +125,7 @@ class RankSlots:
         while True:
             with self.lock.held():
                 headers = self.headers()
-                free = [i for i, h in enumerate(headers)
-                        if not (h.reader_pid and pid_alive(h.reader_pid)) and not _written_by_another(h)]
+                free = [i for i, h in enumerate(headers) if _free(h)]
                 newest = self._newest(headers)
                 choice = [i for i in free if i != newest]
                 committed = saver.last_committed is not None and newest is not None and \
@@ -151,7 +150,8 @@ class RankSlots:
               unless_held: bool = False) -> tuple[int, Slot, SlotHeader] | None:
         """Choose a slot (:meth:`choose`), reserve it for an image of ``size`` bytes and mark
         it WRITING ``step``, atomically against the other processes of the node: one that
-        took the slot meanwhile makes this choose again. ``unless_held``: None instead, where
+        took the slot meanwhile, or a saver that began persisting its copy meanwhile, makes this
+        choose again. ``unless_held``: None instead, where
         these slots hold a complete copy of ``step`` or a newer one already, or another live
         process is writing one (replicated state, whose failure capture any local rank of
         the node may write: the first one's serves)."""
@@ -170,7 +170,7 @@ class RankSlots:
                 headers = self.headers()
                 if held(headers):
                     return None
-                if not _written_by_another(headers[index]):
+                if _free(headers[index]):  # a saver that began reading it since the choice holds it now
                     return index, slot, mark_writing(slot, step, size, info)
 
     def _owns(self, h: SlotHeader) -> bool:
@@ -399,6 +399,12 @@ class RankSlots:
                 except FileNotFoundError:
                     pass
         self.lock.close()
+
+
+def _free(h: SlotHeader) -> bool:
+    """A save may take the slot of header ``h``: no live reader holds it (a saver persisting
+    its copy) and no other live process is writing it."""
+    return not (h.reader_pid and pid_alive(h.reader_pid)) and not _written_by_another(h)
 
 
 def _written_by_another(h: SlotHeader) -> bool:
