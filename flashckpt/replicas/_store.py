@@ -95,6 +95,11 @@ def _check_room(slot: Slot, image_len: int, storage_rank: int) -> None:
                            "or run with replicas=0")
 
 
+def _read(h: SlotHeader) -> bool:
+    """A live process reads the copy of header ``h`` (this node's saver persisting it)."""
+    return bool(h.reader_pid and pid_alive(h.reader_pid))
+
+
 def _int(msg: dict[str, Any], name: str) -> int:
     value = msg.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -126,8 +131,7 @@ class ReplicaStore:
                 headers = [Slot.peek_header(p) or SlotHeader() for p in paths]
             complete = [i for i, h in enumerate(headers) if h.state == SlotState.COMPLETE]
             newest = max(complete, key=lambda i: headers[i].generation, default=None)
-            free = [i for i in range(2) if i != newest and not (headers[i].reader_pid
-                                                                 and pid_alive(headers[i].reader_pid))]
+            free = [i for i in range(2) if i != newest and not _read(headers[i])]
             if free:
                 return free[0]
             if time.monotonic() > deadline:
@@ -149,15 +153,18 @@ class ReplicaStore:
             paths = self._paths(storage_rank)
             lock = RankLock(_names.lock_path(paths[0]))
             try:
-                index = self._free_copy(lock, paths, storage_rank)
-                slot = self._mapped.get(paths[index])
-                if slot is None:
-                    slot = self._mapped[paths[index]] = Slot.open(paths[index], writable=True, create=True)
-                _check_room(slot, image_len, storage_rank)
-                slot.ensure_capacity(image_len)  # a full /dev/shm is a SharedMemoryError here
                 record = dict(info, storage_rank=storage_rank, source=source, persist=False)
-                with lock.held():
-                    header = mark_writing(slot, step, image_len, record)
+                while True:
+                    index = self._free_copy(lock, paths, storage_rank)
+                    slot = self._mapped.get(paths[index])
+                    if slot is None:
+                        slot = self._mapped[paths[index]] = Slot.open(paths[index], writable=True, create=True)
+                    _check_room(slot, image_len, storage_rank)
+                    slot.ensure_capacity(image_len)  # a full /dev/shm is a SharedMemoryError here
+                    with lock.held():  # this node's saver may have begun persisting the copy since the choice
+                        if not _read(slot.read_header()):
+                            header = mark_writing(slot, step, image_len, record)
+                            break
                 try:
                     with slot.image(image_len) as image:
                         crc = recv_image(sock, image)
