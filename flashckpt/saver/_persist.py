@@ -102,6 +102,8 @@ def _persist_held(slot_path: str, generation: int | None, info: dict[str, Any] |
                 return PersistResult(h.step, False, skipped=True)
             if contended and _committed_already(h.info if info is None else info, h.step):
                 log.info("step %d of %s was persisted by the process this one waited for", h.step, slot_path)
+                if h.reader_pid == os.getpid():  # named by the request (the trainer's); nothing reads it now
+                    slot.set_reader(0)
                 return PersistResult(h.step, False, skipped=True)
             slot.set_reader(os.getpid())
         if already_persisted:

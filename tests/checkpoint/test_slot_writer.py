@@ -143,3 +143,45 @@ def test_a_save_never_writes_over_a_slot_whose_persist_began_after_its_choice(jo
             proc.kill()
             proc.wait(30)
         slots.close(unlink=False)
+
+
+_HOLD_PERSIST_LOCK = textwrap.dedent("""
+    import sys, time
+    from flashckpt.memory._slot import Slot
+    slot = Slot.open(sys.argv[1], writable=True, populate=False)
+    assert slot.lock_for_persist(0.0)
+    print("held", flush=True)
+    time.sleep(0.5)
+""")
+
+
+def test_a_persist_skipped_as_committed_already_lets_the_slot_go(job_id, tmp_path):
+    """A second request to persist a slot whose step another process is persisting waits for
+    it, then skips the step it committed: the slot names no reader afterwards (else a save
+    passes it over as held for as long as the saver lives, and must wait for, or write
+    over, the newest copy)."""
+    from flashckpt.memory._slot import Slot
+    from flashckpt.saver._persist import persist_slot
+
+    token = new_token()
+    info = {"directory": str(tmp_path), "storage_rank": 0, "storage_world": 1, "persist": True, "token": token,
+            "keep_last": 2, "branch": -1}
+    slots = RankSlots(job_id, 0, 2, {})
+    try:
+        index, generation = _complete(slots, 1, _image(token, 1), info)
+        path = slots.paths[index]
+        assert persist_slot(path, generation, info).committed
+        with slots.lock.held():  # asked again: the trainer names the saver (this process) the slot's reader
+            named = Slot.open(path, writable=True, populate=False)
+            named.set_reader(os.getpid())
+            named.close()
+        holder = subprocess.Popen([sys.executable, "-c", _HOLD_PERSIST_LOCK, path], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            result = persist_slot(path, generation, info)
+        finally:
+            holder.wait(30)
+        assert result.skipped and not result.committed, result
+        assert Slot.peek_header(path).reader_pid == 0, "the skipped persist left the slot held"
+    finally:
+        slots.close(unlink=False)
