@@ -154,9 +154,9 @@ class NodeLocal:
 
     def flush(self, rank: Flushing, timeout: float | None) -> None:
         """Node-local flush (a persisting rank): this rank's newest in-memory step goes to this
-        node's directory and, as a save due for storage, to the next node's, unless this node
-        committed it already (a shard durable here is not written again, but sent again: the
-        next node may have been replaced since); then waits until this node commits it (its
+        node's directory and, as a save due for storage, to the next node's (a shard durable here
+        is not written again, but sent again: the next node may have been replaced since it got
+        the step, or got it as memory only); then waits until this node commits it (its
         predecessor's shards arrive as replicas) and the next node wrote this rank's shard, told by the replica link
         (:class:`flashckpt.replicas._link.Copies`): a copy a node could not write, or a lost
         predecessor, is a :class:`ReplicaError` within seconds; while every peer answers, the
@@ -170,9 +170,8 @@ class NodeLocal:
         token = rank.memory_info(step).get("token")
         if not storage.newer_than_committed(token, step) and not _committed_by(storage, step, token):
             return  # a newer line's step is committed
-        if storage.newer_than_committed(token, step):
-            rank.persist(step)  # the saver writes it here and sends it to the next node as due for storage
-            rank.wait(timeout)
+        rank.persist(step)  # the saver writes it here (unless durable) and sends it to the next node as due
+        rank.wait(timeout)
         rank.replicas.copies(storage, token, step, node=self.node, ring=list(self.scopes), scope=self.scope,
                              timeout=timeout).wait()
 
