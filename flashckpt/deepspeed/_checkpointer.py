@@ -61,9 +61,12 @@ class DeepSpeedCheckpointer:
     shards from the bucket, never the tag; a tag in a bucket that no flash step holds
     (stock DeepSpeed's) is not loaded from there.
 
-    On node-local directories of three nodes or more (each node's directory holds its own and
-    its ring predecessor's shards, never every rank's files) no tag is written, as rank 0 logs
-    at construction; :meth:`load` restores the flash steps there as anywhere.
+    On node-local directories of two nodes each node's directory holds every rank's shards and
+    gets the tag and ``latest`` from its own saver, once the step commits there (whichever
+    node's copy arrives last); :meth:`flush` and :meth:`close` wait for it, :meth:`wait` only
+    for this rank's own persists. On three nodes or more (each node's directory holds its own
+    and its ring predecessor's shards, never every rank's files) no tag is written, as rank 0
+    logs at construction; :meth:`load` restores the flash steps there as anywhere.
 
     All ranks construct it together (after ``deepspeed.initialize``) and all ranks call
     :meth:`save`, :meth:`load`, :meth:`wait` and :meth:`close`. ``options`` (a

@@ -2,7 +2,8 @@
 
 A node-local flush (``flashckpt.replicas._node_local``) is done when this node's directory
 committed the step (its ring predecessor's shards arrive as replicas, and this node's saver
-writes them) and the ring successor wrote this rank's shard to its directory. Both happen
+writes them; a step whose commit such a write completed is exported there first, see
+``flashckpt.saver._node_local``) and the ring successor wrote this rank's shard to its directory. Both happen
 in other processes, so the flush asks them over the replica link: each poll is one short
 authenticated connection to a saver's endpoint (op ``status``, answered from
 :meth:`flashckpt.saver._node_local.ReplicaPersister.status`). The answers end the wait:
@@ -50,7 +51,7 @@ _ASK_SECONDS = 2.5
 """The bound of one status exchange (connect, handshake, answer)."""
 _POLL_SECONDS = 0.5
 
-WRITTEN, FAILED, UNKEPT = "written", "failed", "unkept"  # as flashckpt.saver._node_local says them
+BUSY, WRITTEN, FAILED, UNKEPT = "busy", "written", "failed", "unkept"  # as flashckpt.saver._node_local says them
 
 
 def ask_status(endpoint: Endpoint, secret: str, want: dict[str, Any],
@@ -165,20 +166,26 @@ class Copies:
         deadline = time.monotonic() + bound
         next_poll = 0.0
         progress, last = time.monotonic(), None
+        asked_here = False
         while True:
             committed = not self._storage.newer_than_committed(self._token, self._step)
+            if committed and not asked_here and self._here is not None:  # a replica's write may have committed it
+                self._here.poll(self._secret, self._want)  # and be exporting it: asked once the commit shows
+                asked_here = True
+            exported = not committed or not self._exporting_here() or (self._here.lost() and self._leave_export())
             confirmed = self._after is None or self._after.state(self._rank)[0] in (WRITTEN, UNKEPT)
-            if committed and confirmed:
+            if committed and exported and confirmed:
                 return
-            if (committed, confirmed) != last:
-                progress, last = time.monotonic(), (committed, confirmed)
+            if (committed, exported, confirmed) != last:
+                progress, last = time.monotonic(), (committed, exported, confirmed)
             elif time.monotonic() - progress > STALL_SECONDS:
                 log.warning("flush: after %.0fs without progress, still waiting for %s; the savers answer: "
-                            "leaving it to them", STALL_SECONDS, self._missing(committed, confirmed))
+                            "leaving it to them", STALL_SECONDS, self._missing(committed, exported, confirmed))
                 return
             if time.monotonic() >= next_poll:
                 asked = {id(p): p for p in ([] if committed else [self._here, self._before])
-                         + ([] if confirmed else [self._after]) if p is not None}
+                         + ([] if exported else [self._here]) + ([] if confirmed else [self._after])
+                         if p is not None}
                 for peer in asked.values():
                     peer.poll(self._secret, self._want)
                 self._raise_failed()
@@ -187,11 +194,25 @@ class Copies:
                     return
             if time.monotonic() > deadline:
                 raise CheckpointTimeoutError(f"flush: after {bound:.0f}s still waiting for "
-                                             f"{self._missing(committed, confirmed)} (the savers answer)")
+                                             f"{self._missing(committed, exported, confirmed)} (the savers answer)")
             time.sleep(0.02)
 
-    def _missing(self, committed: bool, confirmed: bool) -> str:
+    def _exporting_here(self) -> bool:
+        """Whether this node's saver, last asked, was still busy with a predecessor's shard of the
+        step: its write committed the step, whose export (a DeepSpeed tag, ...) is running."""
+        return self._here is not None and any(self._here.state(r)[0] == BUSY for r in self._scope)
+
+    def _leave_export(self) -> bool:
+        """This node's saver went silent after the commit: its export is left to it (a warning)."""
+        log.warning("step %d is committed in %s, but this node's saver (%s) has not answered for %.0fs (lost?): "
+                    "whether it exported the step is not known: %s", self._step, self._storage.root,
+                    self._here.where(), LOST_SECONDS, self._here.why)
+        return True
+
+    def _missing(self, committed: bool, exported: bool, confirmed: bool) -> str:
         missing = [] if committed else [f"this node's commit of step {self._step} in {self._storage.root}"]
+        if not exported:
+            missing.append(f"this node's export of step {self._step} (its saver's, after a replica committed it)")
         if not confirmed:
             missing.append(f"rank {self._rank}'s shard of step {self._step} on {self._after.where()}")
         return " and ".join(missing)

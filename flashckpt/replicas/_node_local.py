@@ -144,11 +144,20 @@ class NodeLocal:
         node's, from three nodes on: its own ranks' and its ring predecessor's)."""
         return sorted(node for node, scope in self.scopes.items() if len(set(scope)) < world)
 
+    def adopt_line(self, root: str, token: Any) -> None:
+        """This node's directory ``root`` commits its scope for the line ``token`` too (that of a
+        step agreed on from memory; this node's first rank calls it): a node replaced with an
+        empty directory knows only the new run's scope, and without this would neither write its
+        predecessor's shards of that step nor send its own to the next node as due for storage."""
+        if isinstance(token, str) and read_scope(root, token) is None:
+            write_scope(root, token, list(self.scope))
+
     def flush(self, rank: Flushing, timeout: float | None) -> None:
         """Node-local flush (a persisting rank): this rank's newest in-memory step goes to this
-        node's directory and, as a save due for storage, to the next node's, unless it is
-        there already; then waits until this node commits it (its predecessor's shards arrive
-        as replicas) and the next node wrote this rank's shard, told by the replica link
+        node's directory and, as a save due for storage, to the next node's (a shard durable here
+        is not written again, but sent again: the next node may have been replaced since it got
+        the step, or got it as memory only); then waits until this node commits it (its
+        predecessor's shards arrive as replicas) and the next node wrote this rank's shard, told by the replica link
         (:class:`flashckpt.replicas._link.Copies`): a copy a node could not write, or a lost
         predecessor, is a :class:`ReplicaError` within seconds; while every peer answers, the
         wait is bounded by ``timeout`` (default ``FLASHCKPT_SAVER_TIMEOUT``)."""
@@ -161,10 +170,8 @@ class NodeLocal:
         token = rank.memory_info(step).get("token")
         if not storage.newer_than_committed(token, step) and not _committed_by(storage, step, token):
             return  # a newer line's step is committed
-        done = os.path.join(storage.root, f"step-{step}.tmp-{token}", f"rank-{rank.placement.storage_rank}.done")
-        if storage.newer_than_committed(token, step) and not os.path.exists(done):
-            rank.persist(step)  # the saver writes it here and sends it to the next node as due for storage
-            rank.wait(timeout)
+        rank.persist(step)  # the saver writes it here (unless durable) and sends it to the next node as due
+        rank.wait(timeout)
         rank.replicas.copies(storage, token, step, node=self.node, ring=list(self.scopes), scope=self.scope,
                              timeout=timeout).wait()
 

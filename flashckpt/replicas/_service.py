@@ -22,6 +22,7 @@ from typing import Any
 from .. import _names
 from ._protocol import (ReplicaError, accept_peer, connect_peer, recv_message, send_message)
 from ._node_local import read_scope
+from ..saver._exporters import ExportQueue
 from ..saver._node_local import UNKEPT, ReplicaPersister, serve_shard, wants_on_disk
 from ._store import ReplicaStore, send_slot
 
@@ -38,10 +39,10 @@ _MAX_STATUS_RANKS = 4096
 class ReplicaService:
     """Receives pushes and fetches on a TCP endpoint; pushes offered slots to ``peer``."""
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, exports: ExportQueue | None = None) -> None:
         self.job_id = job_id
         self.store = ReplicaStore(job_id)
-        self.persister = ReplicaPersister()
+        self.persister = ReplicaPersister(exports)
         """Writes received replicas to this node's directory (node-local mode only)."""
         self.endpoint: tuple[str, int] | None = None
         self.peer: tuple[str, int] | None = None

@@ -62,6 +62,9 @@ def agree(sources: Sources, step: int | None = None, *, direct: bool = False,
         agreement, views = _agree_now(sources, step, direct)
     if sources.collective.rank == 0:
         _say_why_a_capture_is_not_loaded(views, agreement, step)
+    if sources.node_local is not None and agreement.source == Source.MEMORY and sources.placement.local_rank == 0 \
+            and agreement.step in sources.slots.steps():  # before any flush of it (the load's collectives follow)
+        sources.node_local.adopt_line(sources.storage.root, sources.slots.info(agreement.step).get("token"))
     return agreement
 
 

@@ -5,8 +5,12 @@ shards of its ring predecessor's ranks too. Those arrive as peer replicas; when 
 is of a save that was due for storage, and this node's directory lists its rank in the
 run's scope, :class:`ReplicaPersister` writes it there on a thread of the saver, after it
 arrived (never while a push or a save waits), and commits the step once the scope is
-complete. It keeps only the newest due replica per rank: a slower disk skips steps, it
-never queues them without bound. It remembers how the newest replica of each rank went
+complete. A step whose commit that write completes (its rank's own shard was durable first)
+is exported there too, on the saver's export queue, as the rank's own persist would have
+(a DeepSpeed tag, an HF folder: every shard the export reads is in the directory then,
+whichever node's copy completed it last); the replica counts as written once that export
+ran. It keeps only the newest due replica per rank: a slower disk skips steps, it never
+queues them without bound. It remembers how the newest replica of each rank went
 (pending, written, or failed with the error), and :meth:`ReplicaPersister.status` tells the
 ranks' own node (the ``status`` op of ``flashckpt.replicas._protocol``): a replica this node
 could not write is an error in the predecessor's ``flush``, never only a log line here.
@@ -30,16 +34,20 @@ from typing import Any
 from ..storage._checksum import block_crcs
 from .._errors import CheckpointError
 from ..replicas._node_local import SCOPE_FILE, read_scope
+from ._exporters import ExportQueue
 from ._persist import persist_slot
 from ..replicas._protocol import send_image, send_message
 from ..storage._step_meta import line_key
 from ..storage._local import LocalStorage
 
-__all__ = ["ReplicaPersister", "serve_shard", "wants_on_disk"]
+__all__ = ["BUSY", "ReplicaPersister", "serve_shard", "wants_on_disk"]
 
-PENDING, WRITTEN, FAILED, UNKEPT = "pending", "written", "failed", "unkept"
-"""What the ``status`` op says of one rank's replica of a step (UNKEPT: this node's directory
-does not keep that rank for that run, e.g. a step of a run before this node was replaced)."""
+PENDING, BUSY, WRITTEN, FAILED, UNKEPT = "pending", "busy", "written", "failed", "unkept"
+"""What the ``status`` op says of one rank's replica of a step (BUSY: being written, committed,
+or exported after its write committed the step; UNKEPT: this node's directory does not keep
+that rank for that run, e.g. a step of a run before this node was replaced)."""
+_SKIPPED = "skipped"
+"""A replica replaced before it was written: whether its shard is here, the directory says."""
 
 log = logging.getLogger("flashckpt.replica")
 
@@ -59,7 +67,9 @@ def wants_on_disk(push: dict[str, Any]) -> bool:
 class ReplicaPersister:
     """Writes received replicas to this node's directory on one background thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, exports: ExportQueue | None = None) -> None:
+        self._exports = exports
+        """The saver's export queue, for the steps a replica's write commits (None: exported inline)."""
         self._due: dict[int, tuple[str, int, dict[str, Any], int]] = {}
         """storage rank -> (replica slot, generation, info, step) of its newest replica to write."""
         self._outcomes: dict[tuple[str, str, int], tuple[int, str, str]] = {}
@@ -71,7 +81,6 @@ class ReplicaPersister:
 
     def offer(self, path: str, generation: int, info: dict[str, Any], step: int) -> None:
         """Write the replica of ``step`` at ``path`` (holding ``generation``) as ``info`` says, soon."""
-        info = {k: v for k, v in info.items() if k != "export"}  # the rank's own node exports, not a peer
         with self._cond:
             self._due[int(info["storage_rank"])] = (path, generation, info, step)
             self._record(info, step, PENDING)
@@ -86,14 +95,17 @@ class ReplicaPersister:
             self._outcomes[key] = (step, state, error)
 
     def status(self, directory: str, token: str, step: int, ranks: list[int]) -> dict[str, list[str]]:
-        """str(rank) -> [state, error] of each rank's replica of ``step`` here: WRITTEN (its
-        shard is durable in ``directory``), FAILED (this node could not write it; the error),
-        else PENDING (not arrived, or not written yet)."""
+        """str(rank) -> [state, error] of each rank's replica of ``step`` here: BUSY (being
+        written here, or the step its write committed being exported), WRITTEN (its shard is
+        durable in ``directory``), FAILED (this node could not write it, or export the step its
+        write committed; the error), else PENDING (not arrived, or not written yet)."""
         answer = {}
         for rank in ranks:
             with self._cond:
                 outcome = self._outcomes.get((directory, token, rank))
-            if _on_disk(directory, token, step, rank):
+            if outcome is not None and outcome[0] == step and outcome[1] == BUSY:
+                answer[str(rank)] = [BUSY, ""]  # its shard may be durable, its commit or export not done yet
+            elif _on_disk(directory, token, step, rank):
                 answer[str(rank)] = [WRITTEN, ""]
             elif outcome is not None and outcome[0] == step and outcome[1] == FAILED:
                 answer[str(rank)] = [FAILED, outcome[2]]
@@ -120,12 +132,17 @@ class ReplicaPersister:
                     return
                 rank = min(self._due)
                 path, generation, info, step = self._due.pop(rank)
+                self._record(info, step, BUSY)
                 self._writing = True
             try:
-                result = persist_slot(path, generation, info)
+                result = persist_slot(path, generation, info, exports=self._exports)
                 if result.skipped:
                     log.info("the replica of rank %d in %s was replaced before it was written to %s", rank, path,
                              info["directory"])
+                    with self._cond:
+                        self._record(info, step, _SKIPPED)
+                elif result.export is not None and self._exports is not None:  # BUSY until it ran
+                    self._exports.submit(result.export, lambda error, i=info, s=step: self._exported(i, s, error))
                 else:
                     with self._cond:
                         self._record(info, step, WRITTEN)
@@ -136,6 +153,15 @@ class ReplicaPersister:
             finally:
                 with self._cond:
                     self._writing = False
+
+    def _exported(self, info: dict[str, Any], step: int, error: Exception | None) -> None:
+        """The export of the step a replica's write committed ran (``error`` None) or failed."""
+        with self._cond:
+            if error is None:
+                self._record(info, step, WRITTEN)
+            else:
+                self._record(info, step, FAILED, f"its write committed step {step}, whose export failed: "
+                                                 f"{type(error).__name__}: {error}")
 
 
 def _on_disk(directory: str, token: str, step: int, rank: int) -> bool:

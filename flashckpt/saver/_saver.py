@@ -362,7 +362,7 @@ class Saver:
         reply: dict[str, Any] = {"op": "replicating", "id": msg.get("id")}
         try:
             if self.replicas is None:
-                self.replicas = ReplicaService(self.job_id)
+                self.replicas = ReplicaService(self.job_id, self.exports)
             reply["endpoint"] = list(self.replicas.configure(str(msg["secret"]), str(msg["bind"]),
                                                              str(msg["advertise"]), int(msg.get("port") or 0)))
             for known in self.clients.values():  # saves reported before replicas were asked for

@@ -41,14 +41,20 @@ def digest(engine) -> float:
     return float(sum(p.detach().double().sum() for p in engine.module.parameters()))
 
 
-def main() -> None:
-    rank, port, directory, replicas, out, mode = sys.argv[1:7]
+def join(rank: str, port: str) -> int:
+    """Rank ``rank`` of two, one per node, in a gloo group DeepSpeed takes; returns the rank."""
     os.environ.update(RANK=rank, LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port)
-    rank = int(rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=2)
     import deepspeed
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # one rank per node: no JIT build of its shm op
     deepspeed.init_distributed("gloo")
+    return int(rank)
+
+
+def main() -> None:
+    rank, port, directory, replicas, out, mode = sys.argv[1:7]
+    rank = join(rank, port)
     from flashckpt.deepspeed import DeepSpeedCheckpointer
     engine = make_engine()
     kwargs = {} if replicas == "auto" else {"replicas": int(replicas)}
