@@ -81,6 +81,11 @@ class Inherit:
         os.environ.clear()
         os.environ.update(self.env)
         os.chdir(self.cwd)
+        config = sys.modules.get("fsspec.config")
+        if config is not None:  # read at its import, while the target's arguments were unpickled: the server's environment
+            config.conf.clear()
+            config.set_conf_files(config.conf_dir, config.conf)
+            config.set_conf_env(config.conf)
 
 
 def _run(inherit: Inherit, target: Callable[..., Any], args: tuple) -> None:
