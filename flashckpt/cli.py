@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from . import _names
 from ._errors import CheckpointError, CheckpointNotFoundError
 from .saver._persist import persist_slot, unpersisted_slots
-from .memory._slot import Slot, SlotState, pid_alive
+from .memory._slot import Slot, SlotState, being_read, pid_alive
 from .storage._scratch import remove_dead_scratch
 from .storage._url import open_storage
 
@@ -81,7 +81,7 @@ def _memory_copies(root: str) -> list[tuple[int, int, str]]:
             except CheckpointError:
                 continue
             if h is not None and h.state == SlotState.COMPLETE and h.info.get("directory") == root:
-                state = "being persisted" if h.reader_pid and pid_alive(h.reader_pid) else "in memory"
+                state = "being persisted" if being_read(h) else "in memory"
                 found.append((h.step, int(h.info.get("storage_rank", 0)), state))
     return sorted(found)
 

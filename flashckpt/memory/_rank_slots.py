@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 from .. import _names
 from .._errors import CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError, JobConflictError
 from ._format import Entry, Image, parse_header
-from ._slot import HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive
+from ._slot import (HEADER_SIZE, PageLocker, RankLock, Slot, SlotHeader, SlotState, being_read, mark_writing,
+                    pid_alive)
 from ._tree import Flat, Merge, TensorKind, kind_named
 
 __all__ = ["RankSlots", "Saver", "page_locker"]
@@ -404,7 +405,7 @@ class RankSlots:
 def _free(h: SlotHeader) -> bool:
     """A save may take the slot of header ``h``: no live reader holds it (a saver persisting
     its copy) and no other live process is writing it."""
-    return not (h.reader_pid and pid_alive(h.reader_pid)) and not _written_by_another(h)
+    return not being_read(h) and not _written_by_another(h)
 
 
 def _written_by_another(h: SlotHeader) -> bool:

@@ -40,7 +40,7 @@ from typing import Any, Iterator, Protocol
 from .._errors import SharedMemoryError, UnsafeFileError
 
 __all__ = ["HEADER_SIZE", "SlotState", "SlotHeader", "Slot", "PageLocker", "RankLock", "mark_writing",
-           "open_private", "shm_free_bytes", "pid_alive"]
+           "open_private", "shm_free_bytes", "pid_alive", "being_read"]
 
 HEADER_SIZE = 4096
 _MAGIC = b"FCKSLOT1"
@@ -155,6 +155,11 @@ def pid_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True  # no /proc: trust kill(0)
     return state not in (b"Z", b"X")
+
+
+def being_read(h: SlotHeader) -> bool:
+    """A live process reads the slot of header ``h`` (a saver persisting or exporting it)."""
+    return bool(h.reader_pid and pid_alive(h.reader_pid))
 
 
 def open_private(path: str, flags: int) -> int | None:

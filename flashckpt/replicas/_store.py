@@ -26,7 +26,8 @@ from typing import Any
 
 from .. import _names
 from ._protocol import ReplicaError, recv_image, send_image, send_message
-from ..memory._slot import HEADER_SIZE, RankLock, Slot, SlotHeader, SlotState, mark_writing, pid_alive, shm_free_bytes
+from ..memory._slot import (HEADER_SIZE, RankLock, Slot, SlotHeader, SlotState, being_read, mark_writing,
+                            shm_free_bytes)
 
 __all__ = ["ReplicaStore", "replica_index", "send_slot"]
 
@@ -95,11 +96,6 @@ def _check_room(slot: Slot, image_len: int, storage_rank: int) -> None:
                            "or run with replicas=0")
 
 
-def _read(h: SlotHeader) -> bool:
-    """A live process reads the copy of header ``h`` (this node's saver persisting it)."""
-    return bool(h.reader_pid and pid_alive(h.reader_pid))
-
-
 def _int(msg: dict[str, Any], name: str) -> int:
     value = msg.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -131,7 +127,7 @@ class ReplicaStore:
                 headers = [Slot.peek_header(p) or SlotHeader() for p in paths]
             complete = [i for i, h in enumerate(headers) if h.state == SlotState.COMPLETE]
             newest = max(complete, key=lambda i: headers[i].generation, default=None)
-            free = [i for i in range(2) if i != newest and not _read(headers[i])]
+            free = [i for i in range(2) if i != newest and not being_read(headers[i])]
             if free:
                 return free[0]
             if time.monotonic() > deadline:
@@ -162,7 +158,7 @@ class ReplicaStore:
                     _check_room(slot, image_len, storage_rank)
                     slot.ensure_capacity(image_len)  # a full /dev/shm is a SharedMemoryError here
                     with lock.held():  # this node's saver may have begun persisting the copy since the choice
-                        if not _read(slot.read_header()):
+                        if not being_read(slot.read_header()):
                             header = mark_writing(slot, step, image_len, record)
                             break
                 try:
