@@ -46,7 +46,7 @@ import shutil
 import stat
 import threading
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Iterator
 
 from ._checksum import BLOCK_SIZE, block_crcs
@@ -144,17 +144,44 @@ class LocalStorage(PendingDirs, Policy):
         :class:`CheckpointError` is raised with the cause chained; a full disk first gives
         way (the pending saves this step supersedes that no writer holds are removed, see
         :meth:`_give_way`) and the write is tried once more.
+
+        A second writer of the same shard (a rank's slot and a replica of it) is no error:
+        a shard committed already with exactly these bytes is not written again, and a
+        write whose step commits under it (the first writer's shard completed the step)
+        returns the committed shard's record.
         """
         theirs = image_token(image)
         if theirs is not None and theirs != token:
             raise CheckpointError(f"rank {rank} of step {step} was written by another run (token {theirs}); "
                                   f"this save's token is {token}: shards of two runs never commit together")
+        if (committed := self._committed_shard(step, rank, token, image)) is not None:
+            log.info("rank %d of step %d is committed in %s already; not writing it again", rank, step, self.root)
+            return committed
         try:
             return self._write_shard(step, rank, token, image)
         except CheckpointError as exc:
+            if (committed := self._committed_shard(step, rank, token, image)) is not None:
+                log.info("rank %d of step %d was committed in %s by another writer of this save while this one "
+                         "wrote it", rank, step, self.root)
+                return committed
             if getattr(exc.__cause__, "errno", None) != errno.ENOSPC or not self._give_way(step, token):
                 raise
         return self._write_shard(step, rank, token, image)
+
+    def _committed_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord | None:
+        """The record of rank ``rank``'s shard of ``step`` when run ``token`` committed that step
+        and the shard holds exactly ``image`` (its size and block checksums); else None."""
+        try:
+            meta = self.metadata(step)
+        except CheckpointError:
+            return None
+        shard = meta.get("shards", {}).get(str(rank)) if meta.get("token") == token else None
+        if (not isinstance(shard, dict) or shard.get("size") != len(image)
+                or not isinstance(shard.get("block_size"), int) or shard["block_size"] <= 0):
+            return None
+        if shard.get("block_crc32") != block_crcs(image, shard["block_size"]):
+            return None
+        return ShardRecord(rank, len(image), shard["block_crc32"], shard["block_size"])
 
     def _write_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord:
         pending = self._tmp_dir(step, token)
@@ -182,6 +209,8 @@ class LocalStorage(PendingDirs, Policy):
             return record
         except OSError as exc:
             self._undo_write(pending, undo, marker, created)
+            with suppress(OSError):  # a commit of the step that took the part file along with its directory
+                os.unlink(os.path.join(self.step_dir(step), os.path.basename(part)))
             raise CheckpointError(f"writing rank {rank} of step {step} to {self.root} failed: {exc.strerror or exc}"
                                   " (the previous committed step is intact)") from exc
         except BaseException:
