@@ -30,6 +30,7 @@ import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from typing import Any
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -152,14 +153,20 @@ class CommittedStore(Policy):
     def write_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord:
         """Write one rank's image as ``step-N/rank-R.<token>.safetensors``, its block
         checksums computed meanwhile, then its done marker. An image whose header names
-        another run's token is refused. On failure the partial upload is removed and a
-        :class:`CheckpointError` is raised with the cause chained."""
+        another run's token is refused. On failure the partial upload is removed (unless a
+        committed step names it) and a :class:`CheckpointError` is raised with the cause
+        chained. A second writer of the same shard is no error: a shard committed already
+        with exactly these bytes is not uploaded again, and an upload that fails once its
+        step committed (the first writer's shard completed it) returns the committed record."""
         if not _TOKEN_RE.match(token):
             raise CheckpointError(f"run token {token[:80]!r} cannot name an object (letters, digits, _+- only)")
         theirs = image_token(image)
         if theirs is not None and theirs != token:
             raise CheckpointError(f"rank {rank} of step {step} was written by another run (token {theirs}); "
                                   f"this save's token is {token}: shards of two runs never commit together")
+        if (committed := self._committed_shard(step, rank, token, image)) is not None:
+            log.info("rank %d of step %d is committed in %s already; not writing it again", rank, step, self.root)
+            return committed
         name = f"step-{step}/{_shard_object(rank, token)}"
         try:
             block = block_bytes(len(image))
@@ -171,10 +178,14 @@ class CommittedStore(Policy):
                             json.dumps({**record.to_json(), "token": token}).encode())
             return record
         except BaseException as exc:
-            try:
-                self._delete([name])
-            except CheckpointError:
-                pass
+            if self._committed_by(step, token):  # the object is a committed step's shard: it stays
+                if isinstance(exc, Exception) and (committed := self._committed_shard(step, rank, token, image)):
+                    log.info("rank %d of step %d was committed in %s by another writer of this save while this "
+                             "one wrote it", rank, step, self.root)
+                    return committed
+            else:
+                with suppress(CheckpointError):
+                    self._delete([name])
             if isinstance(exc, Exception):
                 raise CheckpointError(f"writing rank {rank} of step {step} to {self.root} failed: {exc} "
                                       "(the previous committed step is intact)") from exc

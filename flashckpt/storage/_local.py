@@ -168,21 +168,6 @@ class LocalStorage(PendingDirs, Policy):
                 raise
         return self._write_shard(step, rank, token, image)
 
-    def _committed_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord | None:
-        """The record of rank ``rank``'s shard of ``step`` when run ``token`` committed that step
-        and the shard holds exactly ``image`` (its size and block checksums); else None."""
-        try:
-            meta = self.metadata(step)
-        except CheckpointError:
-            return None
-        shard = meta.get("shards", {}).get(str(rank)) if meta.get("token") == token else None
-        if (not isinstance(shard, dict) or shard.get("size") != len(image)
-                or not isinstance(shard.get("block_size"), int) or shard["block_size"] <= 0):
-            return None
-        if shard.get("block_crc32") != block_crcs(image, shard["block_size"]):
-            return None
-        return ShardRecord(rank, len(image), shard["block_crc32"], shard["block_size"])
-
     def _write_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord:
         pending = self._tmp_dir(step, token)
         path = os.path.join(pending, shard_name(rank))

@@ -29,7 +29,8 @@ from typing import Any, Iterable, NamedTuple
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..restore._shard_read import ShardReader
 from ._protocol import Backend
-from ._step_meta import MAX_LATEST, MAX_METADATA, Line, line_key, validate_metadata
+from ._checksum import block_crcs
+from ._step_meta import MAX_LATEST, MAX_METADATA, Line, ShardRecord, line_key, validate_metadata
 
 __all__ = ["Commit", "Policy", "commit_record", "doomed", "in_order", "late_commit", "superseded"]
 
@@ -204,6 +205,21 @@ class Policy:
             return self.metadata(step).get("token") == token
         except CheckpointError:
             return False
+
+    def _committed_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord | None:
+        """The record of rank ``rank``'s shard of ``step`` when run ``token`` committed that step
+        and the shard holds exactly ``image`` (its size and block checksums); else None."""
+        try:
+            meta = self.metadata(step)
+        except CheckpointError:
+            return None
+        shard = meta.get("shards", {}).get(str(rank)) if meta.get("token") == token else None
+        if (not isinstance(shard, dict) or shard.get("size") != len(image)
+                or not isinstance(shard.get("block_size"), int) or shard["block_size"] <= 0):
+            return None
+        if shard.get("block_crc32") != block_crcs(image, shard["block_size"]):
+            return None
+        return ShardRecord(rank, len(image), shard["block_crc32"], shard["block_size"])
 
     def verify(self, step: int) -> list[str]:
         """Re-read every shard of ``step``; the problems found (empty when intact).
