@@ -30,7 +30,6 @@ import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 from typing import Any
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -153,10 +152,10 @@ class CommittedStore(Policy):
     def write_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord:
         """Write one rank's image as ``step-N/rank-R.<token>.safetensors``, its block
         checksums computed meanwhile, then its done marker. An image whose header names
-        another run's token is refused. On failure the partial upload is removed (unless a
-        committed step names it) and a :class:`CheckpointError` is raised with the cause
-        chained. A second writer of the same shard is no error: a shard committed already
-        with exactly these bytes is not uploaded again, and an upload that fails once its
+        another run's token is refused. On failure a :class:`CheckpointError` is raised with
+        the cause chained; what was uploaded stays for the next commit's sweep of stale
+        uploads, as after a crash. A second writer of the same shard is no error: a shard
+        committed already with exactly these bytes is not uploaded again, and an upload that fails once its
         step committed (the first writer's shard completed it) returns the committed record."""
         if not _TOKEN_RE.match(token):
             raise CheckpointError(f"run token {token[:80]!r} cannot name an object (letters, digits, _+- only)")
@@ -177,19 +176,15 @@ class CommittedStore(Policy):
             self._put_small(f"step-{step}/{_marker_object(rank, token)}",
                             json.dumps({**record.to_json(), "token": token}).encode())
             return record
-        except BaseException as exc:
-            if self._committed_by(step, token):  # the object is a committed step's shard: it stays
-                if isinstance(exc, Exception) and (committed := self._committed_shard(step, rank, token, image)):
-                    log.info("rank %d of step %d was committed in %s by another writer of this save while this "
-                             "one wrote it", rank, step, self.root)
-                    return committed
-            else:
-                with suppress(CheckpointError):
-                    self._delete([name])
-            if isinstance(exc, Exception):
-                raise CheckpointError(f"writing rank {rank} of step {step} to {self.root} failed: {exc} "
-                                      "(the previous committed step is intact)") from exc
-            raise
+        except Exception as exc:
+            # the object stays, as a crash would leave it (the next commit removes it if stale): a
+            # second writer of this shard names the very object another writer's marker describes
+            if (committed := self._committed_shard(step, rank, token, image)) is not None:
+                log.info("rank %d of step %d was committed in %s by another writer of this save while this "
+                         "one wrote it", rank, step, self.root)
+                return committed
+            raise CheckpointError(f"writing rank {rank} of step {step} to {self.root} failed: {exc} "
+                                  "(the previous committed step is intact)") from exc
 
     def try_commit(self, step: int, world_size: int, token: str, keep_last: int, *,
                    branch: int | None = None) -> bool:
