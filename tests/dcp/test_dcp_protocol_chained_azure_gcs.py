@@ -7,7 +7,8 @@ On Azure and GCS the store's client options are given only per call (``az={...}`
 ``FSSPEC_*`` variable names the emulator): a process saves, loads from memory and is killed;
 a new process loads from memory; the saver, which got the options from the process that
 started it, persists and exports the stock files, which stock DCP over adlfs or gcsfs reads,
-and the chain reads them once memory is freed."""
+and the chain reads them once memory is freed. A missing container or bucket is a clear
+error."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import fsspec
 import fsspec.config
 import pytest
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from flashckpt.dcp import close
@@ -79,6 +80,21 @@ def test_saved_loaded_from_memory_then_stock_files_with_options_per_call(per_cal
     loaded = blank()
     dcp.load(loaded, storage_reader=FsspecReader(url, **options))  # through the chain: memory freed, the files
     assert equal(loaded, state(1)) and fsspec.filesystem("flashckpt").last_source(f"{url}/.metadata") == "storage"
+
+
+@pytest.mark.parametrize("per_call", ["az", "gs"], indirect=True)
+def test_a_missing_container_or_bucket_is_a_clear_error(per_call):
+    """As for S3: the message says the container or bucket is missing (inside DCP's
+    ``CheckpointException``, a BaseException), without the service's XML reply."""
+    _, options = per_call
+    url = f"flashckpt::{next(iter(options))}://no-such-bucket-chain/run/step-1"
+    for call in (lambda: dcp.save(state(1), storage_writer=FsspecWriter(url, **options)),
+                 lambda: dcp.load(blank(), storage_reader=FsspecReader(url, **options))):
+        with pytest.raises(BaseException) as failed:
+            call()
+        message = str(failed.value)
+        assert "no-such-bucket-chain/run/" in message and "its bucket does not exist" in message, message
+        assert "<?xml" not in message, message
 
 
 def test_async_save_to_a_chained_s3_id_then_load(bucket):
