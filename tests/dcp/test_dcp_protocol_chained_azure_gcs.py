@@ -98,9 +98,13 @@ def test_a_missing_container_or_bucket_is_a_clear_error(per_call):
 
 
 def test_async_save_to_a_chained_s3_id_then_load(bucket):
-    """DCP's thread executor: its stager's copy, then the flash save in DCP's thread."""
+    """DCP's thread executor: its stager's copy, then the flash save in DCP's thread; training
+    changing the state once ``async_save`` returned changes nothing saved."""
     url = f"flashckpt::s3://{bucket}/run/step-7"
-    dcp.async_save(state(7), checkpoint_id=url, async_checkpointer_type=AsyncCheckpointerType.THREAD).result()
+    training = state(7)
+    saving = dcp.async_save(training, checkpoint_id=url, async_checkpointer_type=AsyncCheckpointerType.THREAD)
+    training["w"].add_(1.0)
+    saving.result()
     loaded = blank()
     dcp.load(loaded, checkpoint_id=url)
     assert equal(loaded, state(7))
