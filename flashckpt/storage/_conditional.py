@@ -141,7 +141,7 @@ class _AzureObject:
 
     def _call(self, what: str, job: Callable[[Any], Awaitable[_T]]) -> _T:
         """``job(blob client)`` on adlfs's loop; a refused precondition as :class:`PreconditionFailed`."""
-        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
+        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError
         from fsspec.asyn import sync
 
         async def run() -> _T:
@@ -152,7 +152,5 @@ class _AzureObject:
             return sync(self.fs.loop, run)
         except (ResourceExistsError, ResourceModifiedError) as exc:  # 409 to If-None-Match, 412 to If-Match
             raise PreconditionFailed() from exc
-        except ResourceNotFoundError as exc:
-            raise _translate(FileNotFoundError(str(exc)), f"{what} {self.url}") from exc
-        except Exception as exc:
+        except Exception as exc:  # a missing blob or container too (ResourceNotFoundError: not found)
             raise _translate(exc, f"{what} {self.url}") from exc

@@ -50,12 +50,22 @@ _RESUMES = 3
 _T = TypeVar("_T")
 
 
+def _azure_not_found(exc: Exception) -> bool:
+    """Whether ``exc`` is azure-core's ``ResourceNotFoundError``, which adlfs lets through
+    where a write meets a missing container (matched by name: azure is not imported here)."""
+    return any(c.__name__ == "ResourceNotFoundError" and c.__module__.startswith("azure.")
+               for c in type(exc).__mro__)
+
+
 def _translate(exc: Exception, what: str) -> CheckpointError:
     """A flashckpt error for a storage client's exception; ``what`` names the action and object."""
     if isinstance(exc, CheckpointError):
         return exc
     if isinstance(exc, FileNotFoundError):
         return CheckpointNotFoundError(f"{what}: not found ({exc})")
+    if _azure_not_found(exc):  # its text goes on with the request id and the service's XML reply
+        reason = str(exc).split("\n", 1)[0]
+        return CheckpointNotFoundError(f"{what}: not found ({reason} [{getattr(exc, 'error_code', None)}])")
     if isinstance(exc, PermissionError):
         return CheckpointError(f"{what}: access denied ({exc}); check the credentials the store's client reads "
                                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, fsspec configuration)")

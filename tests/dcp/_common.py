@@ -56,9 +56,10 @@ def wait_for_object(fs, url: str, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def killed_then_restarted(root: str, save_then_die, restart, world: int = 2) -> list:
-    """``save_then_die`` on ``world`` gloo ranks, each ending by ``kill -9``, then ``restart``
-    on ``world`` new ranks; returns the restarted ranks' results."""
+def killed_then_restarted(root: str, save_then_die, restart, world: int = 2, args: tuple = ()) -> list:
+    """``save_then_die(rank, world, root, *args)`` on ``world`` gloo ranks, each ending by
+    ``kill -9``, then ``restart`` (same arguments) on ``world`` new ranks; returns the
+    restarted ranks' results."""
     with pytest.raises(AssertionError, match="exited with code -9"):
-        run_ranks(save_then_die, world, root)
-    return run_ranks(restart, world, root)
+        run_ranks(save_then_die, world, root, *args)
+    return run_ranks(restart, world, root, *args)
