@@ -10,7 +10,8 @@ the rank's training state after each, waits until this node holds every other-no
 of step 3, then waits to be killed. ``load``: a fresh engine loads (reports the step, its source and
 the digest), trains and saves step 4, ``close()``; then reports what the directory holds, the flash
 steps committed there and the digest of a fresh engine that DeepSpeed's own ``engine.load_checkpoint(DIR)``
-loads (its stock checkpoint engine, as a user without flashckpt would).
+loads (its stock checkpoint engine, as a user without flashckpt would). A load that raises a
+``CheckpointError`` reports it (``error``) and closes.
 """
 
 import os
@@ -22,7 +23,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from flashckpt import _events  # noqa: E402
+from flashckpt import CheckpointError, _events  # noqa: E402
 from flashckpt.replicas._store import replica_index  # noqa: E402
 from flashckpt.storage._local import LocalStorage  # noqa: E402
 from tests.checkpoint._replica_node import finish  # noqa: E402
@@ -87,7 +88,13 @@ def main() -> None:
         finish(report, out, mode)  # waits to be killed
     events: list = []
     _events.subscribe(lambda event, **info: events.append(info) if event == "load" else None)
-    step = ck.load()
+    try:
+        step = ck.load()
+    except CheckpointError as exc:  # the same error on every rank
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        ck.close()
+        finish(report, out, mode)
+        return
     report.update(step=step, source=events[-1]["source"], loaded=digest(live(engine)))
     train_step(engine, rank, 4)
     ck.save(4)

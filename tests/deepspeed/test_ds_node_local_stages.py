@@ -12,7 +12,9 @@ committed and DeepSpeed's tag (``global_step4/`` with every rank's files, ``late
 
 And a whole job restarted with every node's memory gone and node 1's directory emptied (ZeRO-3,
 whose per-rank model files are the other layout): every rank loads step 2 exactly, node 1's rank
-its shard from node 0's directory, and both directories end as above.
+its shard from node 0's directory, and both directories end as above. A restart with another number of
+ranks (4, two per node, after 2 saved; the old run's savers and memory still there) does not reshard: every
+rank's load is a ``CheckpointError`` naming the step and both numbers of ranks.
 """
 
 import os
@@ -90,3 +92,14 @@ def test_a_restarted_job_without_memory_reads_a_lost_nodes_zero3_shards_from_the
         assert held["latest"] == "global_step4" and held["tags"].get("global_step4") == tag_files(3, 2), held
         assert "/global_step4/" in report["stock"]["path"], (rank, report["stock"]["path"])
         assert report["stock"]["digest"] == report["digest4"], rank
+
+
+@pytest.mark.timeout(300)
+def test_a_restart_with_another_number_of_ranks_fails_every_ranks_load_naming_it(tmp_path, nodes,  # noqa: F811
+                                                                                    stage_worker):
+    saved, procs = rounds.run_round(tmp_path, nodes, "auto", "save", "1")  # 2 ranks, one per node
+    rounds.kill(saved, procs, savers=[])  # the trainers; both savers and memory stay
+    loaded, procs = rounds.run_round(tmp_path, nodes, "auto", "load", "1", per_node=2)  # 4 ranks: no resharding
+    rounds.finish(procs)
+    for report in loaded:  # never a silent start from nothing, nor a partial load
+        assert "step 2 saved by 2 ranks" in report.get("error", "") and "this run's 4" in report["error"], report
