@@ -7,11 +7,11 @@ LOCAL_RANK and LOCAL_WORLD_SIZE set by the round).
 A ZeRO-``STAGE`` engine (torch's Adam) through ``DeepSpeedCheckpointer``, ``persist_every=2``.
 ``save``: steps 1..3 each saved (step 2 due for storage, 3 only in memory), reports the digest of
 the rank's training state after each, waits until this node holds every other-node rank's replica
-of step 3, then waits to be killed. ``load``: a fresh engine loads (reports the step, its source and
-the digest), trains and saves step 4, ``close()``; then reports what the directory holds, the flash
-steps committed there and the digest of a fresh engine that DeepSpeed's own ``engine.load_checkpoint(DIR)``
-loads (its stock checkpoint engine, as a user without flashckpt would). A load that raises a
-``CheckpointError`` reports it (``error``) and closes.
+of step 3 and its directory committed step 2, then waits to be killed. ``load``: a fresh engine
+loads (reports the step, its source and the digest), trains and saves step 4, ``close()``; then
+reports what the directory holds, the flash steps committed there and the digest of a fresh engine
+that DeepSpeed's own ``engine.load_checkpoint(DIR)`` loads (its stock checkpoint engine, as a user
+without flashckpt would). A load that raises a ``CheckpointError`` reports it (``error``) and closes.
 """
 
 import os
@@ -82,8 +82,12 @@ def main() -> None:
             train_step(engine, rank, step)
             ck.save(step)
             report[f"digest{step}"] = digest(live(engine))
-        ck.wait()
+        ck.wait()  # this rank's own persists; the other node's shards of step 2 come as replicas
         report["replicas_here"] = wait_for_peers_replicas(3, per_node)
+        storage, deadline = LocalStorage(os.path.join(directory, "flashckpt")), time.monotonic() + 60
+        while 2 not in storage.committed_steps():
+            assert time.monotonic() < deadline, f"step 2 never committed here: {os.listdir(storage.root)}"
+            time.sleep(0.05)
         dist.barrier()
         finish(report, out, mode)  # waits to be killed
     events: list = []
