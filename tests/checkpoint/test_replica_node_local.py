@@ -58,19 +58,23 @@ def nodes(tmp_path):
         subprocess.run(["umount", "-l", str(d)], check=False)
 
 
-def run_round(tmp_path, nodes, replicas: str, mode: str, kind: str = "own"
+def run_round(tmp_path, nodes, replicas: str, mode: str, kind: str = "own", per_node: int = 1
               ) -> tuple[list[dict], list[subprocess.Popen]]:
+    """One worker per rank, ``per_node`` ranks on each node (rank r on node r // per_node, told
+    its place as torchrun would: ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``)."""
     shms, disks = nodes
     port = free_port()
     procs, outs = [], []
-    for rank in range(2):
+    for rank in range(2 * per_node):
+        node = rank // per_node
         out = tmp_path / f"{mode}-{rank}.json"
         if out.exists():
             out.unlink()
-        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": str(shms[rank]),
-               "FLASHCKPT_REPLICA_ADDR": "127.0.0.1"}
+        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": str(shms[node]),
+               "FLASHCKPT_REPLICA_ADDR": "127.0.0.1", "WORLD_SIZE": str(2 * per_node),
+               "LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node)}
         script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
-        argv = ["unshare", "-m", "sh", "-c", script, "sh", str(disks[rank]), str(tmp_path / "ck"), sys.executable,
+        argv = ["unshare", "-m", "sh", "-c", script, "sh", str(disks[node]), str(tmp_path / "ck"), sys.executable,
                 WORKER, str(rank), str(port), str(tmp_path / "ck"), replicas, str(out), mode, kind]
         procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True))
         _STARTED.append(procs[-1])

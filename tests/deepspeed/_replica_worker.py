@@ -42,12 +42,16 @@ def digest(engine) -> float:
 
 
 def join(rank: str, port: str) -> int:
-    """Rank ``rank`` of two, one per node, in a gloo group DeepSpeed takes; returns the rank."""
-    os.environ.update(RANK=rank, LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+    """Rank ``rank`` in a gloo group DeepSpeed takes; returns the rank. Two ranks, one per node,
+    unless the round set ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``."""
+    world = os.environ.get("WORLD_SIZE", "2")
+    os.environ.update(RANK=rank, LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"), WORLD_SIZE=world,
+                      LOCAL_WORLD_SIZE=os.environ.get("LOCAL_WORLD_SIZE", "1"), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=int(world))
     import deepspeed
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # one rank per node: no JIT build of its shm op
+    # no JIT build of DeepSpeed's shm all-reduce for the ranks of one node (minutes on 2 cores): gloo does all
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed("gloo")
     return int(rank)
 
