@@ -170,3 +170,50 @@ def test_lockstep_ranks_never_wait_for_each_others_leases(tmp_path):
     res = run_ranks(lockstep_shards, 2, url, 35, 10)
     assert Counter(res[0] + res[1]) == Counter(range(35))
     assert sorted(map(len, res)) == [15, 20]
+
+
+# -- the state as of a step boundary (failure capture) -----------------------------------
+def test_boundary_state_is_the_state_of_the_boundary_though_the_loop_went_on():
+    """``boundary_state()`` at a boundary equals ``state_dict()`` there, without reporting;
+    after the loop drew on (completing the shard it was in, leasing the next), a
+    ``state_dict()`` from another thread gives that boundary's state and reports nothing,
+    and restoring it replays exactly what was drawn after the boundary."""
+    import threading
+
+    url = mem()
+    s = sampler(url, num_epochs=1, shuffle=False)
+    it = iter(s)
+    before = [next(it) for _ in range(13)]  # inside the second shard of 8
+    reported = s._ds.state_dict()
+    at_boundary = s.boundary_state()
+    assert s._ds.state_dict() == reported, "boundary_state reported a position"
+    after = [next(it) for _ in range(6)]  # the second shard completed, the third leased
+    assert s.progress()["done"] == 2
+    got = []
+    thread = threading.Thread(target=lambda: got.append(s.state_dict()))
+    thread.start()
+    thread.join()
+    assert got == [at_boundary] and got[0] is not at_boundary
+    assert s.state_dict() != at_boundary  # the training thread: reports, as before
+    assert reported["queue"] == [[1, 0]]  # the lease of the second shard, never reported
+    assert at_boundary["coordinator"] == {**reported, "queue": [[1, 5]]}
+    restored = sampler(url, num_epochs=1, shuffle=False, worker="w1")
+    restored.load_state_dict(at_boundary)
+    rest = list(restored)
+    assert rest[:6] == after
+    assert Counter(before + rest) == Counter(range(100))
+
+
+def test_a_load_forgets_the_boundary_state():
+    import threading
+
+    s = sampler(mem(), num_epochs=1)
+    it = iter(s)
+    [next(it) for _ in range(3)]
+    s.boundary_state()
+    s.reset()
+    got = []
+    thread = threading.Thread(target=lambda: got.append(s.state_dict()))
+    thread.start()
+    thread.join()
+    assert got[0]["coordinator"]["cursor"] == 0
