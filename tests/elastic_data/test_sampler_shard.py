@@ -217,3 +217,31 @@ def test_a_load_forgets_the_boundary_state():
     thread.start()
     thread.join()
     assert got[0]["coordinator"]["cursor"] == 0
+
+
+def test_boundary_state_through_a_prefetching_counting_loader():
+    """Two workers prefetching through ``CountingLoader``: the state of step 5's boundary,
+    taken after step 6's batch arrived (completing a shard at the coordinator, with more
+    leased ahead), restored under a fresh sampler and loader, gives the batches of an
+    uninterrupted run from step 6 on."""
+    def batches(s, stop=None, at=None):
+        loader = CountingLoader(DataLoader(IndexDataset(100), batch_size=4, sampler=s, num_workers=2))
+        out = []
+        for batch in loader:
+            out.append([int(i) for i in batch])
+            if at is not None:
+                at(len(out))
+            if len(out) == stop:
+                break
+        return out
+
+    reference = batches(sampler(mem(), num_epochs=1, shard_size=6))
+    url = mem()
+    s = sampler(url, num_epochs=1, shard_size=6)
+    kept = {}
+    drawn = batches(s, stop=6, at=lambda step: kept.update({step: s.boundary_state()}) if step == 5 else None)
+    assert drawn == reference[:6]
+    assert s.progress()["done"] >= 4  # step 6's batch completed the fourth shard (24 samples)
+    restored = sampler(url, num_epochs=1, shard_size=6, worker="w1")
+    restored.load_state_dict(kept[5])
+    assert batches(restored) == reference[5:]
