@@ -26,9 +26,11 @@ must cope with uneven inputs (``Join``, or an all-reduce of "has data").
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
@@ -84,7 +86,8 @@ class ShardSampler(Sampler[int]):
 
     ``state_dict()`` / ``load_state_dict()`` carry the coordinator's state: under
     torch.distributed both are collectives (all ranks must call them); load rolls the
-    shared coordinator back once, on rank 0.
+    shared coordinator back once, on rank 0. :meth:`boundary_state` is the state as of a
+    step boundary for a failure capture (``save_on_failure(boundary_state=...)``).
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class ShardSampler(Sampler[int]):
         self._pending: Optional[sharding.Shard] = None  # next epoch's first shard
         self._track_delivery = False
         self._iter_received = 0
+        self._boundary: Optional[tuple[int, dict[str, Any]]] = None  # (thread, state) of boundary_state()
         try:
             if self._ds.release(self.worker):
                 log.info("%s: took back the leases of an earlier %s", name, self.worker)
@@ -282,7 +286,14 @@ class ShardSampler(Sampler[int]):
 
         ``sync`` (default: whether torch.distributed is initialised) brackets the snapshot
         with barriers so it holds every rank's position: all ranks must call this.
+
+        Once :meth:`boundary_state` was called, a call from another thread than the one
+        that called it last (a failure capture's) returns that boundary's state, copied,
+        and neither reports nor waits (the training thread may be inside the next step).
         """
+        boundary = self._boundary
+        if boundary is not None and boundary[0] != threading.get_ident():
+            return copy.deepcopy(boundary[1])
         sync = _default_sync(sync)
         self._report_positions()
         if sync:
@@ -291,6 +302,21 @@ class ShardSampler(Sampler[int]):
         if sync:
             dist.barrier()
         return {"version": STATE_VERSION, "kind": _KIND, "name": self.name, "coordinator": coordinator}
+
+    def boundary_state(self) -> dict[str, Any]:
+        """The state as of a step boundary, for ``save_on_failure(boundary_state=...)``:
+        the coordinator's state with this rank's received positions in place of the
+        reported ones, in :meth:`state_dict`'s format. Call it at the end of each update on
+        the training thread (the boundary hook does). One read of the coordinator; it
+        reports nothing and makes no collective. Exact for one worker (no
+        torch.distributed): a capture written while the loop is in the next step holds the
+        shards completed and the positions of the last finished step. Other workers'
+        positions are those they last reported (not covered)."""
+        positions = {lease.shard: lease.done for lease in self._held}
+        state = {"version": STATE_VERSION, "kind": _KIND, "name": self.name,
+                 "coordinator": self._ds.state_dict(positions)}
+        self._boundary = (threading.get_ident(), state)
+        return state
 
     def reset(self, sync: Optional[bool] = None) -> None:
         """Start the data set over (epoch 0, every shard to do, no lease held): what a job
@@ -336,6 +362,7 @@ class ShardSampler(Sampler[int]):
         self._held.clear()
         self._unreceived.clear()
         self._pending = None
+        self._boundary = None  # of the state replaced
 
 
 def _default_sync(sync: Optional[bool]) -> bool:

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from ._definition import Definition
 from ._errors import (
@@ -276,12 +276,19 @@ class Dataset:
             "workers": workers,
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, positions: Mapping[Shard, int] | None = None) -> dict[str, Any]:
         """The data set's position as a small JSON-able dict: epoch, cursor into the
         epoch's shard order, and the queue of unfinished positions ``[slot, consumed]``
-        (leases held now come first: after a restore they resume where last reported)."""
+        (leases held now come first: after a restore they resume where last reported).
+
+        ``positions``: where the caller stands in leases it holds (absolute positions, as
+        :meth:`report` takes), written in place of the last reported ones without
+        reporting them (one read of the store, no write); a lease that token no longer
+        holds keeps its stored position."""
         snap = self._store.snapshot(self.name)
-        held = [[int(slot), lease["consumed"]] for slot, lease in snap["leases"].items()]
+        mine = {(shard.epoch, shard.slot, shard.lease): consumed for shard, consumed in (positions or {}).items()}
+        held = [[int(slot), mine.get((snap["epoch"], int(slot), lease["token"]), lease["consumed"])]
+                for slot, lease in snap["leases"].items()]
         return {
             "version": STATE_VERSION,
             "dataset": self.name,

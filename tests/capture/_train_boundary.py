@@ -68,14 +68,23 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, sampler: Any, load
 
 
 def main() -> None:
+    directory, out, steps, attempt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    fail = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    job = make()
+    run(directory, out, steps, attempt, fail, job, lambda: {"sampler": job[2].state_dict()})
+
+
+def run(directory: str, out: str, steps: int, attempt: int, fail: int | None, job: tuple[Any, ...],
+        given: Callable[[], dict], fresh: Callable[[], None] = lambda: None) -> None:
+    """One attempt of ``job`` (``make()``'s): load the newest step (``fresh()`` where there is
+    none), ``save_on_failure`` with ``given()`` and the RNG states as ``boundary_state``, train
+    through ``steps`` failing at ``fail``, write ``OUT/attempt<A>.pt``."""
     import flashckpt
     from flashckpt.torch import Checkpointer
 
     from _train import _blocked_in_cpp  # the script's folder is first on the path
 
-    directory, out, steps, attempt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    fail = int(sys.argv[5]) if len(sys.argv) > 5 else None
-    model, opt, sampler, loader = make()
+    model, opt, sampler, loader = job
     ckpt = Checkpointer(directory, persist_every=1000)
 
     def state() -> dict:
@@ -88,8 +97,9 @@ def main() -> None:
         opt.load_state_dict(loaded_state["optim"])
         sampler.load_state_dict(loaded_state["sampler"])
         flashckpt.set_rng_state(loaded_state["rng"])
-    ckpt.save_on_failure(state, optimizer=opt,
-                         boundary_state=lambda: {"sampler": sampler.state_dict(), "rng": flashckpt.rng_state()})
+    else:
+        fresh()
+    ckpt.save_on_failure(state, optimizer=opt, boundary_state=lambda: {**given(), "rng": flashckpt.rng_state()})
 
     def in_backward(step: int) -> None:
         if step == fail:

@@ -170,3 +170,78 @@ def test_lockstep_ranks_never_wait_for_each_others_leases(tmp_path):
     res = run_ranks(lockstep_shards, 2, url, 35, 10)
     assert Counter(res[0] + res[1]) == Counter(range(35))
     assert sorted(map(len, res)) == [15, 20]
+
+
+# -- the state as of a step boundary (failure capture) -----------------------------------
+def test_boundary_state_is_the_state_of_the_boundary_though_the_loop_went_on():
+    """``boundary_state()`` at a boundary equals ``state_dict()`` there, without reporting;
+    after the loop drew on (completing the shard it was in, leasing the next), a
+    ``state_dict()`` from another thread gives that boundary's state and reports nothing,
+    and restoring it replays exactly what was drawn after the boundary."""
+    import threading
+
+    url = mem()
+    s = sampler(url, num_epochs=1, shuffle=False)
+    it = iter(s)
+    before = [next(it) for _ in range(13)]  # inside the second shard of 8
+    reported = s._ds.state_dict()
+    at_boundary = s.boundary_state()
+    assert s._ds.state_dict() == reported, "boundary_state reported a position"
+    after = [next(it) for _ in range(6)]  # the second shard completed, the third leased
+    assert s.progress()["done"] == 2
+    got = []
+    thread = threading.Thread(target=lambda: got.append(s.state_dict()))
+    thread.start()
+    thread.join()
+    assert got == [at_boundary] and got[0] is not at_boundary
+    assert s.state_dict() != at_boundary  # the training thread: reports, as before
+    assert reported["queue"] == [[1, 0]]  # the lease of the second shard, never reported
+    assert at_boundary["coordinator"] == {**reported, "queue": [[1, 5]]}
+    restored = sampler(url, num_epochs=1, shuffle=False, worker="w1")
+    restored.load_state_dict(at_boundary)
+    rest = list(restored)
+    assert rest[:6] == after
+    assert Counter(before + rest) == Counter(range(100))
+
+
+def test_a_load_forgets_the_boundary_state():
+    import threading
+
+    s = sampler(mem(), num_epochs=1)
+    it = iter(s)
+    [next(it) for _ in range(3)]
+    s.boundary_state()
+    s.reset()
+    got = []
+    thread = threading.Thread(target=lambda: got.append(s.state_dict()))
+    thread.start()
+    thread.join()
+    assert got[0]["coordinator"]["cursor"] == 0
+
+
+def test_boundary_state_through_a_prefetching_counting_loader():
+    """Two workers prefetching through ``CountingLoader``: the state of step 5's boundary,
+    taken after step 6's batch arrived (completing a shard at the coordinator, with more
+    leased ahead), restored under a fresh sampler and loader, gives the batches of an
+    uninterrupted run from step 6 on."""
+    def batches(s, stop=None, at=None):
+        loader = CountingLoader(DataLoader(IndexDataset(100), batch_size=4, sampler=s, num_workers=2))
+        out = []
+        for batch in loader:
+            out.append([int(i) for i in batch])
+            if at is not None:
+                at(len(out))
+            if len(out) == stop:
+                break
+        return out
+
+    reference = batches(sampler(mem(), num_epochs=1, shard_size=6))
+    url = mem()
+    s = sampler(url, num_epochs=1, shard_size=6)
+    kept = {}
+    drawn = batches(s, stop=6, at=lambda step: kept.update({step: s.boundary_state()}) if step == 5 else None)
+    assert drawn == reference[:6]
+    assert s.progress()["done"] >= 4  # step 6's batch completed the fourth shard (24 samples)
+    restored = sampler(url, num_epochs=1, shard_size=6, worker="w1")
+    restored.load_state_dict(kept[5])
+    assert batches(restored) == reference[5:]

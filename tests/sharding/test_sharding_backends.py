@@ -193,6 +193,23 @@ def test_state_dict_round_trip_mid_epoch(backend: Backend) -> None:
     assert ds.progress()["finished"]
 
 
+def test_state_dict_with_positions_writes_them_without_reporting(backend: Backend) -> None:
+    """``state_dict(positions)``: the caller's unreported positions in place of the stored
+    ones, for leases that token still holds; the store keeps what was reported."""
+    ds = backend.connect().dataset("p", size=40, shard_size=10)
+    mine, other = ds.acquire("w"), ds.acquire("v")
+    ds.report(mine, consumed=2)
+    stale = ds.acquire("w")
+    ds.release("w")  # both of w's leases go back to the queue: their tokens hold nothing now
+    again = ds.acquire("w")
+    assert again.slot == mine.slot and again.consumed == 2
+    state = ds.state_dict({again: 7, other: 4, stale: 9})
+    held = {again.slot: 7, other.slot: 4}
+    assert state["queue"][:2] == [[slot, held[slot]] for slot in sorted(held)]
+    assert [stale.slot, 0] in state["queue"]  # released, not held by that token: as stored
+    assert ds.state_dict()["queue"][:2] == [[slot, 2 if slot == mine.slot else 0] for slot in sorted(held)]
+
+
 def test_load_state_dict_rejects_bad_state(backend: Backend) -> None:
     ds = backend.connect().dataset("bad-state", size=100, shard_size=10)
     good = ds.state_dict()
