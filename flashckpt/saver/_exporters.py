@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import json
 import logging
 import os
 import threading
@@ -291,7 +292,8 @@ class ExportQueue:
         storage = open_storage(export.directory)
         try:
             meta = storage.metadata(export.step)
-            key: tuple[Any, ...] | None = (export.step, meta.get("token"), meta.get("committed_at"))
+            key: tuple[Any, ...] | None = (export.step, meta.get("token"), meta.get("committed_at"),
+                                           json.dumps(export.spec, sort_keys=True, default=str))
         except CheckpointError:  # the exporter names what is wrong
             key = None
         recent = self._exported.setdefault(export.directory, deque(maxlen=_RECENT))

@@ -180,3 +180,20 @@ def killed_mid_export(patch: str, slot: str, info: dict, **env: str) -> subproce
     SIGKILLs itself in the middle of a file."""
     return subprocess.run([sys.executable, "-c", _KILLED_MID_EXPORT.format(patch=patch), slot, json.dumps(info)],
                           timeout=_BOUND * 2, capture_output=True, text=True, env=dict(os.environ, **env))
+
+
+def test_one_commit_exports_once_per_exporter_spec(tmp_path, monkeypatch):
+    """Two ranks' persists both submit a commit's export: it runs once. The same step saved
+    again with other exporter parameters (Lightning's ``last.ckpt`` after ``step=6.ckpt``),
+    whose shards are committed already and so make no new commit, still exports."""
+    storage = LocalStorage(str(tmp_path))
+    tok = token()
+    ran: list[dict] = []
+    monkeypatch.setattr(_exporters, "run_exporter", lambda spec, *a, **k: ran.append(spec))
+    queue = ExportQueue()
+    assert commit(storage, 6, tok, branch=-1)
+    named = [{"name": "lightning", "params": {"file": f}} for f in ("step=6.ckpt", "step=6.ckpt", "last.ckpt")]
+    for spec in named:
+        queue.submit(Export(spec, storage.root, 6), lambda error: None)
+    queue.close()
+    assert ran == [named[0], named[2]]
