@@ -48,11 +48,13 @@ class _NumpyState:
 
     def __init__(self) -> None:
         self._source: Any = None
-        """The bit generator the view is of, and the view (None: not made yet; False: no view)."""
+        """The bit generator ``_view`` is of (None: none seen yet)."""
         self._view: Any = None
+        """Its live words (key, position); None where they cannot be read."""
         self._last: Any = None
-        """The raw words (key, position) of the last full read, and what it gave."""
+        """The words at the last full read, kept for as long as ``_given`` is."""
         self._given: dict[str, Any] | None = None
+        """What the last full read gave (None: read in full next time)."""
         self._lock = threading.Lock()  # the step boundary's thread and a capture's
 
     def read(self, numpy: Any) -> dict[str, Any]:

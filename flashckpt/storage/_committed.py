@@ -154,18 +154,17 @@ class CommittedStore(Policy):
         checksums computed meanwhile, then its done marker. An image whose header names
         another run's token is refused. On failure a :class:`CheckpointError` is raised with
         the cause chained; what was uploaded stays for the next commit's sweep of stale
-        uploads, as after a crash. A second writer of the same shard is no error: a shard
-        committed already with exactly these bytes is not uploaded again, and an upload that fails once its
-        step committed (the first writer's shard completed it) returns the committed record."""
+        uploads, as after a crash. A second writer of the same shard is no error (see
+        :meth:`~flashckpt.storage._policy.Policy._write_once`)."""
         if not _TOKEN_RE.match(token):
             raise CheckpointError(f"run token {token[:80]!r} cannot name an object (letters, digits, _+- only)")
         theirs = image_token(image)
         if theirs is not None and theirs != token:
             raise CheckpointError(f"rank {rank} of step {step} was written by another run (token {theirs}); "
                                   f"this save's token is {token}: shards of two runs never commit together")
-        if (committed := self._committed_shard(step, rank, token, image)) is not None:
-            log.info("rank %d of step %d is committed in %s already; not writing it again", rank, step, self.root)
-            return committed
+        return self._write_once(step, rank, token, image, lambda: self._upload_shard(step, rank, token, image))
+
+    def _upload_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord:
         name = f"step-{step}/{_shard_object(rank, token)}"
         try:
             block = block_bytes(len(image))
@@ -179,10 +178,6 @@ class CommittedStore(Policy):
         except Exception as exc:
             # the object stays, as a crash would leave it (the next commit removes it if stale): a
             # second writer of this shard names the very object another writer's marker describes
-            if (committed := self._committed_shard(step, rank, token, image)) is not None:
-                log.info("rank %d of step %d was committed in %s by another writer of this save while this "
-                         "one wrote it", rank, step, self.root)
-                return committed
             raise CheckpointError(f"writing rank {rank} of step {step} to {self.root} failed: {exc} "
                                   "(the previous committed step is intact)") from exc
 

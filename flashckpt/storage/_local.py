@@ -145,25 +145,15 @@ class LocalStorage(PendingDirs, Policy):
         way (the pending saves this step supersedes that no writer holds are removed, see
         :meth:`_give_way`) and the write is tried once more.
 
-        A second writer of the same shard (a rank's slot and a replica of it) is no error:
-        a shard committed already with exactly these bytes is not written again, and a
-        write whose step commits under it (the first writer's shard completed the step)
-        returns the committed shard's record.
+        A second writer of the same shard is no error (see :meth:`_write_once`).
         """
         theirs = image_token(image)
         if theirs is not None and theirs != token:
             raise CheckpointError(f"rank {rank} of step {step} was written by another run (token {theirs}); "
                                   f"this save's token is {token}: shards of two runs never commit together")
-        if (committed := self._committed_shard(step, rank, token, image)) is not None:
-            log.info("rank %d of step %d is committed in %s already; not writing it again", rank, step, self.root)
-            return committed
         try:
-            return self._write_shard(step, rank, token, image)
+            return self._write_once(step, rank, token, image, lambda: self._write_shard(step, rank, token, image))
         except CheckpointError as exc:
-            if (committed := self._committed_shard(step, rank, token, image)) is not None:
-                log.info("rank %d of step %d was committed in %s by another writer of this save while this one "
-                         "wrote it", rank, step, self.root)
-                return committed
             if getattr(exc.__cause__, "errno", None) != errno.ENOSPC or not self._give_way(step, token):
                 raise
         return self._write_shard(step, rank, token, image)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..restore._shard_read import ShardReader
@@ -205,6 +205,25 @@ class Policy:
             return self.metadata(step).get("token") == token
         except CheckpointError:
             return False
+
+    def _write_once(self, step: int, rank: int, token: str, image: memoryview,
+                    write: Callable[[], ShardRecord]) -> ShardRecord:
+        """``write()`` rank ``rank``'s shard of ``step`` unless it is committed already with
+        exactly ``image``; a write that fails (:class:`CheckpointError`) once the step committed
+        with exactly these bytes (another writer of the same save completed it meanwhile)
+        returns the committed record. A second writer of a shard (a rank's slot and a replica
+        of it, a repeated persist) is so no error, and never writes a committed shard again."""
+        if (committed := self._committed_shard(step, rank, token, image)) is not None:
+            log.info("rank %d of step %d is committed in %s already; not writing it again", rank, step, self.root)
+            return committed
+        try:
+            return write()
+        except CheckpointError:
+            if (committed := self._committed_shard(step, rank, token, image)) is None:
+                raise
+            log.info("rank %d of step %d was committed in %s by another writer of this save while this one wrote it",
+                     rank, step, self.root)
+            return committed
 
     def _committed_shard(self, step: int, rank: int, token: str, image: memoryview) -> ShardRecord | None:
         """The record of rank ``rank``'s shard of ``step`` when run ``token`` committed that step
