@@ -26,10 +26,12 @@ must cope with uneven inputs (``Join``, or an all-reduce of "has data").
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import socket
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -56,7 +58,8 @@ class _Lease:
     shard: sharding.Shard
     sent: int  # absolute position in the shard's order yielded so far
     done: int  # absolute position received by the training loop
-    completed: bool = False
+    settled: int  # ``done`` as of the last step boundary under torch.distributed (see boundary_state)
+    reported: int  # the position the coordinator holds
 
 
 def default_worker() -> str:
@@ -129,7 +132,10 @@ class ShardSampler(Sampler[int]):
         self._pending: Optional[sharding.Shard] = None  # next epoch's first shard
         self._track_delivery = False
         self._iter_received = 0
-        self._boundary: Optional[tuple[int, dict[str, Any]]] = None  # (thread, state) of boundary_state()
+        self._in_round_trip = False
+        self._boundary: Optional[tuple[int, Optional[dict[str, Any]]]] = None
+        """(thread, state) of the last ``boundary_state()``; state None under torch.distributed,
+        where a capture reads the coordinator itself."""
         try:
             if self._ds.release(self.worker):
                 log.info("%s: took back the leases of an earlier %s", name, self.worker)
@@ -206,7 +212,8 @@ class ShardSampler(Sampler[int]):
         if epoch is not None and shard.epoch != epoch:
             self._pending = shard
             return None
-        lease = _Lease(shard, sent=shard.consumed, done=shard.consumed)
+        lease = _Lease(shard, sent=shard.consumed, done=shard.consumed, settled=shard.consumed,
+                       reported=shard.consumed)
         self._held.append(lease)
         return lease
 
@@ -218,10 +225,12 @@ class ShardSampler(Sampler[int]):
         try:
             if after is not None:
                 try:
-                    return self._ds.complete_and_acquire(after.shard, timeout=timeout)
+                    with self._round_trip():
+                        return self._ds.complete_and_acquire(after.shard, timeout=timeout)
                 except sharding.LeaseLost as e:  # refused: nothing was acquired
                     log.warning("%s: could not complete shard %d: %s", self.name, after.shard.index, e)
-            return self._ds.acquire(self.worker, timeout=timeout)
+            with self._round_trip():
+                return self._ds.acquire(self.worker, timeout=timeout)
         except sharding.AcquireTimeout:
             log.debug("%s: no shard free for %s now; ends this iteration", self.name, self.worker)
             return None
@@ -255,10 +264,12 @@ class ShardSampler(Sampler[int]):
         self._finish_done()
 
     def _finish_done(self, *, then_acquire: bool = False) -> Optional[sharding.Shard]:
-        """Complete every held shard the loop received entirely; with ``then_acquire``,
-        lease the next shard too, completing the last of them in the same round trip
-        (``Dataset.complete_and_acquire``)."""
-        done = [x for x in self._held if x.done >= len(x.shard)]
+        """Complete every held shard the loop received entirely (under torch.distributed
+        with boundaries, entirely as of the last boundary: see :meth:`boundary_state`); with
+        ``then_acquire``, lease the next shard too, completing the last of them in the same
+        round trip (``Dataset.complete_and_acquire``)."""
+        settled = self._boundary is not None and self._boundary[1] is None
+        done = [x for x in self._held if (x.settled if settled else x.done) >= len(x.shard)]
         for lease in done:
             self._held.remove(lease)
         last = done.pop() if then_acquire and done else None
@@ -267,13 +278,29 @@ class ShardSampler(Sampler[int]):
         return self._acquire(after=last) if then_acquire else None
 
     def _report_positions(self) -> None:
+        """Report where the loop stands now: complete what it received entirely, report the
+        rest (a save's and a boundary's under torch.distributed)."""
+        for lease in self._held:
+            lease.settled = lease.done
         self._finish_done()
-        for lease in list(self._held):
+        for lease in [x for x in self._held if x.done != x.reported]:
             self._call("report", lease, lambda: self._ds.report(lease.shard, lease.done))
+            lease.reported = lease.done
+
+    @contextlib.contextmanager
+    def _round_trip(self) -> Iterator[None]:
+        """Around the training thread's calls of the coordinator: a failure capture that
+        interrupts one on that thread (a signal handler) must not call it again."""
+        self._in_round_trip = True
+        try:
+            yield
+        finally:
+            self._in_round_trip = False
 
     def _call(self, what: str, lease: _Lease, fn: Callable[[], None]) -> None:
         try:
-            fn()
+            with self._round_trip():
+                fn()
         except sharding.LeaseLost as e:
             # the lease expired and went to another worker: its samples may be trained twice
             log.warning("%s: could not %s shard %d: %s", self.name, what, lease.shard.index, e)
@@ -287,35 +314,63 @@ class ShardSampler(Sampler[int]):
         ``sync`` (default: whether torch.distributed is initialised) brackets the snapshot
         with barriers so it holds every rank's position: all ranks must call this.
 
-        Once :meth:`boundary_state` was called, a call from another thread than the one
-        that called it last (a failure capture's) returns that boundary's state, copied,
-        and neither reports nor waits (the training thread may be inside the next step).
+        Once :meth:`boundary_state` was called, a call by a failure capture (from any
+        thread: ``flashckpt``'s ``state_fn`` call) or from another thread than the one that
+        called it last neither reports nor waits (the training thread may be inside the
+        next step, a peer dead): it returns that boundary's state, copied, or
+        under torch.distributed the coordinator's state as it is, which every rank's
+        boundary keeps at that rank's last boundary.
         """
         boundary = self._boundary
-        if boundary is not None and boundary[0] != threading.get_ident():
-            return copy.deepcopy(boundary[1])
+        if boundary is not None and (boundary[0] != threading.get_ident() or _capturing()):
+            if boundary[1] is not None:
+                return copy.deepcopy(boundary[1])
+            if self._in_round_trip and boundary[0] == threading.get_ident():
+                raise sharding.CoordinatorError(f"{self.name}: the failure capture interrupted this thread's round "
+                                                "trip to the coordinator, which it cannot call again")
+            return self._state(self._ds.state_dict())
         sync = _default_sync(sync)
         self._report_positions()
         if sync:
             dist.barrier()
-        coordinator = self._ds.state_dict()
+        with self._round_trip():
+            coordinator = self._ds.state_dict()
         if sync:
             dist.barrier()
-        return {"version": STATE_VERSION, "kind": _KIND, "name": self.name, "coordinator": coordinator}
+        return self._state(coordinator)
 
     def boundary_state(self) -> dict[str, Any]:
-        """The state as of a step boundary, for ``save_on_failure(boundary_state=...)``:
-        the coordinator's state with this rank's received positions in place of the
-        reported ones, in :meth:`state_dict`'s format. Call it at the end of each update on
-        the training thread (the boundary hook does). One read of the coordinator; it
-        reports nothing and makes no collective. Exact for one worker (no
-        torch.distributed): a capture written while the loop is in the next step holds the
-        shards completed and the positions of the last finished step. Other workers'
-        positions are those they last reported (not covered)."""
+        """The state as of a step boundary, for ``save_on_failure(boundary_state=...)``; call
+        it at the end of each update on the training thread (the boundary hook does). It
+        makes no collective.
+
+        One process: the coordinator's state with this rank's received positions in place
+        of the reported ones, in :meth:`state_dict`'s format (one read, no write).
+
+        Under torch.distributed: this rank reports its received positions and completes
+        the shards it received entirely (a write), and until the next boundary completes
+        no shard it finishes receiving (so a peer's capture does not find a shard done that
+        was not at this boundary). It returns the state's identity without the
+        coordinator's part, which a capture's ``state_dict()`` reads itself: then it holds
+        every rank's positions as of that rank's last boundary. Exact when each rank's last
+        boundary is the captured step's; a rank that died inside that step's update, before
+        its boundary, is a step behind (its last batch is trained again).
+        """
+        if _default_sync(None):
+            self._boundary = (threading.get_ident(), None)
+            self._report_positions()
+            return self._state(None)
         positions = {lease.shard: lease.done for lease in self._held}
-        state = {"version": STATE_VERSION, "kind": _KIND, "name": self.name,
-                 "coordinator": self._ds.state_dict(positions)}
+        with self._round_trip():
+            state = self._state(self._ds.state_dict(positions))
         self._boundary = (threading.get_ident(), state)
+        return state
+
+    def _state(self, coordinator: Optional[dict[str, Any]]) -> dict[str, Any]:
+        """The sampler's state around the coordinator's (left out where None)."""
+        state: dict[str, Any] = {"version": STATE_VERSION, "kind": _KIND, "name": self.name}
+        if coordinator is not None:
+            state["coordinator"] = coordinator
         return state
 
     def reset(self, sync: Optional[bool] = None) -> None:
@@ -323,8 +378,7 @@ class ShardSampler(Sampler[int]):
         with no checkpoint to load calls, so that shards a failed attempt completed before
         its first checkpoint are trained again. Like :meth:`load_state_dict` (a collective
         under torch.distributed), and like it, it rolls back every worker of the data set."""
-        self.load_state_dict({"version": STATE_VERSION, "kind": _KIND, "name": self.name,
-                              "coordinator": self._ds.initial_state()}, sync)
+        self.load_state_dict(self._state(self._ds.initial_state()), sync)
 
     def load_state_dict(self, state: Mapping[str, Any], sync: Optional[bool] = None) -> None:
         """Roll the coordinator back to ``state`` (every lease is dropped; partly consumed
@@ -363,6 +417,12 @@ class ShardSampler(Sampler[int]):
         self._unreceived.clear()
         self._pending = None
         self._boundary = None  # of the state replaced
+
+
+def _capturing() -> bool:
+    """Inside a flashckpt failure capture's ``state_fn`` (on whichever thread)."""
+    capture = sys.modules.get("flashckpt._capture")
+    return capture is not None and capture.capturing()
 
 
 def _default_sync(sync: Optional[bool]) -> bool:

@@ -38,9 +38,19 @@ from ._errors import CheckpointError, StateMismatchError
 from ._step_hooks import check_optimizer, hook_steps
 from .memory._tree import flatten
 
-__all__ = ["FailureCapture"]
+__all__ = ["FailureCapture", "capturing"]
 
 log = logging.getLogger("flashckpt")
+
+_this_thread = threading.local()
+
+
+def capturing() -> bool:
+    """Whether this thread is inside a failure capture's call of ``state_fn``: state that a
+    save reads from shared services (``elastic.ShardSampler``) then takes what its last
+    step boundary kept, with no collective (a peer may be dead)."""
+    return getattr(_this_thread, "capturing", False)
+
 
 WAIT_SECONDS = 120.0
 """How long a capture waits for a save in flight on another thread (and another
@@ -263,7 +273,12 @@ class FailureCapture:
                 return None
             self._capturing = me
         try:
-            written = self._save(step, self._boundary.apply(self._state_fn())) is not False
+            _this_thread.capturing = True
+            try:
+                state = self._state_fn()
+            finally:
+                _this_thread.capturing = False
+            written = self._save(step, self._boundary.apply(state)) is not False
             if written:
                 self._captured = step
                 log.warning("failure (%s): captured step %d into memory (persisting)", reason, step)

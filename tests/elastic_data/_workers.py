@@ -113,3 +113,40 @@ def lockstep_shards(rank: int, world: int, url: str, n: int, shard_size: int) ->
             return seen
         if i is not None:
             seen.append(i)
+
+
+def boundary_ranks(rank: int, world: int, url: str) -> dict:
+    """Two lockstep ranks draw a step of 4 samples each (shards of 6), take their step
+    boundary, and draw the next step: each finishes receiving its first shard and leases
+    the next. Then each reads ``state_dict()`` as a failure capture's other thread does,
+    and once more as a capture that interrupted its own coordinator round trip would."""
+    import threading
+
+    import torch.distributed as dist
+
+    import flashckpt._capture as capture
+    import sharding
+    from elastic import ShardSampler
+
+    sampler = ShardSampler(48, coordinator=url, name="boundary", shard_size=6, num_epochs=1)
+    it = iter(sampler)
+    trained = [next(it) for _ in range(4)]
+    sampler.boundary_state()
+    dist.barrier()
+    later = [next(it) for _ in range(4)]
+    dist.barrier()
+    got: list[dict] = []
+    thread = threading.Thread(target=lambda: got.append(sampler.state_dict()))
+    thread.start()
+    thread.join()
+    capture._this_thread.capturing = True
+    try:
+        with sampler._round_trip():
+            sampler.state_dict()
+        refused = ""
+    except sharding.CoordinatorError as exc:
+        refused = str(exc)
+    finally:
+        capture._this_thread.capturing = False
+    dist.barrier()
+    return {"trained": trained, "later": later, "state": got[0], "refused": refused}

@@ -13,7 +13,7 @@ import sharding
 from elastic import CountingLoader, ShardSampler
 
 from tests._fork import run_ranks
-from ._workers import IndexDataset, lockstep_shards, train_shards
+from ._workers import IndexDataset, boundary_ranks, lockstep_shards, train_shards
 
 
 def sqlite_url(tmp_path) -> str:
@@ -245,3 +245,22 @@ def test_boundary_state_through_a_prefetching_counting_loader():
     restored = sampler(url, num_epochs=1, shard_size=6, worker="w1")
     restored.load_state_dict(kept[5])
     assert batches(restored) == reference[5:]
+
+
+def test_boundary_state_of_lockstep_ranks_holds_every_ranks_boundary(tmp_path):
+    """Under torch.distributed each rank reports its positions at its boundary and completes
+    no shard it finished receiving after it: a capture's ``state_dict()`` (another thread)
+    after both ranks drew the next step is the state of both boundaries, so restoring it
+    replays exactly what was drawn after them. A capture that interrupted the rank's own
+    round trip to the coordinator (a signal on the training thread) gets an error, not a
+    second call into a store that thread is inside of."""
+    url = sqlite_url(tmp_path)
+    ranks = run_ranks(boundary_ranks, 2, url)
+    assert ranks[0]["state"] == ranks[1]["state"]
+    assert all("interrupted" in r["refused"] for r in ranks), ranks
+    restored = ShardSampler(48, coordinator=url, name="boundary", shard_size=6, num_epochs=1, worker="w9")
+    restored.load_state_dict(ranks[0]["state"], sync=False)
+    rest = list(restored)
+    trained = ranks[0]["trained"] + ranks[1]["trained"]
+    assert Counter(trained + rest) == Counter(range(48))
+    assert set(ranks[0]["later"] + ranks[1]["later"]) <= set(rest)
