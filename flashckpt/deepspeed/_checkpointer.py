@@ -448,8 +448,10 @@ class DeepSpeedCheckpointer:
     # -- lifecycle ----------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every persist asked for so far, and its DeepSpeed tag, is on storage.
-        All ranks must call this (it ends with a barrier)."""
+        """Block until every persist asked for so far, and its DeepSpeed tag, is on storage
+        (on node-local directories: this rank's persists; a tag whose commit a peer's copy
+        completes may still be in writing, :meth:`flush` waits for it). All ranks must call
+        this (it ends with a barrier)."""
         self._ckpt.wait(timeout)
         self._flash.collective.all_gather(None)
 
