@@ -152,6 +152,17 @@ def test_a_bad_chained_url_is_a_clear_error(bad, says):
             call()
 
 
+def test_an_inner_protocol_fsspec_does_not_know():
+    """fsspec refuses ``flashckpt::nosuch://`` before flashckpt's file system is made (it
+    looks up the inner protocol first; DCP reads its ValueError as "not mine"), so
+    ``dcp.save`` says only what DCP says; flashckpt's own entry points name the scheme."""
+    url = "flashckpt::nosuch://b/run"
+    with pytest.raises(RuntimeError, match="Cannot detect which StorageReader or StorageWriter"):
+        dcp.save(state(1), checkpoint_id=f"{url}/step-1")
+    with pytest.raises(flashckpt.CheckpointError, match="unknown scheme 'nosuch'"):
+        prepare(state(1), url)
+
+
 def test_a_missing_bucket_is_a_clear_error(s3):
     url = "flashckpt::s3://no-such-bucket-chain/run/step-1"
     for call in (lambda: dcp.save(state(1), checkpoint_id=url), lambda: dcp.load(blank(), checkpoint_id=url)):
