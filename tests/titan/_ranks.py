@@ -70,13 +70,15 @@ def resume(rank: int, world: int, root: str, folder: str = "checkpoint") -> dict
             "stock_before": (expected["listed"], expected["stock_loaded"])}
 
 
-def resume_stock(rank: int, world: int, root: str) -> dict:
-    """Stock torchtitan (no flashckpt) resumes from the folder; returns the step and
-    whether the state equals the one saved at step 4."""
+def resume_stock(rank: int, world: int, root: str, folder: str = "checkpoint",
+                 manager: type[CheckpointManager] = CheckpointManager) -> dict:
+    """Stock torchtitan (no flashckpt; or ``manager``) resumes from the folder; returns the
+    step, where flashckpt's manager read it, and whether the state equals the one saved at step 4."""
     training = _pieces.build(seed=2)
-    checkpointer = _pieces.manager(CheckpointManager.Config(enable=True, folder="checkpoint"), training, root)
+    checkpointer = _pieces.manager(manager.Config(enable=True, folder=folder), training, root)
     loaded = checkpointer.load()
+    source = getattr(checkpointer, "last_load", None)
     checkpointer.close()
     expected = torch.load(f"{root}/after-4-{rank}.pt", weights_only=True)
-    return {"loaded": loaded, "step": training.train_state.step,
+    return {"loaded": loaded, "step": training.train_state.step, "source": source and source.source,
             "same": _pieces.same(training.local_state(), expected)}

@@ -3,7 +3,8 @@
 over a gloo group of one): saves only in memory survive ``kill -9`` and a new process
 resumes from memory through a new manager, while stock torchtitan on the ``s3://`` folder
 finds nothing to resume; the saver exports the ``step-N`` folders into the bucket as stock
-DCP checkpoints; torchtitan's purge (``keep_latest_k``) removes old ones from the bucket."""
+DCP checkpoints; a step committed whose files are gone resumes from flashckpt's store;
+torchtitan's purge (``keep_latest_k``) removes old ``step-N`` folders from the bucket."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from flashckpt.dcp import Latest
 from flashckpt.dcp.torchtitan import FlashCheckpointManager
 from tests.objectstore.conftest import bucket, moto_server, raw_fs, s3, use_endpoint  # noqa: F401 -- fixtures
 
+from .._fork import run_ranks
 from ..dcp._common import killed_then_restarted, object_names, wait_for_object
 from . import _pieces, _ranks
 
@@ -36,11 +38,11 @@ def resumed(moto_server, tmp_path_factory):  # noqa: F811
         root = str(tmp_path_factory.mktemp("titan-chained"))
         results = killed_then_restarted(root, _ranks.save_then_die, _ranks.resume, world=1,
                                         args=(f"flashckpt::{folder}",))
-        yield folder, results
+        yield folder, results, root
 
 
 def test_a_chained_folder_resumes_from_memory_after_kill_9(resumed):
-    folder, [result] = resumed
+    folder, [result], _ = resumed
     assert result["stock_before"] == (None, False)  # stock torchtitan on the s3:// folder: nothing to resume
     assert result["latest"] == Latest(3, f"{folder}/step-3", "memory")
     assert result["source"] == "memory", result
@@ -48,9 +50,20 @@ def test_a_chained_folder_resumes_from_memory_after_kill_9(resumed):
 
 
 def test_the_bucket_holds_stock_step_folders(resumed):
-    folder, _ = resumed
+    folder, _, _ = resumed
     wait_for_object(raw_fs(), f"{folder}/step-4/.metadata")
     assert object_names(raw_fs(), f"{folder}/step-4") == [".metadata", "__0_0.distcp"]
+
+
+def test_a_step_committed_but_never_exported_resumes_from_the_store(resumed):
+    """Step 4's stock files gone from the bucket (as when its saver died between the commit and
+    the export) and memory freed: a new manager finds step 4 committed in the run's store, and
+    torchtitan's check that ``step-4`` is a folder passes through flashckpt's file system."""
+    folder, _, root = resumed
+    wait_for_object(raw_fs(), f"{folder}/step-4/.metadata")
+    raw_fs().rm(f"{folder}/step-4", recursive=True)
+    [result] = run_ranks(_ranks.resume_stock, 1, root, f"flashckpt::{folder}", FlashCheckpointManager)
+    assert result["loaded"] and result["step"] == 4 and result["same"] and result["source"] == "storage", result
 
 
 def test_purge_removes_old_step_folders_from_the_bucket(s3, bucket, tmp_path):  # noqa: F811
