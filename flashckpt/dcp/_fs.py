@@ -192,14 +192,20 @@ class FlashFileSystem(ChainedFileSystem):
         if copy is not None:
             run.saw(copy.step)
 
+    @staticmethod
+    def _committed(folder: str, store: str, named: int | None) -> int | None:
+        """The step a save of checkpoint folder ``folder`` committed as in ``store`` (only
+        ``named`` when given), None when none did or no run ever used the store."""
+        if not backing_of(store).store_in_use(store):
+            return None
+        from ..storage._url import open_storage
+
+        return committed_step(open_storage(store), folder, named)
+
     def _export_committed(self, folder: str, store: str) -> None:
         """Write the stock files of a save of ``folder`` that committed but was never
         exported (its saver was killed between the two) and that memory no longer holds."""
-        if not backing_of(store).store_in_use(store):
-            return
-        from ..storage._url import open_storage
-
-        step = committed_step(open_storage(store), folder, step_of(folder))
+        step = self._committed(folder, store, step_of(folder))
         if step is not None:
             log.warning("%s is committed as step %d of %s but its files were never written: writing them now",
                         folder, step, store)
@@ -238,11 +244,11 @@ class FlashFileSystem(ChainedFileSystem):
 
     def exists(self, path: Any, **kwargs: Any) -> bool:
         path = self._path(path)
-        return self._memory_exists(path) or backing_of(path).exists(path)
+        return self._memory_exists(path) or backing_of(path).exists(path) or self._committed_info(path) is not None
 
     def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
         path = self._path(path)
-        found = self._memory_info(path) or backing_of(path).info(path)
+        found = self._memory_info(path) or backing_of(path).info(path) or self._committed_info(path)
         if found is None:
             raise FileNotFoundError(path)
         return found
@@ -267,6 +273,18 @@ class FlashFileSystem(ChainedFileSystem):
             raise FileNotFoundError(path)
         listed = [entries[k] for k in sorted(entries)]
         return listed if detail else [e["name"] for e in listed]
+
+    def _committed_info(self, path: str) -> dict[str, Any] | None:
+        """A checkpoint folder (``step-N``: a name with its step) that neither memory nor
+        storage holds but whose save committed in its store, its files never written (the
+        saver was killed between the two): a folder, since reading its ``.metadata`` writes
+        them (:meth:`_read`). One shard header to read, on a miss only."""
+        store, named = _store(path), step_of(path)
+        if store is None or named is None or DISTCP.fullmatch(os.path.basename(path)):
+            return None
+        if self._committed(path, store, named) is None:
+            return None
+        return {"name": path, "size": 0, "type": "directory"}
 
     # -- memory -----------------------------------------------------------------------
 

@@ -24,8 +24,10 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .._options import Options
+from ..storage import _client_options
+from ..storage._location import OBJECT_SCHEMES
 from ._run import check_store_free, normalize_id, run_for, store_of
-from ._url import PROTOCOL, no_folder_error, strip
+from ._url import CHAINED, PROTOCOL, no_folder_error, strip
 from ._writer import rank_tree
 
 __all__ = ["prepare"]
@@ -41,7 +43,9 @@ def prepare(state_dict: dict[str, Any], folder: str | os.PathLike, *, store: str
     checkpoint ids are in, ``<folder>/step-N``; ``flashckpt://...`` or ``flashckpt::s3://...`` for
     saves through the protocol): open the run over the folder's store (its saver starts), and size this rank's
     shared-memory slots for the save in the background, so that the first ``dcp.save``
-    blocks only for its copy, as the later ones do. Nothing is saved.
+    blocks only for its copy, as the later ones do. Nothing is saved. A chained folder takes
+    its store's client options as ``url_to_fs`` does (``prepare(state, "flashckpt::s3://b/run",
+    s3={...})``): they become this process's and its saver's, as a save's through the protocol.
 
     Call it once the state exists (model and optimizer built, their state dict as it will
     be saved) and before the first save; a load through :class:`FlashStorageReader` does
@@ -57,6 +61,7 @@ def prepare(state_dict: dict[str, Any], folder: str | os.PathLike, *, store: str
         text = strip(text)
         if not text:
             raise no_folder_error(os.fspath(folder))
+        _use_client_options(os.fspath(folder), shorthands)
         if options is None and not shorthands:
             import fsspec
 
@@ -74,6 +79,17 @@ def prepare(state_dict: dict[str, Any], folder: str | os.PathLike, *, store: str
     if coordinator:  # the .metadata the coordinator's save also holds
         tree["dcp"]["metadata"] = torch.empty(_metadata_bound(plan, run.world_size), dtype=torch.uint8)
     run.engine.prepare_for(tree)
+
+
+def _use_client_options(url: str, shorthands: dict[str, Any]) -> None:
+    """Take a chain's client options (``s3={...}`` for ``flashckpt::s3://...``) out of
+    ``shorthands`` and give them to the store's client; any other keyword stays, to be
+    refused as an unknown option (a local folder takes no client options)."""
+    if not url.startswith(CHAINED):
+        return
+    scheme = url[len(CHAINED):].split("://", 1)[0]
+    if scheme in OBJECT_SCHEMES and scheme in shorthands:
+        _client_options.use(scheme, shorthands.pop(scheme))
 
 
 def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -24,11 +24,11 @@ from .._errors import CheckpointError
 from ..storage._location import OBJECT_SCHEMES
 from ._run import normalize_id
 
-__all__ = ["PROTOCOL", "chained_location", "local_path", "no_folder_error", "strip"]
+__all__ = ["CHAINED", "PROTOCOL", "chained_location", "local_path", "no_folder_error", "strip"]
 
 PROTOCOL = "flashckpt"
 _PREFIX = f"{PROTOCOL}://"
-_CHAINED = f"{PROTOCOL}::"
+CHAINED = f"{PROTOCOL}::"
 _LOCAL = ("file", "local")
 _DCP_FILE = re.compile(r"\.metadata(\.tmp)?|__\d+_\d+\.distcp")
 
@@ -43,8 +43,8 @@ def strip(path: str) -> str:
     (``""`` for ``flashckpt://``, which is also the outer part of a chain as fsspec splits
     it); any other path unchanged (a file system object reads it, see
     :meth:`flashckpt.dcp._fs.FlashFileSystem._path`)."""
-    if path.startswith(_CHAINED):
-        return normalize_id(path[len(_CHAINED):])
+    if path.startswith(CHAINED):
+        return normalize_id(path[len(CHAINED):])
     if path == _PREFIX:
         return ""
     if path.startswith(_PREFIX):
@@ -77,7 +77,7 @@ def chained_location(target_protocol: str, path: str) -> str | None:
     if target_protocol in _LOCAL:
         return None
     if target_protocol not in OBJECT_SCHEMES:
-        raise CheckpointError(f"{_CHAINED}{target_protocol}://{path}: a chain takes an object store "
+        raise CheckpointError(f"{CHAINED}{target_protocol}://{path}: a chain takes an object store "
                               f"({', '.join(f'{s}://' for s in OBJECT_SCHEMES)}) or a local folder (file://) behind "
                               f"{PROTOCOL}, not a {target_protocol}:// location")
     return normalize_id(f"{target_protocol}://{path}")

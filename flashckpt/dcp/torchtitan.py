@@ -29,7 +29,14 @@ HF safetensors saves and loads (``last_save_in_hf``, ``initial_load_in_hf``) and
 ``initial_load_path`` (a checkpoint outside the folder) stay torchtitan's own. flashckpt
 keeps its run in ``<folder>/.flashckpt`` (its copy of each persisted step, ``keep_last``
 of them); the ``step-N`` folders are stock DCP checkpoints that torchtitan without
-flashckpt loads. The folder must be local (a shared file system is fine).
+flashckpt loads.
+
+The folder is local (a shared file system is fine), or an object store's, chained:
+``flashckpt::s3://bucket/run`` (``s3://bucket/run`` is taken as that). Its run is then the
+writer's for ``s3://bucket/run/step-N`` ids (store ``s3://bucket/run/.flashckpt``), and
+torchtitan's own look at the folder (its fsspec calls: does it exist, is ``step-N`` a
+folder, the purge's listing and removal) goes through the ``flashckpt://`` file system,
+which sees the saves in memory first: through s3fs a save not yet in the bucket is not there.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import posixpath
 import re
 from typing import Any
 
@@ -50,7 +58,8 @@ from .._options import Options
 from ._latest import Latest, latest_checkpoint
 from ._prepare import prepare
 from ._reader import FlashStorageReader
-from ._run import close_all
+from ._run import close_all, is_url, normalize_id
+from ._url import CHAINED, PROTOCOL, no_folder_error, strip
 from ._writer import FlashStorageWriter
 
 __all__ = ["FlashCheckpointManager"]
@@ -98,10 +107,8 @@ class FlashCheckpointManager(CheckpointManager):
         super().__init__(config, **components)
         if not self.enable:
             return
-        if filesystem.is_remote(self.folder):
-            raise ValueError(f"FlashCheckpointManager needs a local checkpoint folder (a shared file system is "
-                             f"fine), got {self.folder}")
-        self.folder = os.path.abspath(self.folder)
+        self._flash_folder = _flash_folder(self.folder)
+        self.folder = f"{CHAINED}{self._flash_folder}" if is_url(self._flash_folder) else self._flash_folder
         self._options = Options(persist_every=config.persist_every, keep_last=config.keep_last)
         self._store = config.store
         self._latest: Latest | None = None
@@ -115,14 +122,20 @@ class FlashCheckpointManager(CheckpointManager):
     # -- the DCP calls -------------------------------------------------------------
 
     def _ours(self, checkpoint_id: str) -> bool:
+        if is_url(self._flash_folder):
+            return posixpath.dirname(checkpoint_id) == self.folder
         return os.path.dirname(os.path.abspath(checkpoint_id)) == self.folder
+
+    def _flash_id(self, checkpoint_id: str) -> str:
+        """The writer's and reader's id of a checkpoint id in the folder (``s3://...`` for a chain's)."""
+        return strip(checkpoint_id) if is_url(self._flash_folder) else checkpoint_id
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any,
                  enable_garbage_collection: bool = False, to_hf: bool = False) -> None:
         """A flash save of ``state_dict`` as ``checkpoint_id``; HF saves are torchtitan's."""
         if to_hf or not self._ours(checkpoint_id):
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        dcp.save(state_dict, storage_writer=FlashStorageWriter(checkpoint_id, store=self._store,
+        dcp.save(state_dict, storage_writer=FlashStorageWriter(self._flash_id(checkpoint_id), store=self._store,
                                                                options=self._options))
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
@@ -133,7 +146,7 @@ class FlashCheckpointManager(CheckpointManager):
         outside the folder (``initial_load_path``) are torchtitan's."""
         if from_hf or not self._ours(checkpoint_id):
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        reader = FlashStorageReader(checkpoint_id, store=self._store, options=self._options)
+        reader = FlashStorageReader(self._flash_id(checkpoint_id), store=self._store, options=self._options)
         dcp.load(state_dict, storage_reader=reader)
         if MODEL in self.states:  # as torchtitan: the model's states are flattened into state_dict
             self.states[MODEL].load_state_dict(state_dict)
@@ -144,19 +157,21 @@ class FlashCheckpointManager(CheckpointManager):
 
     def _load(self, step: int = -1) -> bool:
         """torchtitan's load, told the newest step by flashckpt (all ranks call it)."""
-        self._latest = latest_checkpoint(self.folder, step=None if step == -1 else step, store=self._store,
+        self._latest = latest_checkpoint(self._flash_folder, step=None if step == -1 else step, store=self._store,
                                          options=self._options)
         if self._latest is not None:
-            if self._latest.checkpoint_id != self._create_checkpoint_id(self._latest.step):
+            if self._latest.checkpoint_id != self._flash_id(self._create_checkpoint_id(self._latest.step)):
                 log.warning("the newest flash save in %s is %s, not a torchtitan step folder: not loading it",
                             self.folder, self._latest.checkpoint_id)
                 self._latest = None
-            else:  # torchtitan checks it is a folder; a save only in memory has none yet
+            elif not is_url(self._flash_folder):
+                # torchtitan checks it is a folder; a save only in memory has none yet (through
+                # flashckpt::s3://, torchtitan sees the folders of memory's saves)
                 os.makedirs(self._latest.checkpoint_id, exist_ok=True)
         before = self._last_load
         loaded = super()._load(step)
         if self._last_load is before and not self.load_only:  # a fresh start, or torchtitan's own load
-            prepare(self._flattened_model_states_sd(), self.folder, store=self._store, options=self._options)
+            prepare(self._flattened_model_states_sd(), self._flash_folder, store=self._store, options=self._options)
         return loaded
 
     def _find_load_step(self, folder: str = "") -> int:
@@ -168,10 +183,10 @@ class FlashCheckpointManager(CheckpointManager):
         """torchtitan's purge (``keep_latest_k``), over ``step-N`` folders only."""
         if not self._should_purge():
             return
-        steps = sorted((int(m.group(1)), name) for name in os.listdir(self.folder)
+        steps = sorted((int(m.group(1)), name) for name in filesystem.listdir(self.folder)
                        if (m := _STEP_FOLDER.fullmatch(name)))
         for _, name in steps[:-self.keep_latest_k]:
-            self.purge_queue.put(os.path.join(self.folder, name))
+            self.purge_queue.put(filesystem.join(self.folder, name))
 
     def _close(self) -> None:
         """torchtitan's close, then flashckpt's (:func:`flashckpt.dcp.close`): every flash run of
@@ -184,3 +199,17 @@ class FlashCheckpointManager(CheckpointManager):
         (another manager may use them) until :meth:`close` or exit."""
         if getattr(self, "enable", False):
             super()._close()
+
+
+def _flash_folder(folder: str) -> str:
+    """The folder flashckpt's writer and reader take: an absolute local path, or the
+    object-store URL of ``flashckpt::s3://...`` (or ``s3://...``); a clear error for other
+    remote folders."""
+    if folder.startswith(f"{PROTOCOL}:"):
+        found = strip(folder)
+        if not found:
+            raise no_folder_error(folder)
+        return found
+    if filesystem.is_remote(folder):
+        return normalize_id(folder)  # an object store's URL, else a CheckpointError naming the scheme
+    return os.path.abspath(folder)

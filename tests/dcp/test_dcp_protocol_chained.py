@@ -21,7 +21,9 @@ from fsspec.core import url_to_fs
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 import flashckpt
-from flashckpt.dcp import close
+from flashckpt.dcp import close, prepare
+from flashckpt.dcp._run import run_for
+from flashckpt.memory import _slot
 from tests.objectstore.conftest import bucket, moto_server, raw_fs, s3, s3_config, use_endpoint  # noqa: F401 -- fixtures
 
 from . import _protocol  # noqa: F401  registers flashckpt://
@@ -94,19 +96,25 @@ def test_two_ranks_leave_stock_files_the_stock_reader_loads(killed_then_restored
     assert loaded["step"] == 3 and torch.equal(loaded["model"]["emb"], want["emb"])
 
 
-def test_storage_options_of_the_inner_protocol_reach_the_store(moto_server, monkeypatch):
-    """No fsspec configuration names the server: only ``storage_options={"s3": {...}}``
-    given to DCP's fsspec writer and reader, the fsspec way for a chain. They reach this
-    process's store and the saver, which persists and writes the stock files."""
+def _given_per_call_only(moto_server, monkeypatch) -> tuple[dict, object]:
+    """No fsspec configuration names the server: the ``s3={...}`` to give per call, the
+    fsspec way for a chain, and an s3fs client of the server to look at the bucket."""
     from flashckpt.storage import _client_options
 
     monkeypatch.setattr(_client_options, "_OPTIONS", {})
     monkeypatch.delitem(fsspec.config.conf, "s3", raising=False)
     monkeypatch.delenv("FSSPEC_S3", raising=False)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    fsspec.get_filesystem_class("flashckpt").clear_instance_cache()  # a cached one was given options already
     conf = s3_config(moto_server.endpoint)
     options = {"s3": {"client_kwargs": {"endpoint_url": conf.pop("endpoint_url")}, **conf}}
-    direct = fsspec.filesystem("s3", skip_instance_cache=True, **options["s3"])
+    return options, fsspec.filesystem("s3", skip_instance_cache=True, **options["s3"])
+
+
+def test_storage_options_of_the_inner_protocol_reach_the_store(moto_server, monkeypatch):
+    """Only ``storage_options={"s3": {...}}`` given to DCP's fsspec writer and reader reach
+    this process's store and the saver, which persists and writes the stock files."""
+    options, direct = _given_per_call_only(moto_server, monkeypatch)
     name = f"ckpt-{uuid.uuid4().hex[:12]}"
     direct.mkdir(name)
     url = f"flashckpt::s3://{name}/run/step-5"
@@ -144,6 +152,17 @@ def test_a_bad_chained_url_is_a_clear_error(bad, says):
             call()
 
 
+def test_an_inner_protocol_fsspec_does_not_know():
+    """fsspec refuses ``flashckpt::nosuch://`` before flashckpt's file system is made (it
+    looks up the inner protocol first; DCP reads its ValueError as "not mine"), so
+    ``dcp.save`` says only what DCP says; flashckpt's own entry points name the scheme."""
+    url = "flashckpt::nosuch://b/run"
+    with pytest.raises(RuntimeError, match="Cannot detect which StorageReader or StorageWriter"):
+        dcp.save(state(1), checkpoint_id=f"{url}/step-1")
+    with pytest.raises(flashckpt.CheckpointError, match="unknown scheme 'nosuch'"):
+        prepare(state(1), url)
+
+
 def test_a_missing_bucket_is_a_clear_error(s3):
     url = "flashckpt::s3://no-such-bucket-chain/run/step-1"
     for call in (lambda: dcp.save(state(1), checkpoint_id=url), lambda: dcp.load(blank(), checkpoint_id=url)):
@@ -151,3 +170,27 @@ def test_a_missing_bucket_is_a_clear_error(s3):
             call()
         assert "no-such-bucket-chain/run/" in str(failed.value), failed.value
         assert "its bucket does not exist" in str(failed.value), failed.value
+
+
+@pytest.mark.skipif(not _slot._POPULATE_WRITE, reason="the kernel lacks MADV_POPULATE_WRITE")
+@pytest.mark.parametrize("given", ["configured", "per call"])
+def test_prepare_on_a_chained_folder_readies_the_first_save(given, moto_server, monkeypatch, populates):
+    """``prepare(state, "flashckpt::s3://<bucket>/run")`` opens the run over the bucket's
+    ``run/.flashckpt`` and sizes the slots: the first save through the chained id maps no
+    fresh memory, and the saver exports it into the bucket. The client options come from
+    fsspec's configuration, or only per call (``s3={...}``, as ``url_to_fs`` takes them)."""
+    if given == "configured":
+        options, direct = {}, fsspec.filesystem("s3", **use_endpoint(moto_server.endpoint, monkeypatch))
+    else:
+        options, direct = _given_per_call_only(moto_server, monkeypatch)
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    direct.mkdir(name)
+    folder = f"s3://{name}/run"
+    prepare(state(1), f"flashckpt::{folder}", **options)
+    run_for(f"{folder}/.flashckpt", None).engine.slots.prepared()  # training runs before the first save
+    before = len(populates)
+    dcp.save(state(1), storage_writer=FsspecWriter(f"flashckpt::{folder}/step-1", **options))
+    assert populates[before:] == [], "the first save after prepare populated slot pages itself"
+    close()
+    wait_for_object(direct, f"{folder}/step-1/.metadata")
+    assert _names(direct, f"{folder}/step-1") == [".metadata", "__0_0.distcp"]

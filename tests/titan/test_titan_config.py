@@ -1,5 +1,6 @@
 """torchtitan's checkpoint manager on flashckpt, in this process: torchtitan's command line
-keeps its config, bad configuration is refused at construction, a disabled manager does
+keeps its config, bad configuration is refused at construction, an object store's folder
+is taken chained (``flashckpt::s3://...``), a disabled manager does
 nothing, and the purge (``keep_latest_k``) deletes step folders only, never an export's
 staging folder."""
 
@@ -14,6 +15,7 @@ import tyro
 from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
 from torchtitan.config.manager import custom_registry
 
+from flashckpt import CheckpointError
 from flashckpt.dcp.torchtitan import FlashCheckpointManager
 
 from . import _pieces
@@ -32,10 +34,18 @@ def test_bad_config_is_refused_at_construction(fields, message):
         FlashCheckpointManager.Config(enable=True, **fields)
 
 
-def test_a_remote_folder_is_refused(tmp_path):
-    config = FlashCheckpointManager.Config(enable=True, folder="s3://bucket/run", keep_latest_k=0)
-    with pytest.raises(ValueError, match="local checkpoint folder"):
-        _pieces.manager(config, _pieces.build(seed=0), str(tmp_path))
+def test_an_object_store_folder_is_chained_and_another_remote_one_refused(tmp_path):
+    """An object store's folder, chained or not, becomes ``flashckpt::s3://...`` (torchtitan's
+    own look at it goes through flashckpt's file system, memory first); a remote folder
+    flashckpt keeps no run in is refused at construction, naming its scheme."""
+    training = _pieces.build(seed=0)
+    for folder in ("s3://bucket-x/run", "flashckpt::s3://bucket-x/run/"):
+        config = FlashCheckpointManager.Config(enable=True, folder=folder, keep_latest_k=0)
+        assert _pieces.manager(config, training, str(tmp_path)).folder == "flashckpt::s3://bucket-x/run"
+    for folder, scheme in (("ftp://host/run", "ftp"), ("flashckpt::nosuch://b/run", "nosuch")):
+        config = FlashCheckpointManager.Config(enable=True, folder=folder, keep_latest_k=0)
+        with pytest.raises(CheckpointError, match=f"unknown scheme '{scheme}'"):
+            _pieces.manager(config, training, str(tmp_path))
 
 
 def test_a_disabled_manager_does_nothing(tmp_path):
