@@ -1,10 +1,11 @@
 """The crash campaign as a soak: ``python -m tests.soak --minutes 30`` (from the repository root).
 
 Runs the rounds of ``tests.checkpoint._campaign`` (seeded random SIGKILLs of trainer, saver
-or both during save, persist, commit, close and load; 1 and 2 slots; 1 and 2 gloo ranks;
-sometimes the node's shared memory lost) until the time is up, prints each failing round
-as it happens and a summary (rounds, kills, lost, torn, hung, older-than-committed,
-damaged, error), and exits 1 on any failure. ``--round SEED`` replays one round.
+or both during save, persist, commit, close and load, and SIGTERMs of a trainer with failure
+capture armed; 1 and 2 slots; 1 and 2 gloo ranks; sometimes the node's shared memory lost)
+until the time is up, prints each failing round as it happens and a summary (rounds, kills,
+rounds whose capture every rank wrote, lost, torn, hung, older-than-committed, damaged,
+error), and exits 1 on any failure. ``--round SEED`` replays one round.
 Seed: ``--seed`` or ``FLASHCKPT_CAMPAIGN_SEED`` (default 20).
 """
 

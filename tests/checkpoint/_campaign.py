@@ -10,7 +10,10 @@ replays it) starts a fresh job — 1 or 2 gloo ranks of ``_campaign_trainer`` sa
 - ``persist``: while a shard is being written (a ``step-N.tmp-*`` holds a shard file);
 - ``commit``: once a shard is durable (``rank-R.done``), around the commit;
 - ``close``: inside ``close()`` after a few saves;
-- ``load``: the trainer is killed, then a restarted loader is killed (or its saver) mid-``load``.
+- ``load``: the trainer is killed, then a restarted loader is killed (or its saver) mid-``load``;
+- ``capture``: failure capture armed, the trainer gets SIGTERM and captures its last finished
+  step; "saver" and "both" also kill the saver, or the trainer and the saver, during the capture
+  (the round and what it checks on top: ``_campaign_capture``).
 
 Killing "saver" kills only the saver and lets the trainer go on (it must get a new saver
 and keep saving), then kills the trainer too. "both" kills the trainer, then the saver.
@@ -71,7 +74,7 @@ from .test_ckpt_crash import saver_pids
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGETS = ("trainer", "saver", "both")
-MOMENTS = ("save", "persist", "commit", "close", "load")
+MOMENTS = ("save", "persist", "commit", "close", "load", "capture")
 DEFAULT_SEED = 20
 WAIT_SECONDS = 60.0
 """Bound on each wait for a process (trainer saves, loader answers, saver ends)."""
@@ -95,11 +98,14 @@ class Spec:
     @classmethod
     def of(cls, seed: int, max_mb: float = 50.0) -> "Spec":
         rng = random.Random(seed)
-        moment = MOMENTS[seed % 5]
-        return cls(seed=seed, world=1 + seed % 2, memory_slots=1 + (seed % 7) % 2,
+        moment = MOMENTS[seed % len(MOMENTS)]
+        world, target = 1 + seed % 2, TARGETS[seed % 3]
+        if moment == "capture":  # seed % 6 == 5 would fix both
+            world, target = rng.choice([1, 2]), rng.choice(TARGETS)
+        return cls(seed=seed, world=world, memory_slots=1 + (seed % 7) % 2,
                    persist_every=rng.choice([1, 3]), mb=round(min(max_mb, 2 ** rng.uniform(0, 5.65)), 1),
-                   target=TARGETS[seed % 3], moment=moment,
-                   wipe=moment != "load" and rng.random() < 0.35,
+                   target=target, moment=moment,
+                   wipe=moment not in ("load", "capture") and rng.random() < 0.35,
                    saves_before=rng.randint(1, 5), delay=rng.uniform(0.0, 0.06))
 
     def describe(self) -> str:
@@ -115,6 +121,8 @@ class Outcome:
     source: str | None = None
     floor: int | None = None
     committed: int | None = None
+    captured: int | None = None
+    """The step every rank captured (capture rounds)."""
     seconds: float = 0.0
     failures: list[tuple[str, str]] = field(default_factory=list)
     """(kind, message); kind is one of lost, torn, hung, older-than-committed, damaged, error."""
@@ -124,8 +132,9 @@ class Outcome:
 
     def line(self) -> str:
         status = "ok" if not self.failures else "FAIL " + "; ".join(f"{k}: {m}" for k, m in self.failures)
+        captured = "" if self.captured is None else f", captured {self.captured}"
         return (f"{self.spec.describe()} -> loaded {self.loaded} from {self.source} (floor {self.floor}, "
-                f"committed {self.committed}) kills={self.kills} {self.seconds:.1f}s {status}")
+                f"committed {self.committed}{captured}) kills={self.kills} {self.seconds:.1f}s {status}")
 
 
 class Hung(Exception):
@@ -190,11 +199,11 @@ class Rank:
     def stderr_tail(self, n: int = 15) -> str:
         return "\n".join(list(self.err)[-n:])
 
-    def kill(self) -> bool:
+    def kill(self, sig: int = signal.SIGKILL) -> bool:
         if self.proc.poll() is not None:
             return False
         try:
-            self.proc.kill()
+            self.proc.send_signal(sig)
         except ProcessLookupError:
             return False
         return True
@@ -320,6 +329,9 @@ def run_round(seed: int, workdir: str, max_mb: float = 50.0) -> Outcome:
 
 def _play(spec: Spec, rng: random.Random, directory: str, job: str, workdir: str, jobs: list[Job],
           out: Outcome) -> None:
+    if spec.moment == "capture":
+        from ._campaign_capture import play_capture
+        return play_capture(spec, rng, directory, job, workdir, jobs, out)
     extra = ["--steps", str(spec.saves_before + rng.randint(0, 3)), "--close"] if spec.moment == "close" else []
     trainer = Job("train", spec, directory, job, workdir, extra)
     jobs.append(trainer)
@@ -384,7 +396,11 @@ def _play(spec: Spec, rng: random.Random, directory: str, job: str, workdir: str
         floor = None if saver_killed_under_trainer else due
     out.floor = floor or None
 
-    # -- the restart ----------------------------------------------------------------
+    restart(spec, directory, job, workdir, jobs, out)
+
+
+def restart(spec: Spec, directory: str, job: str, workdir: str, jobs: list[Job], out: Outcome) -> None:
+    """A fresh loader of every rank loads; its load and every committed step are checked."""
     out.committed = newest_committed(directory)
     loader = Job("load", spec, directory, job, workdir)
     jobs.append(loader)
@@ -417,7 +433,7 @@ def _check_load(loader: Job, out: Outcome, *, floor: int | None, committed: int 
                                          f"but step {committed} was committed")
     if floor is not None and (step is None or step < floor):
         out.fail("lost", f"{who} loaded {step} from {results[0]['source']}, but save({floor}) had returned "
-                         f"(the floor of this round)")
+                         f"or every rank had captured step {floor} (the floor of this round)")
 
 
 @dataclass
@@ -426,7 +442,8 @@ class Summary:
     outcomes: list[Outcome] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
-        c = {"rounds": len(self.outcomes), "kills": sum(o.kills for o in self.outcomes)}
+        c = {"rounds": len(self.outcomes), "kills": sum(o.kills for o in self.outcomes),
+             "captured": sum(1 for o in self.outcomes if o.captured is not None)}
         for kind in ("lost", "torn", "hung", "older-than-committed", "damaged", "error"):
             c[kind] = sum(1 for o in self.outcomes if any(k == kind for k, _ in o.failures))
         return c

@@ -7,7 +7,9 @@ from a server that imported torch already, ``tests._fork``; ``python -m`` runs i
 ``train`` saves steps 1, 2, 3, ... of a state whose every tensor holds the step number
 (``tests.checkpoint._trainer.make_state``), printing ``saving N`` before and ``saved N``
 after each ``save`` returned; with ``--close`` it stops after ``--steps`` saves and prints
-``closing`` / ``closed`` around ``close()``. ``load`` prints ``loading``, loads, checks that
+``closing`` / ``closed`` around ``close()``. With ``--capture E`` the state changes only inside an optimizer's ``step()`` (one update a
+step, ``--sleep`` seconds after the step began, printing ``updated N`` after it), every E-th step is saved, and ``save_on_failure``
+is armed: a SIGTERM captures the last finished step. ``load`` prints ``loading``, loads, checks that
 the state holds one whole step, and prints one JSON line ``{"step": ..., "source": ...,
 "torn": ...}``; it then exits without ``close()`` (as a crashed restart would).
 
@@ -37,6 +39,19 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
+class _Fill(torch.optim.Optimizer):
+    """An update that fills the state with the next step number inside ``step()``, as a real
+    optimizer changes the parameters there only (the state's tensors are its parameters)."""
+
+    def __init__(self, state: dict) -> None:
+        self.tree = state
+        super().__init__(list(state["model"].values()) + [state["half"]], {})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        fill(self.tree, self.tree["step"] + 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("role", choices=["train", "load"])
@@ -49,8 +64,9 @@ def main() -> None:
     p.add_argument("--memory-slots", type=int, default=2)
     p.add_argument("--mb", type=float, default=4.0)
     p.add_argument("--steps", type=int, default=100_000)
-    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds of each step before its update (--capture)")
     p.add_argument("--close", action="store_true")
+    p.add_argument("--capture", type=int, default=0, help="save every N-th update, failure capture armed")
     a = p.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
@@ -76,15 +92,24 @@ def main() -> None:
         info = ck.last_load
         _say(json.dumps({"step": step, "source": getattr(info, "source", None), "torn": torn}))
         os._exit(0)  # no close(): the memory stays as a crashed restart leaves it
+    update = None
+    if a.capture:
+        update = _Fill(state)
+        ck.save_on_failure(lambda: state, optimizer=update)
     for step in range(1, a.steps + 1):
-        fill(state, step)
         if a.world > 1:  # ranks step together, as data-parallel training does (its gradient all-reduce)
             dist.barrier()
+        if update is None:
+            fill(state, step)
+        else:
+            time.sleep(a.sleep)  # forward and backward
+            update.step()
+            _say(f"updated {step}")
+            if step % a.capture:
+                continue
         _say(f"saving {step}")
         ck.save(step, state)
         _say(f"saved {step}")
-        if a.sleep:
-            time.sleep(a.sleep)
     if a.close:
         _say("closing")
         from flashckpt import CheckpointError
