@@ -4,7 +4,7 @@
 
 Two gloo ranks, a ``DdpCheckpointer`` saving to memory every 8 steps, a ``ShardSampler``
 over SQLite (256 samples in shards of 6, so shards end inside batches of 4; one epoch),
-``DataLoader(num_workers=0)``, and the sampler's ``boundary_state()`` given to
+a ``DataLoader`` of two prefetching workers through ``CountingLoader``, and the sampler's ``boundary_state()`` given to
 ``save_on_failure``. In attempt 0 rank 1 is SIGKILLed inside step KILL_STEP's backward, so
 rank 0 captures the step before. Each rank appends ``<step> <indices>`` for every step it
 trained to ``OUT/trained-a<A>-r<R>.txt``; after STEPS steps it draws, untrained, what the
@@ -30,7 +30,7 @@ SAVE_EVERY = 8
 def main() -> None:
     import torch.distributed as dist
 
-    from elastic import ShardSampler
+    from elastic import CountingLoader, ShardSampler
     from flashckpt.torch import DdpCheckpointer, init_process_group
 
     directory, out, steps, kill = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -42,7 +42,7 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sampler = ShardSampler(SAMPLES, coordinator=f"sqlite:///{out}/shards.db", name="train", shard_size=6,
                            shuffle=True, seed=3, num_epochs=1)
-    loader = DataLoader(TensorDataset(torch.arange(SAMPLES)), BATCH, sampler=sampler)
+    loader = CountingLoader(DataLoader(TensorDataset(torch.arange(SAMPLES)), BATCH, sampler=sampler, num_workers=2))
     ckpt = DdpCheckpointer(directory, persist_every=1000)
 
     def state() -> dict:
