@@ -96,12 +96,12 @@ class EngineCheckpointer:
                        tree: Callable[[Any], Any] | None = None,
                        may_lack: tuple[str, ...] = (),
                        boundary_state: Callable[[], Any] | None = None,
-                       buffers: ModuleBuffers | None = None) -> FailureCapture:
+                       buffers: ModuleBuffers | None = None, owner: Any = None) -> FailureCapture:
         """A capture whose saves go through this checkpointer's engine (persisted, marked
         captured, exported by ``export``), not yet armed (:meth:`capture_with`); None as
         ``optimizer``: the caller gives the step boundary. ``tree(state)``: the tree the
         engine saves, made from what ``state_fn`` returned (default: that itself).
-        ``may_lack``, ``boundary_state``, ``buffers``: see :class:`FailureCapture`."""
+        ``may_lack``, ``boundary_state``, ``buffers``, ``owner``: see :class:`FailureCapture`."""
         engine = self._engine
 
         def save(step: int, state: Any) -> bool:
@@ -110,7 +110,8 @@ class EngineCheckpointer:
         return FailureCapture(
             state_fn, optimizer, save=save,
             last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle,
-            settle=engine.finish_copy, may_lack=may_lack, boundary_state=boundary_state, tree=tree, buffers=buffers)
+            settle=engine.finish_copy, may_lack=may_lack, boundary_state=boundary_state, tree=tree, buffers=buffers,
+            owner=owner)
 
     def _check_no_capture(self) -> None:
         if self._capture is not None:

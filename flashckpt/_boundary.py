@@ -13,7 +13,8 @@ step post-hook, an adapter's ``update_ends``) :meth:`BoundarySnapshot.take` keep
   FSDP's local shards) that the optimizer does not own (its parameters and
   their state) and that are the same tensors at each call: module buffers such as
   BatchNorm's statistics, copied into tensors of their own. They are found once, at the
-  first boundary (two calls of ``state_fn()``), where the optimizer is a torch one; when
+  first boundary (two calls of ``state_fn()``), where the optimizer is a torch one (or the
+  adapter gives what its update owns: megatron's wrappers); when
   they hold more than ``max(4 MiB, 1% of what the optimizer owns)`` (frozen parameters, an
   EMA of the weights) none is kept, with a warning. Where an adapter's capture writes the
   module through a save of its own (DeepSpeed's ``save_checkpoint``, the Trainer's save), the
@@ -64,8 +65,9 @@ class ModuleBuffers:
 
 class BoundarySnapshot:
     """The values as of the last step boundary that a capture writes in place of the live
-    ones (see the module docstring). ``optimizer``: a torch optimizer, or None where the
-    adapter's state is not the optimizer's (then only ``boundary_state`` is kept)."""
+    ones (see the module docstring). ``optimizer``: a torch optimizer (or what has its
+    ``param_groups`` and ``state``), or None where the adapter's state is not the optimizer's
+    (then only ``boundary_state`` is kept, and ``buffers``' where given)."""
 
     def __init__(self, state_fn: Callable[[], Any], boundary_state: Callable[[], Any] | None,
                  optimizer: Any, tree: Callable[[Any], Any] | None = None, *,

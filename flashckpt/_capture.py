@@ -62,19 +62,22 @@ class FailureCapture:
     the tree ``save`` gets, made from ``state_fn()``'s with those values (default: that itself).
     ``buffers``: the module and optimizer whose buffers are kept at each boundary, where the
     adapter's save writes the module (the Trainer's, DeepSpeed's); else they are looked for
-    in the tree (see :mod:`flashckpt._boundary`).
+    in the tree (see :mod:`flashckpt._boundary`), leaving out what ``optimizer`` owns, or
+    ``owner`` where the adapter gives the boundary: what its update owns, shaped as a torch
+    optimizer's ``param_groups`` and ``state`` (megatron's wrappers).
     """
 
     def __init__(self, state_fn: Callable[[], Any], optimizer: Any, *, save: Callable[[int, Any], Any],
                  last_load: Callable[[], Any], allow_pickle: bool = False,
                  settle: Callable[[], None] = lambda: None, may_lack: tuple[str, ...] = (),
                  boundary_state: Callable[[], Any] | None = None, tree: Callable[[Any], Any] | None = None,
-                 buffers: ModuleBuffers | None = None) -> None:
+                 buffers: ModuleBuffers | None = None, owner: Any = None) -> None:
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
         if optimizer is not None:
             check_optimizer(optimizer)
-        self._boundary = BoundarySnapshot(state_fn, boundary_state, optimizer, tree, buffers=buffers)
+        self._boundary = BoundarySnapshot(state_fn, boundary_state, optimizer if optimizer is not None else owner,
+                                          tree, buffers=buffers)
         self._state_fn, self._save, self._last_load = state_fn, save, last_load
         self._allow_pickle = allow_pickle
         self._may_lack = may_lack
