@@ -6,6 +6,7 @@ import sys
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
+from ._boundary import ModuleBuffers
 from ._capture import FailureCapture
 from ._engine import Engine, LoadInfo
 from ._errors import CheckpointError
@@ -94,12 +95,13 @@ class EngineCheckpointer:
                        export: dict[str, Any] | None = None,
                        tree: Callable[[Any], Any] | None = None,
                        may_lack: tuple[str, ...] = (),
-                       boundary_state: Callable[[], Any] | None = None) -> FailureCapture:
+                       boundary_state: Callable[[], Any] | None = None,
+                       buffers: ModuleBuffers | None = None, owner: Any = None) -> FailureCapture:
         """A capture whose saves go through this checkpointer's engine (persisted, marked
         captured, exported by ``export``), not yet armed (:meth:`capture_with`); None as
         ``optimizer``: the caller gives the step boundary. ``tree(state)``: the tree the
         engine saves, made from what ``state_fn`` returned (default: that itself).
-        ``may_lack``, ``boundary_state``: see :class:`FailureCapture`."""
+        ``may_lack``, ``boundary_state``, ``buffers``, ``owner``: see :class:`FailureCapture`."""
         engine = self._engine
 
         def save(step: int, state: Any) -> bool:
@@ -108,7 +110,8 @@ class EngineCheckpointer:
         return FailureCapture(
             state_fn, optimizer, save=save,
             last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle,
-            settle=engine.finish_copy, may_lack=may_lack, boundary_state=boundary_state, tree=tree)
+            settle=engine.finish_copy, may_lack=may_lack, boundary_state=boundary_state, tree=tree, buffers=buffers,
+            owner=owner)
 
     def _check_no_capture(self) -> None:
         if self._capture is not None:

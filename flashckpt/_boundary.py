@@ -13,26 +13,34 @@ step post-hook, an adapter's ``update_ends``) :meth:`BoundarySnapshot.take` keep
   FSDP's local shards) that the optimizer does not own (its parameters and
   their state) and that are the same tensors at each call: module buffers such as
   BatchNorm's statistics, copied into tensors of their own. They are found once, at the
-  first boundary (two calls of ``state_fn()``), where the optimizer is a torch one; when
+  first boundary (two calls of ``state_fn()``), where the optimizer is a torch one (or the
+  adapter gives what its update owns: megatron's wrappers); when
   they hold more than ``max(4 MiB, 1% of what the optimizer owns)`` (frozen parameters, an
-  EMA of the weights) none is kept, with a warning.
+  EMA of the weights) none is kept, with a warning. Where an adapter's capture writes the
+  module through a save of its own (DeepSpeed's ``save_checkpoint``, the Trainer's save), the
+  adapter names the module and its optimizer (:class:`ModuleBuffers`) and these tensors are the
+  module's buffers (its state dict's tensors that are no parameter), under the same bound.
 
 :meth:`BoundarySnapshot.apply` lays them over the capture's ``state_fn()`` tree: dicts merge
-key by key, any other value is replaced. Trade-offs, plainly: each step pays one call of
-``boundary_state()`` and one copy of those buffers (``benchmarks/capture_overhead.py``); the
-values are those at the end of ``optimizer.step()``, so state the loop changes after
-``step()`` returns and before the failure (a scheduler's step, an EMA update) is a step
-behind in a capture when it is in ``boundary_state`` or one of those tensors -- leave it to
-``state_fn``.
+key by key, any other value is replaced; a module's buffers replace every tensor of the tree
+(:meth:`BoundarySnapshot.swap`: also a tree the adapter's own save built) that shares their
+bytes. The live tensors are never written: training may go on after an explicit capture.
+Trade-offs, plainly: each step pays one call of ``boundary_state()`` and one copy of those
+buffers (``benchmarks/capture_overhead.py``); the values are those at the end of
+``optimizer.step()``, so state the loop changes after ``step()`` returns and before the
+failure (a scheduler's step, an EMA update) is a step behind in a capture when it is in
+``boundary_state`` or one of those tensors -- leave it to ``state_fn``. A module buffer
+replaced by a new tensor after the first boundary is written as it is.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-__all__ = ["BoundarySnapshot"]
+__all__ = ["BoundarySnapshot", "ModuleBuffers"]
 
 log = logging.getLogger("flashckpt")
 
@@ -44,27 +52,42 @@ BUFFER_SHARE = 0.01
 Path = tuple[Any, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class ModuleBuffers:
+    """The tensors outside the optimizer of an adapter whose capture writes the module through
+    a save of its own: ``module``'s buffers (BatchNorm's statistics; a frozen parameter is none:
+    ``forward`` does not change it). ``optimizer`` (wrappers such as accelerate's or DeepSpeed's
+    ZeRO optimizers are looked through to the torch one inside) gives the size bound."""
+
+    module: Any
+    optimizer: Any
+
+
 class BoundarySnapshot:
     """The values as of the last step boundary that a capture writes in place of the live
-    ones (see the module docstring). ``optimizer``: a torch optimizer, or None where the
-    adapter's state is not the optimizer's (then only ``boundary_state`` is kept)."""
+    ones (see the module docstring). ``optimizer``: a torch optimizer (or what has its
+    ``param_groups`` and ``state``), or None where the adapter's state is not the optimizer's
+    (then only ``boundary_state`` is kept, and ``buffers``' where given)."""
 
     def __init__(self, state_fn: Callable[[], Any], boundary_state: Callable[[], Any] | None,
-                 optimizer: Any, tree: Callable[[Any], Any] | None = None) -> None:
+                 optimizer: Any, tree: Callable[[Any], Any] | None = None, *,
+                 buffers: ModuleBuffers | None = None) -> None:
         """``tree(state)``: the whole tree a capture saves, made from ``state_fn()``'s (an
         adapter's: FSDP's local shards around the ``extra``); ``boundary_state`` overlays
-        ``state_fn()``'s tree, the tensors outside the optimizer are looked for in the whole."""
+        ``state_fn()``'s tree, the tensors outside the optimizer are looked for in the whole,
+        or are ``buffers``' where given."""
         if boundary_state is not None and not callable(boundary_state):
             raise TypeError("boundary_state must be callable (returning the parts of state_fn's tree as of a "
                             f"step boundary), got {type(boundary_state).__name__}")
         self.boundary_state = boundary_state
         self._state_fn, self._optimizer = state_fn, optimizer
-        self._tree = tree
+        self._tree, self._module = tree, buffers
         self._taken = False
         """A boundary was taken since the start or the last load (:meth:`forget`)."""
         self._given: Any = None
         """``boundary_state()`` of the last boundary, copied."""
-        self._buffers: list[tuple[Path, Any, Any]] | None = None if optimizer is not None else []
+        self._buffers: list[tuple[Path, Any, Any]] | None = \
+            None if optimizer is not None or buffers is not None else []
         """(path, live tensor, its copy) of the tensors outside the optimizer; None: not found yet."""
 
     def take(self) -> None:
@@ -93,6 +116,8 @@ class BoundarySnapshot:
         tree = self._whole(state)
         if not self._taken:
             return tree
+        if self._module is not None:
+            return self.swap(tree)
         replaced = []
         given = {id(t) for _, t in _tensors(self._given, ())}  # boundary_state's copies stay
         for path, live, copy in self._buffers or ():
@@ -106,11 +131,34 @@ class BoundarySnapshot:
                         "they are now (possibly changed since the step's end)", ", ".join(replaced[:5]))
         return tree
 
+    def swap(self, tree: Any) -> Any:
+        """``tree`` with each tensor that shares the bytes of one of the module's buffers (the
+        same shape and dtype) replaced by its copy of the last boundary; the containers on the
+        way copied. As it is where no boundary came since the start or the last load, or
+        without :class:`ModuleBuffers`. For a tree an adapter's own save built during the
+        capture (DeepSpeed's files), beside :meth:`apply`."""
+        if not self._taken or not self._buffers or self._module is None:
+            return tree
+        kept = {_key(live): copy for _, live, copy in self._buffers}
+        kept.pop(None, None)
+        for path, t in list(_tensors(tree, ())):
+            copy = kept.get(_key(t))
+            if copy is not None:
+                tree = _put(tree, path, copy)
+        return tree
+
     def _whole(self, state: Any) -> Any:
         return state if self._tree is None else self._tree(state)
 
     def _find_buffers(self) -> None:
-        """The tensors of the whole tree that the optimizer does not own, with a copy each."""
+        """The tensors of the whole tree that the optimizer does not own, or the module's
+        buffers, with a copy each."""
+        if self._module is not None:
+            optimizer = _torch_optimizer(self._module.optimizer)
+            self._keep(_module_buffers(self._module.module),
+                       _optimizer_storages(optimizer)[1] if optimizer is not None else 0,
+                       "the module's {n} buffer(s) hold {mib:.1f} MiB (an EMA of the weights?)", "")
+            return
         try:  # twice: a tensor made anew by each call (a value computed from others) is no buffer
             tree, again = self._whole(self._state_fn()), self._whole(self._state_fn())
         except Exception as exc:  # the first save's check says it; found at a later boundary
@@ -120,13 +168,18 @@ class BoundarySnapshot:
         owned.add(None)  # a tensor whose storage cannot be read is left as it is
         outside = [(path, t) for path, t in _tensors(tree, ())
                    if _storage(t) not in owned and t.numel() and _same_tensor(_get(again, path), t)]
+        self._keep(outside, owned_bytes, "the {n} tensor(s) of state_fn()'s tree outside the optimizer hold "
+                   "{mib:.1f} MiB (frozen parameters?)", " (give the buffers forward changes in boundary_state)")
+
+    def _keep(self, outside: list[tuple[Path, Any]], owned_bytes: int, what: str, advice: str) -> None:
+        """A copy of each of ``outside``, where they fit the bound (see the module docstring);
+        ``what``: a format of ``n`` and ``mib`` naming them in the warning."""
         size = sum(t.nelement() * t.element_size() for _, t in outside)
         limit = max(BUFFER_BYTES_FLOOR, BUFFER_SHARE * owned_bytes)
         if size > limit:
-            log.warning("failure capture: the %d tensor(s) of state_fn()'s tree outside the optimizer hold %.1f MiB "
-                        "(frozen parameters?), more than the %.1f MiB copied at each step boundary: none is; a "
-                        "capture writes them as they are at the failure (give the buffers forward changes in "
-                        "boundary_state)", len(outside), size / 2**20, limit / 2**20)
+            log.warning("failure capture: %s, more than the %.1f MiB copied at each step boundary: none is; a capture "
+                        "writes them as they are at the failure%s", what.format(n=len(outside), mib=size / 2**20),
+                        limit / 2**20, advice)
             self._buffers = []
             return
         self._buffers = [(path, t, t.detach().clone()) for path, t in outside]
@@ -158,6 +211,34 @@ def _same_tensor(a: Any, b: Any) -> bool:
         return a is b or _local(a).data_ptr() == _local(b).data_ptr()
     except (RuntimeError, NotImplementedError):
         return False
+
+
+def _key(t: Any) -> tuple[Any, ...] | None:
+    """Where ``t``'s bytes start, its shape and dtype: equal for ``t`` and its views alike;
+    None where its bytes cannot be read."""
+    try:
+        return _local(t).data_ptr(), tuple(t.shape), t.dtype
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _module_buffers(module: Any) -> list[tuple[Path, Any]]:
+    """The tensors of ``module``'s state dict that are no parameter, by name (non-persistent
+    buffers are in no saved tree; state dict hooks and extra state are the module's)."""
+    import torch
+
+    params = {id(p) for p in module.parameters()}
+    return [((name,), t) for name, t in module.state_dict(keep_vars=True).items()
+            if isinstance(t, torch.Tensor) and id(t) not in params and t.numel()]
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside wrappers (accelerate's, DeepSpeed's ZeRO optimizers), or None."""
+    seen: set[int] = set()
+    while getattr(optimizer, "optimizer", None) is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    return optimizer if hasattr(optimizer, "param_groups") and hasattr(optimizer, "state") else None
 
 
 def _optimizer_storages(optimizer: Any) -> tuple[set[int], int]:

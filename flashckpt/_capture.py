@@ -33,7 +33,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from ._boundary import BoundarySnapshot
+from ._boundary import BoundarySnapshot, ModuleBuffers
 from ._errors import CheckpointError, StateMismatchError
 from ._step_hooks import check_optimizer, hook_steps
 from .memory._tree import flatten
@@ -70,17 +70,24 @@ class FailureCapture:
     ``boundary_state``: a partial tree of ``state_fn``'s, taken at each step boundary and
     written in place of the live values (see :mod:`flashckpt._boundary`). ``tree(state)``:
     the tree ``save`` gets, made from ``state_fn()``'s with those values (default: that itself).
+    ``buffers``: the module and optimizer whose buffers are kept at each boundary, where the
+    adapter's save writes the module (the Trainer's, DeepSpeed's); else they are looked for
+    in the tree (see :mod:`flashckpt._boundary`), leaving out what ``optimizer`` owns, or
+    ``owner`` where the adapter gives the boundary: what its update owns, shaped as a torch
+    optimizer's ``param_groups`` and ``state`` (megatron's wrappers).
     """
 
     def __init__(self, state_fn: Callable[[], Any], optimizer: Any, *, save: Callable[[int, Any], Any],
                  last_load: Callable[[], Any], allow_pickle: bool = False,
                  settle: Callable[[], None] = lambda: None, may_lack: tuple[str, ...] = (),
-                 boundary_state: Callable[[], Any] | None = None, tree: Callable[[Any], Any] | None = None) -> None:
+                 boundary_state: Callable[[], Any] | None = None, tree: Callable[[Any], Any] | None = None,
+                 buffers: ModuleBuffers | None = None, owner: Any = None) -> None:
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
         if optimizer is not None:
             check_optimizer(optimizer)
-        self._boundary = BoundarySnapshot(state_fn, boundary_state, optimizer, tree)
+        self._boundary = BoundarySnapshot(state_fn, boundary_state, optimizer if optimizer is not None else owner,
+                                          tree, buffers=buffers)
         self._state_fn, self._save, self._last_load = state_fn, save, last_load
         self._allow_pickle = allow_pickle
         self._may_lack = may_lack
@@ -228,6 +235,12 @@ class FailureCapture:
                                      f"alike ({', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''})")
 
     # -- the capture -------------------------------------------------------------
+
+    def as_of_boundary(self, tree: Any) -> Any:
+        """``tree``, built by the adapter's own save during the capture (DeepSpeed's files),
+        with the module's buffers of the last boundary in place of the live ones (the live
+        ones left as they are; see ``BoundarySnapshot.swap``)."""
+        return self._boundary.swap(tree)
 
     def busy_here(self) -> bool:
         """This thread is inside a save or the capture (a signal handler must defer)."""

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from .._boundary import ModuleBuffers
 from .._capture import FailureCapture
 from .._errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
 from .._options import Options, resolve_options
@@ -180,8 +181,9 @@ class DeepSpeedCheckpointer:
         directly neither waits for a capture nor restarts the step count).
         ``boundary_state()``, called at the end of every boundary ``engine.step``, gives parts
         of the ``client_state`` (a sampler's state, ``flashckpt.rng_state()``) that a capture
-        writes as they were then (see ``flashckpt._boundary``); the module's buffers are the
-        engine's own state and are written as they are at the failure."""
+        writes as they were then (see ``flashckpt._boundary``). The module's buffers (BatchNorm's
+        statistics) are copied at that boundary too, and a capture's files hold the copies
+        (within the bound ``flashckpt._boundary`` states, else a warning and the live ones)."""
         engine = self.engine
         if optimizer is not None and optimizer is not engine.optimizer \
                 and optimizer is not getattr(engine.optimizer, "optimizer", None):
@@ -193,7 +195,8 @@ class DeepSpeedCheckpointer:
         flash = self._flash
         # allow_pickle: only for comparing the trees' shapes; client_state objects are pickled anyway
         capture = FailureCapture(state_fn or dict, None, save=self._capture_save, last_load=lambda: flash.last_load,
-                                 allow_pickle=True, boundary_state=boundary_state)
+                                 allow_pickle=True, boundary_state=boundary_state,
+                                 buffers=ModuleBuffers(engine.module, engine.optimizer))
         self._capture = self._ckpt.capture_with(capture, guard_saves=False)
         self._step_wrapper = step_boundary(engine, capture)
         return capture
@@ -212,8 +215,10 @@ class DeepSpeedCheckpointer:
         step = self._step if self._step is not None else int(self.engine.global_steps)
         if self._scratch is not None and save_dir == os.path.abspath(self._scratch):
             save_dir = self.directory
-        state = {"deepspeed": {"tag": tag, "save_dir": save_dir,
-                               "files": {rel: _objects.encode(sd) for rel, sd in files.items()}}}
+        encoded = {rel: _objects.encode(sd) for rel, sd in files.items()}
+        if self._captured and self._capture is not None:  # the module's buffers as of the boundary
+            encoded = self._capture.as_of_boundary(encoded)
+        state = {"deepspeed": {"tag": tag, "save_dir": save_dir, "files": encoded}}
         options = self._flash.options
         export = {"name": "deepspeed", "params": {
             "save_dir": save_dir, "tag": tag, "save_latest": save_latest or self._latest_on_export,
@@ -448,10 +453,9 @@ class DeepSpeedCheckpointer:
     # -- lifecycle ----------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every persist asked for so far, and its DeepSpeed tag, is on storage
-        (on node-local directories: this rank's persists; a tag whose commit a peer's copy
-        completes may still be in writing, :meth:`flush` waits for it). All ranks must call
-        this (it ends with a barrier)."""
+        """Block until every persist asked for so far, and its tag, is on storage (node-local:
+        a tag a peer's copy completes may still be in writing; :meth:`flush` waits for it).
+        All ranks must call this (it ends with a barrier)."""
         self._ckpt.wait(timeout)
         self._flash.collective.all_gather(None)
 

@@ -20,6 +20,10 @@ regular saves write it); it holds the tag, ``latest``, ``zero_to_fp32.py``,
 weights file, so ``resume_from_checkpoint`` continues from it exactly; the weights file
 comes from ``zero_to_fp32.py`` or the next regular save. With ``save_only_model`` and
 gathered weights the stock save is the weights file alone, so nothing is captured then.
+
+The model's buffers (BatchNorm's statistics), which the next step's forward may have moved
+before a capture, are copied at ``on_step_end`` and written in their place, in the model
+files and in DeepSpeed's tag alike (``flashckpt._boundary.ModuleBuffers``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import logging
 from typing import Any, Callable
 
 from .._base import EngineCheckpointer
+from .._boundary import ModuleBuffers
 from .._capture import FailureCapture
 from . import _deepspeed
 from ._capture import capture_main_state, capture_rank_state
@@ -57,8 +62,9 @@ class TrainerCapture:
             return
         # under ZeRO-3 a capture has no model weights (a save may have gathered them)
         may_lack = ("/hf/model",) if deepspeed and _deepspeed.zero3(trainer) else ()
+        buffers = ModuleBuffers(trainer.model, trainer.optimizer)
         capture = self._capture = ckpt.capture_with(ckpt.engine_capture(self._tree, export=export,
-                                                                        may_lack=may_lack))
+                                                                        may_lack=may_lack, buffers=buffers))
         if deepspeed:
             from ..deepspeed._engine import step_boundary
             self._step_wrapper = step_boundary(trainer.model_wrapped, capture, counts=False)

@@ -10,7 +10,9 @@ clips gradients, which a capture does not save) and ends when ``step`` returns (
 it skipped the update for an inf/NaN gradient: the step still counts, as in Megatron-LM).
 Both are wrapped on the instance. The distributed optimizer is refused: its sharded state
 dict is gathered over the data-parallel group (a collective, which a capture cannot make
-while a peer is dead or blocked), and its state lives in flat buffers.
+while a peer is dead or blocked), and its state lives in flat buffers. What the update owns
+(:class:`UpdateTensors`) is left out when the tensors outside it (module buffers) are looked
+for in a capture's tree (``flashckpt._boundary``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 from .._capture import FailureCapture
 from .._errors import CheckpointError
 
-__all__ = ["StepBoundary", "check_capturable", "is_megatron_optimizer"]
+__all__ = ["StepBoundary", "UpdateTensors", "check_capturable", "is_megatron_optimizer"]
 
 
 def is_megatron_optimizer(optimizer: Any) -> bool:
@@ -70,3 +72,23 @@ class StepBoundary:
             if attributes.get(name) is wrapper:
                 del attributes[name]
         self._wrappers = {}
+
+
+class UpdateTensors:
+    """What a megatron optimizer wrapper's update writes, shaped as a torch optimizer's
+    ``param_groups`` and ``state`` (read at the first step boundary): each member's torch
+    optimizer's parameters and state, and the fp16/bf16 model parameters the main ones are
+    copied into (``float16_groups``)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self._members = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        groups = [group for member in self._members for group in member.optimizer.param_groups]
+        return groups + [{"params": list(params)} for member in self._members
+                         for params in getattr(member, "float16_groups", ())]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {param: state for member in self._members for param, state in member.optimizer.state.items()}

@@ -25,7 +25,7 @@ from ..restore._shard_read import MemoryImage, ShardReader, open_shard
 from ..memory._slot import HEADER_SIZE, Slot, SlotState
 from ..torch._checkpointer import collective_for
 from ..torch._tensors import DTYPE_NAMES, host_byte_array
-from ._capture import StepBoundary, check_capturable, is_megatron_optimizer
+from ._capture import StepBoundary, UpdateTensors, check_capturable, is_megatron_optimizer
 from ._reader import BYTESIO, StepReader
 
 __all__ = ["MegatronCheckpointer"]
@@ -177,8 +177,9 @@ class MegatronCheckpointer(EngineCheckpointer):
         end of every update (see ``flashckpt._boundary``): its plain values (the common part),
         ``ShardedObject`` s and ``ShardedTensor`` blocks, copied, replace those of the same
         keys in a capture, e.g. ``{"data": {"consumed": n}, "rng_state": ShardedObject(...)}``.
-        Tensors outside the optimizer are copied at each boundary only where ``optimizer`` is
-        a torch optimizer (megatron's wrappers own no torch parameters of their own).
+        The tensors of the sharded state dict outside the update (module buffers) are found
+        and copied at each boundary as with a torch optimizer (``flashckpt._boundary``), the
+        wrapper's torch optimizers and fp16/bf16 model parameters counting as its own.
         """
         self._check_no_capture()
         if not callable(state_fn):
@@ -189,7 +190,7 @@ class MegatronCheckpointer(EngineCheckpointer):
             check_capturable(optimizer)
         given = None if boundary_state is None else lambda: self._given_blocks(boundary_state())
         capture = self.engine_capture(lambda: self._blocks(state_fn()), None if megatron else optimizer, tree=_packed,
-                                      boundary_state=given)
+                                      boundary_state=given, owner=UpdateTensors(optimizer) if megatron else None)
         if megatron:
             capture.keep(StepBoundary(optimizer, capture))  # removed when the checkpointer closes
         return self.capture_with(capture, guard_saves=False)

@@ -165,6 +165,41 @@ def test_a_load_forgets_what_the_last_boundary_kept():
         assert torch.equal(value, loaded[name]), name
 
 
+def test_module_buffers_kept_for_an_adapter_save_within_the_bound(caplog):
+    """``ModuleBuffers`` (DeepSpeed's and the Trainer's captures, whose own saves build the
+    tree): the buffers kept at the boundary replace their views anywhere in a tree, the live
+    ones and the caller's tree untouched; past max(4 MiB, 1% of the optimizer's bytes, a
+    wrapper looked through) none is kept, with the warning."""
+    from types import SimpleNamespace
+
+    from flashckpt._boundary import BoundarySnapshot, ModuleBuffers
+
+    model, opt = _bn_job()
+    snapshot = BoundarySnapshot(dict, None, None, buffers=ModuleBuffers(model, SimpleNamespace(optimizer=opt)))
+    _step(model, opt)
+    snapshot.take()
+    at_boundary = {k: v.clone() for k, v in model[1].state_dict().items()}
+    model(torch.randn(8, 4))
+    moved = model[1].running_mean.clone()
+    tree = {"files": {"m.pt": {"module": model.state_dict()}}, "tuple": (model[1].running_var,)}
+    got = snapshot.swap(tree)
+    for name, value in at_boundary.items():
+        assert torch.equal(got["files"]["m.pt"]["module"][f"1.{name}"], value), name
+    assert torch.equal(got["tuple"][0], at_boundary["running_var"])
+    assert got["files"]["m.pt"]["module"]["0.weight"] is tree["files"]["m.pt"]["module"]["0.weight"]
+    assert torch.equal(model[1].running_mean, moved)  # the live statistics are the forward's
+    assert torch.equal(tree["files"]["m.pt"]["module"]["1.running_mean"], moved)
+
+    big = torch.nn.Module()
+    big.register_buffer("ema", torch.zeros(1200, 1024))  # 4.7 MiB, past 4 MiB and 1% of the optimizer's
+    snapshot = BoundarySnapshot(dict, None, None, buffers=ModuleBuffers(big, opt))
+    with caplog.at_level("INFO", logger="flashckpt"):
+        snapshot.take()
+    assert "the module's 1 buffer(s) hold 4.7 MiB" in caplog.text and "none is" in caplog.text
+    big.ema.add_(1)
+    assert snapshot.swap({"ema": big.ema})["ema"] is big.ema
+
+
 def test_frozen_parameters_are_not_copied_at_every_boundary(tmp_path, job_id, caplog):
     """Tensors outside the optimizer past max(4 MiB, 1% of its bytes) -- a frozen layer of
     4.3 MiB here -- are not copied at each boundary: a warning says so, and a capture writes

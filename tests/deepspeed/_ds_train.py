@@ -37,10 +37,12 @@ def join_group(rank: int) -> list:
     return sources
 
 
-def make_engine(stage: int, hidden: int = 16):
+def make_engine(stage: int, hidden: int = 16, batchnorm: bool = False):
+    """``batchnorm``: a BatchNorm after the first layer (its forward moves the running statistics)."""
     import deepspeed
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+    norm = [torch.nn.BatchNorm1d(hidden)] if batchnorm else []
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), *norm, torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
     # torch's Adam: DeepSpeed's FusedAdam would be JIT-compiled first (about 70 s on a clean CI machine)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
@@ -49,10 +51,15 @@ def make_engine(stage: int, hidden: int = 16):
     return engine
 
 
-def train_step(engine, rank: int, step: int) -> float:
+def forward(engine, rank: int, step: int) -> torch.Tensor:
+    """The loss of step ``step``'s batch (its forward only)."""
     g = torch.Generator().manual_seed(1000 * rank + step)
     x, y = torch.randn(MICRO_BATCH, 8, generator=g), torch.randn(MICRO_BATCH, 1, generator=g)
-    loss = torch.nn.functional.mse_loss(engine(x), y)
+    return torch.nn.functional.mse_loss(engine(x), y)
+
+
+def train_step(engine, rank: int, step: int) -> float:
+    loss = forward(engine, rank, step)
     engine.backward(loss)
     engine.step()
     return loss.item()
@@ -65,6 +72,11 @@ def train_to_5(ck, engine, rank: int) -> None:
     ck.save(2, client_state={"marker": "gs-2"})
     for step in (3, 4, 5):
         train_step(engine, rank, step)
+
+
+def buffers(engine) -> dict:
+    """Copies of the module's buffers (BatchNorm's running statistics)."""
+    return {name: b.detach().clone() for name, b in engine.module.named_buffers()}
 
 
 def consolidated(engine) -> dict:

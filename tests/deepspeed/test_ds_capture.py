@@ -132,6 +132,49 @@ def test_arguments_and_the_boundary_in_one_process(tmp_path, job_id):
     assert "boundary_state" in out["boundary_mismatch"] and "/epoch" in out["boundary_mismatch"], out
 
 
+def _buffers_past_the_boundary(rank, world, directory, job, stage):
+    """Steps 1-3 of a BatchNorm model, step 4's forward (the running statistics move), a
+    capture, then step 4's update; a new engine loads the capture."""
+    from flashckpt.deepspeed import DeepSpeedCheckpointer
+    _ds_train.join_group(rank)
+    out = {}
+    engine = _ds_train.make_engine(stage, batchnorm=True)
+    with DeepSpeedCheckpointer(engine, directory, job_id=job) as ck:
+        ck.save_on_failure()
+        for step in (1, 2, 3):
+            _ds_train.train_step(engine, rank, step)
+        out["at3"] = _ds_train.buffers(engine)
+        loss = _ds_train.forward(engine, rank, 4)
+        out["moved"] = _ds_train.buffers(engine)
+        out["captured"] = ck.capture_failure("test")
+        out["live"] = _ds_train.buffers(engine)  # the capture leaves the live statistics alone
+        engine.backward(loss)
+        engine.step()  # training goes on after an explicit capture
+        out["after_step"] = _ds_train.buffers(engine)
+        ck.wait()
+    engine = _ds_train.make_engine(stage, batchnorm=True)
+    with DeepSpeedCheckpointer(engine, directory, job_id=job) as ck:
+        out["loaded"] = ck.load()
+        out["restored"] = _ds_train.buffers(engine)
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_forward_changed_buffers_are_captured_as_of_the_boundary(tmp_path, job_id, stage):
+    """ZeRO-2 and ZeRO-3, one process: a capture after step 4's forward moved BatchNorm's
+    running statistics writes those of step 3 (the boundary), and leaves the live ones as
+    they are."""
+    out, = run_ranks(_buffers_past_the_boundary, 1, str(tmp_path / "bn"), job_id, stage, timeout=180)
+    assert out["captured"] == 3 and out["loaded"] == 3, out
+    at3, moved = out["at3"], out["moved"]
+    assert not torch.equal(at3["1.running_mean"], moved["1.running_mean"])  # the forward moved them
+    assert int(moved["1.num_batches_tracked"]) == 4
+    for name in at3:
+        assert torch.equal(out["restored"][name], at3[name]), (name, out["restored"][name], at3[name])
+        assert torch.equal(out["live"][name], moved[name]), name
+        assert torch.equal(out["after_step"][name], moved[name]), name
+
+
 @pytest.mark.timeout(300)
 def test_capture_loads_only_where_every_rank_captured(tmp_path, job_id):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"

@@ -41,6 +41,22 @@ def tiny_llama(seed: int = 0):
                                         bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
+class BatchNormModel(torch.nn.Module):
+    """Token ids to a class of the first token, through a BatchNorm: a Trainer model (no
+    ``PreTrainedModel``) whose forward moves buffers (the running statistics)."""
+
+    def __init__(self, vocab: int = 96, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.norm = torch.nn.BatchNorm1d(width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
+        logits = self.head(self.norm(self.embed(input_ids).mean(1)))
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels[:, 0]), "logits": logits}
+
+
 def make_trainer(output_dir: str, callbacks=(), *, model=None, **overrides) -> Trainer:
     options = dict(max_steps=7, save_steps=3, logging_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
                    report_to=[], seed=1, use_cpu=True, disable_tqdm=True, save_total_limit=None)

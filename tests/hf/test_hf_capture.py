@@ -23,8 +23,8 @@ from ._hf import shm_left
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_capture_hf.py")
 
 
-def _attempt(out, report, attempt: int, *fault: str) -> tuple[int, str]:
-    proc = Forked(run_script, SCRIPT, [str(out), str(report), str(attempt), *fault])
+def _attempt(out, report, attempt: int, *fault: str, env: dict | None = None) -> tuple[int, str]:
+    proc = Forked(run_script, SCRIPT, [str(out), str(report), str(attempt), *fault], env=env)
     code = proc.wait(120)
     return code, proc.stderr.read()
 
@@ -56,6 +56,47 @@ def test_sigterm_and_an_exception_resume_at_the_captured_steps(tmp_path, referen
     for a, b in zip(reference_10, final):
         assert torch.equal(a, b)  # the captured steps held exactly an uninterrupted run's state
     assert {"checkpoint-5", "checkpoint-7", "checkpoint-9", "checkpoint-10"} <= set(os.listdir(out))
+    assert not shm_left(str(out))
+
+
+def _one_rank(deepspeed: str | None, attempt: int) -> dict:
+    """The environment of a torchrun rank of a world of one (``deepspeed``: see :func:`_torchrun`)."""
+    if deepspeed is None:
+        return {}
+    from tests._net import free_port
+    return {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": str(attempt), "DS_ACCELERATOR": "cpu",
+            "FLASHCKPT_TEST_HF_DS": deepspeed}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("deepspeed", [None, "1"], ids=["plain", "zero2"])
+def test_forward_changed_buffers_are_captured_as_of_the_boundary(tmp_path, deepspeed):
+    """A BatchNorm model, one process (also under the Trainer's DeepSpeed, ZeRO-2, a world of
+    one): SIGTERM once step 6's forward moved the running statistics, while the main thread
+    waits in C++; the watcher thread captures step 5 with the statistics of step 5's end
+    (``on_step_end``), in the model file and in DeepSpeed's tag, and the restart resumes from it."""
+    from safetensors.torch import load_file
+
+    out, report = tmp_path / "run", tmp_path / "report"
+    report.mkdir()
+    code, err = _attempt(out, report, 0, "fwdterm:0:5:0", env={"FLASHCKPT_TEST_HF_BN": "1", **_one_rank(deepspeed, 0)})
+    assert code in (-signal.SIGTERM, 128 + signal.SIGTERM), err[-4000:]
+    assert "captured step 5" in err and "watcher thread" in err, err[-4000:]
+    at5, moved = torch.load(report / "buffers0-5.pt"), torch.load(report / "buffers0-moved.pt")
+    assert int(moved["norm.num_batches_tracked"]) == 6 and not torch.equal(at5["norm.running_mean"],
+                                                                            moved["norm.running_mean"])
+    # writes the captured step's folder, resumes from it
+    code, err = _attempt(out, report, 1, env={"FLASHCKPT_TEST_HF_BN": "1", **_one_rank(deepspeed, 1)})
+    assert code == 0, err[-4000:]
+    assert json.loads((report / "attempt1-rank0.json").read_text())["resumed_at"] == 5
+    written = [load_file(out / "checkpoint-5" / "model.safetensors")]
+    if deepspeed:
+        written.append(torch.load(out / "checkpoint-5" / "global_step5" / "mp_rank_00_model_states.pt",
+                                  weights_only=False)["module"])
+    for saved in written:
+        for name, value in at5.items():
+            assert torch.equal(saved[name], value), (name, saved[name], value)
     assert not shm_left(str(out))
 
 

@@ -3,13 +3,16 @@
 
 A capture after the main thread went past step 3's boundary (step 4's batch drawn: the data
 position in the common part moved; the RNG used: the ``ShardedObject`` of the RNG states
-changed) writes step 3's values that ``boundary_state`` gave. A ``boundary_state`` naming
-what the sharded state dict lacks fails the first save.
+changed) writes step 3's values that ``boundary_state`` gave, and step 3's value of a module
+buffer that step 4's forward moved (found in the sharded state dict, outside what the
+wrapper's update owns), the live one left as it is. A ``boundary_state`` naming what the
+sharded state dict lacks fails the first save.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests._fork import run_ranks
 
@@ -37,10 +40,12 @@ def _capture_past_the_boundary(rank: int, world: int, directory: str, job: str) 
 
     def step(model, opt, n: int) -> None:
         opt.zero_grad()
+        model.seen.add_(1)  # its forward
         _gpt.loss(model, n).backward()
         opt.step()
 
     model = _gpt.build(1)
+    model.register_buffer("seen", torch.zeros(4))  # a buffer forward changes (attention's needs CUDA: step adds 1)
     opt = _gpt.optimizer(model)
     with MegatronCheckpointer(directory, job_id=job, persist_every=100) as ckpt:
         assert ckpt.load(state(model, opt)) == (None, None)
@@ -48,14 +53,18 @@ def _capture_past_the_boundary(rank: int, world: int, directory: str, job: str) 
         for n in range(1, 4):
             position["consumed"] += 8  # the batch is drawn
             step(model, opt, n)
-        at3 = {"data": dict(position), "torch": torch.get_rng_state()}
-        position["consumed"] += 8  # step 4: its batch drawn, the RNG used
+        at3 = {"data": dict(position), "torch": torch.get_rng_state(), "seen": model.seen.clone()}
+        position["consumed"] += 8  # step 4: its batch drawn, the RNG used, its forward run
         torch.rand(3)
+        model.seen.add_(1)
         out["captured"] = capture.capture("test")
+        out["live_seen"] = model.seen.clone()
     with MegatronCheckpointer(directory, job_id=job) as ckpt:
         loaded, out["loaded"] = ckpt.load(state(model, opt, loading=True))
+        seen = loaded["model"]["seen"].clone()  # the model's own buffer, which the next step moves
     out["data"] = (loaded["data"], at3["data"])
     out["rng"] = torch.equal(loaded["rng"]["torch"], at3["torch"])
+    out["seen"] = (seen, at3["seen"])
     with MegatronCheckpointer(f"{directory}-bad", job_id=f"{job}b") as ckpt:
         ckpt.save_on_failure(lambda: state(model, opt), optimizer=opt, boundary_state=lambda: {"epoch": 1})
         step(model, opt, 1)
@@ -72,4 +81,6 @@ def test_a_capture_past_the_boundary_writes_the_boundary_state(tmp_path, job_id)
     assert out["captured"] == 3 and out["loaded"] == 3, out
     assert out["data"] == ({"consumed": 24}, {"consumed": 24}), out["data"]
     assert out["rng"]
+    assert torch.equal(*out["seen"]) and out["seen"][1].tolist() == [3.0] * 4, out["seen"]  # the buffer of step 3
+    assert out["live_seen"].tolist() == [4.0] * 4  # the live one left as it is
     assert "boundary_state" in out.get("mismatch", "") and "epoch" in out["mismatch"], out
