@@ -21,7 +21,8 @@ from .._options import Options
 from ..restore._shard_read import open_shard
 from ..restore._sources import Source
 from ._images import _id_in_skeleton, _saved_id
-from ._run import Run, normalize_id, run_for, store_of
+from ._run import Run, is_url, normalize_id, run_for, store_of
+from ._url import CHAINED, PROTOCOL, no_folder_error, strip
 
 __all__ = ["Latest", "latest_checkpoint"]
 
@@ -47,8 +48,25 @@ def latest_checkpoint(folder: str | os.PathLike, *, step: int | None = None, sto
 
     ``store``, ``options`` and shorthands: as the writer's (the run's store defaults to
     ``<folder>/.flashckpt``). A collective: all ranks must call this, and all get the same
-    answer. Load it with ``FlashStorageReader(latest.checkpoint_id)``.
+    answer. Load it with ``FlashStorageReader(latest.checkpoint_id)``, or, for a folder of
+    the ``flashckpt://`` protocol (``flashckpt:///abs/dir``, ``flashckpt::s3://bucket/run``;
+    its id is in that form), with ``dcp.load(state, checkpoint_id=latest.checkpoint_id)``.
     """
+    given = os.fspath(folder)
+    if not given.startswith(f"{PROTOCOL}:"):
+        return _latest(folder, step, store, options, process_group, shorthands)
+    inner = strip(given)  # the folder the protocol's saves write through (a path or a store's URL)
+    if not inner:
+        raise no_folder_error(given)
+    found = _latest(inner, step, store, options, process_group, shorthands)
+    if found is None:
+        return None
+    prefix = CHAINED if is_url(found.checkpoint_id) else f"{PROTOCOL}://"
+    return Latest(found.step, prefix + found.checkpoint_id, found.source)
+
+
+def _latest(folder: str | os.PathLike, step: int | None, store: str | os.PathLike | None, options: Options | None,
+            process_group: Any, shorthands: dict[str, Any]) -> Latest | None:
     folder = normalize_id(folder)
     run = run_for(store_of(os.path.join(folder, "_"), store), options, process_group, **shorthands)  # the store of every id in folder
     agreement = run.engine.agree(step)

@@ -27,3 +27,19 @@ def test_latest_checkpoint_from_memory_then_from_storage(tmp_path):
         assert latest_checkpoint(tmp_path) == Latest(2, f"{tmp_path}/step-2", "storage")
     finally:
         close()
+
+
+def test_latest_checkpoint_of_a_protocol_folder_names_its_ids_as_saved(tmp_path):
+    """Saves through ``flashckpt://`` ids: the folder given in that form gives the id in that
+    form, ready for ``dcp.load(checkpoint_id=...)``."""
+    folder = f"flashckpt://{tmp_path}"
+    try:
+        for step in (1, 2):
+            dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=f"{folder}/step-{step}")
+        latest = latest_checkpoint(folder)
+        assert latest == Latest(2, f"{folder}/step-2", "memory")
+        state = {"w": torch.zeros(4)}
+        dcp.load(state, checkpoint_id=latest.checkpoint_id)
+        assert torch.equal(state["w"], torch.full((4,), 2.0))
+    finally:
+        close()
