@@ -26,7 +26,6 @@ must cope with uneven inputs (``Join``, or an all-reduce of "has data").
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
@@ -51,6 +50,8 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 _KIND = "ShardSampler"
+CAPTURE_READ_SECONDS = 10.0
+"""How long a failure capture on the training thread waits to read the coordinator."""
 
 
 @dataclass(slots=True, eq=False)
@@ -132,7 +133,6 @@ class ShardSampler(Sampler[int]):
         self._pending: Optional[sharding.Shard] = None  # next epoch's first shard
         self._track_delivery = False
         self._iter_received = 0
-        self._in_round_trip = False
         self._boundary: Optional[tuple[int, Optional[dict[str, Any]]]] = None
         """(thread, state) of the last ``boundary_state()``; state None under torch.distributed,
         where a capture reads the coordinator itself."""
@@ -171,6 +171,9 @@ class ShardSampler(Sampler[int]):
         self._unreceived.clear()
         for lease in self._held:  # prefetched but never received: yield again
             lease.sent = lease.done
+            # an iteration starts after the last one's steps: what it received entirely is done,
+            # though no step boundary came after its last batch (a loop that skips the update)
+            lease.settled = lease.done
         self._finish_done()
         return self._generate()
 
@@ -225,12 +228,10 @@ class ShardSampler(Sampler[int]):
         try:
             if after is not None:
                 try:
-                    with self._round_trip():
-                        return self._ds.complete_and_acquire(after.shard, timeout=timeout)
+                    return self._ds.complete_and_acquire(after.shard, timeout=timeout)
                 except sharding.LeaseLost as e:  # refused: nothing was acquired
                     log.warning("%s: could not complete shard %d: %s", self.name, after.shard.index, e)
-            with self._round_trip():
-                return self._ds.acquire(self.worker, timeout=timeout)
+            return self._ds.acquire(self.worker, timeout=timeout)
         except sharding.AcquireTimeout:
             log.debug("%s: no shard free for %s now; ends this iteration", self.name, self.worker)
             return None
@@ -287,20 +288,9 @@ class ShardSampler(Sampler[int]):
             self._call("report", lease, lambda: self._ds.report(lease.shard, lease.done))
             lease.reported = lease.done
 
-    @contextlib.contextmanager
-    def _round_trip(self) -> Iterator[None]:
-        """Around the training thread's calls of the coordinator: a failure capture that
-        interrupts one on that thread (a signal handler) must not call it again."""
-        self._in_round_trip = True
-        try:
-            yield
-        finally:
-            self._in_round_trip = False
-
     def _call(self, what: str, lease: _Lease, fn: Callable[[], None]) -> None:
         try:
-            with self._round_trip():
-                fn()
+            fn()
         except sharding.LeaseLost as e:
             # the lease expired and went to another worker: its samples may be trained twice
             log.warning("%s: could not %s shard %d: %s", self.name, what, lease.shard.index, e)
@@ -314,27 +304,24 @@ class ShardSampler(Sampler[int]):
         ``sync`` (default: whether torch.distributed is initialised) brackets the snapshot
         with barriers so it holds every rank's position: all ranks must call this.
 
-        Once :meth:`boundary_state` was called, a call by a failure capture (from any
-        thread: ``flashckpt``'s ``state_fn`` call) or from another thread than the one that
-        called it last neither reports nor waits (the training thread may be inside the
-        next step, a peer dead): it returns that boundary's state, copied, or
-        under torch.distributed the coordinator's state as it is, which every rank's
-        boundary keeps at that rank's last boundary.
+        A call by a failure capture (``flashckpt``'s call of ``state_fn``, on any thread)
+        makes no collective (a peer may be dead). Once :meth:`boundary_state` was called,
+        such a call, or one from another thread than the one that called it last, does not
+        report either (the training thread may be inside the next step): it returns that
+        boundary's state, copied, or under torch.distributed the coordinator's state as it
+        is, which every rank's boundary keeps at that rank's last boundary (one read, which
+        may wait behind other processes' writes to the store).
         """
         boundary = self._boundary
         if boundary is not None and (boundary[0] != threading.get_ident() or _capturing()):
             if boundary[1] is not None:
                 return copy.deepcopy(boundary[1])
-            if self._in_round_trip and boundary[0] == threading.get_ident():
-                raise sharding.CoordinatorError(f"{self.name}: the failure capture interrupted this thread's round "
-                                                "trip to the coordinator, which it cannot call again")
-            return self._state(self._ds.state_dict())
-        sync = _default_sync(sync)
+            return self._state(self._read_at_capture(boundary[0]))
+        sync = _default_sync(sync) and not _capturing()  # a capture makes no collective: a peer may be dead
         self._report_positions()
         if sync:
             dist.barrier()
-        with self._round_trip():
-            coordinator = self._ds.state_dict()
+        coordinator = self._ds.state_dict()
         if sync:
             dist.barrier()
         return self._state(coordinator)
@@ -353,16 +340,17 @@ class ShardSampler(Sampler[int]):
         was not at this boundary). It returns the state's identity without the
         coordinator's part, which a capture's ``state_dict()`` reads itself: then it holds
         every rank's positions as of that rank's last boundary. Exact when each rank's last
-        boundary is the captured step's; a rank that died inside that step's update, before
-        its boundary, is a step behind (its last batch is trained again).
+        boundary is the captured step's. A rank that died inside that step's update, before
+        its boundary, is a step behind (its last batch is trained again); a rank that went
+        through the next step's boundary before the capture read the coordinator is a step
+        ahead (its batch of that step is skipped: positions carry no step yet).
         """
         if _default_sync(None):
             self._boundary = (threading.get_ident(), None)
             self._report_positions()
             return self._state(None)
         positions = {lease.shard: lease.done for lease in self._held}
-        with self._round_trip():
-            state = self._state(self._ds.state_dict(positions))
+        state = self._state(self._ds.state_dict(positions))
         self._boundary = (threading.get_ident(), state)
         return state
 
@@ -372,6 +360,31 @@ class ShardSampler(Sampler[int]):
         if coordinator is not None:
             state["coordinator"] = coordinator
         return state
+
+    def _read_at_capture(self, training_thread: int) -> dict[str, Any]:
+        """The coordinator's state, for a capture. On the training thread (a signal handled
+        there) that thread may be inside a call into the same store, whose lock it holds:
+        the read goes on a thread of its own and gives up after ``CAPTURE_READ_SECONDS``."""
+        if threading.get_ident() != training_thread:
+            return self._ds.state_dict()  # the training thread goes on and frees the store
+        got: list[Any] = []
+
+        def read() -> None:
+            try:
+                got.append(self._ds.state_dict())
+            except BaseException as exc:
+                got.append(exc)
+
+        reader = threading.Thread(target=read, name="shard-sampler-capture", daemon=True)
+        reader.start()
+        reader.join(CAPTURE_READ_SECONDS)
+        if not got:
+            raise sharding.CoordinatorError(
+                f"{self.name}: the coordinator's state could not be read within {CAPTURE_READ_SECONDS:.0f}s for the "
+                "failure capture (the capture interrupted this thread inside a call into the same store?)")
+        if isinstance(got[0], BaseException):
+            raise got[0]
+        return got[0]
 
     def reset(self, sync: Optional[bool] = None) -> None:
         """Start the data set over (epoch 0, every shard to do, no lease held): what a job

@@ -141,10 +141,16 @@ class BoundarySnapshot:
             return tree
         kept = {_key(live): copy for _, live, copy in self._buffers}
         kept.pop(None, None)
+        found = set()
         for path, t in list(_tensors(tree, ())):
-            copy = kept.get(_key(t))
-            if copy is not None:
-                tree = _put(tree, path, copy)
+            key = _key(t)
+            if key in kept:
+                tree = _put(tree, path, kept[key])
+                found.add(key)
+        if len(found) < len(kept):
+            log.warning("failure capture: %d of the module's %d buffer(s) are not in the tree the capture writes (the "
+                        "adapter's save copied them?): written as they are now (possibly changed since the step's end)",
+                        len(kept) - len(found), len(kept))
         return tree
 
     def _whole(self, state: Any) -> Any:
@@ -214,10 +220,10 @@ def _same_tensor(a: Any, b: Any) -> bool:
 
 
 def _key(t: Any) -> tuple[Any, ...] | None:
-    """Where ``t``'s bytes start, its shape and dtype: equal for ``t`` and its views alike;
+    """Where ``t``'s bytes start, its shape, dtype and device: equal for ``t`` and its views alike;
     None where its bytes cannot be read."""
     try:
-        return _local(t).data_ptr(), tuple(t.shape), t.dtype
+        return _local(t).data_ptr(), tuple(t.shape), t.dtype, t.device
     except (RuntimeError, NotImplementedError):
         return None
 

@@ -6,7 +6,9 @@ capture armed; 1 and 2 slots; 1 and 2 gloo ranks; sometimes the node's shared me
 until the time is up, prints each failing round as it happens and a summary (rounds, kills,
 rounds whose capture every rank wrote, lost, torn, hung, older-than-committed, damaged,
 error), and exits 1 on any failure. ``--round SEED`` replays one round.
-Seed: ``--seed`` or ``FLASHCKPT_CAMPAIGN_SEED`` (default 20).
+Seed: ``--seed`` or ``FLASHCKPT_CAMPAIGN_SEED`` (default 20). Since the capture rounds came
+(2026-12-03) a seed names another round than it did before: a round seed from an earlier
+report replays under the code of that time only.
 """
 
 from __future__ import annotations

@@ -168,8 +168,9 @@ def test_a_load_forgets_what_the_last_boundary_kept():
 def test_module_buffers_kept_for_an_adapter_save_within_the_bound(caplog):
     """``ModuleBuffers`` (DeepSpeed's and the Trainer's captures, whose own saves build the
     tree): the buffers kept at the boundary replace their views anywhere in a tree, the live
-    ones and the caller's tree untouched; past max(4 MiB, 1% of the optimizer's bytes, a
-    wrapper looked through) none is kept, with the warning."""
+    ones and the caller's tree untouched, and a tree without them (copies) is warned about; past
+    max(4 MiB, 1% of the optimizer's bytes, a wrapper looked through) none is kept, with the
+    warning."""
     from types import SimpleNamespace
 
     from flashckpt._boundary import BoundarySnapshot, ModuleBuffers
@@ -189,6 +190,10 @@ def test_module_buffers_kept_for_an_adapter_save_within_the_bound(caplog):
     assert got["files"]["m.pt"]["module"]["0.weight"] is tree["files"]["m.pt"]["module"]["0.weight"]
     assert torch.equal(model[1].running_mean, moved)  # the live statistics are the forward's
     assert torch.equal(tree["files"]["m.pt"]["module"]["1.running_mean"], moved)
+    with caplog.at_level("WARNING", logger="flashckpt"):  # a save that copied the buffers: said, not silent
+        snapshot.swap({"m": {k: v.clone() for k, v in model.state_dict().items()}})
+    assert "3 of the module's 3 buffer(s) are not in the tree the capture writes" in caplog.text
+    caplog.clear()
 
     big = torch.nn.Module()
     big.register_buffer("ema", torch.zeros(1200, 1024))  # 4.7 MiB, past 4 MiB and 1% of the optimizer's

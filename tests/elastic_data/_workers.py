@@ -119,18 +119,31 @@ def boundary_ranks(rank: int, world: int, url: str) -> dict:
     """Two lockstep ranks draw a step of 4 samples each (shards of 6), take their step
     boundary, and draw the next step: each finishes receiving its first shard and leases
     the next. Then each reads ``state_dict()`` as a failure capture's other thread does,
-    and once more as a capture that interrupted its own coordinator round trip would."""
+    and once more as a capture on the training thread inside a call into the store would."""
     import threading
+    import time
 
     import torch.distributed as dist
 
     import flashckpt._capture as capture
     import sharding
-    from elastic import ShardSampler
+    from elastic import ShardSampler, _shard_sampler
 
     sampler = ShardSampler(48, coordinator=url, name="boundary", shard_size=6, num_epochs=1)
     it = iter(sampler)
     trained = [next(it) for _ in range(4)]
+    alone = 0.0
+    if rank == 1:  # a capture before any boundary, on one rank: no barrier (its peer may be dead)
+        capture._this_thread.capturing = True
+        began = time.monotonic()
+        try:
+            sampler.state_dict()
+        finally:
+            capture._this_thread.capturing = False
+        alone = time.monotonic() - began
+    else:
+        time.sleep(3)  # a barrier on rank 1 would wait for this rank's next one
+    dist.barrier()
     sampler.boundary_state()
     dist.barrier()
     later = [next(it) for _ in range(4)]
@@ -139,9 +152,12 @@ def boundary_ranks(rank: int, world: int, url: str) -> dict:
     thread = threading.Thread(target=lambda: got.append(sampler.state_dict()))
     thread.start()
     thread.join()
+    # a capture on the training thread while that thread is inside a call into the store (a
+    # signal handled there): the store's lock is held, the capture's read must give up
+    _shard_sampler.CAPTURE_READ_SECONDS = 0.5
     capture._this_thread.capturing = True
     try:
-        with sampler._round_trip():
+        with sampler._ds._store._lock:
             sampler.state_dict()
         refused = ""
     except sharding.CoordinatorError as exc:
@@ -149,4 +165,22 @@ def boundary_ranks(rank: int, world: int, url: str) -> dict:
     finally:
         capture._this_thread.capturing = False
     dist.barrier()
-    return {"trained": trained, "later": later, "state": got[0], "refused": refused}
+    return {"trained": trained, "later": later, "state": got[0], "refused": refused, "alone": alone}
+
+
+def epoch_without_a_final_boundary(rank: int, world: int, url: str) -> tuple[int, int]:
+    """Two epochs of 20 samples in shards of 6 and batches of 4; a boundary after every batch
+    but the last of each epoch. The samples each epoch drew."""
+    from elastic import ShardSampler
+
+    sampler = ShardSampler(20, coordinator=url, name="no-final-boundary", shard_size=6, num_epochs=2)
+    loader = DataLoader(IndexDataset(20), batch_size=4, sampler=sampler)
+    drawn = []
+    for _ in range(2):
+        n = 0
+        for i, batch in enumerate(loader):
+            n += len(batch)
+            if i < 4:  # five batches an epoch: no boundary after the last
+                sampler.boundary_state()
+        drawn.append(n)
+    return drawn[0], drawn[1]
