@@ -3,6 +3,7 @@ the one wait for a server process the tests started to answer HTTP."""
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import time
@@ -12,12 +13,38 @@ import urllib.request
 __all__ = ["free_port", "wait_for_http"]
 
 
+PORTS_BELOW_EPHEMERAL = 12000
+"""How many ports under the kernel's ephemeral range ``free_port`` draws from."""
+_DRAW = random.SystemRandom()  # forked processes draw apart (a seeded generator is copied by fork)
+
+
 def free_port() -> int:
-    """A loopback TCP port that was free when asked (another process may still take it
-    before the caller binds it)."""
-    with socket.socket() as s:
+    """A loopback TCP port that was free when asked, drawn at random from below the kernel's
+    ephemeral range: the ports ``connect()`` takes on its own (gloo's mesh makes many
+    connections) come from that range, so a port from it could be taken again before the
+    caller binds it (a clean run of the suite saw a TCPStore fail with EADDRINUSE). Another
+    process binding the same port explicitly can still take it first, far less often."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _DRAW.randrange(max(1024, low - PORTS_BELOW_EPHEMERAL), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that whole range busy: any free port
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_for_http(proc: subprocess.Popen, url: str, what: str, timeout: float = 60.0) -> None:
