@@ -22,7 +22,7 @@ from ..restore._shard_read import open_shard
 from ..restore._sources import Source
 from ._images import _id_in_skeleton, _saved_id
 from ._run import Run, is_url, normalize_id, run_for, store_of
-from ._url import CHAINED, PROTOCOL, no_folder_error, strip
+from ._url import CHAINED, PROTOCOL, folder_of
 
 __all__ = ["Latest", "latest_checkpoint"]
 
@@ -55,10 +55,7 @@ def latest_checkpoint(folder: str | os.PathLike, *, step: int | None = None, sto
     given = os.fspath(folder)
     if not given.startswith(f"{PROTOCOL}:"):
         return _latest(folder, step, store, options, process_group, shorthands)
-    inner = strip(given)  # the folder the protocol's saves write through (a path or a store's URL)
-    if not inner:
-        raise no_folder_error(given)
-    found = _latest(inner, step, store, options, process_group, shorthands)
+    found = _latest(folder_of(given), step, store, options, process_group, shorthands)
     if found is None:
         return None
     prefix = CHAINED if is_url(found.checkpoint_id) else f"{PROTOCOL}://"

@@ -27,7 +27,7 @@ from .._options import Options
 from ..storage import _client_options
 from ..storage._location import OBJECT_SCHEMES
 from ._run import check_store_free, normalize_id, run_for, store_of
-from ._url import CHAINED, PROTOCOL, no_folder_error, strip
+from ._url import CHAINED, PROTOCOL, folder_of
 from ._writer import rank_tree
 
 __all__ = ["prepare"]
@@ -58,9 +58,7 @@ def prepare(state_dict: dict[str, Any], folder: str | os.PathLike, *, store: str
     """
     text = os.fspath(folder)
     if text.startswith(f"{PROTOCOL}:"):
-        text = strip(text)
-        if not text:
-            raise no_folder_error(os.fspath(folder))
+        text = folder_of(text)
         _use_client_options(os.fspath(folder), shorthands)
         if options is None and not shorthands:
             import fsspec

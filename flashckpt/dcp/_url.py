@@ -24,7 +24,7 @@ from .._errors import CheckpointError
 from ..storage._location import OBJECT_SCHEMES
 from ._run import normalize_id
 
-__all__ = ["CHAINED", "PROTOCOL", "chained_location", "local_path", "no_folder_error", "strip"]
+__all__ = ["CHAINED", "PROTOCOL", "chained_location", "folder_of", "local_path", "no_folder_error", "strip"]
 
 PROTOCOL = "flashckpt"
 _PREFIX = f"{PROTOCOL}://"
@@ -50,6 +50,15 @@ def strip(path: str) -> str:
     if path.startswith(_PREFIX):
         return local_path(path)
     return path
+
+
+def folder_of(url: str) -> str:
+    """The folder a ``flashckpt:`` URL names (:func:`strip`'s local path or object-store URL); a
+    :class:`CheckpointError` where it names none (``flashckpt://``)."""
+    found = strip(url)
+    if not found:
+        raise no_folder_error(url)
+    return found
 
 
 def local_path(path: str) -> str:

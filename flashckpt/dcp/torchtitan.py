@@ -59,7 +59,7 @@ from ._latest import Latest, latest_checkpoint
 from ._prepare import prepare
 from ._reader import FlashStorageReader
 from ._run import close_all, is_url, normalize_id
-from ._url import CHAINED, PROTOCOL, no_folder_error, strip
+from ._url import CHAINED, PROTOCOL, folder_of, strip
 from ._writer import FlashStorageWriter
 
 __all__ = ["FlashCheckpointManager"]
@@ -206,10 +206,7 @@ def _flash_folder(folder: str) -> str:
     object-store URL of ``flashckpt::s3://...`` (or ``s3://...``); a clear error for other
     remote folders."""
     if folder.startswith(f"{PROTOCOL}:"):
-        found = strip(folder)
-        if not found:
-            raise no_folder_error(folder)
-        return found
+        return folder_of(folder)
     if filesystem.is_remote(folder):
         return normalize_id(folder)  # an object store's URL, else a CheckpointError naming the scheme
     return os.path.abspath(folder)
