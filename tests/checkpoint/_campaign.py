@@ -184,7 +184,11 @@ class Rank:
                 self.changed.wait(min(left, 0.5))
 
     def saved(self) -> int:
-        return max((int(line.split()[1]) for line in list(self.lines) if line.startswith("saved ")), default=0)
+        return self.last("saved")
+
+    def last(self, word: str) -> int:
+        """The largest N of the lines ``<word> N`` printed so far (0 if none)."""
+        return max((int(line.split()[1]) for line in list(self.lines) if line.startswith(word + " ")), default=0)
 
     def stacks(self) -> str:
         """Ask a process that seems stuck for its stacks (faulthandler on SIGUSR1)."""

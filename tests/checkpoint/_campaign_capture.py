@@ -60,7 +60,7 @@ def play_capture(spec: Spec, rng: random.Random, directory: str, job: str, workd
         floor = max(floor or 0, out.captured)
     out.floor = floor or None
     restart(spec, directory, job, workdir, jobs, out)
-    finished = max(_updated(rank.lines) for rank in trainer.ranks)
+    finished = max(rank.last("updated") for rank in trainer.ranks)
     if out.loaded is not None and out.loaded > finished + 1:
         out.fail("torn", f"the restart loaded step {out.loaded}, but no rank finished an update past {finished}")
 
@@ -81,7 +81,3 @@ def _captured(err: list[str]) -> int | None:
         if found:
             return int(found.group(1))
     return None
-
-
-def _updated(lines: list[str]) -> int:
-    return max((int(line.split()[1]) for line in list(lines) if line.startswith("updated ")), default=0)
