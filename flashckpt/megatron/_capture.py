@@ -32,12 +32,17 @@ def is_megatron_optimizer(optimizer: Any) -> bool:
     return isinstance(optimizer, MegatronOptimizer)
 
 
+def _chain_members(optimizer: Any) -> list[Any]:
+    """The optimizers a ``ChainedOptimizer`` chains, or ``optimizer`` alone."""
+    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+
 def check_capturable(optimizer: Any) -> None:
     """A :class:`~flashckpt.CheckpointError` where ``optimizer`` is or chains the
     distributed optimizer (see the module docstring)."""
     from megatron.core.optimizer import DistributedOptimizer
 
-    for member in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+    for member in _chain_members(optimizer):
         if isinstance(member, DistributedOptimizer):
             raise CheckpointError(
                 "save_on_failure: megatron-core's DistributedOptimizer has no failure capture: its sharded state "
@@ -81,7 +86,7 @@ class UpdateTensors:
     copied into (``float16_groups``)."""
 
     def __init__(self, optimizer: Any) -> None:
-        self._members = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+        self._members = _chain_members(optimizer)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
