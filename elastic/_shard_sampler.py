@@ -60,6 +60,7 @@ class _Lease:
     sent: int  # absolute position in the shard's order yielded so far
     done: int  # absolute position received by the training loop
     settled: int  # ``done`` as of the last step boundary under torch.distributed (see boundary_state)
+    settled_before: int  # ``done`` as of the boundary before that (a shard done then may be completed)
     reported: int  # the position the coordinator holds
 
 
@@ -136,6 +137,9 @@ class ShardSampler(Sampler[int]):
         self._boundary: Optional[tuple[int, Optional[dict[str, Any]]]] = None
         """(thread, state) of the last ``boundary_state()``; state None under torch.distributed,
         where a capture reads the coordinator itself."""
+        self._boundaries = 0
+        """Boundaries since construction or the last load: the step that positions reported under
+        torch.distributed are tagged with (lock-step ranks count alike)."""
         try:
             if self._ds.release(self.worker):
                 log.info("%s: took back the leases of an earlier %s", name, self.worker)
@@ -173,7 +177,7 @@ class ShardSampler(Sampler[int]):
             lease.sent = lease.done
             # an iteration starts after the last one's steps: what it received entirely is done,
             # though no step boundary came after its last batch (a loop that skips the update)
-            lease.settled = lease.done
+            lease.settled = lease.settled_before = lease.done
         self._finish_done()
         return self._generate()
 
@@ -216,7 +220,7 @@ class ShardSampler(Sampler[int]):
             self._pending = shard
             return None
         lease = _Lease(shard, sent=shard.consumed, done=shard.consumed, settled=shard.consumed,
-                       reported=shard.consumed)
+                       settled_before=shard.consumed, reported=shard.consumed)
         self._held.append(lease)
         return lease
 
@@ -266,11 +270,10 @@ class ShardSampler(Sampler[int]):
 
     def _finish_done(self, *, then_acquire: bool = False) -> Optional[sharding.Shard]:
         """Complete every held shard the loop received entirely (under torch.distributed
-        with boundaries, entirely as of the last boundary: see :meth:`boundary_state`); with
-        ``then_acquire``, lease the next shard too, completing the last of them in the same
-        round trip (``Dataset.complete_and_acquire``)."""
-        settled = self._boundary is not None and self._boundary[1] is None
-        done = [x for x in self._held if (x.settled if settled else x.done) >= len(x.shard)]
+        with boundaries, entirely as of the boundary before the last: see :meth:`boundary_state`);
+        with ``then_acquire``, lease the next shard too, completing the last of them in the
+        same round trip (``Dataset.complete_and_acquire``)."""
+        done = [x for x in self._held if (x.settled_before if self._stepped() else x.done) >= len(x.shard)]
         for lease in done:
             self._held.remove(lease)
         last = done.pop() if then_acquire and done else None
@@ -278,15 +281,23 @@ class ShardSampler(Sampler[int]):
             self._call("complete", lease, lambda: self._ds.complete(lease.shard))
         return self._acquire(after=last) if then_acquire else None
 
-    def _report_positions(self) -> None:
+    def _report_positions(self, *, boundary: bool = False) -> None:
         """Report where the loop stands now: complete what it received entirely, report the
-        rest (a save's and a boundary's under torch.distributed)."""
+        rest (a save's, and a ``boundary``'s under torch.distributed: that completes only
+        what was received entirely at the boundary before, and reports the rest tagged with
+        this boundary's step)."""
         for lease in self._held:
+            lease.settled_before = lease.settled if boundary else lease.done
             lease.settled = lease.done
         self._finish_done()
+        step = self._boundaries if self._stepped() else None
         for lease in [x for x in self._held if x.done != x.reported]:
-            self._call("report", lease, lambda: self._ds.report(lease.shard, lease.done))
+            self._call("report", lease, lambda: self._ds.report(lease.shard, lease.done, step=step))
             lease.reported = lease.done
+
+    def _stepped(self) -> bool:
+        """Boundaries under torch.distributed: positions go to the coordinator by step."""
+        return self._boundary is not None and self._boundary[1] is None
 
     def _call(self, what: str, lease: _Lease, fn: Callable[[], None]) -> None:
         try:
@@ -308,15 +319,15 @@ class ShardSampler(Sampler[int]):
         makes no collective (a peer may be dead). Once :meth:`boundary_state` was called,
         such a call, or one from another thread than the one that called it last, does not
         report either (the training thread may be inside the next step): it returns that
-        boundary's state, copied, or under torch.distributed the coordinator's state as it
-        is, which every rank's boundary keeps at that rank's last boundary (one read, which
-        may wait behind other processes' writes to the store).
+        boundary's state, copied, or under torch.distributed the coordinator's state as of
+        this rank's last boundary's step, where every rank's boundary reported (one read,
+        which may wait behind other processes' writes to the store).
         """
         boundary = self._boundary
         if boundary is not None and (boundary[0] != threading.get_ident() or _capturing()):
             if boundary[1] is not None:
                 return copy.deepcopy(boundary[1])
-            return self._state(self._read_at_capture(boundary[0]))
+            return self._state(self._read_at_capture(boundary[0], self._boundaries))
         sync = _default_sync(sync) and not _capturing()  # a capture makes no collective: a peer may be dead
         self._report_positions()
         if sync:
@@ -334,20 +345,22 @@ class ShardSampler(Sampler[int]):
         One process: the coordinator's state with this rank's received positions in place
         of the reported ones, in :meth:`state_dict`'s format (one read, no write).
 
-        Under torch.distributed: this rank reports its received positions and completes
-        the shards it received entirely (a write), and until the next boundary completes
-        no shard it finishes receiving (so a peer's capture does not find a shard done that
-        was not at this boundary). It returns the state's identity without the
-        coordinator's part, which a capture's ``state_dict()`` reads itself: then it holds
-        every rank's positions as of that rank's last boundary. Exact when each rank's last
-        boundary is the captured step's. A rank that died inside that step's update, before
-        its boundary, is a step behind (its last batch is trained again); a rank that went
-        through the next step's boundary before the capture read the coordinator is a step
-        ahead (its batch of that step is skipped: positions carry no step yet).
+        Under torch.distributed: this rank reports its received positions tagged with the
+        boundary's step (the boundaries since construction or load, alike on lock-step
+        ranks), and completes the shards it had received entirely at its boundary before (a
+        write). It returns the state's identity without the coordinator's part, which a
+        capture's ``state_dict()`` reads itself, as of the capturing rank's last boundary:
+        every rank's positions as of that step, also for a rank that went through the next
+        step's boundary meanwhile (the coordinator keeps each lease's position of the step
+        before too, and a shard finished at the next boundary is not yet completed). Exact
+        when each rank's last boundary is the captured step's or the next; a rank that died
+        inside the captured step's update, before its boundary, is a step behind (its last
+        batch is trained again).
         """
         if _default_sync(None):
             self._boundary = (threading.get_ident(), None)
-            self._report_positions()
+            self._boundaries += 1
+            self._report_positions(boundary=True)
             return self._state(None)
         positions = {lease.shard: lease.done for lease in self._held}
         state = self._state(self._ds.state_dict(positions))
@@ -361,17 +374,18 @@ class ShardSampler(Sampler[int]):
             state["coordinator"] = coordinator
         return state
 
-    def _read_at_capture(self, training_thread: int) -> dict[str, Any]:
-        """The coordinator's state, for a capture. On the training thread (a signal handled
-        there) that thread may be inside a call into the same store, whose lock it holds:
-        the read goes on a thread of its own and gives up after ``CAPTURE_READ_SECONDS``."""
+    def _read_at_capture(self, training_thread: int, step: int) -> dict[str, Any]:
+        """The coordinator's state as of ``step``, for a capture. On the training thread (a
+        signal handled there) that thread may be inside a call into the same store, whose
+        lock it holds: the read goes on a thread of its own and gives up after
+        ``CAPTURE_READ_SECONDS``."""
         if threading.get_ident() != training_thread:
-            return self._ds.state_dict()  # the training thread goes on and frees the store
+            return self._ds.state_dict(as_of=step)  # the training thread goes on and frees the store
         got: list[Any] = []
 
         def read() -> None:
             try:
-                got.append(self._ds.state_dict())
+                got.append(self._ds.state_dict(as_of=step))
             except BaseException as exc:
                 got.append(exc)
 
@@ -430,6 +444,7 @@ class ShardSampler(Sampler[int]):
         self._unreceived.clear()
         self._pending = None
         self._boundary = None  # of the state replaced
+        self._boundaries = 0
 
 
 def _capturing() -> bool:

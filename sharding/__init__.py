@@ -21,7 +21,8 @@ any framework.
 """
 
 from ._connect import connect, mask_url
-from ._coordinator import STATE_VERSION, Coordinator, Dataset, Options, Shard
+from ._coordinator import STATE_VERSION, Coordinator, Dataset, Shard
+from ._options import Options
 from ._definition import Definition
 from ._errors import (
     AcquireTimeout,

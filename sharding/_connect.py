@@ -7,7 +7,8 @@ import re
 import urllib.parse
 from typing import Any
 
-from ._coordinator import Coordinator, Options
+from ._coordinator import Coordinator
+from ._options import Options
 from ._errors import CoordinatorError, InvalidArgument
 
 __all__ = ["connect", "mask_url"]

@@ -24,10 +24,11 @@ from ._errors import (
     UnknownDataset,
     UnknownWorker,
 )
-from ._order import sample_order, shard_order
+from ._options import Options
+from ._order import sample_order
 from ._store import Ask, Grant, Lease, Status, Store, Wait
 
-__all__ = ["Coordinator", "Dataset", "Options", "Shard", "STATE_VERSION"]
+__all__ = ["Coordinator", "Dataset", "Shard", "STATE_VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -190,18 +191,24 @@ class Dataset:
     def _shard(self, grant: Grant, worker: str) -> Shard:
         d = self.definition
         epoch, slot, consumed, token = grant
-        index = shard_order(d.num_shards, seed=d.seed, epoch=epoch, shuffle=d.shuffle)[slot]
-        file, start, end = d.bounds(index)
+        index, file, start, end = d.at_slot(epoch, slot)
         # positional: the hot path of every acquire (dataset, epoch, index, start, end, file,
         # consumed, worker, lease, slot, seed, shuffle)
         return Shard(self.name, epoch, index, start, end, file, consumed, worker, token, slot, d.seed, d.shuffle)
 
-    def report(self, shard: Shard, consumed: int) -> None:
+    def report(self, shard: Shard, consumed: int, *, step: int | None = None) -> None:
         """Record that the first ``consumed`` samples of ``shard.indices()`` order are done
-        (an absolute position in the shard) and extend the lease."""
+        (an absolute position in the shard) and extend the lease.
+
+        ``step``: the training step this position is that of (a step boundary's report). The
+        lease then also keeps its last position of an earlier step, so that
+        ``state_dict(as_of=...)`` can give the position as of that step while its holder is
+        a step further (see :meth:`state_dict`). Without it, the position holds for every step."""
         self._own(shard)
         if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= len(shard):
             raise InvalidArgument(f"consumed must be an int in 0..{len(shard)}, got {consumed!r}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise InvalidArgument(f"step must be None or an int >= 0, got {step!r}")
         status = self._store.report(
             self.name,
             epoch=shard.epoch,
@@ -209,6 +216,7 @@ class Dataset:
             token=shard.lease,
             consumed=consumed,
             lease_timeout=self.definition.lease_timeout,
+            step=step,
         )
         self._refuse(shard, *status, action="report on")
 
@@ -276,19 +284,31 @@ class Dataset:
             "workers": workers,
         }
 
-    def state_dict(self, positions: Mapping[Shard, int] | None = None) -> dict[str, Any]:
+    def state_dict(self, positions: Mapping[Shard, int] | None = None, *, as_of: int | None = None) -> dict[str, Any]:
         """The data set's position as a small JSON-able dict: epoch, cursor into the
         epoch's shard order, and the queue of unfinished positions ``[slot, consumed]``
-        (leases held now come first: after a restore they resume where last reported).
+        (leases held now come first: after a restore they resume where last reported; a
+        lease reported consumed whole counts as done).
 
         ``positions``: where the caller stands in leases it holds (absolute positions, as
         :meth:`report` takes), written in place of the last reported ones without
         reporting them (one read of the store, no write); a lease that token no longer
-        holds keeps its stored position."""
+        holds keeps its stored position.
+
+        ``as_of``: the state as of that step, for leases reported with steps: a lease whose
+        last report is of a later step counts at its report before (the step before; where
+        none, as handed out). Exact while every holder is at most one step past ``as_of``."""
         snap = self._store.snapshot(self.name)
         mine = {(shard.epoch, shard.slot, shard.lease): consumed for shard, consumed in (positions or {}).items()}
-        held = [[int(slot), mine.get((snap["epoch"], int(slot), lease["token"]), lease["consumed"])]
-                for slot, lease in snap["leases"].items()]
+        held = []
+        for slot, lease in snap["leases"].items():
+            consumed = lease["consumed"]
+            if as_of is not None and lease["step"] > as_of and lease["before"] is not None:
+                consumed = lease["before"][1]
+            consumed = mine.get((snap["epoch"], int(slot), lease["token"]), consumed)
+            _, _, start, end = self.definition.at_slot(snap["epoch"], int(slot))
+            if consumed < end - start:
+                held.append([int(slot), consumed])
         return {
             "version": STATE_VERSION,
             "dataset": self.name,
@@ -333,38 +353,10 @@ class Dataset:
         if len(set(slots)) != len(slots) or any(not 0 <= slot < cursor for slot in slots):
             raise InvalidArgument(f"{self.name}: state queue {queue} is not distinct slots below the cursor")
         for slot, consumed in queue:
-            _, start, end = self.definition.bounds(shard_order(n, seed=self.definition.seed, epoch=epoch, shuffle=self.definition.shuffle)[slot])
+            _, _, start, end = self.definition.at_slot(epoch, slot)
             if not 0 <= consumed <= end - start:
                 raise InvalidArgument(f"{self.name}: state position {consumed} outside shard at slot {slot}")
         return {"epoch": epoch, "cursor": cursor, "queue": queue, "workers": workers}
-
-
-@dataclass(kw_only=True, slots=True)
-class Options:
-    """Options of :func:`sharding.connect` (each applies to the backends named)."""
-
-    #: seconds between acquire attempts while other workers hold leases (all)
-    poll_interval_seconds: float = 0.05
-    #: seconds to keep retrying an unreachable server before CoordinatorUnavailable (redis)
-    retry_seconds: float = 30.0
-    #: seconds a socket connect or reply may take (redis)
-    socket_timeout_seconds: float = 5.0
-    #: seconds to wait for SQLite's write lock (sqlite)
-    busy_timeout_seconds: float = 30.0
-    #: prefix of every key (redis)
-    key_prefix: str = "sharding:"
-    #: how many of the newest events the job-wide log keeps (all; see Coordinator.publish)
-    max_events: int = 10_000
-
-    def __post_init__(self) -> None:
-        for name in ("poll_interval_seconds", "retry_seconds", "socket_timeout_seconds", "busy_timeout_seconds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise InvalidArgument(f"{name} must be a positive number, got {value!r}")
-        if not isinstance(self.key_prefix, str):
-            raise InvalidArgument(f"key_prefix must be a str, got {self.key_prefix!r}")
-        if isinstance(self.max_events, bool) or not isinstance(self.max_events, int) or self.max_events < 1:
-            raise InvalidArgument(f"max_events must be an int >= 1, got {self.max_events!r}")
 
 
 #: largest payload of one event, as JSON text

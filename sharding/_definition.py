@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from ._errors import InvalidArgument
+from ._order import shard_order
 
 __all__ = ["Definition"]
 
@@ -110,6 +111,11 @@ class Definition:
         path, records = self.files[f]
         start = (index - self._first_shard[f]) * self.shard_size
         return path, start, min(start + self.shard_size, records)
+
+    def at_slot(self, epoch: int, slot: int) -> tuple[int, str | None, int, int]:
+        """``(index, file, start, end)`` of the shard at ``slot`` of ``epoch``'s shard order."""
+        index = shard_order(self._num_shards, seed=self.seed, epoch=epoch, shuffle=self.shuffle)[slot]
+        return (index, *self.bounds(index))
 
     def to_json(self) -> dict[str, Any]:
         """The definition as a JSON-able dict (the stored and compared form)."""

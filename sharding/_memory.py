@@ -45,10 +45,12 @@ class MemoryStore:
             return self._definitions.get(name)
 
     def report(
-        self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float
+        self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float,
+        step: int | None = None,
     ) -> tuple[Status, str | None]:
         with self._lock:
-            return self._tables[name].report(epoch, slot, token, consumed, time.time(), lease_timeout=lease_timeout)
+            return self._tables[name].report(epoch, slot, token, consumed, time.time(), lease_timeout=lease_timeout,
+                                             step=step)
 
     def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
         with self._lock:

@@ -211,9 +211,11 @@ class RedisStore:
         return statuses, answers
 
     def report(
-        self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float
+        self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float,
+        step: int | None = None,
     ) -> tuple[Status, str | None]:
-        status, worker = self._run("report", self._base(name), epoch, slot, token, consumed, repr(lease_timeout))
+        status, worker = self._run("report", self._base(name), epoch, slot, token, consumed, repr(lease_timeout),
+                                   "" if step is None else step)
         return _STATUS[status], worker.decode() or None
 
     def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
@@ -232,7 +234,8 @@ class RedisStore:
         return None if count < 0 else count
 
     def snapshot(self, name: str) -> dict[str, Any]:
-        (epoch, cursor, token), queued, positions, leases, deadlines, stats = self._run("snapshot", self._base(name))
+        (epoch, cursor, token), queued, positions, leases, deadlines, stats, hist = self._run("snapshot", self._base(name))
+        steps = {hist[i].decode(): hist[i + 1].decode().split("|") for i in range(0, len(hist), 2)}
         workers: dict[str, list[int]] = {}  # acquired = completed + lost + held
         for i in range(0, len(stats), 2):
             kind, worker = stats[i].decode().split(":", 1)
@@ -244,11 +247,17 @@ class RedisStore:
         for i in range(0, len(leases), 2):
             held, consumed, worker = leases[i + 1].decode().rsplit("|", 1)[0].split("|", 2)
             workers.setdefault(worker, [0, 0])[0] += 1
-            table[leases[i].decode()] = {
+            slot = leases[i].decode()
+            tagged, at, before = steps.get(slot, (None, "-1", ""))
+            if tagged != held:  # stale: of an earlier lease of the slot
+                at, before = "-1", ""
+            table[slot] = {
                 "worker": worker,
                 "token": int(held),
                 "consumed": int(consumed),
                 "expires_in": float(deadlines[i // 2]),
+                "step": int(at),
+                "before": [int(x) for x in before.split(":")] if before else None,
             }
         return {
             "epoch": int(epoch or 0),

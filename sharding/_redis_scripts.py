@@ -6,7 +6,9 @@ positions), ``lease`` (slot -> ``token|consumed|worker|request``, ``request`` be
 call that took the lease, so that an acquire retried after its reply was lost gets back
 the leases its first attempt took instead of taking more), ``dl`` (a sorted set of leased
 slots by deadline, so reclaiming expired leases is a range query), ``w:WORKER`` (a
-worker's slots, for heartbeat, release and retries) and ``stats`` (per worker ``c:``
+worker's slots, for heartbeat, release and retries), ``hist`` (slot -> ``token|step|before``: the step
+a lease's position was reported at and ``step:consumed`` of its report at the step before, if
+any; an entry of another token than the lease's is stale) and ``stats`` (per worker ``c:``
 completed and ``l:`` lost: leases that expired or were released; a worker's acquired
 count is completed + lost + held, so taking a lease writes no counter).
 Deadlines use the server clock (``TIME``), so worker clocks need not agree.
@@ -24,8 +26,8 @@ __all__ = ["SCRIPTS"]
 
 _PRELUDE = """
 local base = KEYS[1]
-local meta, queue, qpos, lease, dl, stats =
-  base..'meta', base..'queue', base..'qpos', base..'lease', base..'dl', base..'stats'
+local meta, queue, qpos, lease, dl, stats, hist =
+  base..'meta', base..'queue', base..'qpos', base..'lease', base..'dl', base..'stats', base..'hist'
 local function clock()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -166,10 +168,22 @@ return reply
 
 _REPORT = """
 local epoch, slot, token = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-local consumed, timeout = ARGV[4], tonumber(ARGV[5])
+local consumed, timeout, step = ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local status, worker, info = check(position(), epoch, slot, token)
 if status == 'ok' then
-  local _, _, _, request = parse(info)
+  local _, was, _, request = parse(info)
+  if step == '' then
+    redis.call('HDEL', hist, slot)
+  else  -- hist: slot -> token|step|before ('' or step:consumed); another token's entry is stale
+    local at, before = '-1', ''
+    local h = redis.call('HGET', hist, slot)
+    if h then
+      local t, s, b = string.match(h, '^(%d+)|(-?%d+)|(.*)$')
+      if tonumber(t) == token then at, before = s, b end
+    end
+    if step ~= at then before = at..':'..was end
+    redis.call('HSET', hist, slot, token..'|'..step..'|'..before)
+  end
   redis.call('HSET', lease, slot, token..'|'..consumed..'|'..worker..'|'..request)
   redis.call('ZADD', dl, clock() + timeout, slot)
 end
@@ -214,7 +228,7 @@ for i, slot in ipairs(queued) do positions[i] = redis.call('HGET', qpos, slot) e
 local leases = redis.call('HGETALL', lease)
 local deadlines = {}
 for i = 1, #leases, 2 do deadlines[#deadlines + 1] = tostring(redis.call('ZSCORE', dl, leases[i]) - now) end
-return {m, queued, positions, leases, deadlines, redis.call('HGETALL', stats)}
+return {m, queued, positions, leases, deadlines, redis.call('HGETALL', stats), redis.call('HGETALL', hist)}
 """
 
 _RESTORE = """
@@ -224,7 +238,7 @@ for i = 2, #leases, 2 do
   local _, _, worker = parse(leases[i])
   redis.call('DEL', base..'w:'..worker)
 end
-redis.call('DEL', queue, qpos, lease, dl, stats)
+redis.call('DEL', queue, qpos, lease, dl, stats, hist)
 redis.call('HSET', meta, 'epoch', state['epoch'], 'cursor', state['cursor'])
 for _, entry in ipairs(state['queue']) do
   redis.call('RPUSH', queue, entry[1])

@@ -136,10 +136,11 @@ class SQLiteStore:
             return None if row is None else str(row[0])
 
     def report(
-        self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float
+        self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float,
+        step: int | None = None,
     ) -> tuple[Status, str | None]:
         return self._transact(
-            name, lambda t, now: t.report(epoch, slot, token, consumed, now, lease_timeout=lease_timeout)
+            name, lambda t, now: t.report(epoch, slot, token, consumed, now, lease_timeout=lease_timeout, step=step)
         )
 
     def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:

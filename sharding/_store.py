@@ -85,9 +85,12 @@ class Store(Protocol):
         acquires' answers (none when a completion was refused)."""
 
     def report(
-        self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float
+        self, name: str, *, epoch: int, slot: int, token: int, consumed: int, lease_timeout: float,
+        step: int | None = None,
     ) -> tuple[Status, str | None]:
-        """Record the position inside a held lease and extend it; the holder on HELD."""
+        """Record the position inside a held lease and extend it; the holder on HELD. With
+        ``step``, the position is that of this step, and the lease keeps the last one of an
+        earlier step beside it (``snapshot``'s ``step`` and ``before``); without, it has none."""
 
     def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
         """Finish a held lease; the holder on HELD."""

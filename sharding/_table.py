@@ -22,6 +22,10 @@ class _Lease:
     token: int
     consumed: int
     deadline: float
+    #: the step ``consumed`` was reported at (-1: as handed out, or reported without one)
+    step: int = -1
+    #: [step, consumed] of the report before, at another step (None: none since handed out)
+    before: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -62,11 +66,16 @@ class LeaseTable:
         return Grant(self.epoch, slot, consumed, self.next_token)
 
     def report(
-        self, epoch: int, slot: int, token: int, consumed: int, now: float, *, lease_timeout: float
+        self, epoch: int, slot: int, token: int, consumed: int, now: float, *, lease_timeout: float,
+        step: int | None = None,
     ) -> tuple[Status, str | None]:
         status = self._check(epoch, slot, token)
         if status[0] is Status.OK:
             lease = self.leases[slot]
+            if step is None:
+                lease.step, lease.before = -1, None
+            elif step != lease.step:
+                lease.step, lease.before = step, [lease.step, lease.consumed]
             lease.consumed, lease.deadline = consumed, now + lease_timeout
         return status
 
@@ -139,6 +148,8 @@ class LeaseTable:
                     "token": lease.token,
                     "consumed": lease.consumed,
                     "expires_in": lease.deadline - now,
+                    "step": lease.step,
+                    "before": None if lease.before is None else list(lease.before),
                 }
                 for slot, lease in sorted(self.leases.items())
             },
@@ -151,7 +162,8 @@ class LeaseTable:
         table = cls(epoch=data["epoch"], cursor=data["cursor"], next_token=data["next_token"])
         table.queue = [list(entry) for entry in data["queue"]]
         table.leases = {
-            int(slot): _Lease(v["worker"], v["token"], v["consumed"], now + v["expires_in"])
+            int(slot): _Lease(v["worker"], v["token"], v["consumed"], now + v["expires_in"], v.get("step", -1),
+                              v.get("before"))
             for slot, v in data["leases"].items()
         }
         table.workers = {w: list(c) for w, c in data["workers"].items()}

@@ -23,6 +23,20 @@ def job_id():
             os.unlink(path)
 
 
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A real redis-server of this test module (the sharding tests' ``RedisServer``)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharding"))
+    from sharding_fixtures import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server.url
+    server.stop()
+
+
 @pytest.fixture
 def populates(monkeypatch):
     """Every population of slot pages (fresh shared memory), by the thread that did it."""

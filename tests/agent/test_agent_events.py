@@ -19,8 +19,6 @@ import elastic
 import sharding
 from tests.agent.agent_helpers import ROOT, env, job_id
 
-sys.path.insert(0, os.path.join(ROOT, "tests", "sharding"))  # the sharding tests' redis-server
-from sharding_fixtures import RedisServer  # noqa: E402
 
 
 def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
@@ -198,14 +196,6 @@ while time.monotonic() < deadline:
     time.sleep(0.1)
 agent.stop()
 """
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server.url
-    server.stop()
 
 
 @pytest.mark.parametrize("mode", ["hang", "failure"])

@@ -184,3 +184,33 @@ def epoch_without_a_final_boundary(rank: int, world: int, url: str) -> tuple[int
                 sampler.boundary_state()
         drawn.append(n)
     return drawn[0], drawn[1]
+
+
+def peer_a_step_ahead(rank: int, world: int, url: str) -> dict:
+    """Two lockstep ranks, batches of 4 from shards of 6, a boundary after step 1. Rank 0 is
+    then caught before its update of step 2 (a failure capture writes step 1); rank 1 went on
+    through its boundary of step 2 (finishing its first shard) and drew step 3 (finishing its
+    second, leasing a third). Rank 0's capture then reads the state."""
+    import torch.distributed as dist
+
+    import flashckpt._capture as capture
+    from elastic import ShardSampler
+
+    sampler = ShardSampler(48, coordinator=url, name="ahead", shard_size=6, num_epochs=1)
+    it = iter(sampler)
+    step1 = [next(it) for _ in range(4)]
+    sampler.boundary_state()
+    later = [next(it) for _ in range(4)]
+    if rank == 1:
+        sampler.boundary_state()
+        later += [next(it) for _ in range(6)]
+    dist.barrier()
+    state = None
+    if rank == 0:
+        capture._this_thread.capturing = True
+        try:
+            state = sampler.state_dict()
+        finally:
+            capture._this_thread.capturing = False
+    dist.barrier()
+    return {"step1": step1, "later": later, "state": state}

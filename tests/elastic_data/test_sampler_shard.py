@@ -13,7 +13,8 @@ import sharding
 from elastic import CountingLoader, ShardSampler
 
 from tests._fork import run_ranks
-from ._workers import IndexDataset, boundary_ranks, epoch_without_a_final_boundary, lockstep_shards, train_shards
+from ._workers import (IndexDataset, boundary_ranks, epoch_without_a_final_boundary, lockstep_shards, peer_a_step_ahead,
+                       train_shards)
 
 
 def sqlite_url(tmp_path) -> str:
@@ -265,6 +266,21 @@ def test_boundary_state_of_lockstep_ranks_holds_every_ranks_boundary(tmp_path):
     rest = list(restored)
     trained = ranks[0]["trained"] + ranks[1]["trained"]
     assert Counter(trained + rest) == Counter(range(48))
+    assert set(ranks[0]["later"] + ranks[1]["later"]) <= set(rest)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+def test_a_capture_takes_a_peer_a_step_ahead_at_the_captured_step(tmp_path, request, backend):
+    """A rank caught before its update of step 2 captures step 1, while its peer went through
+    step 2's boundary (reporting, finishing a shard) and drew step 3 (leasing another): the
+    captured state holds the peer's positions as of step 1, so a restart replays both ranks'
+    batches of steps 2 and 3 (before, the peer's batch of step 2 was skipped)."""
+    url = sqlite_url(tmp_path) if backend == "sqlite" else request.getfixturevalue("redis_url")
+    ranks = run_ranks(peer_a_step_ahead, 2, url)
+    restored = ShardSampler(48, coordinator=url, name="ahead", shard_size=6, num_epochs=1, worker="w9")
+    restored.load_state_dict(ranks[0]["state"], sync=False)
+    rest = list(restored)
+    assert Counter(ranks[0]["step1"] + ranks[1]["step1"] + rest) == Counter(range(48))
     assert set(ranks[0]["later"] + ranks[1]["later"]) <= set(rest)
 
 

@@ -210,6 +210,37 @@ def test_state_dict_with_positions_writes_them_without_reporting(backend: Backen
     assert ds.state_dict()["queue"][:2] == [[slot, 2 if slot == mine.slot else 0] for slot in sorted(held)]
 
 
+def test_state_dict_as_of_a_step_takes_each_lease_at_or_before_it(backend: Backend) -> None:
+    """Reports tagged with a step keep a lease's position at its last two steps: the state as
+    of step 1 holds a worker that already reported step 2 at its step-1 position, a lease
+    taken after step 1 where it was handed out, and a shard consumed whole only at step 2
+    unfinished; an untagged report is the position at every step."""
+    ds = backend.connect().dataset("as-of", size=40, shard_size=10)
+    a, b = ds.acquire("w"), ds.acquire("v")
+    ds.report(a, consumed=3, step=1)
+    ds.report(b, consumed=2, step=1)
+    ds.report(b, consumed=5, step=1)  # the same step again: replaces
+    ds.report(a, consumed=7, step=2)
+    c = ds.acquire("w")
+    ds.report(c, consumed=4, step=2)
+    d = ds.acquire("u")
+    ds.report(d, consumed=6, step=1)
+    ds.report(d, consumed=1)  # untagged
+    as_of = {step: ds.state_dict(as_of=step)["queue"] for step in (1, 2)}
+    assert as_of[1] == sorted([[a.slot, 3], [b.slot, 5], [c.slot, 0], [d.slot, 1]])
+    assert as_of[2] == ds.state_dict()["queue"] == sorted([[a.slot, 7], [b.slot, 5], [c.slot, 4], [d.slot, 1]])
+    ds.report(a, consumed=10, step=2)  # consumed whole at step 2: done as of 2, not as of 1
+    assert [a.slot, 3] in ds.state_dict(as_of=1)["queue"]
+    assert a.slot not in [slot for slot, _ in ds.state_dict(as_of=2)["queue"]]
+    state = ds.state_dict(as_of=1)
+    ds.complete(a)
+    ds.load_state_dict(state)
+    again = ds.acquire("w")
+    assert (again.slot, again.consumed) == (a.slot, 3)
+    with pytest.raises(sharding.InvalidArgument, match="step"):
+        ds.report(again, consumed=4, step=-1)
+
+
 def test_load_state_dict_rejects_bad_state(backend: Backend) -> None:
     ds = backend.connect().dataset("bad-state", size=100, shard_size=10)
     good = ds.state_dict()
@@ -330,7 +361,8 @@ def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
             elif op in ("report", "complete", "stale") and mine:
                 shard = mine[pick % len(mine)]
                 if op == "report":
-                    answers.append(outcome(lambda: ds.report(shard, consumed=pick % (len(shard) + 1))))
+                    step_tag = None if pick % 4 == 0 else pick % 3
+                    answers.append(outcome(lambda: ds.report(shard, consumed=pick % (len(shard) + 1), step=step_tag)))
                 else:
                     answers.append(outcome(lambda: ds.complete(shard)))
                     if op == "complete":
@@ -341,6 +373,7 @@ def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
                 answers.append(outcome(lambda: ds.heartbeat(worker)))
         assert answers[:1] == answers[1:], f"step {step}: {op} by {worker}"
         assert pair[0].state_dict() == pair[1].state_dict(), f"step {step}"
+        assert pair[0].state_dict(as_of=1) == pair[1].state_dict(as_of=1), f"step {step}"
         if answers:
             seen[op, answers[0][0], answers[0][1] is not None] += 1
     # the combined call was seen granting, finding nothing free, and refused
