@@ -140,6 +140,8 @@ class ShardSampler(Sampler[int]):
         self._boundaries = 0
         """Boundaries since construction or the last load: the step that positions reported under
         torch.distributed are tagged with (lock-step ranks count alike)."""
+        self._settled_step = 0
+        """The step whose positions ``settled`` holds (see :meth:`_report_step`)."""
         try:
             if self._ds.release(self.worker):
                 log.info("%s: took back the leases of an earlier %s", name, self.worker)
@@ -281,19 +283,35 @@ class ShardSampler(Sampler[int]):
             self._call("complete", lease, lambda: self._ds.complete(lease.shard))
         return self._acquire(after=last) if then_acquire else None
 
-    def _report_positions(self, *, boundary: bool = False) -> None:
-        """Report where the loop stands now: complete what it received entirely, report the
-        rest (a save's, and a ``boundary``'s under torch.distributed: that completes only
-        what was received entirely at the boundary before, and reports the rest tagged with
-        this boundary's step)."""
+    def _report_positions(self) -> None:
+        """Report where the loop stands now (a save's, ``close``'s): complete what it received
+        entirely, report the rest."""
         for lease in self._held:
-            lease.settled_before = lease.settled if boundary else lease.done
+            lease.settled = lease.settled_before = lease.done
+        self._report(self._boundaries if self._stepped() else None)
+
+    def _report_step(self, step: int) -> None:
+        """Under torch.distributed: report where the loop stands now as the positions of
+        ``step``, completing only what it had received entirely at the step before (a peer's
+        capture may be of that step)."""
+        if step != self._settled_step:
+            for lease in self._held:
+                lease.settled_before = lease.settled
+            self._settled_step = step
+        for lease in self._held:
             lease.settled = lease.done
+        self._report(step)
+
+    def _report(self, step: Optional[int]) -> None:
         self._finish_done()
-        step = self._boundaries if self._stepped() else None
         for lease in [x for x in self._held if x.done != x.reported]:
             self._call("report", lease, lambda: self._ds.report(lease.shard, lease.done, step=step))
             lease.reported = lease.done
+
+    def _update_begins(self) -> None:
+        """An optimizer update begins (flashckpt's hook, see :meth:`boundary_state`)."""
+        if self._stepped() and threading.get_ident() == self._boundary[0]:
+            self._report_step(self._boundaries + 1)
 
     def _stepped(self) -> bool:
         """Boundaries under torch.distributed: positions go to the coordinator by step."""
@@ -348,19 +366,24 @@ class ShardSampler(Sampler[int]):
         Under torch.distributed: this rank reports its received positions tagged with the
         boundary's step (the boundaries since construction or load, alike on lock-step
         ranks), and completes the shards it had received entirely at its boundary before (a
-        write). It returns the state's identity without the coordinator's part, which a
+        write). Under flashckpt's failure capture that report is made as the optimizer
+        update begins (``flashckpt._capture.on_update_begins``, from the first boundary on),
+        so that it holds for a rank that dies inside the update; the boundary then writes
+        only what changed since. It returns the state's identity without the coordinator's part, which a
         capture's ``state_dict()`` reads itself, as of the capturing rank's last boundary:
         every rank's positions as of that step, also for a rank that went through the next
         step's boundary meanwhile (the coordinator keeps each lease's position of the step
         before too, and a shard finished at the next boundary is not yet completed). Exact
-        when each rank's last boundary is the captured step's or the next; a rank that died
-        inside the captured step's update, before its boundary, is a step behind (its last
-        batch is trained again).
+        when each rank's last boundary is the captured step's or the next, or it died inside
+        the captured step's update under failure capture.
         """
         if _default_sync(None):
             self._boundary = (threading.get_ident(), None)
             self._boundaries += 1
-            self._report_positions(boundary=True)
+            self._report_step(self._boundaries)
+            capture = sys.modules.get("flashckpt._capture")
+            if capture is not None:
+                capture.on_update_begins(self._update_begins)
             return self._state(None)
         positions = {lease.shard: lease.done for lease in self._held}
         state = self._state(self._ds.state_dict(positions))
@@ -444,7 +467,7 @@ class ShardSampler(Sampler[int]):
         self._unreceived.clear()
         self._pending = None
         self._boundary = None  # of the state replaced
-        self._boundaries = 0
+        self._boundaries = self._settled_step = 0
 
 
 def _capturing() -> bool:

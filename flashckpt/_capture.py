@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -38,7 +39,7 @@ from ._errors import CheckpointError, StateMismatchError
 from ._step_hooks import check_optimizer, hook_steps
 from .memory._tree import flatten
 
-__all__ = ["FailureCapture", "capturing"]
+__all__ = ["FailureCapture", "capturing", "on_update_begins"]
 
 log = logging.getLogger("flashckpt")
 
@@ -50,6 +51,19 @@ def capturing() -> bool:
     save reads from shared services (``elastic.ShardSampler``) then takes what its last
     step boundary kept, with no collective (a peer may be dead)."""
     return getattr(_this_thread, "capturing", False)
+
+
+_at_update_begins: list[weakref.WeakMethod] = []
+
+
+def on_update_begins(method: Callable[[], None]) -> None:
+    """Call ``method`` (a bound method, held weakly) on the training thread as each optimizer
+    update of this process begins (after any capture): state kept in shared services
+    (``elastic.ShardSampler``'s positions at the coordinator) is then that of the step the
+    update ends, also where the process dies inside the update."""
+    _at_update_begins[:] = [ref for ref in _at_update_begins if ref() is not None]
+    if not any(ref() == method for ref in _at_update_begins):
+        _at_update_begins.append(weakref.WeakMethod(method))
 
 
 WAIT_SECONDS = 120.0
@@ -131,11 +145,14 @@ class FailureCapture:
     def update_begins(self) -> None:
         """The state starts to change (the optimizer's step pre-hook, or an adapter's own
         boundary: the Trainer's ``on_pre_optimizer_step``, DeepSpeed's ``engine.step``);
-        waits while a capture copies."""
+        waits while a capture copies, then calls the :func:`on_update_begins` methods."""
         with self._cond:
             self._wait_for(lambda: self._capturing is None or self._capturing == threading.get_ident(), "the capture")
             self._sync_load()
             self._updating = "an optimizer update"
+        for ref in list(_at_update_begins):
+            if (method := ref()) is not None:
+                method()
 
     def update_ends(self, step: int | None = None) -> None:
         """The update is over: the state is that of the next step, or of ``step`` where the

@@ -193,7 +193,6 @@ def peer_a_step_ahead(rank: int, world: int, url: str) -> dict:
     second, leasing a third). Rank 0's capture then reads the state."""
     import torch.distributed as dist
 
-    import flashckpt._capture as capture
     from elastic import ShardSampler
 
     sampler = ShardSampler(48, coordinator=url, name="ahead", shard_size=6, num_epochs=1)
@@ -205,12 +204,48 @@ def peer_a_step_ahead(rank: int, world: int, url: str) -> dict:
         sampler.boundary_state()
         later += [next(it) for _ in range(6)]
     dist.barrier()
-    state = None
-    if rank == 0:
-        capture._this_thread.capturing = True
-        try:
-            state = sampler.state_dict()
-        finally:
-            capture._this_thread.capturing = False
+    state = captured_state(sampler) if rank == 0 else None
     dist.barrier()
     return {"step1": step1, "later": later, "state": state}
+
+
+def peer_dead_inside_its_update(rank: int, world: int, url: str) -> dict:
+    """Two lockstep ranks under failure capture (a real ``FailureCapture`` on an SGD
+    optimizer, the sampler in ``boundary_state``), batches of 4 from shards of 6. After step 1,
+    both draw step 2; rank 1 begins its update of step 2 and dies there (it never reaches its
+    boundary), rank 0 finishes step 2 and its capture then reads the state of step 2."""
+    import torch.distributed as dist
+
+    import flashckpt._capture as capture
+    from elastic import ShardSampler
+
+    sampler = ShardSampler(48, coordinator=url, name="behind", shard_size=6, num_epochs=1)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    failure = capture.FailureCapture(lambda: {}, optimizer, save=lambda step, state: None, last_load=lambda: None,
+                                     boundary_state=lambda: {"sampler": sampler.boundary_state()})
+    it = iter(sampler)
+    trained = []
+    for step in (1, 2):
+        batch = [next(it) for _ in range(4)]
+        trained += batch
+        model(torch.ones(1, 1)).sum().backward()
+        if step == 2 and rank == 1:
+            failure.update_begins()  # killed inside this update: no boundary of step 2
+        else:
+            optimizer.step()
+    dist.barrier()
+    state = captured_state(sampler) if rank == 0 else None
+    dist.barrier()
+    return {"trained": trained, "state": state}
+
+
+def captured_state(sampler: Any) -> dict:
+    """``sampler.state_dict()`` as a failure capture's call of ``state_fn`` makes it."""
+    import flashckpt._capture as capture
+
+    capture._this_thread.capturing = True
+    try:
+        return sampler.state_dict()
+    finally:
+        capture._this_thread.capturing = False

@@ -14,7 +14,7 @@ from elastic import CountingLoader, ShardSampler
 
 from tests._fork import run_ranks
 from ._workers import (IndexDataset, boundary_ranks, epoch_without_a_final_boundary, lockstep_shards, peer_a_step_ahead,
-                       train_shards)
+                       peer_dead_inside_its_update, train_shards)
 
 
 def sqlite_url(tmp_path) -> str:
@@ -282,6 +282,18 @@ def test_a_capture_takes_a_peer_a_step_ahead_at_the_captured_step(tmp_path, requ
     rest = list(restored)
     assert Counter(ranks[0]["step1"] + ranks[1]["step1"] + rest) == Counter(range(48))
     assert set(ranks[0]["later"] + ranks[1]["later"]) <= set(rest)
+
+
+def test_a_capture_takes_a_peer_dead_inside_its_update_at_the_captured_step(tmp_path):
+    """Under failure capture each rank reports its positions as its optimizer update begins:
+    a peer killed inside its update of step 2 (never reaching its boundary) is at step 2 in
+    rank 0's capture of step 2, so a restart replays exactly what neither trained (before, the
+    peer's batch of step 2 was trained again)."""
+    url = sqlite_url(tmp_path)
+    ranks = run_ranks(peer_dead_inside_its_update, 2, url)
+    restored = ShardSampler(48, coordinator=url, name="behind", shard_size=6, num_epochs=1, worker="w9")
+    restored.load_state_dict(ranks[0]["state"], sync=False)
+    assert Counter(ranks[0]["trained"] + ranks[1]["trained"] + list(restored)) == Counter(range(48))
 
 
 def test_an_iteration_after_one_that_ended_without_a_boundary_still_draws(tmp_path):
