@@ -1,12 +1,16 @@
 """Failure capture of a megatron-core GPTModel writes the state as of the step boundary
-(issue 42), one gloo rank (TP=1), megatron-core's FP32Optimizer.
+(issue 42), one gloo rank (TP=1), megatron-core's FP32Optimizer; the module buffer also with
+a bf16 model under ``Float16OptimizerWithFloat16Params`` and under a ``ChainedOptimizer`` of
+two of them.
 
 A capture after the main thread went past step 3's boundary (step 4's batch drawn: the data
 position in the common part moved; the RNG used: the ``ShardedObject`` of the RNG states
 changed) writes step 3's values that ``boundary_state`` gave, and step 3's value of a module
 buffer that step 4's forward moved (found in the sharded state dict, outside what the
 wrapper's update owns), the live one left as it is. A ``boundary_state`` naming what the
-sharded state dict lacks fails the first save.
+sharded state dict lacks fails the first save. Under the bf16 optimizer and the chained one,
+the buffer is the one tensor found outside the update (the bf16 model parameters, the fp32
+main ones and their Adam moments, of every member, are the update's).
 """
 
 from __future__ import annotations
@@ -84,3 +88,55 @@ def test_a_capture_past_the_boundary_writes_the_boundary_state(tmp_path, job_id)
     assert torch.equal(*out["seen"]) and out["seen"][1].tolist() == [3.0] * 4, out["seen"]  # the buffer of step 3
     assert out["live_seen"].tolist() == [4.0] * 4  # the live one left as it is
     assert "boundary_state" in out.get("mismatch", "") and "epoch" in out["mismatch"], out
+
+
+def _buffer_under(kind: str, directory: str, job: str) -> dict:
+    """A bf16 model with a bf16 buffer that each forward moves, ``kind``'s optimizer ("bf16"
+    or "chained"): steps 1-3, step 4's forward, a capture, then a load of it."""
+    from megatron.core import parallel_state as ps
+
+    from flashckpt.megatron import MegatronCheckpointer
+    from tests.capture._blocked import logged
+
+    lines: list[str] = []
+    logged(lines)
+    model = _gpt.build(1, dtype=torch.bfloat16)
+    model.register_buffer("seen", torch.zeros(4, dtype=torch.bfloat16))
+    opt = _gpt.optimizer(model) if kind == "bf16" else _gpt.chained(model)
+    out: dict = {"kind": type(opt).__name__}
+    first = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with MegatronCheckpointer(directory, job_id=job, persist_every=100) as ckpt:
+        assert ckpt.load(_gpt.state_of(model, opt)) == (None, None)
+        capture = ckpt.save_on_failure(lambda: _gpt.state_of(model, opt), optimizer=opt)
+        for n in range(1, 4):
+            opt.zero_grad()
+            model.seen.add_(1)  # its forward
+            _gpt.loss(model, n).backward()
+            with _gpt.on_cpu():  # the chained optimizer's gradient norm
+                opt.step()
+        model.seen.add_(1)  # step 4's forward
+        out["captured"] = capture.capture("test")
+        out["live"] = model.seen.clone()
+    out["stepped"] = sorted({name.split(".")[0] for name, p in model.named_parameters() if not p.equal(first[name])})
+    with MegatronCheckpointer(directory, job_id=job) as ckpt:
+        loaded, out["loaded"] = ckpt.load(_gpt.state_of(model, opt, loading=True))
+        out["seen"] = loaded["model"]["seen"].clone()
+    out["found"] = [line for line in lines if "outside the optimizer" in line]
+    ps.destroy_model_parallel()
+    return out
+
+
+def _buffers_under_kinds(rank: int, world: int, directory: str, job: str) -> list[dict]:
+    return [_buffer_under(kind, f"{directory}-{kind}", f"{job}{kind[0]}") for kind in ("bf16", "chained")]
+
+
+def test_a_buffer_under_the_bf16_and_the_chained_optimizer_is_captured_as_of_the_boundary(tmp_path, job_id):
+    """One process for both (each process start imports megatron-core: seconds of CPU)."""
+    bf16, chained = run_ranks(_buffers_under_kinds, 1, str(tmp_path / "ckpt"), job_id, timeout=180)[0]
+    assert (bf16["kind"], chained["kind"]) == ("Float16OptimizerWithFloat16Params", "ChainedOptimizer")
+    for out in (bf16, chained):
+        assert out["captured"] == 3 and out["loaded"] == 3, out
+        assert out["stepped"] == ["decoder", "embedding", "output_layer"], out  # every member updated
+        assert out["seen"].dtype == torch.bfloat16 and out["seen"].tolist() == [3.0] * 4, out  # step 3's
+        assert out["live"].tolist() == [4.0] * 4, out  # the live one left as it is
+        assert len(out["found"]) == 1 and "failure capture: 1 tensor(s)" in out["found"][0], out["found"]
