@@ -37,25 +37,31 @@ def join_group(rank: int) -> list:
     return sources
 
 
-def make_engine(stage: int, hidden: int = 16, batchnorm: bool = False):
-    """``batchnorm``: a BatchNorm after the first layer (its forward moves the running statistics)."""
+def make_engine(stage: int, hidden: int = 16, batchnorm: bool = False, bf16: bool = False):
+    """``batchnorm``: a BatchNorm after the first layer (its forward moves the running statistics);
+    ``bf16``: DeepSpeed's bf16 mode (fp32 master weights), the module in bf16, buffers too (DeepSpeed
+    casts the parameters alone, and CPU BatchNorm takes no bf16 input with fp32 statistics)."""
     import deepspeed
     torch.manual_seed(0)
     norm = [torch.nn.BatchNorm1d(hidden)] if batchnorm else []
     model = torch.nn.Sequential(torch.nn.Linear(8, hidden), *norm, torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+    model = model.to(torch.bfloat16) if bf16 else model
     # torch's Adam: DeepSpeed's FusedAdam would be JIT-compiled first (about 70 s on a clean CI machine)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    if bf16:
+        config["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 
 def forward(engine, rank: int, step: int) -> torch.Tensor:
-    """The loss of step ``step``'s batch (its forward only)."""
+    """The loss of step ``step``'s batch (its forward only), the batch in the module's dtype."""
     g = torch.Generator().manual_seed(1000 * rank + step)
     x, y = torch.randn(MICRO_BATCH, 8, generator=g), torch.randn(MICRO_BATCH, 1, generator=g)
-    return torch.nn.functional.mse_loss(engine(x), y)
+    dtype = next(engine.module.parameters()).dtype
+    return torch.nn.functional.mse_loss(engine(x.to(dtype)), y.to(dtype))
 
 
 def train_step(engine, rank: int, step: int) -> float:

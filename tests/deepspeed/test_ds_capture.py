@@ -132,13 +132,13 @@ def test_arguments_and_the_boundary_in_one_process(tmp_path, job_id):
     assert "boundary_state" in out["boundary_mismatch"] and "/epoch" in out["boundary_mismatch"], out
 
 
-def _buffers_past_the_boundary(rank, world, directory, job, stage):
+def _buffers_past_the_boundary(rank, world, directory, job, stage, bf16):
     """Steps 1-3 of a BatchNorm model, step 4's forward (the running statistics move), a
     capture, then step 4's update; a new engine loads the capture."""
     from flashckpt.deepspeed import DeepSpeedCheckpointer
     _ds_train.join_group(rank)
     out = {}
-    engine = _ds_train.make_engine(stage, batchnorm=True)
+    engine = _ds_train.make_engine(stage, batchnorm=True, bf16=bf16)
     with DeepSpeedCheckpointer(engine, directory, job_id=job) as ck:
         ck.save_on_failure()
         for step in (1, 2, 3):
@@ -152,21 +152,24 @@ def _buffers_past_the_boundary(rank, world, directory, job, stage):
         engine.step()  # training goes on after an explicit capture
         out["after_step"] = _ds_train.buffers(engine)
         ck.wait()
-    engine = _ds_train.make_engine(stage, batchnorm=True)
+    engine = _ds_train.make_engine(stage, batchnorm=True, bf16=bf16)
     with DeepSpeedCheckpointer(engine, directory, job_id=job) as ck:
         out["loaded"] = ck.load()
         out["restored"] = _ds_train.buffers(engine)
     return out
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_forward_changed_buffers_are_captured_as_of_the_boundary(tmp_path, job_id, stage):
-    """ZeRO-2 and ZeRO-3, one process: a capture after step 4's forward moved BatchNorm's
-    running statistics writes those of step 3 (the boundary), and leaves the live ones as
-    they are."""
-    out, = run_ranks(_buffers_past_the_boundary, 1, str(tmp_path / "bn"), job_id, stage, timeout=180)
+@pytest.mark.parametrize("stage, bf16", [(2, False), (3, False), (2, True), (3, True)],
+                         ids=["zero2", "zero3", "bf16-zero2", "bf16-zero3"])
+def test_forward_changed_buffers_are_captured_as_of_the_boundary(tmp_path, job_id, stage, bf16):
+    """ZeRO-2 and ZeRO-3, fp32 and bf16 (the module and its running statistics in bf16, the
+    update's fp32 master weights DeepSpeed's), one process: a capture after step 4's forward
+    moved BatchNorm's running statistics writes those of step 3 (the boundary), and leaves
+    the live ones as they are."""
+    out, = run_ranks(_buffers_past_the_boundary, 1, str(tmp_path / "bn"), job_id, stage, bf16, timeout=180)
     assert out["captured"] == 3 and out["loaded"] == 3, out
     at3, moved = out["at3"], out["moved"]
+    assert at3["1.running_mean"].dtype == (torch.bfloat16 if bf16 else torch.float32)
     assert not torch.equal(at3["1.running_mean"], moved["1.running_mean"])  # the forward moved them
     assert int(moved["1.num_batches_tracked"]) == 4
     for name in at3:

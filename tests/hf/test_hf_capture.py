@@ -70,12 +70,13 @@ def _one_rank(deepspeed: str | None, attempt: int) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("deepspeed", [None, "1"], ids=["plain", "zero2"])
+@pytest.mark.parametrize("deepspeed", [None, "1", "3"], ids=["plain", "zero2", "zero3"])
 def test_forward_changed_buffers_are_captured_as_of_the_boundary(tmp_path, deepspeed):
-    """A BatchNorm model, one process (also under the Trainer's DeepSpeed, ZeRO-2, a world of
-    one): SIGTERM once step 6's forward moved the running statistics, while the main thread
-    waits in C++; the watcher thread captures step 5 with the statistics of step 5's end
-    (``on_step_end``), in the model file and in DeepSpeed's tag, and the restart resumes from it."""
+    """A BatchNorm model, one process (also under the Trainer's DeepSpeed, ZeRO-2 and ZeRO-3, a
+    world of one): SIGTERM once step 6's forward moved the running statistics, while the main
+    thread waits in C++; the watcher thread captures step 5 with the statistics of step 5's end
+    (``on_step_end``), in the model file and in DeepSpeed's tag (ZeRO-3: the tag alone, no
+    weights file), and the restart resumes from it."""
     from safetensors.torch import load_file
 
     out, report = tmp_path / "run", tmp_path / "report"
@@ -90,10 +91,10 @@ def test_forward_changed_buffers_are_captured_as_of_the_boundary(tmp_path, deeps
     code, err = _attempt(out, report, 1, env={"FLASHCKPT_TEST_HF_BN": "1", **_one_rank(deepspeed, 1)})
     assert code == 0, err[-4000:]
     assert json.loads((report / "attempt1-rank0.json").read_text())["resumed_at"] == 5
-    written = [load_file(out / "checkpoint-5" / "model.safetensors")]
-    if deepspeed:
-        written.append(torch.load(out / "checkpoint-5" / "global_step5" / "mp_rank_00_model_states.pt",
-                                  weights_only=False)["module"])
+    written = [] if deepspeed == "3" else [load_file(out / "checkpoint-5" / "model.safetensors")]
+    if deepspeed:  # ZeRO-3's file: the partitioned parameters empty, the buffers whole
+        name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if deepspeed == "3" else "mp_rank_00_model_states.pt"
+        written.append(torch.load(out / "checkpoint-5" / "global_step5" / name, weights_only=False)["module"])
     for saved in written:
         for name, value in at5.items():
             assert torch.equal(saved[name], value), (name, saved[name], value)

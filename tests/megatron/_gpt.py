@@ -1,5 +1,8 @@
 """A small megatron-core GPTModel on CPU (local layer spec) and helpers for the tests."""
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 
@@ -83,34 +86,33 @@ def expected_blocks(sharded_state_dict, full: dict) -> list:
     return out
 
 
-def optimizer(model, lr: float = 0.01):
-    """megatron-core's optimizer over torch Adam, as ``get_megatron_optimizer`` picks it by
-    the model's dtype without the distributed optimizer (which needs the DDP wrapper): fp32,
-    ``FP32Optimizer``; bf16, ``Float16OptimizerWithFloat16Params`` with no grad scaler; fp16,
-    that one with a ``ConstantGradScaler`` (a ``DynamicGradScaler`` steps on CPU too, but its
+def optimizer(model, lr: float = 0.01, params: list | None = None):
+    """megatron-core's optimizer over torch Adam (of ``params``, by default the model's), as
+    ``get_megatron_optimizer`` picks it by the model's dtype without the distributed optimizer
+    (which needs the DDP wrapper): fp32, ``FP32Optimizer``; bf16,
+    ``Float16OptimizerWithFloat16Params`` with no grad scaler; fp16, that one with a
+    ``ConstantGradScaler`` (a ``DynamicGradScaler`` steps on CPU too, but its
     ``load_state_dict`` calls ``.cuda()``). No clipping: ``get_grad_norm_fp32`` makes a CUDA
     tensor. Built with two CUDA-only spots replaced by their CPU equivalents, nothing else
     patched: the constructors' scalar tensors (the loss scale, ``found_inf``, the overflow
-    buffer) made with ``torch.tensor(..., device='cuda')``, built on the CPU; and the fp16/bf16
-    optimizer's check of ``param.type()`` against ``'torch.cuda.BFloat16Tensor'`` (and the
-    Half and Float names), which sees a CPU parameter's type under its CUDA name."""
+    buffer) made with ``torch.tensor(..., device='cuda')``, built on the CPU (:func:`on_cpu`);
+    and the fp16/bf16 optimizer's check of ``param.type()`` against
+    ``'torch.cuda.BFloat16Tensor'`` (and the Half and Float names), which sees a CPU
+    parameter's type under its CUDA name."""
     from unittest import mock
 
     from megatron.core.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, OptimizerConfig
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler
 
-    stock_tensor, stock_type = torch.tensor, torch.Tensor.type
-
-    def on_cpu(*args, **kwargs):
-        kwargs.pop("device", None)
-        return stock_tensor(*args, **kwargs)
+    stock_type = torch.Tensor.type
 
     def cuda_name(tensor, *args, **kwargs):
         name = stock_type(tensor, *args, **kwargs)
         return name.replace("torch.", "torch.cuda.", 1) if not (args or kwargs) and tensor.device.type == "cpu" else name
 
-    group = {"params": list(model.parameters()), "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
-             "is_decoupled_lr": False}  # the keys megatron's load_state_dict matches groups by
+    # the keys megatron's load_state_dict matches groups by
+    group = {"params": list(model.parameters()) if params is None else params, "wd_mult": 1.0, "lr_mult": 1.0,
+             "is_expert_parallel": False, "is_decoupled_lr": False}
     inner = torch.optim.Adam([group], lr=lr)
 
     def init_state(opt, config=None):
@@ -121,13 +123,46 @@ def optimizer(model, lr: float = 0.01):
                     opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
     dtype = group["params"][0].dtype
-    with mock.patch.object(torch, "tensor", on_cpu), mock.patch.object(torch.Tensor, "type", cuda_name):
+    with on_cpu(), mock.patch.object(torch.Tensor, "type", cuda_name):
         if dtype == torch.float32:
             return FP32Optimizer(inner, OptimizerConfig(lr=lr, clip_grad=0.0), init_state)
         fp16 = dtype == torch.float16
         config = OptimizerConfig(lr=lr, clip_grad=0.0, bf16=not fp16, fp16=fp16, loss_scale=1024.0 if fp16 else None)
         return Float16OptimizerWithFloat16Params(inner, config, ConstantGradScaler(1024.0) if fp16 else None,
                                                  init_state)
+
+
+def chained(model):
+    """A ``ChainedOptimizer`` of two bf16 (or fp32, by the model's dtype) optimizers of
+    :func:`optimizer`, one for the embedding's parameters and one for the rest, as
+    ``get_megatron_optimizer`` chains one per set of parameter groups (dense, experts). Its
+    ``step`` computes the gradient norm (no clipping) with two CUDA tensors: step it in
+    :func:`on_cpu`."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    params = dict(model.named_parameters())
+    embedding = [p for name, p in params.items() if name.startswith("embedding.")]
+    rest = [p for name, p in params.items() if not name.startswith("embedding.")]
+    return ChainedOptimizer([optimizer(model, params=embedding), optimizer(model, params=rest)])
+
+
+@contextlib.contextmanager
+def on_cpu() -> Iterator[None]:
+    """``torch.tensor`` and ``torch.zeros`` ignore ``device`` (megatron-core's ``device='cuda'``)."""
+    from unittest import mock
+
+    stock_tensor, stock_zeros = torch.tensor, torch.zeros
+
+    def tensor(*args, **kwargs):
+        kwargs.pop("device", None)
+        return stock_tensor(*args, **kwargs)
+
+    def zeros(*args, **kwargs):
+        kwargs.pop("device", None)
+        return stock_zeros(*args, **kwargs)
+
+    with mock.patch.object(torch, "tensor", tensor), mock.patch.object(torch, "zeros", zeros):
+        yield
 
 
 def loss(model, step: int):

@@ -1,12 +1,16 @@
 """Failure capture of a megatron-core GPTModel writes the state as of the step boundary
-(issue 42), one gloo rank (TP=1), megatron-core's FP32Optimizer.
+(issue 42), one gloo rank (TP=1), megatron-core's FP32Optimizer; the module buffer also with
+a bf16 and an fp16 model under ``Float16OptimizerWithFloat16Params`` and a bf16 one under a
+``ChainedOptimizer`` of two of them.
 
 A capture after the main thread went past step 3's boundary (step 4's batch drawn: the data
 position in the common part moved; the RNG used: the ``ShardedObject`` of the RNG states
 changed) writes step 3's values that ``boundary_state`` gave, and step 3's value of a module
 buffer that step 4's forward moved (found in the sharded state dict, outside what the
 wrapper's update owns), the live one left as it is. A ``boundary_state`` naming what the
-sharded state dict lacks fails the first save.
+sharded state dict lacks fails the first save. Under the fp16/bf16 optimizer and the chained
+one, the buffer is the one tensor found outside the update (the fp16/bf16 model parameters, the
+fp32 main ones and their Adam moments, of every member, are the update's).
 """
 
 from __future__ import annotations
@@ -84,3 +88,59 @@ def test_a_capture_past_the_boundary_writes_the_boundary_state(tmp_path, job_id)
     assert torch.equal(*out["seen"]) and out["seen"][1].tolist() == [3.0] * 4, out["seen"]  # the buffer of step 3
     assert out["live_seen"].tolist() == [4.0] * 4  # the live one left as it is
     assert "boundary_state" in out.get("mismatch", "") and "epoch" in out["mismatch"], out
+
+
+def _buffer_under(kind: str, directory: str, job: str) -> dict:
+    """A bf16 model (fp16 for "fp16") with a buffer of its dtype that each forward moves,
+    ``kind``'s optimizer ("bf16", "fp16": megatron's fp16/bf16 one; "chained": two bf16 ones
+    chained): steps 1-3, step 4's forward, a capture, then a load of it."""
+    from megatron.core import parallel_state as ps
+
+    from flashckpt.megatron import MegatronCheckpointer
+    from tests.capture._blocked import logged
+
+    lines: list[str] = []
+    logged(lines)
+    dtype = torch.float16 if kind == "fp16" else torch.bfloat16
+    model = _gpt.build(1, dtype=dtype)
+    model.register_buffer("seen", torch.zeros(4, dtype=dtype))
+    opt = _gpt.chained(model) if kind == "chained" else _gpt.optimizer(model)
+    out: dict = {"kind": type(opt).__name__, "dtype": dtype}
+    first = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with MegatronCheckpointer(directory, job_id=job, persist_every=100) as ckpt:
+        assert ckpt.load(_gpt.state_of(model, opt)) == (None, None)
+        capture = ckpt.save_on_failure(lambda: _gpt.state_of(model, opt), optimizer=opt)
+        for n in range(1, 4):
+            opt.zero_grad()
+            model.seen.add_(1)  # its forward
+            opt.scale_loss(_gpt.loss(model, n)).backward()  # fp16: by 1024
+            with _gpt.on_cpu():  # the chained optimizer's gradient norm
+                opt.step()
+        model.seen.add_(1)  # step 4's forward
+        out["captured"] = capture.capture("test")
+        out["live"] = model.seen.clone()
+    out["stepped"] = sorted({name.split(".")[0] for name, p in model.named_parameters() if not p.equal(first[name])})
+    with MegatronCheckpointer(directory, job_id=job) as ckpt:
+        loaded, out["loaded"] = ckpt.load(_gpt.state_of(model, opt, loading=True))
+        out["seen"] = loaded["model"]["seen"].clone()
+    out["found"] = [line for line in lines if "outside the optimizer" in line]
+    ps.destroy_model_parallel()
+    return out
+
+
+def _buffers_under_kinds(rank: int, world: int, directory: str, job: str) -> list[dict]:
+    return [_buffer_under(kind, f"{directory}-{kind}", f"{job}{kind}") for kind in ("bf16", "fp16", "chained")]
+
+
+def test_a_buffer_under_the_fp16_bf16_and_the_chained_optimizer_is_captured_as_of_the_boundary(tmp_path, job_id):
+    """One process for all three (each process start imports megatron-core: seconds of CPU)."""
+    outs = run_ranks(_buffers_under_kinds, 1, str(tmp_path / "ckpt"), job_id, timeout=180)[0]
+    assert [(out["kind"], out["dtype"]) for out in outs] == [
+        ("Float16OptimizerWithFloat16Params", torch.bfloat16), ("Float16OptimizerWithFloat16Params", torch.float16),
+        ("ChainedOptimizer", torch.bfloat16)]
+    for out in outs:
+        assert out["captured"] == 3 and out["loaded"] == 3, out
+        assert out["stepped"] == ["decoder", "embedding", "output_layer"], out  # every member updated
+        assert out["seen"].dtype == out["dtype"] and out["seen"].tolist() == [3.0] * 4, out  # step 3's
+        assert out["live"].tolist() == [4.0] * 4, out  # the live one left as it is
+        assert len(out["found"]) == 1 and "failure capture: 1 tensor(s)" in out["found"][0], out["found"]
