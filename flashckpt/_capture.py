@@ -4,7 +4,8 @@ Parameters and optimizer state change only inside ``optimizer.step()``. The opti
 step pre- and post-hooks tell whether an update is in progress and count the updates
 finished since the last save (or load): the current step is ``k = last saved step +
 updates since * steps_per_update`` (1, or N where the loop accumulates gradients over N
-micro-batches and numbers its saves in micro-batches). At a failure (:mod:`flashckpt._failure_hooks` calls :meth:`FailureCapture.capture`
+micro-batches and numbers its saves in micro-batches). At a failure
+(:mod:`flashckpt._failure_hooks` calls :meth:`FailureCapture.capture`
 on a signal, an uncaught exception, or the agent's verdict) a process with no update in
 progress writes ``state_fn()`` as step k into its slot through the engine's ordinary save
 (``captured=True``, persisted), from whichever thread comes first; one caught inside an
@@ -23,18 +24,19 @@ optimizer) and written in place of the live values.
 
 Gradient accumulation: with ``steps_per_update=N`` a capture inside an accumulation writes
 the last update, numbered as the loop numbers it (a multiple of N past the last save). The
-count is checked at each save: one ``U`` updates after a saved or loaded step ``B`` must be
-step ``B + U * N``. One that is not (N wrong, a save in the middle of an accumulation, an
-update that ``optimizer.step()`` skipped, e.g. a ``GradScaler``'s) is warned about once, and
-until a later save agrees with the count from the save before it a capture writes nothing
-(its number would be wrong: a restart resumes from the newest save instead).
+count is checked at each save: one ``U > 0`` updates after a saved or loaded step ``B`` must
+be step ``B + U * N``. One that is not (N wrong, a save in the middle of an accumulation, a
+step whose ``optimizer.step()`` a ``GradScaler`` skipped) is warned about once, and until a
+later save agrees with the count from the save before it a capture writes nothing (its
+number would be wrong: a restart resumes from the newest save instead).
 
 Trade-offs, plainly: saves must come at update boundaries (after ``optimizer.step()``,
 before the next micro-batch): a save in the middle of an accumulation holds none of its
 gradients, and where such saves keep one offset the check cannot see it, so it goes into
-the captured numbers; the count from a fresh start (no save or load yet) and in the first
-interval after a load is not checked; a data-loader or RNG position not in ``boundary_state``
-is written as it is at the failure (possibly a step ahead).
+the captured numbers; a capture before a run's first save rests on ``steps_per_update``
+alone (a fresh start's first save is not checked either: no saved or loaded step to count
+from); a data-loader or RNG position not in ``boundary_state`` is written as it is at the
+failure (possibly a step ahead).
 """
 
 from __future__ import annotations
@@ -171,7 +173,9 @@ class FailureCapture:
 
     def update_ends(self, step: int | None = None) -> None:
         """The update is over: the state is that of ``steps_per_update`` steps later, or of
-        ``step`` where the adapter knows its number (the Trainer's ``global_step`` at ``on_step_end``). An
+        ``step`` where the adapter knows its number (the Trainer's ``global_step`` at ``on_step_end``);
+        one on the thread inside a save is no update (the save's own, as FSDP's ``get_state_dict``
+        makes a fresh optimizer's state). An
         update that raised never ends: nothing is captured after it; nor after a
         ``boundary_state`` that raised (raised here)."""
         try:  # while the update still counts as in progress: no capture copies meanwhile
@@ -183,7 +187,8 @@ class FailureCapture:
         with self._cond:
             self._updating = None
             if step is None:
-                self._steps += 1
+                if self._saving != threading.get_ident():  # not a fresh optimizer's state made by a save
+                    self._steps += 1  # (FSDP's get_state_dict steps it): the saved step's own, no update
             else:
                 self._sync_load()
                 self._steps = max(0, step - self._base) // self._per
