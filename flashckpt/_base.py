@@ -60,13 +60,20 @@ class EngineCheckpointer:
         return self._engine.latest_step()
 
     def save_on_failure(self, state_fn: Callable[[], Any], *, optimizer: Any,
-                        boundary_state: Callable[[], Any] | None = None) -> FailureCapture:
+                        boundary_state: Callable[[], Any] | None = None,
+                        steps_per_update: int = 1) -> FailureCapture:
         """On a failure, save the last finished optimizer step: call once, from the main
         thread, after ``load`` (see ``flashckpt._capture``).
 
         ``state_fn()`` returns the tree ``save`` takes (checked at the next save: a clear
         error there, not at the failure). The optimizer's step hooks give the boundary:
-        the step is the last saved (or loaded) one plus the updates finished since. On
+        the step is the last saved (or loaded) one plus the updates finished since, times
+        ``steps_per_update``: save steps per optimizer update, for gradient accumulation
+        where ``save``'s step counts micro-batches (``optimizer.step()`` every N of them:
+        ``steps_per_update=N``; a failure inside an accumulation captures its last update,
+        numbered in micro-batches). Saves must then come at update boundaries; one that
+        does not fit the count is warned about, and a capture writes nothing until a save
+        fits it again (``flashckpt._capture``). An int >= 1, else a TypeError/ValueError. On
         SIGTERM or SIGINT (also while the main thread is blocked in a C call), an uncaught
         exception, or ``capture()`` of the returned object (the agent's hang verdict), a
         process not inside an update writes ``state_fn()`` as that step into its memory
@@ -89,19 +96,22 @@ class EngineCheckpointer:
                                   "DdpCheckpointer, FsdpCheckpointer, DeepSpeedCheckpointer and "
                                   "MegatronCheckpointer have)")
         self._check_no_capture()  # before the optimizer's hooks are registered
-        return self.capture_with(self.engine_capture(state_fn, optimizer, boundary_state=boundary_state))
+        return self.capture_with(self.engine_capture(state_fn, optimizer, boundary_state=boundary_state,
+                                                     steps_per_update=steps_per_update))
 
     def engine_capture(self, state_fn: Callable[[], Any], optimizer: Any = None, *,
                        export: dict[str, Any] | None = None,
                        tree: Callable[[Any], Any] | None = None,
                        may_lack: tuple[str, ...] = (),
                        boundary_state: Callable[[], Any] | None = None,
-                       buffers: ModuleBuffers | None = None, owner: Any = None) -> FailureCapture:
+                       buffers: ModuleBuffers | None = None, owner: Any = None,
+                       steps_per_update: int = 1) -> FailureCapture:
         """A capture whose saves go through this checkpointer's engine (persisted, marked
         captured, exported by ``export``), not yet armed (:meth:`capture_with`); None as
         ``optimizer``: the caller gives the step boundary. ``tree(state)``: the tree the
         engine saves, made from what ``state_fn`` returned (default: that itself).
-        ``may_lack``, ``boundary_state``, ``buffers``, ``owner``: see :class:`FailureCapture`."""
+        ``may_lack``, ``boundary_state``, ``buffers``, ``owner``, ``steps_per_update``: see
+        :class:`FailureCapture`."""
         engine = self._engine
 
         def save(step: int, state: Any) -> bool:
@@ -111,7 +121,7 @@ class EngineCheckpointer:
             state_fn, optimizer, save=save,
             last_load=lambda: engine.last_load, allow_pickle=engine.options.allow_pickle,
             settle=engine.finish_copy, may_lack=may_lack, boundary_state=boundary_state, tree=tree, buffers=buffers,
-            owner=owner)
+            owner=owner, steps_per_update=steps_per_update)
 
     def _check_no_capture(self) -> None:
         if self._capture is not None:

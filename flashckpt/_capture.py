@@ -3,7 +3,9 @@
 Parameters and optimizer state change only inside ``optimizer.step()``. The optimizer's
 step pre- and post-hooks tell whether an update is in progress and count the updates
 finished since the last save (or load): the current step is ``k = last saved step +
-updates since``. At a failure (:mod:`flashckpt._failure_hooks` calls :meth:`FailureCapture.capture`
+updates since * steps_per_update`` (1, or N where the loop accumulates gradients over N
+micro-batches and numbers its saves in micro-batches). At a failure
+(:mod:`flashckpt._failure_hooks` calls :meth:`FailureCapture.capture`
 on a signal, an uncaught exception, or the agent's verdict) a process with no update in
 progress writes ``state_fn()`` as step k into its slot through the engine's ordinary save
 (``captured=True``, persisted), from whichever thread comes first; one caught inside an
@@ -20,14 +22,27 @@ its batch, used the RNGs, run forward): what changes outside the update is kept 
 boundary (:mod:`flashckpt._boundary`: ``boundary_state``'s values, the tensors outside the
 optimizer) and written in place of the live values.
 
-Trade-offs, plainly: step numbers must count optimizer steps (no gradient accumulation
-over several ``save`` steps); a data-loader or RNG position not in ``boundary_state`` is
-written as it is at the failure (possibly a step ahead).
+Gradient accumulation: with ``steps_per_update=N`` a capture inside an accumulation writes
+the last update, numbered as the loop numbers it (a multiple of N past the last save). The
+count is checked at each save: one ``U > 0`` updates after a saved or loaded step ``B`` must
+be step ``B + U * N``. One that is not (N wrong, a save in the middle of an accumulation, a
+step whose ``optimizer.step()`` a ``GradScaler`` skipped) is warned about once, and until a
+later save agrees with the count from the save before it a capture writes nothing (its
+number would be wrong: a restart resumes from the newest save instead).
+
+Trade-offs, plainly: saves must come at update boundaries (after ``optimizer.step()``,
+before the next micro-batch): a save in the middle of an accumulation holds none of its
+gradients, and where such saves keep one offset the check cannot see it, so it goes into
+the captured numbers; a capture before a run's first save rests on ``steps_per_update``
+alone (a fresh start's first save is not checked either: no saved or loaded step to count
+from); a data-loader or RNG position not in ``boundary_state`` is written as it is at the
+failure (possibly a step ahead).
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 import weakref
@@ -39,7 +54,7 @@ from ._errors import CheckpointError, StateMismatchError
 from ._step_hooks import check_optimizer, hook_steps
 from .memory._tree import flatten
 
-__all__ = ["FailureCapture", "capturing", "on_update_begins"]
+__all__ = ["FailureCapture", "capturing", "check_steps_per_update", "on_update_begins"]
 
 log = logging.getLogger("flashckpt")
 
@@ -66,6 +81,16 @@ def on_update_begins(method: Callable[[], None]) -> None:
         _at_update_begins.append(weakref.WeakMethod(method))
 
 
+def check_steps_per_update(steps_per_update: Any) -> int:
+    """``steps_per_update`` if it is an int >= 1, else a TypeError or ValueError saying so."""
+    if isinstance(steps_per_update, bool) or not isinstance(steps_per_update, numbers.Integral):
+        raise TypeError("steps_per_update must be an int (save steps per optimizer update), got "
+                        f"{type(steps_per_update).__name__} {steps_per_update!r}")
+    if steps_per_update < 1:
+        raise ValueError(f"steps_per_update must be >= 1 (save steps per optimizer update), got {steps_per_update}")
+    return int(steps_per_update)
+
+
 WAIT_SECONDS = 120.0
 """How long a capture waits for a save in flight on another thread (and another
 thread's capture waits for this one) before it gives up."""
@@ -88,14 +113,17 @@ class FailureCapture:
     adapter's save writes the module (the Trainer's, DeepSpeed's); else they are looked for
     in the tree (see :mod:`flashckpt._boundary`), leaving out what ``optimizer`` owns, or
     ``owner`` where the adapter gives the boundary: what its update owns, shaped as a torch
-    optimizer's ``param_groups`` and ``state`` (megatron's wrappers).
+    optimizer's ``param_groups`` and ``state`` (megatron's wrappers). ``steps_per_update``:
+    save steps per optimizer update (gradient accumulation where ``save``'s step counts
+    micro-batches); a capture is numbered ``last save + updates * steps_per_update``.
     """
 
     def __init__(self, state_fn: Callable[[], Any], optimizer: Any, *, save: Callable[[int, Any], Any],
                  last_load: Callable[[], Any], allow_pickle: bool = False,
                  settle: Callable[[], None] = lambda: None, may_lack: tuple[str, ...] = (),
                  boundary_state: Callable[[], Any] | None = None, tree: Callable[[Any], Any] | None = None,
-                 buffers: ModuleBuffers | None = None, owner: Any = None) -> None:
+                 buffers: ModuleBuffers | None = None, owner: Any = None, steps_per_update: int = 1) -> None:
+        self._per = check_steps_per_update(steps_per_update)
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable (returning the tree save takes), got {type(state_fn).__name__}")
         if optimizer is not None:
@@ -115,11 +143,16 @@ class FailureCapture:
         loaded = self._seen_load
         self._base = loaded.step if loaded is not None and loaded.step is not None else 0
         """The last saved (or loaded) step; 0 for a run that neither loaded nor saved yet."""
+        self._known = loaded is not None and loaded.step is not None
+        """``_base`` came from a save or load of this run (not a fresh start's 0): saves are checked against it."""
+        self._contradicted: str | None = None
+        """The save that did not fit the count, while none since has (a capture then writes nothing)."""
+        self._warned = False
         self._saved = False
         """``_base`` is a step this process saved (which wrote nothing where it keeps no copy
         of replicated state: the capture writes it then, unless the node holds it)."""
         self._steps = 0
-        """Optimizer updates finished since ``_base``."""
+        """Optimizer updates finished since ``_base`` (each ``steps_per_update`` steps)."""
         self._checked = False
         self._saving: int | None = None  # the thread inside a save
         self._capturing: int | None = None  # the thread inside the capture
@@ -139,6 +172,7 @@ class FailureCapture:
         if loaded is not self._seen_load:
             self._seen_load = loaded
             self._base, self._steps = (loaded.step or 0) if loaded is not None else 0, 0
+            self._known, self._contradicted = loaded is not None and loaded.step is not None, None
             self._saved = False
             self._boundary.forget()
 
@@ -155,8 +189,10 @@ class FailureCapture:
                 method()
 
     def update_ends(self, step: int | None = None) -> None:
-        """The update is over: the state is that of the next step, or of ``step`` where the
-        adapter knows its number (the Trainer's ``global_step`` at ``on_step_end``). An
+        """The update is over: the state is that of ``steps_per_update`` steps later, or of
+        ``step`` where the adapter knows its number (the Trainer's ``global_step`` at ``on_step_end``);
+        one on the thread inside a save is no update (the save's own, as FSDP's ``get_state_dict``
+        makes a fresh optimizer's state). An
         update that raised never ends: nothing is captured after it; nor after a
         ``boundary_state`` that raised (raised here)."""
         try:  # while the update still counts as in progress: no capture copies meanwhile
@@ -168,10 +204,11 @@ class FailureCapture:
         with self._cond:
             self._updating = None
             if step is None:
-                self._steps += 1
+                if self._saving != threading.get_ident():  # not a fresh optimizer's state made by a save
+                    self._steps += 1  # (FSDP's get_state_dict steps it): the saved step's own, no update
             else:
                 self._sync_load()
-                self._steps = max(0, step - self._base)
+                self._steps = max(0, step - self._base) // self._per
 
     @contextmanager
     def loading(self) -> Iterator[None]:
@@ -189,12 +226,13 @@ class FailureCapture:
     @contextmanager
     def saving(self, step: int, state: Any) -> Iterator[None]:
         """Wraps every save (the engine's ``save_guard``): the first checks ``state_fn``
-        against ``state``; a save that returns makes ``step`` the count's base."""
+        against ``state``; a save that returns is checked against the count
+        (:meth:`_check_count`) and makes ``step`` the count's base."""
         me = threading.get_ident()
         with self._cond:
             self._wait_for(lambda: self._capturing is None, "the capture")
             self._saving = me
-        done = False
+        done, warning = False, None
         try:
             if not self._checked:
                 self._check(state)
@@ -206,9 +244,35 @@ class FailureCapture:
                 self._saving = None
                 if done:
                     self._sync_load()
-                    self._base, self._steps, self._saved = step, 0, True
+                    warning = self._check_count(step)
+                    self._base, self._steps, self._saved, self._known = step, 0, True, True
                 self._cond.notify_all()
+            if warning:
+                log.warning("%s", warning)
             self.on_idle()
+
+    def _check_count(self, step: int) -> str | None:
+        """A save ``U > 0`` updates after a saved or loaded step ``B`` must be step ``B + U *
+        steps_per_update``: one that is not makes a capture write nothing until a save fits
+        the count from the save before it (caller holds the lock). The first misfit's
+        warning, or None."""
+        if not self._known or self._steps == 0:
+            return None
+        base, updates, per = self._base, self._steps, self._per
+        expected = base + updates * per
+        if step == expected:
+            self._contradicted = None
+            return None
+        self._contradicted = (f"save({step}) came {updates} optimizer update(s) after step {base}, where "
+                              f"steps_per_update={per} makes it {expected}")
+        if self._warned:
+            return None
+        self._warned = True
+        fits = (step - base) // updates if step > base and (step - base) % updates == 0 else None
+        return (f"save_on_failure: {self._contradicted}: "
+                + (f"steps_per_update={fits} would fit" if fits else "no steps_per_update fits")
+                + " (or the save is not at an update boundary, or an optimizer.step() was skipped); "
+                "a failure captures nothing until a save fits the count again (warned once)")
 
     def _check(self, state: Any) -> None:
         """``state_fn()`` gives the tree ``save`` takes: its tensors' names, dtypes and
@@ -266,10 +330,10 @@ class FailureCapture:
 
     @property
     def current_step(self) -> int:
-        """The step of the last finished update (``last saved + updates since``)."""
+        """The step of the last finished update (``last saved + updates since * steps_per_update``)."""
         with self._cond:
             self._sync_load()
-            return self._base + self._steps
+            return self._base + self._steps * self._per
 
     def capture(self, reason: str = "capture()") -> int | None:
         """Write the last finished step as a captured save, once per process; returns its
@@ -293,13 +357,18 @@ class FailureCapture:
             if not self._wait_for(lambda: self._saving is None, "a save in flight"):
                 return None
             self._sync_load()
-            step = self._base + self._steps
+            step = self._base + self._steps * self._per
             if self._updating:
                 log.warning("failure (%s) inside %s (step %d): nothing captured, the state is part old, part new; "
                             "a restart loads the newest save", reason, self._updating, step)
                 return None
             if self._steps == 0 and not self._saved:
                 _nothing_since(reason, step)
+                return None
+            if self._contradicted is not None and self._steps > 0:
+                log.warning("failure (%s): nothing captured: the last save did not fit the step count (%s), so "
+                            "step %d may be misnumbered; a restart loads the newest save", reason, self._contradicted,
+                            step)
                 return None
             self._capturing = me
         try:

@@ -8,6 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .._base import EngineCheckpointer
+from .._capture import check_steps_per_update
 from .._engine import Collective, Engine, SaveHandle, SingleProcess, place
 from .._options import Options, resolve_options
 from . import _tensors  # noqa: F401  (registers the torch tensor kind)
@@ -97,12 +98,17 @@ class Checkpointer(EngineCheckpointer):
                              "the copy: pass optimizer=... (once), or call save_on_failure(..., optimizer=...) first")
         return self._engine.save(step, state, persist=persist, defer=self._step_waits.deferred())
 
-    def save_on_failure(self, state_fn: Any, *, optimizer: Any, boundary_state: Any = None) -> Any:
+    def save_on_failure(self, state_fn: Any, *, optimizer: Any, boundary_state: Any = None,
+                        steps_per_update: int = 1) -> Any:
         """As :meth:`flashckpt._base.EngineCheckpointer.save_on_failure`; ``optimizer`` is
-        also the one overlapped saves wait for (see :meth:`save`)."""
+        also the one overlapped saves wait for (see :meth:`save`). ``steps_per_update``: save
+        steps per optimizer update (gradient accumulation where ``save``'s step counts
+        micro-batches): a capture is numbered ``last save + updates * steps_per_update``."""
         self._check_no_capture()
+        check_steps_per_update(steps_per_update)  # before any hook is registered
         self._step_waits.add(optimizer)  # hooked first: a copy's error raised in step() comes before an update begins
-        return super().save_on_failure(state_fn, optimizer=optimizer, boundary_state=boundary_state)
+        return super().save_on_failure(state_fn, optimizer=optimizer, boundary_state=boundary_state,
+                                       steps_per_update=steps_per_update)
 
     def close(self, timeout: float | None = None) -> None:
         """As :meth:`flashckpt._base.EngineCheckpointer.close`, after an overlapped save's copy;

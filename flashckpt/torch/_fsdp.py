@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from .._base import EngineCheckpointer
-from .._capture import FailureCapture
+from .._capture import FailureCapture, check_steps_per_update
 from .._engine import Engine, SaveHandle, gc_paused, place
 from .._errors import CheckpointError, StateMismatchError
 from .._options import Options, resolve_options
@@ -183,11 +183,14 @@ class FsdpCheckpointer(EngineCheckpointer):
     # -- failure capture --------------------------------------------------------------
 
     def save_on_failure(self, state_fn: Callable[[], Any], *, optimizer: Any,
-                        boundary_state: Callable[[], Any] | None = None) -> FailureCapture:
+                        boundary_state: Callable[[], Any] | None = None,
+                        steps_per_update: int = 1) -> FailureCapture:
         """On a failure, save the last finished optimizer step from this rank's local shards
         (see ``flashckpt._capture``). Every rank calls it once, from the main thread, after
         ``load(model, optimizer)`` (or a ``save``): the model and optimizer are that call's,
-        and later saves and loads must name the same ones.
+        and later saves and loads must name the same ones. ``steps_per_update``: save steps
+        per optimizer update, where ``save``'s step counts micro-batches (as for
+        :meth:`flashckpt.torch.Checkpointer.save_on_failure`).
 
         ``state_fn()`` returns what ``save`` takes as ``extra`` (or None); it is checked
         against the next save's ``extra``. On SIGTERM/SIGINT (also while the main thread is
@@ -211,6 +214,7 @@ class FsdpCheckpointer(EngineCheckpointer):
         ``flashckpt.rng_state()``) that a capture writes in place of the live ones.
         """
         self._check_no_capture()
+        check_steps_per_update(steps_per_update)
         model, known = self._model, self._optimizer
         if model is None:
             raise CheckpointError("save_on_failure: no model known yet; call load(model, optimizer) (or save) first: "
@@ -224,7 +228,8 @@ class FsdpCheckpointer(EngineCheckpointer):
                             f"{type(state_fn).__name__}")
         shards = CaptureShards(model, optimizer, lambda: self._collect(model, optimizer, None),
                                 lambda: self._collecting)
-        capture = self.engine_capture(state_fn, optimizer, tree=shards.tree, boundary_state=boundary_state)
+        capture = self.engine_capture(state_fn, optimizer, tree=shards.tree, boundary_state=boundary_state,
+                                      steps_per_update=steps_per_update)
         self._shards = shards
         return self.capture_with(capture, guard_saves=False)
 

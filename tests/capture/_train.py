@@ -22,6 +22,10 @@ A FAULT is ``KIND:RANK:STEP:ATTEMPT``, done by that rank at that step of that at
 - ``rewrap``: a control, no failure: the DDP wrapper is made anew before the step, so the step
   runs as a restart's first step does (RANK ``*``: every rank, as it must be).
 
+With ``CAPTURE_ACCUMULATE=N`` (default 1) the loop accumulates gradients over N micro-batches
+(DDP's ``no_sync()`` on all but the last) and updates at every N-th: STEP (faults, saves, STEPS)
+counts micro-batches, and ``save_on_failure`` gets ``steps_per_update=N``.
+
 Each rank writes ``OUT/attempt<A>-rank<R>.json`` (what it loaded) after the load and
 ``OUT/final<R>.pt`` (the model's weights) at the end. ``CAPTURE_ATTEMPT_OFFSET`` is added to
 the attempt (a second torchrun on the same checkpoints, where the first one's faults must not
@@ -33,6 +37,7 @@ step) and ``OUT/attempt<A>-progress<R>`` (the last finished step, rewritten as e
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -47,6 +52,7 @@ from typing import Callable
 import torch
 
 SAVE_EVERY = int(os.environ.get("CAPTURE_SAVE_EVERY", "20"))  # benchmarks/capture_campaign.py sets 50
+ACCUMULATE = int(os.environ.get("CAPTURE_ACCUMULATE", "1"))  # micro-batches per optimizer update
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,16 +66,23 @@ def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
-def reference(world: int, steps: int) -> dict[str, torch.Tensor]:
-    """The weights of an uninterrupted run: each step's gradient is the mean of the
-    ranks' gradients, as DDP's all-reduce makes it (``g/world`` summed: the same floats)."""
+def _loss(net: torch.nn.Module, rank: int, step: int, accumulate: int) -> torch.Tensor:
+    x, y = batch(rank, step)
+    loss = torch.nn.functional.mse_loss(net(x), y)
+    return loss / accumulate if accumulate > 1 else loss
+
+
+def reference(world: int, steps: int, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    """The weights of an uninterrupted run of ``steps`` micro-batches, ``accumulate`` per
+    update: each update's gradient is the mean of the ranks' accumulated gradients, as
+    DDP's all-reduce makes it (``g/world`` summed: the same floats)."""
     model, opt = make()
-    for step in range(1, steps + 1):
+    for update in range(steps // accumulate):
         grads = []
         for rank in range(world):
             model.zero_grad()
-            x, y = batch(rank, step)
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            for step in range(update * accumulate + 1, (update + 1) * accumulate + 1):
+                _loss(model, rank, step, accumulate).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for i, p in enumerate(model.parameters()):
             p.grad = sum(g[i] / world for g in grads)
@@ -210,7 +223,8 @@ def main() -> None:
     now = {"step": 0}
     record.watch(opt, now)
 
-    ckpt.save_on_failure(lambda: {"model": model.state_dict(), "optim": opt.state_dict()}, optimizer=opt)
+    per_update = {"steps_per_update": ACCUMULATE} if ACCUMULATE > 1 else {}  # the default as the contract has it
+    ckpt.save_on_failure(lambda: {"model": model.state_dict(), "optim": opt.state_dict()}, optimizer=opt, **per_update)
     if "term-early" in faults.values():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
@@ -224,10 +238,13 @@ def main() -> None:
             raise RuntimeError(f"injected failure at step {step}")
         if fault == "rewrap":
             net = _wrap(model)
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(net(x), y).backward()
-        opt.step()
+        if (step - 1) % ACCUMULATE == 0:
+            opt.zero_grad()
+        updates = step % ACCUMULATE == 0
+        with net.no_sync() if distributed and not updates else contextlib.nullcontext():
+            _loss(net, rank, step, ACCUMULATE).backward()
+        if updates:
+            opt.step()
         record.step(step, model, opt)
         if fault == "term":
             os.kill(os.getpid(), signal.SIGTERM)

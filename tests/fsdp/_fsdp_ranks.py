@@ -187,12 +187,41 @@ def capture_bad_input(rank: int, root: str, job: str) -> None:
         ck.load(model, opt)
         other = torch.optim.SGD(model.parameters(), lr=0.1)
         _expect_error(lambda: ck.save_on_failure(dict, optimizer=other), ValueError, "not the optimizer")
+        _expect_error(lambda: ck.save_on_failure(dict, optimizer=opt, steps_per_update=0), ValueError,
+                      "steps_per_update must be >= 1")
         ck.load(model)
         _expect_error(lambda: ck.save_on_failure(dict, optimizer=opt), ValueError, "not the optimizer")
     v1, v1_opt = make(0, fsdp=1)
     with FsdpCheckpointer(os.path.join(root, "capture-bad1"), job_id=f"{job}c1") as ck:
         ck.load(v1, v1_opt)
         _expect_error(lambda: ck.save_on_failure(dict, optimizer=v1_opt), CheckpointError, "FSDP1", "collective")
+
+
+def capture_accumulate(rank: int, root: str, job: str) -> None:
+    """steps_per_update=4 (gradient accumulation, saves in micro-batches): two updates after
+    save(0) fit save(8); the step is 12 one update later. The fresh optimizer's step that
+    get_state_dict makes inside each save(0) is no update (no warning, the count stays)."""
+    import logging
+
+    from flashckpt.torch import FsdpCheckpointer
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("flashckpt").addHandler(handler)
+    model, opt = make(0)
+    with FsdpCheckpointer(os.path.join(root, "capture-accum"), job_id=f"{job}ca") as ck:
+        assert ck.load(model, opt) is None
+        capture = ck.save_on_failure(lambda: {"n": rank}, optimizer=opt, steps_per_update=4)
+        ck.save(0, model, opt, extra={"n": rank})
+        ck.save(0, model, opt, extra={"n": rank})  # from a saved step now: the fresh optimizer's step is checked
+        assert not opt.state and capture.current_step == 0, capture.current_step
+        for step in (1, 2):
+            train_step(model, opt, rank, step)
+        ck.save(8, model, opt, extra={"n": rank})
+        train_step(model, opt, rank, 3)
+        assert capture.current_step == 12, capture.current_step
+    logging.getLogger("flashckpt").removeHandler(handler)
+    assert not any("steps_per_update" in line for line in lines), lines
 
 
 def save(rank: int, world: int, root: str, job: str, name: str, fsdp: int = 2, seed: int = 0,
@@ -268,7 +297,7 @@ def damaged(rank: int, world: int, root: str, job: str, name: str) -> None:
 
 OPS = {"round_trip": round_trip, "model_only": model_only, "fresh_optimizer": fresh_optimizer,
        "repeated_saves": repeated_saves, "bad_input": bad_input,
-       "capture_bad_input": capture_bad_input}
+       "capture_bad_input": capture_bad_input, "capture_accumulate": capture_accumulate}
 WORLD_OPS = {"save": save, "load": load, "mismatch": mismatch, "damaged": damaged}
 
 

@@ -39,7 +39,7 @@ def ran2(fsdp_root, fsdp_job):
         ("fsdp2", "round_trip", {"fsdp": 2}), ("fsdp1", "round_trip", {"fsdp": 1}),
         ("model_only", "model_only", {}), ("fresh_optimizer", "fresh_optimizer", {}),
         ("repeated_saves", "repeated_saves", {}), ("bad_input", "bad_input", {}),
-        ("capture_bad_input", "capture_bad_input", {}),
+        ("capture_bad_input", "capture_bad_input", {}), ("capture_accumulate", "capture_accumulate", {}),
         ("save w2", "save", {"name": "w2", "seed": 7}), ("save v1", "save", {"name": "v1", "fsdp": 1, "seed": 3})])
 
 

@@ -144,3 +144,7 @@ def test_a_capture_one_rank_lacks_falls_back_to_the_newest_save(tmp_path, job_id
 
 def test_bad_input(ran2):
     assert_ok(ran2, "capture_bad_input")
+
+
+def test_steps_per_update_counts_micro_batches(ran2):
+    assert_ok(ran2, "capture_accumulate")
