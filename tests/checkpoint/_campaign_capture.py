@@ -25,7 +25,7 @@ import re
 import signal
 import time
 
-from ._campaign import WAIT_SECONDS, Hung, Job, Outcome, Spec, kill_savers, restart, saver_pids
+from ._campaign_job import WAIT_SECONDS, Hung, Job, Outcome, Spec, kill_savers, restart, saver_pids
 
 CAPTURED = re.compile(r"captured step (\d+) into memory")
 
