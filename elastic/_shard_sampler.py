@@ -21,7 +21,9 @@ hung* rank's leases go back to the queue. Without an agent the schedule's own th
 sends them, and a rank that hangs keeps its leases.
 
 Trade-offs: ranks get different numbers of samples (that is the point), so a DDP loop
-must cope with uneven inputs (``Join``, or an all-reduce of "has data").
+must cope with uneven inputs (an all-reduce of "has data", every rank stepping; ``Join``
+also works, but not with :meth:`boundary_state`'s step tags, which need every rank to take
+every update).
 """
 
 from __future__ import annotations
@@ -284,8 +286,8 @@ class ShardSampler(Sampler[int]):
         return self._acquire(after=last) if then_acquire else None
 
     def _report_positions(self) -> None:
-        """Report where the loop stands now (a save's, ``close``'s): complete what it received
-        entirely, report the rest."""
+        """Report where the loop stands now (``close``'s, a save's without step boundaries):
+        complete what it received entirely, report the rest."""
         for lease in self._held:
             lease.settled = lease.settled_before = lease.done
         self._report(self._boundaries if self._stepped() else None)
@@ -347,7 +349,10 @@ class ShardSampler(Sampler[int]):
                 return copy.deepcopy(boundary[1])
             return self._state(self._read_at_capture(boundary[0], self._boundaries))
         sync = _default_sync(sync) and not _capturing()  # a capture makes no collective: a peer may be dead
-        self._report_positions()
+        if self._stepped():  # as a boundary's report: a peer may still capture the step before
+            self._report_step(self._boundaries)
+        else:
+            self._report_positions()
         if sync:
             dist.barrier()
         coordinator = self._ds.state_dict()
@@ -375,7 +380,11 @@ class ShardSampler(Sampler[int]):
         step's boundary meanwhile (the coordinator keeps each lease's position of the step
         before too, and a shard finished at the next boundary is not yet completed). Exact
         when each rank's last boundary is the captured step's or the next, or it died inside
-        the captured step's update under failure capture.
+        the captured step's update under failure capture (from its second update on: the hook
+        is registered at the first boundary), and every rank takes every update (the steps are
+        counted per rank: a rank that sits out updates, as under ``Join``, counts apart). Not
+        exact: a rank a step ahead that starts a new iteration completes the shards it
+        received entirely at once, so a capture of the step before misses them.
         """
         if _default_sync(None):
             self._boundary = (threading.get_ident(), None)

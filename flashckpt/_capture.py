@@ -179,14 +179,20 @@ class FailureCapture:
     def update_begins(self) -> None:
         """The state starts to change (the optimizer's step pre-hook, or an adapter's own
         boundary: the Trainer's ``on_pre_optimizer_step``, DeepSpeed's ``engine.step``);
-        waits while a capture copies, then calls the :func:`on_update_begins` methods."""
+        waits while a capture copies, then calls the :func:`on_update_begins` methods (one that
+        raises fails the update before it changed anything: the step stays capturable)."""
         with self._cond:
             self._wait_for(lambda: self._capturing is None or self._capturing == threading.get_ident(), "the capture")
             self._sync_load()
             self._updating = "an optimizer update"
-        for ref in list(_at_update_begins):
-            if (method := ref()) is not None:
-                method()
+        try:
+            for ref in list(_at_update_begins):
+                if (method := ref()) is not None:
+                    method()
+        except BaseException:  # raised before the update: the state is still the last step's
+            with self._cond:
+                self._updating = None
+            raise
 
     def update_ends(self, step: int | None = None) -> None:
         """The update is over: the state is that of ``steps_per_update`` steps later, or of
@@ -270,7 +276,8 @@ class FailureCapture:
         self._warned = True
         fits = (step - base) // updates if step > base and (step - base) % updates == 0 else None
         return (f"save_on_failure: {self._contradicted}: "
-                + (f"steps_per_update={fits} would fit" if fits else "no steps_per_update fits")
+                + (f"{fits} save steps per update would fit (the torch checkpointers' steps_per_update={fits})"
+                   if fits else "no number of save steps per update fits")
                 + " (or the save is not at an update boundary, or an optimizer.step() was skipped); "
                 "a failure captures nothing until a save fits the count again (warned once)")
 

@@ -22,7 +22,6 @@ any framework.
 
 from ._connect import connect, mask_url
 from ._coordinator import STATE_VERSION, Coordinator, Dataset, Shard
-from ._options import Options
 from ._definition import Definition
 from ._errors import (
     AcquireTimeout,
@@ -35,6 +34,7 @@ from ._errors import (
     UnknownWorker,
 )
 from ._lease_process import LeaseProcess
+from ._options import Options
 from ._order import sample_order, shard_order
 
 __all__ = [

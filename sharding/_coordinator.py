@@ -298,6 +298,8 @@ class Dataset:
         ``as_of``: the state as of that step, for leases reported with steps: a lease whose
         last report is of a later step counts at its report before (the step before; where
         none, as handed out). Exact while every holder is at most one step past ``as_of``."""
+        if as_of is not None and (isinstance(as_of, bool) or not isinstance(as_of, int)):
+            raise InvalidArgument(f"as_of must be None or an int (a step), got {as_of!r}")
         snap = self._store.snapshot(self.name)
         mine = {(shard.epoch, shard.slot, shard.lease): consumed for shard, consumed in (positions or {}).items()}
         held = []

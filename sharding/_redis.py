@@ -234,7 +234,8 @@ class RedisStore:
         return None if count < 0 else count
 
     def snapshot(self, name: str) -> dict[str, Any]:
-        (epoch, cursor, token), queued, positions, leases, deadlines, stats, hist = self._run("snapshot", self._base(name))
+        reply = self._run("snapshot", self._base(name))
+        (epoch, cursor, token), queued, positions, leases, deadlines, stats, hist = reply
         steps = {hist[i].decode(): hist[i + 1].decode().split("|") for i in range(0, len(hist), 2)}
         workers: dict[str, list[int]] = {}  # acquired = completed + lost + held
         for i in range(0, len(stats), 2):

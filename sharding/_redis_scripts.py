@@ -8,13 +8,13 @@ the leases its first attempt took instead of taking more), ``dl`` (a sorted set 
 slots by deadline, so reclaiming expired leases is a range query), ``w:WORKER`` (a
 worker's slots, for heartbeat, release and retries), ``hist`` (slot -> ``token|step|before``: the step
 a lease's position was reported at and ``step:consumed`` of its report at the step before, if
-any; an entry of another token than the lease's is stale) and ``stats`` (per worker ``c:``
+any; dropped with the lease) and ``stats`` (per worker ``c:``
 completed and ``l:`` lost: leases that expired or were released; a worker's acquired
 count is completed + lost + held, so taking a lease writes no counter).
 Deadlines use the server clock (``TIME``), so worker clocks need not agree.
 
 Each script reads ``meta`` once; a lease moves its counters with ``HINCRBY``. The hot path
-(complete one shard, lease the next) is 14 Redis calls. Slots travel to Redis as the strings they
+(complete one shard, lease the next) is 15 Redis calls. Slots travel to Redis as the strings they
 arrived as: a Lua number passed to ``redis.call`` is formatted again on every call, and
 the hot path names a slot nine times.
 The transitions mirror ``_table.LeaseTable`` (a differential test keeps them equal).
@@ -51,6 +51,7 @@ end
 -- slot (a string) no longer leased by worker
 local function drop(slot, worker)
   redis.call('HDEL', lease, slot)
+  redis.call('HDEL', hist, slot)
   redis.call('ZREM', dl, slot)
   redis.call('SREM', base..'w:'..worker, slot)
 end

@@ -89,7 +89,8 @@ def test_saves_that_contradict_steps_per_update_warn_once_and_the_capture_writes
             warned = [r.getMessage() for r in caplog.records if "steps_per_update" in r.getMessage()]
             assert len(warned) == 1, warned
             assert all(part in warned[0] for part in ("save(16)", "2 optimizer update(s) after step 8",
-                                                      "steps_per_update=2", "12", "steps_per_update=4 would fit")), \
+                                                      "steps_per_update=2", "12", "4 save steps per update would fit",
+                                                      "steps_per_update=4)")), \
                 warned[0]
             _train(ckpt, model, opt, range(17, 29))  # save 24 contradicts again: no second warning
             assert len([r for r in caplog.records if "would fit" in r.getMessage()]) == 1, caplog.text
@@ -118,7 +119,7 @@ def test_a_save_that_agrees_again_arms_the_capture_again(tmp_path, job_id, caplo
                 if step % 10 == 0:
                     ckpt.save(step, _state(model, opt))
             assert "save(10)" in caplog.text and "9 optimizer update(s) after step 0" in caplog.text, caplog.text
-            assert "no steps_per_update fits" in caplog.text, caplog.text
+            assert "no number of save steps per update fits" in caplog.text, caplog.text
             assert capture.capture("test") == 23
 
 

@@ -243,3 +243,27 @@ def test_a_buffer_boundary_state_gives_is_written_without_a_warning(tmp_path, jo
     with Checkpointer(tmp_path, job_id=job_id) as ckpt:
         assert ckpt.load({"model": model2.state_dict(), "optim": opt2.state_dict()}) == 1
     assert torch.equal(model2[1].running_mean, at_boundary)
+
+
+def test_a_method_that_raises_as_an_update_begins_leaves_the_step_capturable():
+    """``on_update_begins`` methods run in the optimizer's pre-hook: one that raises (a
+    coordinator that cannot be reached) fails ``optimizer.step()`` before any parameter
+    changed, so a capture afterwards still writes the last finished step."""
+    from flashckpt import _capture
+
+    model, opt = _bn_job()
+    written = {}
+    capture = _capture.FailureCapture(lambda: {"model": model.state_dict()}, opt, last_load=lambda: None,
+                                      save=lambda step, tree: written.update({step: copy.deepcopy(tree)}))
+
+    class Unreachable:
+        def update_begins(self) -> None:
+            raise ConnectionError("the coordinator is down")
+
+    unreachable = Unreachable()
+    _step(model, opt)
+    _capture.on_update_begins(unreachable.update_begins)
+    with pytest.raises(ConnectionError):
+        _step(model, opt)
+    assert capture.capture("test") == 1
+    assert torch.equal(written[1]["model"]["0.weight"], model.state_dict()["0.weight"])

@@ -269,14 +269,15 @@ def test_boundary_state_of_lockstep_ranks_holds_every_ranks_boundary(tmp_path):
     assert set(ranks[0]["later"] + ranks[1]["later"]) <= set(rest)
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "redis"])
-def test_a_capture_takes_a_peer_a_step_ahead_at_the_captured_step(tmp_path, request, backend):
+@pytest.mark.parametrize("backend,saving", [("sqlite", False), ("redis", False), ("sqlite", True)])
+def test_a_capture_takes_a_peer_a_step_ahead_at_the_captured_step(tmp_path, request, backend, saving):
     """A rank caught before its update of step 2 captures step 1, while its peer went through
-    step 2's boundary (reporting, finishing a shard) and drew step 3 (leasing another): the
-    captured state holds the peer's positions as of step 1, so a restart replays both ranks'
-    batches of steps 2 and 3 (before, the peer's batch of step 2 was skipped)."""
+    step 2's boundary (reporting, finishing a shard), maybe into a save, and drew step 3
+    (leasing another): the captured state holds the peer's positions as of step 1, so a restart
+    replays both ranks' batches of steps 2 and 3 (before, the peer's batch of step 2 was
+    skipped; with the save, until a save's report kept to the step tags too)."""
     url = sqlite_url(tmp_path) if backend == "sqlite" else request.getfixturevalue("redis_url")
-    ranks = run_ranks(peer_a_step_ahead, 2, url)
+    ranks = run_ranks(peer_a_step_ahead, 2, url, saving)
     restored = ShardSampler(48, coordinator=url, name="ahead", shard_size=6, num_epochs=1, worker="w9")
     restored.load_state_dict(ranks[0]["state"], sync=False)
     rest = list(restored)

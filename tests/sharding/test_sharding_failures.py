@@ -242,3 +242,22 @@ def test_redis_restart_mid_run_loses_and_duplicates_nothing(
     fleet.wait(120)
     assert done_after_restart < ds.definition.num_shards, "the run was over before the restart"
     check_exactly_once(fleet, ds, size=1200, epochs=1)
+
+
+def test_redis_keeps_step_tags_only_for_held_leases(redis_server: RedisServer) -> None:
+    """Step-tagged reports keep a lease's earlier position in a hash beside it: a lease that
+    completes, is released or expires takes its entry along, so the hash never outgrows the
+    leases held (each snapshot reads all of it)."""
+    ds = sharding.connect(redis_server.url, key_prefix="tags:").dataset("train", size=400, shard_size=4,
+                                                                         lease_timeout=0.2)
+    for step in range(60):
+        shard = ds.acquire("w")
+        ds.report(shard, 2, step=step)
+        ds.complete(shard) if step % 3 else ds.release("w")
+    expiring = ds.acquire("v")
+    ds.report(expiring, 1, step=0)
+    time.sleep(0.3)
+    held = ds.acquire("w")  # reclaims v's expired lease first
+    ds.report(held, 3, step=1)
+    hist = ds._store._roundtrip(command(b"HLEN", ds._store._base("train").encode() + b"hist"), None)
+    assert hist == 1
