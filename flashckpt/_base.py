@@ -46,7 +46,8 @@ class EngineCheckpointer:
         return self._engine.last_load
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every persist asked for so far is durable (raises what failed)."""
+        """Block until every persist asked for so far is durable (raises what failed; node-local
+        directories: see :meth:`flashckpt._engine.Engine.wait`)."""
         self._engine.wait(timeout)
 
     def flush(self, timeout: float | None = None) -> None:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import _events, _names
 from .memory import _numpy_kind  # noqa: F401  (numpy arrays are leaves too)
 from .restore._agreement import agree
-from .restore._load import agreed_image, load_agreed
+from .restore._load import LoadInfo, agreed_image, load_agreed
 from .restore._ranks import flush_on_every_rank, on_all_ranks
 from .restore._sources import Agreement, Source, Sources, memory_keys
 from .saver._client import SaverClient, saver_timeout
@@ -33,6 +32,7 @@ from ._options import Options
 from ._placement import (Collective, Placement, SingleProcess, new_token,  # noqa: F401  (re-exported)
                          next_line_token, place)
 from .replicas._engine import PeerReplicas
+from .replicas._node_wait import NodeWait
 from .memory._slot import HEADER_SIZE, Slot, SlotState
 from .storage._url import open_storage
 from .memory._tree import Flat, Places, flatten, gc_paused  # noqa: F401  (gc_paused re-exported)
@@ -41,15 +41,6 @@ __all__ = ["Collective", "Engine", "LoadInfo", "Options", "Placement", "SaveHand
            "place"]
 
 log = logging.getLogger("flashckpt")
-
-@dataclass(frozen=True, slots=True)
-class LoadInfo:
-    """What the last ``load`` did."""
-
-    step: int | None
-    source: str | None
-    """"memory", "storage", or None when there was nothing to load."""
-    seconds: float
 
 
 class Engine:
@@ -118,6 +109,7 @@ class Engine:
                                      directory=self.storage.root, replicas=options.replicas,
                                      info=lambda: self._info(None))
         """Peer-memory replicas of this job (a collective at construction; see ``flashckpt.replicas._protocol``)."""
+        self._node_wait = NodeWait(self.node_local if placement.persists else None, self.replicas, self.storage)
         if self.node_local is not None:
             self.node_local.require_replicas(self.replicas.endpoints, self.collective, placement)
 
@@ -209,6 +201,7 @@ class Engine:
             if foreign:
                 return
             self._client.saved(slot.path, header.generation, step, header.info, persist=due)
+            self._node_wait.asked(step, header.info.get("token"), due)
             other = (index + 1) % len(self.slots)
             if self.slots.capacity(other) < HEADER_SIZE + image.size:
                 self.slots.prepare([other], image.size)
@@ -305,6 +298,7 @@ class Engine:
         info = dict(self._info(recorded.get("export")), token=recorded.get("token", self._line_token),
                     branch=recorded.get("branch", -1))
         self._client.saved(self.slots.paths[index], generation, step, info, persist=True)
+        self._node_wait.asked(step, info["token"], True)
 
     def start_line(self, branch: int) -> None:
         """This run's saves descend from ``branch``: copies of newer steps in memory belong
@@ -434,12 +428,16 @@ class Engine:
 
     # -- storage ------------------------------------------------------------------
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, copies: bool = True) -> None:
         """Block until every persist asked for is done (``timeout`` default:
-        ``FLASHCKPT_SAVER_TIMEOUT``; past it :class:`~flashckpt.CheckpointTimeoutError`)."""
+        ``FLASHCKPT_SAVER_TIMEOUT``; past it :class:`~flashckpt.CheckpointTimeoutError`); on a
+        node-local directory, with ``copies``, also until this node committed and exported the newest
+        of them and the next node wrote this rank's shard (``flashckpt.replicas._node_wait``)."""
         self.finish_copy(timeout)
         self._client.wait(timeout)
         self._raise_persist_errors()
+        if copies:
+            self._node_wait.wait(timeout)
 
     def expect_export(self, name: str) -> None:
         """This checkpointer's saves will name the exporter ``name``: the saver loads it now,

@@ -453,9 +453,9 @@ class DeepSpeedCheckpointer:
     # -- lifecycle ----------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every persist asked for so far, and its tag, is on storage (node-local:
-        a tag a peer's copy completes may still be in writing; :meth:`flush` waits for it).
-        All ranks must call this (it ends with a barrier)."""
+        """Block until every persist asked for so far, and its tag, is on storage (node-local
+        directories: every node's holds the newest one's tag and ``latest``, its peer's copies
+        too; nothing new is persisted). All ranks must call this (it ends with a barrier)."""
         self._ckpt.wait(timeout)
         self._flash.collective.all_gather(None)
 

@@ -12,9 +12,11 @@ authenticated connection to a saver's endpoint (op ``status``, answered from
   naming the step, the rank and the node, at once;
 - a peer whose endpoint does not answer for :data:`LOST_SECONDS` (its saver killed: the
   connection is refused; its node gone or stopped: the handshake times out) is lost, seen
-  within a few seconds, not after a fixed wait: if this node's step needed it (its shards),
-  a :class:`ReplicaError` (the caller keeps its memory copy); if only its copy of this
-  rank's shard is missing, a warning (this node committed the step);
+  within a few seconds, not after a fixed wait (one an earlier wait of the run found lost, at
+  its first silence: ``wait()`` and then ``close()``'s flush pay the 5 s once): if this
+  node's step needed it (its shards), a :class:`ReplicaError` (the caller keeps its memory
+  copy); if only its copy of this rank's shard is missing, a warning (this node committed
+  the step);
 - while every peer answers and nothing failed, the wait goes on as long as it makes
   progress (a copy written, the step committed) at least every :data:`STALL_SECONDS`; past
   that, a warning naming what is missing and the flush returns, as before this module (a
@@ -100,6 +102,8 @@ class _Peer:
     endpoint: Endpoint
     ranks: list[int]
     """The ranks whose copies there this flush asks about (none: a liveness probe)."""
+    grace: float = LOST_SECONDS
+    """How long it may stay silent before it is lost (0: an earlier wait of this run found it lost)."""
     answer: dict[str, list[str]] = field(default_factory=dict)
     silent_since: float | None = None
     why: str = ""
@@ -115,7 +119,7 @@ class _Peer:
                 self.silent_since = began
 
     def lost(self) -> bool:
-        return self.silent_since is not None and time.monotonic() - self.silent_since >= LOST_SECONDS
+        return self.silent_since is not None and time.monotonic() - self.silent_since >= self.grace
 
     def state(self, rank: int) -> list[str]:
         return self.answer.get(str(rank)) or ["pending", ""]
@@ -153,6 +157,9 @@ class Copies:
         self._after = self._peer(succ, endpoints, [rank]) if succ != node else None
         """The successor: it writes this rank's shard to its directory."""
         self._before = (self._after if pred == succ else self._peer(pred, endpoints, [])) if pred != node else None
+        for peer in (self._here, self._after, self._before):
+            if peer is not None and peer.node in self._lost:  # lost at its first silence, not 5 s on again
+                peer.grace = 0.0
         """The predecessor: this node's commit needs its shards (asked only whether it is alive)."""
 
     @staticmethod

@@ -122,7 +122,9 @@ class Flushing(Protocol):
 
     def persist(self, step: int) -> None: ...
 
-    def wait(self, timeout: float | None = None) -> None: ...
+    def wait(self, timeout: float | None = None, *, copies: bool = True) -> None:
+        """Until this rank's persists are done (``copies``: and their node-local copies; a flush
+        waits for those itself, :meth:`NodeLocal.settle`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +163,7 @@ class NodeLocal:
         (:class:`flashckpt.replicas._link.Copies`): a copy a node could not write, or a lost
         predecessor, is a :class:`ReplicaError` within seconds; while every peer answers, the
         wait is bounded by ``timeout`` (default ``FLASHCKPT_SAVER_TIMEOUT``)."""
-        rank.wait(timeout)
+        rank.wait(timeout, copies=False)  # a lost peer's error comes after this rank's newest step went out
         keys = rank.memory_keys()
         if not keys:
             return
@@ -171,9 +173,17 @@ class NodeLocal:
         if not storage.newer_than_committed(token, step) and not _committed_by(storage, step, token):
             return  # a newer line's step is committed
         rank.persist(step)  # the saver writes it here (unless durable) and sends it to the next node as due
-        rank.wait(timeout)
-        rank.replicas.copies(storage, token, step, node=self.node, ring=list(self.scopes), scope=self.scope,
-                             timeout=timeout).wait()
+        rank.wait(timeout, copies=False)
+        self.settle(rank.replicas, storage, token, step, timeout)
+
+    def settle(self, replicas: Any, storage: Any, token: str, step: int, timeout: float | None) -> None:
+        """Wait, once this rank's persist of ``step`` (line ``token``) is done, until this node
+        committed and exported it and the next node wrote this rank's shard (``replicas.copies``:
+        :class:`flashckpt.replicas._link.Copies`, see :meth:`flush`); at once where a newer line's
+        step is committed here. The wait of a node-local flush and of the engine's ``wait``."""
+        if storage.newer_than_committed(token, step) or _committed_by(storage, step, token):
+            replicas.copies(storage, token, step, node=self.node, ring=list(self.scopes), scope=self.scope,
+                            timeout=timeout).wait()
 
     def require_replicas(self, endpoints: dict[str, tuple[str, int]], collective: Collective,
                          placement: Placement) -> None:

@@ -13,6 +13,7 @@ Recording the load (line, ``last_load``, event) is the engine's ``finish_load``,
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from ..memory._format import Image
@@ -22,12 +23,22 @@ from ._ranks import Errors, gather, raise_errors
 from ._shard_read import open_shard, read_shard_into
 from ._sources import Agreement, Source, Sources
 
-__all__ = ["agreed_image", "load_agreed"]
+__all__ = ["LoadInfo", "agreed_image", "load_agreed"]
 
 log = logging.getLogger("flashckpt")
 
 _DAMAGED = ("CorruptCheckpointError", "CheckpointNotFoundError", "UnsafeFileError")
 """Errors that say a committed step cannot be read (an older one may): not a state that does not fit."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadInfo:
+    """What the last ``load`` did."""
+
+    step: int | None
+    source: str | None
+    """"memory", "storage", or None when there was nothing to load."""
+    seconds: float
 
 
 def load_agreed(sources: Sources, state: Any, agreement: Agreement,

@@ -30,7 +30,7 @@ class _Engine:
     def memory_info(self, step: int) -> dict:
         return {"token": self.tok}
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, copies: bool = True) -> None:
         pass
 
     def persist(self, step: int) -> None:

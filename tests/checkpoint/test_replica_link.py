@@ -68,7 +68,7 @@ class _Rank:
     def persist(self, step: int) -> None:
         pass
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, copies: bool = True) -> None:
         pass
 
 
@@ -210,3 +210,23 @@ def test_close_takes_a_silent_node_for_lost_within_seconds_and_skips_its_agreeme
     with pytest.raises(ReplicaError, match="step 5 cannot commit"):  # this rank's own outcome, still raised
         flush_on_every_rank(SimpleNamespace(rank=0, world_size=2, all_gather=hangs), flush, lost=lambda: ["n1"])
     assert not entered and "node(s) n1 do not answer" in caplog.text, caplog.text
+
+
+def test_a_node_one_wait_found_lost_is_not_waited_for_again(ring):
+    """n1 lost after n0 committed step 5: the first wait warns after the replica link's 5 s of
+    silence and records n1; a second wait of the run (``wait()`` then ``close()``'s flush, issue
+    43) takes it for lost at its first silence, not after another 5 s."""
+    sender, receiver, secret, directory = ring
+    receiver.close()
+    lost: set[str] = set()
+
+    def waited() -> float:
+        copies = Copies(_OwnDirectory(directory, True), TOKEN, STEP, 0, node="n0", ring=["n0", "n1"], scope=(0, 1),
+                        endpoints={"n0": sender.endpoint, "n1": receiver.endpoint}, secret=secret, bound=60.0,
+                        lost=lost)
+        began = time.monotonic()
+        copies.wait()
+        return time.monotonic() - began
+
+    assert waited() >= 4.5 and lost == {"n1"}
+    assert waited() < 2.5

@@ -1,9 +1,11 @@
 """DeepSpeed's own files on two node-local "nodes" (issue 43, item 2): each node's directory
 holds every rank's shards (its own and its ring predecessor's, which arrive as replicas), so
-each ends with a complete DeepSpeed tag (``global_step<N>/`` with every rank's model and
-optimizer files, ``latest``) that a stock ``engine.load_checkpoint`` of that directory loads
-with the same state as the flash load. The rounds of ``tests/checkpoint/test_replica_node_local.py``
-(a private tmpfs for shared memory and a directory of its own per node, one rank each)."""
+each holds a complete DeepSpeed tag (``global_step<N>/`` with every rank's model and optimizer
+files, ``latest``) once ``wait()`` returned on every rank, though its saver writes the peer's
+replica seconds late (issue 43), and still after ``close()``; a stock ``engine.load_checkpoint``
+of that directory loads the same state as the flash load. The rounds of
+``tests/checkpoint/test_replica_node_local.py`` (a private tmpfs for shared memory and a
+directory of its own per node, one rank each)."""
 
 import os
 
@@ -31,6 +33,9 @@ def test_each_nodes_directory_ends_with_a_complete_tag_stock_deepspeed_loads(tmp
     saved, procs = rounds.run_round(tmp_path, nodes, "auto", "save")
     rounds.finish(procs)
     assert all(r["node_local"] for r in saved), saved
+    for node, report in enumerate(saved):  # wait() returned on every rank: step 3 committed and exported
+        held = report["after_wait"]  # on each node, though its saver wrote the peer's shard seconds late
+        assert held["latest"] == TAG and held["tags"].get(TAG) == FILES, (node, held)
     for node, report in enumerate(saved):  # close() returned on every rank: the tag is complete in both directories
         held = report["after_close"]  # an earlier step's tag too where its commit was not skipped (every tag whole)
         assert held["latest"] == TAG and held["tags"].get(TAG) == FILES, (node, held)
