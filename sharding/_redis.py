@@ -236,7 +236,7 @@ class RedisStore:
     def snapshot(self, name: str) -> dict[str, Any]:
         reply = self._run("snapshot", self._base(name))
         (epoch, cursor, token), queued, positions, leases, deadlines, stats, hist = reply
-        steps = {hist[i].decode(): hist[i + 1].decode().split("|") for i in range(0, len(hist), 2)}
+        steps = {hist[i].decode(): hist[i + 1].decode().split("|") for i in range(0, len(hist), 2)}  # held leases
         workers: dict[str, list[int]] = {}  # acquired = completed + lost + held
         for i in range(0, len(stats), 2):
             kind, worker = stats[i].decode().split(":", 1)
@@ -249,9 +249,7 @@ class RedisStore:
             held, consumed, worker = leases[i + 1].decode().rsplit("|", 1)[0].split("|", 2)
             workers.setdefault(worker, [0, 0])[0] += 1
             slot = leases[i].decode()
-            tagged, at, before = steps.get(slot, (None, "-1", ""))
-            if tagged != held:  # stale: of an earlier lease of the slot
-                at, before = "-1", ""
+            at, before = steps.get(slot, ("-1", ""))
             table[slot] = {
                 "worker": worker,
                 "token": int(held),

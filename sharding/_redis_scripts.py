@@ -6,8 +6,8 @@ positions), ``lease`` (slot -> ``token|consumed|worker|request``, ``request`` be
 call that took the lease, so that an acquire retried after its reply was lost gets back
 the leases its first attempt took instead of taking more), ``dl`` (a sorted set of leased
 slots by deadline, so reclaiming expired leases is a range query), ``w:WORKER`` (a
-worker's slots, for heartbeat, release and retries), ``hist`` (slot -> ``token|step|before``: the step
-a lease's position was reported at and ``step:consumed`` of its report at the step before, if
+worker's slots, for heartbeat, release and retries), ``hist`` (slot -> ``step|before``: the step a
+lease's position was reported at and ``step:consumed`` of its report at the step before, if
 any; dropped with the lease) and ``stats`` (per worker ``c:``
 completed and ``l:`` lost: leases that expired or were released; a worker's acquired
 count is completed + lost + held, so taking a lease writes no counter).
@@ -175,15 +175,12 @@ if status == 'ok' then
   local _, was, _, request = parse(info)
   if step == '' then
     redis.call('HDEL', hist, slot)
-  else  -- hist: slot -> token|step|before ('' or step:consumed); another token's entry is stale
+  else  -- hist: slot -> step|before ('' or step:consumed), of the lease held now (drop() removes it)
     local at, before = '-1', ''
     local h = redis.call('HGET', hist, slot)
-    if h then
-      local t, s, b = string.match(h, '^(%d+)|(-?%d+)|(.*)$')
-      if tonumber(t) == token then at, before = s, b end
-    end
+    if h then at, before = string.match(h, '^(-?%d+)|(.*)$') end
     if step ~= at then before = at..':'..was end
-    redis.call('HSET', hist, slot, token..'|'..step..'|'..before)
+    redis.call('HSET', hist, slot, step..'|'..before)
   end
   redis.call('HSET', lease, slot, token..'|'..consumed..'|'..worker..'|'..request)
   redis.call('ZADD', dl, clock() + timeout, slot)
