@@ -157,14 +157,14 @@ class Copies:
         self._after = self._peer(succ, endpoints, [rank]) if succ != node else None
         """The successor: it writes this rank's shard to its directory."""
         self._before = (self._after if pred == succ else self._peer(pred, endpoints, [])) if pred != node else None
-        for peer in (self._here, self._after, self._before):
-            if peer is not None and peer.node in self._lost:  # lost at its first silence, not 5 s on again
-                peer.grace = 0.0
         """The predecessor: this node's commit needs its shards (asked only whether it is alive)."""
 
-    @staticmethod
-    def _peer(node: str, endpoints: dict[str, Endpoint], ranks: list[int]) -> _Peer | None:
-        return _Peer(node, endpoints[node], ranks) if node in endpoints else None
+    def _peer(self, node: str, endpoints: dict[str, Endpoint], ranks: list[int]) -> _Peer | None:
+        """``node``'s saver, if it has an endpoint; one an earlier wait found lost is lost at its
+        first silence (not 5 s on again)."""
+        if node not in endpoints:
+            return None
+        return _Peer(node, endpoints[node], ranks, grace=0.0 if node in self._lost else LOST_SECONDS)
 
     def wait(self) -> None:
         """Until this node committed the step and the successor wrote this rank's shard
