@@ -125,7 +125,6 @@ def boundary_ranks(rank: int, world: int, url: str) -> dict:
 
     import torch.distributed as dist
 
-    import flashckpt._capture as capture
     import sharding
     from elastic import ShardSampler, _shard_sampler
 
@@ -134,12 +133,8 @@ def boundary_ranks(rank: int, world: int, url: str) -> dict:
     trained = [next(it) for _ in range(4)]
     alone = 0.0
     if rank == 1:  # a capture before any boundary, on one rank: no barrier (its peer may be dead)
-        capture._this_thread.capturing = True
         began = time.monotonic()
-        try:
-            sampler.state_dict()
-        finally:
-            capture._this_thread.capturing = False
+        captured_state(sampler)
         alone = time.monotonic() - began
     else:
         time.sleep(3)  # a barrier on rank 1 would wait for this rank's next one
@@ -155,15 +150,12 @@ def boundary_ranks(rank: int, world: int, url: str) -> dict:
     # a capture on the training thread while that thread is inside a call into the store (a
     # signal handled there): the store's lock is held, the capture's read must give up
     _shard_sampler.CAPTURE_READ_SECONDS = 0.5
-    capture._this_thread.capturing = True
     try:
         with sampler._ds._store._lock:
-            sampler.state_dict()
+            captured_state(sampler)
         refused = ""
     except sharding.CoordinatorError as exc:
         refused = str(exc)
-    finally:
-        capture._this_thread.capturing = False
     dist.barrier()
     return {"trained": trained, "later": later, "state": got[0], "refused": refused, "alone": alone}
 
