@@ -179,11 +179,21 @@ class ShardSampler(Sampler[int]):
         self._unreceived.clear()
         for lease in self._held:  # prefetched but never received: yield again
             lease.sent = lease.done
-            # an iteration starts after the last one's steps: what it received entirely is done,
-            # though no step boundary came after its last batch (a loop that skips the update)
-            lease.settled = lease.settled_before = lease.done
+        if self._stepped():
+            self._complete_received()
         self._finish_done()
         return self._generate()
+
+    def _complete_received(self) -> None:
+        """An iteration begins after the last one's steps: complete what it received entirely,
+        though its completion would wait for the next boundary (a peer's capture may be of the
+        step before) and though no boundary may have come after its last batch (a loop that
+        skips the update). Each completion is tagged with the step it was received whole at,
+        so that a capture as of the step before still finds the shard."""
+        for lease in [x for x in self._held if x.done >= len(x.shard)]:
+            self._held.remove(lease)
+            step = self._settled_step if lease.settled >= len(lease.shard) else self._boundaries + 1
+            self._call("complete", lease, lambda: self._ds.complete(lease.shard, step=step))
 
     def _generate(self) -> Iterator[int]:
         carried = list(self._held)
@@ -382,9 +392,10 @@ class ShardSampler(Sampler[int]):
         when each rank's last boundary is the captured step's or the next, or it died inside
         the captured step's update under failure capture (from its second update on: the hook
         is registered at the first boundary), and every rank takes every update (the steps are
-        counted per rank: a rank that sits out updates, as under ``Join``, counts apart). Not
-        exact: a rank a step ahead that starts a new iteration completes the shards it
-        received entirely at once, so a capture of the step before misses them.
+        counted per rank: a rank that sits out updates, as under ``Join``, counts apart). A
+        rank a step ahead that begins a new iteration completes the shards it received
+        entirely at once, tagged with their step, which a capture of the step before reads
+        as unfinished (``Dataset.complete(step=)``).
         """
         if _default_sync(None):
             self._boundary = (threading.get_ident(), None)

@@ -21,7 +21,7 @@ any framework.
 """
 
 from ._connect import connect, mask_url
-from ._coordinator import STATE_VERSION, Coordinator, Dataset, Shard
+from ._coordinator import STATE_VERSION, Coordinator, Dataset
 from ._definition import Definition
 from ._errors import (
     AcquireTimeout,
@@ -36,6 +36,7 @@ from ._errors import (
 from ._lease_process import LeaseProcess
 from ._options import Options
 from ._order import sample_order, shard_order
+from ._shard import Shard
 
 __all__ = [
     "STATE_VERSION",

@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ._definition import Definition
 from ._errors import (
@@ -25,7 +24,7 @@ from ._errors import (
     UnknownWorker,
 )
 from ._options import Options
-from ._order import sample_order
+from ._shard import Shard
 from ._store import Ask, Grant, Lease, Status, Store, Wait
 
 __all__ = ["Coordinator", "Dataset", "Shard", "STATE_VERSION"]
@@ -36,41 +35,13 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """One leased shard: samples ``[start, end)`` (of ``file`` for file-based data sets).
-
-    ``consumed`` is where this lease resumes: samples of :meth:`indices` before it were
-    already reported by an earlier holder.
-    """
-
-    dataset: str
-    epoch: int
-    index: int
-    start: int
-    end: int
-    file: str | None
-    consumed: int
-    worker: str
-    #: lease token; a later lease of the same shard gets a larger one
-    lease: int
-    slot: int = field(repr=False)
-    seed: int = field(repr=False)
-    shuffle: bool = field(repr=False)
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-    def indices(self) -> Iterator[int]:
-        """Sample indices (record offsets in ``file``) still to consume, in order."""
-        order = sample_order(
-            self.start, self.end, seed=self.seed, epoch=self.epoch, shard=self.index, shuffle=self.shuffle
-        )
-        return iter(order[self.consumed :])
-
-
 def _lease(shard: Shard) -> Lease:
     return shard.epoch, shard.slot, shard.lease
+
+
+def _check_step(step: Any) -> None:
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise InvalidArgument(f"step must be None or an int >= 0, got {step!r}")
 
 
 def _check_worker(worker: Any) -> str:
@@ -207,8 +178,7 @@ class Dataset:
         self._own(shard)
         if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= len(shard):
             raise InvalidArgument(f"consumed must be an int in 0..{len(shard)}, got {consumed!r}")
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-            raise InvalidArgument(f"step must be None or an int >= 0, got {step!r}")
+        _check_step(step)
         status = self._store.report(
             self.name,
             epoch=shard.epoch,
@@ -220,11 +190,16 @@ class Dataset:
         )
         self._refuse(shard, *status, action="report on")
 
-    def complete(self, shard: Shard) -> None:
+    def complete(self, shard: Shard, *, step: int | None = None) -> None:
         """Mark ``shard`` done for its epoch. Raises :class:`LeaseLost` if the lease expired
-        and was handed to another worker, :class:`AlreadyCompleted` if done before."""
+        and was handed to another worker, :class:`AlreadyCompleted` if done before.
+
+        ``step``: the training step the shard was consumed whole at (as :meth:`report`'s): a
+        read as of the step before still holds it at its position then, also once the
+        epoch moved on, until a report of a later step."""
         self._own(shard)
-        status = self._store.complete(self.name, epoch=shard.epoch, slot=shard.slot, token=shard.lease)
+        _check_step(step)
+        status = self._store.complete(self.name, epoch=shard.epoch, slot=shard.slot, token=shard.lease, step=step)
         self._refuse(shard, *status, action="complete")
 
     def heartbeat(self, worker: str) -> int:
@@ -297,27 +272,37 @@ class Dataset:
 
         ``as_of``: the state as of that step, for leases reported with steps: a lease whose
         last report is of a later step counts at its report before (the step before; where
-        none, as handed out). Exact while every holder is at most one step past ``as_of``."""
+        none, as handed out), and a shard completed at a later step (``complete(step=)``) at
+        its position of the step before, in its epoch (the epoch before, if the data set
+        moved on since: nothing of the next was taken by then). Exact while every holder is
+        at most one step past ``as_of``."""
         if as_of is not None and (isinstance(as_of, bool) or not isinstance(as_of, int)):
             raise InvalidArgument(f"as_of must be None or an int (a step), got {as_of!r}")
         snap = self._store.snapshot(self.name)
+        epoch, cursor, queue, leases = snap["epoch"], snap["cursor"], snap["queue"], snap["leases"]
+        later = [] if as_of is None else [(int(slot), *entry) for slot, entry in snap["completed_at"].items()
+                                          if entry[1] > as_of]
+        if later and min(e for _, e, _, _ in later) < epoch:  # an epoch that ended after as_of
+            epoch, cursor, queue, leases = min(e for _, e, _, _ in later), self.definition.num_shards, [], {}
         mine = {(shard.epoch, shard.slot, shard.lease): consumed for shard, consumed in (positions or {}).items()}
-        held = []
-        for slot, lease in snap["leases"].items():
+        held = [(slot, consumed) for slot, e, _, consumed in later if e == epoch]
+        for slot, lease in leases.items():
             consumed = lease["consumed"]
             if as_of is not None and lease["step"] > as_of and lease["before"] is not None:
                 consumed = lease["before"][1]
-            consumed = mine.get((snap["epoch"], int(slot), lease["token"]), consumed)
-            _, _, start, end = self.definition.at_slot(snap["epoch"], int(slot))
+            held.append((int(slot), mine.get((epoch, int(slot), lease["token"]), consumed)))
+        unfinished = []
+        for slot, consumed in held:
+            _, _, start, end = self.definition.at_slot(epoch, slot)
             if consumed < end - start:
-                held.append([int(slot), consumed])
+                unfinished.append([slot, consumed])
         return {
             "version": STATE_VERSION,
             "dataset": self.name,
             "definition": self.definition.to_json(),
-            "epoch": snap["epoch"],
-            "cursor": snap["cursor"],
-            "queue": sorted(held) + snap["queue"],
+            "epoch": epoch,
+            "cursor": cursor,
+            "queue": sorted(unfinished) + queue,
             "workers": snap["workers"],
         }
 

@@ -12,7 +12,7 @@ import sys
 from typing import IO
 
 from ._connect import connect
-from ._coordinator import Shard
+from ._shard import Shard
 from ._lease_process import PROTOCOL_VERSION, described, read_message, shard_fields, write_message
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import IO, Any, Sequence
 
 from . import _errors
-from ._coordinator import Dataset, Shard
+from ._coordinator import Dataset
+from ._shard import Shard
 from ._errors import CoordinatorError, CoordinatorUnavailable, LeaseLost
 
 __all__ = ["PROTOCOL_VERSION", "LeaseProcess", "described", "read_message", "shard_fields", "write_message"]

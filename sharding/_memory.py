@@ -52,9 +52,11 @@ class MemoryStore:
             return self._tables[name].report(epoch, slot, token, consumed, time.time(), lease_timeout=lease_timeout,
                                              step=step)
 
-    def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
+    def complete(
+        self, name: str, *, epoch: int, slot: int, token: int, step: int | None = None
+    ) -> tuple[Status, str | None]:
         with self._lock:
-            return self._tables[name].complete(epoch, slot, token)
+            return self._tables[name].complete(epoch, slot, token, step)
 
     def complete_and_acquire(
         self, name: str, *, done: Sequence[Lease], ask: Ask

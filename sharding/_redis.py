@@ -218,9 +218,12 @@ class RedisStore:
                                    "" if step is None else step)
         return _STATUS[status], worker.decode() or None
 
-    def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
+    def complete(
+        self, name: str, *, epoch: int, slot: int, token: int, step: int | None = None
+    ) -> tuple[Status, str | None]:
         retried: list[bool] = []
-        status, worker = self._run("complete", self._base(name), epoch, slot, token, retried=retried)
+        status, worker = self._run("complete", self._base(name), epoch, slot, token, "" if step is None else step,
+                                   retried=retried)
         if retried and status == b"done":
             log.info("%s: complete of slot %d landed before the connection broke", self._url, slot)
             return Status.OK, None
@@ -235,7 +238,7 @@ class RedisStore:
 
     def snapshot(self, name: str) -> dict[str, Any]:
         reply = self._run("snapshot", self._base(name))
-        (epoch, cursor, token), queued, positions, leases, deadlines, stats, hist = reply
+        (epoch, cursor, token), queued, positions, leases, deadlines, stats, hist, completed = reply
         steps = {hist[i].decode(): hist[i + 1].decode().split("|") for i in range(0, len(hist), 2)}  # held leases
         workers: dict[str, list[int]] = {}  # acquired = completed + lost + held
         for i in range(0, len(stats), 2):
@@ -265,6 +268,8 @@ class RedisStore:
             "queue": [[int(s), int(c)] for s, c in zip(queued, positions)],
             "leases": dict(sorted(table.items(), key=lambda kv: int(kv[0]))),
             "workers": workers,
+            "completed_at": {completed[i].decode(): [int(x) for x in completed[i + 1].decode().split("|")]
+                             for i in range(0, len(completed), 2)},
         }
 
     def restore(self, name: str, state: dict[str, Any]) -> None:

@@ -8,7 +8,8 @@ the leases its first attempt took instead of taking more), ``dl`` (a sorted set 
 slots by deadline, so reclaiming expired leases is a range query), ``w:WORKER`` (a
 worker's slots, for heartbeat, release and retries), ``hist`` (slot -> ``step|before``: the step a
 lease's position was reported at and ``step:consumed`` of its report at the step before, if
-any; dropped with the lease) and ``stats`` (per worker ``c:``
+any; dropped with the lease), ``completed`` (slot -> ``epoch|step|consumed``: a shard completed at a
+step and its position of the step before, until a report of a later step) and ``stats`` (per worker ``c:``
 completed and ``l:`` lost: leases that expired or were released; a worker's acquired
 count is completed + lost + held, so taking a lease writes no counter).
 Deadlines use the server clock (``TIME``), so worker clocks need not agree.
@@ -26,8 +27,8 @@ __all__ = ["SCRIPTS"]
 
 _PRELUDE = """
 local base = KEYS[1]
-local meta, queue, qpos, lease, dl, stats, hist =
-  base..'meta', base..'queue', base..'qpos', base..'lease', base..'dl', base..'stats', base..'hist'
+local meta, queue, qpos, lease, dl, stats, hist, completed =
+  base..'meta', base..'queue', base..'qpos', base..'lease', base..'dl', base..'stats', base..'hist', base..'completed'
 local function clock()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -81,6 +82,15 @@ end
 local function finish(slot, worker)
   drop(slot, worker)
   redis.call('HINCRBY', stats, 'c:'..worker, '1')
+end
+-- a holder reports step (a number): completions no read as of a step needs any more go
+-- (as _table.LeaseTable._forget_completions)
+local function forget_completions(step)
+  local flat = redis.call('HGETALL', completed)
+  for i = 1, #flat, 2 do
+    local at = tonumber(string.match(flat[i + 1], '^%d+|(%d+)|'))
+    if at < step or at > step + 2 then redis.call('HDEL', completed, flat[i]) end
+  end
 end
 -- on a retry: the grants that this request took and the worker still holds, in order
 local function granted_before(pos, worker, request)
@@ -176,6 +186,7 @@ if status == 'ok' then
   if step == '' then
     redis.call('HDEL', hist, slot)
   else  -- hist: slot -> step|before ('' or step:consumed), of the lease held now (drop() removes it)
+    forget_completions(tonumber(step))
     local at, before = '-1', ''
     local h = redis.call('HGET', hist, slot)
     if h then at, before = string.match(h, '^(-?%d+)|(.*)$') end
@@ -189,9 +200,21 @@ return {status, worker}
 """
 
 _COMPLETE = """
-local epoch, slot, token = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-local status, worker = check(position(), epoch, slot, token)
-if status == 'ok' then finish(slot, worker) end
+local epoch, slot, token, step = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local status, worker, info = check(position(), epoch, slot, token)
+if status == 'ok' then
+  if step ~= '' then  -- consumed whole at step: keep its position of the step before
+    local _, consumed = parse(info)
+    local h = redis.call('HGET', hist, slot)
+    if h then
+      local at, before = string.match(h, '^(-?%d+)|(.*)$')
+      if tonumber(at) >= tonumber(step) and before ~= '' then consumed = string.match(before, ':(%d+)$') end
+    end
+    forget_completions(tonumber(step))
+    redis.call('HSET', completed, slot, ARGV[1]..'|'..step..'|'..consumed)
+  end
+  finish(slot, worker)
+end
 return {status, worker}
 """
 
@@ -226,7 +249,8 @@ for i, slot in ipairs(queued) do positions[i] = redis.call('HGET', qpos, slot) e
 local leases = redis.call('HGETALL', lease)
 local deadlines = {}
 for i = 1, #leases, 2 do deadlines[#deadlines + 1] = tostring(redis.call('ZSCORE', dl, leases[i]) - now) end
-return {m, queued, positions, leases, deadlines, redis.call('HGETALL', stats), redis.call('HGETALL', hist)}
+return {m, queued, positions, leases, deadlines, redis.call('HGETALL', stats), redis.call('HGETALL', hist),
+        redis.call('HGETALL', completed)}
 """
 
 _RESTORE = """
@@ -236,7 +260,7 @@ for i = 2, #leases, 2 do
   local _, _, worker = parse(leases[i])
   redis.call('DEL', base..'w:'..worker)
 end
-redis.call('DEL', queue, qpos, lease, dl, stats, hist)
+redis.call('DEL', queue, qpos, lease, dl, stats, hist, completed)
 redis.call('HSET', meta, 'epoch', state['epoch'], 'cursor', state['cursor'])
 for _, entry in ipairs(state['queue']) do
   redis.call('RPUSH', queue, entry[1])

@@ -143,8 +143,10 @@ class SQLiteStore:
             name, lambda t, now: t.report(epoch, slot, token, consumed, now, lease_timeout=lease_timeout, step=step)
         )
 
-    def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
-        return self._transact(name, lambda t, now: t.complete(epoch, slot, token))
+    def complete(
+        self, name: str, *, epoch: int, slot: int, token: int, step: int | None = None
+    ) -> tuple[Status, str | None]:
+        return self._transact(name, lambda t, now: t.complete(epoch, slot, token, step))
 
     def complete_and_acquire(
         self, name: str, *, done: Sequence[Lease], ask: Ask

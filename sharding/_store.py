@@ -92,8 +92,12 @@ class Store(Protocol):
         ``step``, the position is that of this step, and the lease keeps the last one of an
         earlier step beside it (``snapshot``'s ``step`` and ``before``); without, it has none."""
 
-    def complete(self, name: str, *, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
-        """Finish a held lease; the holder on HELD."""
+    def complete(
+        self, name: str, *, epoch: int, slot: int, token: int, step: int | None = None
+    ) -> tuple[Status, str | None]:
+        """Finish a held lease; the holder on HELD. With ``step``, the shard was consumed
+        whole at that step, and its position as of the step before stays readable
+        (``snapshot``'s ``completed_at``) until a report of a later step."""
 
     def heartbeat(self, name: str, worker: str, *, lease_timeout: float) -> int:
         """Extend all of ``worker``'s leases (registering the worker); return how many."""

@@ -40,6 +40,9 @@ class LeaseTable:
     leases: dict[int, _Lease] = field(default_factory=dict)
     #: worker -> [acquired, completed]
     workers: dict[str, list[int]] = field(default_factory=dict)
+    #: shards completed with a step, which a read as of the step before still holds:
+    #: slot -> [epoch, step, consumed as of the step before] (see :meth:`complete`)
+    completed_at: dict[int, list[int]] = field(default_factory=dict)
 
     # -- transitions -------------------------------------------------------------
 
@@ -72,6 +75,8 @@ class LeaseTable:
         status = self._check(epoch, slot, token)
         if status[0] is Status.OK:
             lease = self.leases[slot]
+            if step is not None:
+                self._forget_completions(step)
             if step is None:
                 lease.step, lease.before = -1, None
             elif step != lease.step:
@@ -79,10 +84,17 @@ class LeaseTable:
             lease.consumed, lease.deadline = consumed, now + lease_timeout
         return status
 
-    def complete(self, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
+    def complete(self, epoch: int, slot: int, token: int, step: int | None = None) -> tuple[Status, str | None]:
+        """With ``step``: the shard was consumed whole at that step; its position as of the
+        step before (what ``as_of`` reads take, as for a report) stays in ``completed_at``."""
         status = self._check(epoch, slot, token)
         if status[0] is Status.OK:
-            self.workers.setdefault(self._drop(slot).worker, [0, 0])[1] += 1
+            lease = self._drop(slot)
+            self.workers.setdefault(lease.worker, [0, 0])[1] += 1
+            if step is not None:
+                self._forget_completions(step)
+                before = lease.before[1] if lease.step >= step and lease.before is not None else lease.consumed
+                self.completed_at[slot] = [epoch, step, before]
         return status
 
     def complete_and_acquire(
@@ -114,12 +126,20 @@ class LeaseTable:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.queue = [[int(s), int(c)] for s, c in state["queue"]]
         self.leases = {}
+        self.completed_at = {}
         self.workers = {str(w): [int(a), int(c)] for w, (a, c) in state["workers"].items()}
 
     # -- helpers -----------------------------------------------------------------
 
     def _drop(self, slot: int) -> _Lease:
         return self.leases.pop(slot)
+
+    def _forget_completions(self, step: int) -> None:
+        """A holder reports ``step``: lock-step ranks are all past step ``step - 1``'s
+        gradients, so no read is as of a step before it, and none is ahead by two steps (an
+        entry past that is of an earlier run whose steps counted higher)."""
+        self.completed_at = {slot: entry for slot, entry in self.completed_at.items()
+                             if step <= entry[1] <= step + 2}
 
     def _check(self, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
         if epoch < self.epoch:
@@ -154,6 +174,7 @@ class LeaseTable:
                 for slot, lease in sorted(self.leases.items())
             },
             "workers": {w: list(counts) for w, counts in self.workers.items()},
+            "completed_at": {str(slot): list(entry) for slot, entry in sorted(self.completed_at.items())},
         }
 
     @classmethod
@@ -167,4 +188,5 @@ class LeaseTable:
             for slot, v in data["leases"].items()
         }
         table.workers = {w: list(c) for w, c in data["workers"].items()}
+        table.completed_at = {int(slot): list(entry) for slot, entry in data.get("completed_at", {}).items()}
         return table

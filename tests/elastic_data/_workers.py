@@ -178,12 +178,14 @@ def epoch_without_a_final_boundary(rank: int, world: int, url: str) -> tuple[int
     return drawn[0], drawn[1]
 
 
-def peer_a_step_ahead(rank: int, world: int, url: str, saving: bool = False) -> dict:
+def peer_a_step_ahead(rank: int, world: int, url: str, then: str = "draws") -> dict:
     """Two lockstep ranks, batches of 4 from shards of 6, a boundary after step 1. Rank 0 is
     then caught before its update of step 2 (a failure capture writes step 1); rank 1 went on
-    through its boundary of step 2 (finishing its first shard) and, with ``saving``, into a
-    save's ``state_dict()`` (its part before the barrier that rank 0 never reaches), then drew
-    step 3 (finishing its second shard, leasing a third). Rank 0's capture then reads the state."""
+    through its boundary of step 2 (finishing its first shard) and then (``then``) drew step 3
+    (finishing its second shard, leasing a third), or went into a save's ``state_dict()`` (its
+    part before the barrier that rank 0 never reaches) and drew step 3, or began a new
+    iteration (which completes its first shard at once) and drew what it could. Rank 0's
+    capture then reads the state."""
     import torch.distributed as dist
 
     from elastic import ShardSampler
@@ -195,9 +197,9 @@ def peer_a_step_ahead(rank: int, world: int, url: str, saving: bool = False) -> 
     later = [next(it) for _ in range(4)]
     if rank == 1:
         sampler.boundary_state()
-        if saving:
+        if then == "saves":
             sampler.state_dict(sync=False)
-        later += [next(it) for _ in range(6)]
+        later += list(sampler) if then == "begins an iteration" else [next(it) for _ in range(6)]
     dist.barrier()
     state = captured_state(sampler) if rank == 0 else None
     dist.barrier()

@@ -269,15 +269,18 @@ def test_boundary_state_of_lockstep_ranks_holds_every_ranks_boundary(tmp_path):
     assert set(ranks[0]["later"] + ranks[1]["later"]) <= set(rest)
 
 
-@pytest.mark.parametrize("backend,saving", [("sqlite", False), ("redis", False), ("sqlite", True)])
-def test_a_capture_takes_a_peer_a_step_ahead_at_the_captured_step(tmp_path, request, backend, saving):
+@pytest.mark.parametrize("backend,then", [("sqlite", "draws"), ("redis", "draws"), ("sqlite", "saves"),
+                                          ("sqlite", "begins an iteration")])
+def test_a_capture_takes_a_peer_a_step_ahead_at_the_captured_step(tmp_path, request, backend, then):
     """A rank caught before its update of step 2 captures step 1, while its peer went through
     step 2's boundary (reporting, finishing a shard), maybe into a save, and drew step 3
-    (leasing another): the captured state holds the peer's positions as of step 1, so a restart
-    replays both ranks' batches of steps 2 and 3 (before, the peer's batch of step 2 was
-    skipped; with the save, until a save's report kept to the step tags too)."""
+    (leasing another), or began a new iteration, which completes the shard it finished at once:
+    the captured state holds the peer's positions as of step 1, so a restart replays both
+    ranks' batches of steps 2 and 3 (before, the peer's batch of step 2 was skipped; with the
+    save, until a save's report kept to the step tags too; with the new iteration, until the
+    completion was tagged with its step)."""
     url = sqlite_url(tmp_path) if backend == "sqlite" else request.getfixturevalue("redis_url")
-    ranks = run_ranks(peer_a_step_ahead, 2, url, saving)
+    ranks = run_ranks(peer_a_step_ahead, 2, url, then)
     restored = ShardSampler(48, coordinator=url, name="ahead", shard_size=6, num_epochs=1, worker="w9")
     restored.load_state_dict(ranks[0]["state"], sync=False)
     rest = list(restored)

@@ -241,6 +241,34 @@ def test_state_dict_as_of_a_step_takes_each_lease_at_or_before_it(backend: Backe
         ds.report(again, consumed=4, step=-1)
 
 
+def test_a_completion_tagged_with_a_step_is_unfinished_as_of_the_step_before(backend: Backend) -> None:
+    """A shard completed at step 2 (a rank that received it whole begins a new iteration) is,
+    as of step 1, at its position of step 1, even once the epoch moved on (nothing of the next
+    epoch was taken by step 1); a report of a later step forgets it, and so does a load."""
+    ds = backend.connect().dataset("done-at", size=20, shard_size=10, num_epochs=2)
+    a, b = ds.acquire("w"), ds.acquire("v")
+    ds.report(a, consumed=4, step=1)
+    ds.complete(a, step=2)  # whole at step 2, never reported so: before it, at 4
+    ds.report(b, consumed=2, step=1)
+    ds.report(b, consumed=10, step=2)
+    ds.complete(b, step=2)
+    before = ds.state_dict(as_of=1)
+    assert (before["epoch"], before["cursor"], before["queue"]) == (0, 2, sorted([[a.slot, 4], [b.slot, 2]]))
+    assert ds.state_dict(as_of=2) == ds.state_dict()
+    assert (ds.state_dict()["epoch"], ds.state_dict()["queue"]) == (0, [])
+    c = ds.acquire("w")  # the next epoch
+    ds.report(c, consumed=3, step=2)
+    assert ds.state_dict(as_of=1)["queue"] == before["queue"] and ds.state_dict(as_of=1)["epoch"] == 0
+    assert (ds.state_dict(as_of=2)["epoch"], ds.state_dict(as_of=2)["queue"]) == (1, [[c.slot, 3]])
+    ds.report(c, consumed=5, step=3)  # every rank is past step 1 now
+    assert ds.state_dict(as_of=1)["epoch"] == 1
+    ds.load_state_dict(before)
+    assert ds.state_dict(as_of=0) == ds.state_dict() == {**before, "workers": ds.state_dict()["workers"]}
+    again = ds.acquire("w")
+    with pytest.raises(sharding.InvalidArgument, match="step"):
+        ds.complete(again, step=-1)
+
+
 def test_load_state_dict_rejects_bad_state(backend: Backend) -> None:
     ds = backend.connect().dataset("bad-state", size=100, shard_size=10)
     good = ds.state_dict()
@@ -364,7 +392,7 @@ def test_random_calls_give_the_same_answers_as_memory(backend: Backend) -> None:
                     step_tag = None if pick % 4 == 0 else pick % 3
                     answers.append(outcome(lambda: ds.report(shard, consumed=pick % (len(shard) + 1), step=step_tag)))
                 else:
-                    answers.append(outcome(lambda: ds.complete(shard)))
+                    answers.append(outcome(lambda: ds.complete(shard, step=None if pick % 2 else pick % 3)))
                     if op == "complete":
                         mine.remove(shard)
             elif op == "release":
