@@ -85,6 +85,25 @@ def buffers(engine) -> dict:
     return {name: b.detach().clone() for name, b in engine.module.named_buffers()}
 
 
+def live(engine) -> dict:
+    """The rank's training state by name: its parameters (a ZeRO-3 partition), ZeRO's fp32
+    partitions, the optimizer's state of each (Adam's moments), the engine's step count."""
+    zero = engine.optimizer
+    if engine.zero_optimization_stage() == 3:
+        tensors = {f"param/{n}": p.ds_tensor for n, p in engine.module.named_parameters()}
+        parts = zero.fp32_partitioned_groups_flat
+    else:
+        tensors = {f"param/{n}": p.data for n, p in engine.module.named_parameters()}
+        parts = zero.single_partition_of_fp32_groups
+    for i, part in enumerate(parts):
+        tensors[f"fp32/{i}"] = part.data
+        for name, moment in zero.optimizer.state[part].items():
+            if isinstance(moment, torch.Tensor):
+                tensors[f"adam/{i}/{name}"] = moment
+    tensors["global_steps"] = torch.tensor(engine.global_steps)
+    return tensors
+
+
 def consolidated(engine) -> dict:
     """Full fp32 parameters (gathered under ZeRO-3); all ranks call it."""
     import deepspeed

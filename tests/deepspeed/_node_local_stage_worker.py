@@ -27,32 +27,13 @@ from flashckpt import CheckpointError, _events  # noqa: E402
 from flashckpt.replicas._store import replica_index  # noqa: E402
 from flashckpt.storage._local import LocalStorage  # noqa: E402
 from tests.checkpoint._replica_node import finish  # noqa: E402
-from tests.deepspeed._ds_train import make_engine, train_step  # noqa: E402
+from tests.deepspeed._ds_train import live, make_engine, train_step  # noqa: E402
 from tests.deepspeed._node_local_tag_worker import holds  # noqa: E402
 from tests.deepspeed._replica_worker import join  # noqa: E402
 from tests.nodes._frameworks import digest  # noqa: E402
 from tests._exit import exit_now  # noqa: E402
 
 JOB = "stages"
-
-
-def live(engine) -> dict:
-    """The rank's training state by name: its parameters (a ZeRO-3 partition), ZeRO's fp32
-    partitions, the Adam moments of each, the engine's step count."""
-    zero = engine.optimizer
-    if engine.zero_optimization_stage() == 3:
-        tensors = {f"param/{n}": p.ds_tensor for n, p in engine.module.named_parameters()}
-        parts = zero.fp32_partitioned_groups_flat
-    else:
-        tensors = {f"param/{n}": p.data for n, p in engine.module.named_parameters()}
-        parts = zero.single_partition_of_fp32_groups
-    for i, part in enumerate(parts):
-        tensors[f"fp32/{i}"] = part.data
-        for name, moment in zero.optimizer.state[part].items():
-            if isinstance(moment, torch.Tensor):
-                tensors[f"adam/{i}/{name}"] = moment
-    tensors["global_steps"] = torch.tensor(engine.global_steps)
-    return tensors
 
 
 def wait_for_peers_replicas(step: int, per_node: int) -> list:

@@ -2,11 +2,13 @@
 
 ``DeepSpeedTraining`` has the interface of ``_worker._Training``: ``load``, ``step``, ``save``,
 ``bias_sum``, ``flash`` (the flash engine under the adapter), ``close`` and ``digest``: a hash of the
-rank's whole training state (parameters, ZeRO's fp32 partition and optimizer state), which a restored
-step must match exactly. A ``Linear(16, 16)`` under ZeRO-1 (every rank's fp32 partition and optimizer
-state are its own) with torch's SGD, saved by ``DeepSpeedCheckpointer``; an input of ones and a loss of
-``world * step`` times the output's sum give the bias the update the other trainings give it (DeepSpeed
-averages the gradients; no clipping), and move the weights too (they are in other ranks' partitions).
+rank's whole training state (parameters, under ZeRO-3 the rank's partition of them, ZeRO's fp32 partition,
+optimizer state and step count: ``tests.deepspeed._ds_train.live``), which a restored step must match
+exactly. A ``Linear(16, 16)`` under ZeRO stage 1, 2 or 3 (every rank's fp32 partition and optimizer state are
+its own; under ZeRO-3 its parameters too, and ``bias_sum`` gathers the bias) with torch's SGD, saved by
+``DeepSpeedCheckpointer``; an input of ones and a loss of ``world * step`` times the output's sum give the
+bias the update the other trainings give it (DeepSpeed averages the gradients; no clipping), and move the
+weights too (they are in other ranks' partitions). ``test_nodes_three.py`` runs ZeRO-3.
 
 (megatron-core on three node-local directories fails construction: tests/checkpoint/test_ckpt_nodes.py.)
 """
@@ -33,9 +35,9 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 class DeepSpeedTraining:
-    """ZeRO-1 on CPU (gloo), torch's SGD, ``DeepSpeedCheckpointer``."""
+    """ZeRO-``stage`` on CPU (gloo), torch's SGD, ``DeepSpeedCheckpointer``."""
 
-    def __init__(self, directory: str, replicas: int | None) -> None:
+    def __init__(self, directory: str, replicas: int | None, stage: int) -> None:
         import deepspeed
         from flashckpt.deepspeed import DeepSpeedCheckpointer
 
@@ -47,8 +49,8 @@ class DeepSpeedTraining:
         torch.manual_seed(0)
         model = torch.nn.Linear(16, 16)
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
-                  "steps_per_print": 10**9}
+                  "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+                  "gradient_clipping": 0.0, "steps_per_print": 10**9}
         self.engine, _, _, _ = deepspeed.initialize(model=model, config=config,
                                                     optimizer=torch.optim.SGD(model.parameters(), lr=1e-3))
         self.ckpt = DeepSpeedCheckpointer(self.engine, directory, persist_every=5, replicas=replicas)
@@ -69,11 +71,16 @@ class DeepSpeedTraining:
         self.ckpt.save(step)
 
     def bias_sum(self) -> float:
-        return self.engine.module.bias.sum().item()
+        """The full bias's sum (gathered under ZeRO-3, where each rank holds a partition): all ranks call it."""
+        import deepspeed
+        bias = self.engine.module.bias
+        with deepspeed.zero.GatheredParameters([bias], enabled=self.engine.zero_optimization_stage() == 3):
+            return bias.sum().item()
 
     def digest(self) -> str:
-        from tests.deepspeed.test_ds_load_places import _live
-        return digest(_live(self.engine))
+        """This rank's parameters (its ZeRO-3 partition), fp32 partition, optimizer state and step count."""
+        from tests.deepspeed._ds_train import live
+        return digest(live(self.engine))
 
     def close(self) -> None:
         self.ckpt.close()

@@ -1,7 +1,7 @@
 """One torchrun worker of the multi-node tests: a few DDP steps, a flash checkpoint every step.
 
     torchrun ... _worker.py --dir SHARED_DIR --steps N [--kill-rank R --kill-step S --kill-pause P]
-                            [--replicas auto|0|1] [--per-rank | --fsdp | --deepspeed]
+                            [--replicas auto|0|1] [--per-rank | --fsdp | --deepspeed [--zero-stage 1|2|3]]
                             [--close-at-kill]
 
 The process group comes from ``flashckpt.torch.init_process_group``. At step S every rank
@@ -19,7 +19,8 @@ that every step counted exactly once, the state's digest and the warnings logged
 
 ``--fsdp``: the model sharded with FSDP2 and saved by ``FsdpCheckpointer`` (sharded state:
 every rank's shard is needed), stepped by SGD with the same update to the bias. ``--deepspeed``:
-ZeRO-1 and ``DeepSpeedCheckpointer``, the same update to the bias (``_frameworks.py``).
+ZeRO (stage ``--zero-stage``, default 1) and ``DeepSpeedCheckpointer``, the same update to the bias
+(``_frameworks.py``).
 """
 
 import argparse
@@ -59,7 +60,8 @@ def main() -> None:
     p.add_argument("--per-rank", action="store_true",
                    help="Checkpointer (every rank saves its own copy) instead of DdpCheckpointer")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 and FsdpCheckpointer (sharded state)")
-    p.add_argument("--deepspeed", action="store_true", help="ZeRO-1 and DeepSpeedCheckpointer")
+    p.add_argument("--deepspeed", action="store_true", help="ZeRO and DeepSpeedCheckpointer")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=1, help="--deepspeed's ZeRO stage")
     p.add_argument("--close-at-kill", action="store_true",
                    help="at the kill step wait for SHARED_DIR/go, save one more step and time close()")
     args = p.parse_args()
@@ -91,7 +93,7 @@ def main() -> None:
     if args.fsdp:
         train = _FsdpTraining(model, directory, replicas)
     elif args.deepspeed:
-        train = DeepSpeedTraining(directory, replicas)
+        train = DeepSpeedTraining(directory, replicas, args.zero_stage)
     else:
         train = _Training(model, (Checkpointer if args.per_rank else DdpCheckpointer)(
             directory, persist_every=5, replicas=replicas))
