@@ -24,7 +24,9 @@ A FAULT is ``KIND:RANK:STEP:ATTEMPT``, done by that rank at that step of that at
 
 With ``CAPTURE_ACCUMULATE=N`` (default 1) the loop accumulates gradients over N micro-batches
 (DDP's ``no_sync()`` on all but the last) and updates at every N-th: STEP (faults, saves, STEPS)
-counts micro-batches, and ``save_on_failure`` gets ``steps_per_update=N``.
+counts micro-batches, and ``save_on_failure`` gets ``steps_per_update=N``. With
+``CAPTURE_BATCHNORM`` set the model normalizes its input with a BatchNorm1d first (``Normed``):
+running statistics that every forward changes, outside the optimizer.
 
 Each rank writes ``OUT/attempt<A>-rank<R>.json`` (what it loaded) after the load and
 ``OUT/final<R>.pt`` (the model's weights) at the end. ``CAPTURE_ATTEMPT_OFFSET`` is added to
@@ -53,6 +55,7 @@ import torch
 
 SAVE_EVERY = int(os.environ.get("CAPTURE_SAVE_EVERY", "20"))  # benchmarks/capture_campaign.py sets 50
 ACCUMULATE = int(os.environ.get("CAPTURE_ACCUMULATE", "1"))  # micro-batches per optimizer update
+BATCHNORM = bool(os.environ.get("CAPTURE_BATCHNORM"))
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,9 +63,21 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
 
 
-def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+class Normed(torch.nn.Linear):
+    """``Linear(8, 1)`` over a ``BatchNorm1d(8)`` of its input (the same initial weights: the
+    norm draws no random numbers)."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 1)
+        self.norm = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.norm(x))
+
+
+def make(batchnorm: bool = BATCHNORM) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)  # every rank starts from the same weights, as DDP requires
-    model = torch.nn.Linear(8, 1)
+    model = Normed() if batchnorm else torch.nn.Linear(8, 1)
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
@@ -72,22 +87,28 @@ def _loss(net: torch.nn.Module, rank: int, step: int, accumulate: int) -> torch.
     return loss / accumulate if accumulate > 1 else loss
 
 
-def reference(world: int, steps: int, accumulate: int = 1) -> dict[str, torch.Tensor]:
-    """The weights of an uninterrupted run of ``steps`` micro-batches, ``accumulate`` per
-    update: each update's gradient is the mean of the ranks' accumulated gradients, as
-    DDP's all-reduce makes it (``g/world`` summed: the same floats)."""
-    model, opt = make()
+def reference(world: int, steps: int, accumulate: int = 1, batchnorm: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Each rank's state dict at the end of an uninterrupted run of ``steps`` micro-batches,
+    ``accumulate`` per update: each update's gradient is the mean of the ranks' accumulated
+    gradients, as DDP's all-reduce makes it (``g/world`` summed: the same floats). Module
+    buffers as DDP keeps them: rank 0's broadcast before an update's first forward (the
+    others follow a ``no_sync`` forward, which broadcasts nothing), then each rank's own."""
+    model, opt = make(batchnorm)
+    ends = [dict(model.named_buffers())]
     for update in range(steps // accumulate):
-        grads = []
+        grads, ends = [], [{name: b.clone() for name, b in ends[0].items()} for _ in range(world)]
         for rank in range(world):
             model.zero_grad()
+            for name, b in model.named_buffers():
+                b.copy_(ends[rank][name])
             for step in range(update * accumulate + 1, (update + 1) * accumulate + 1):
                 _loss(model, rank, step, accumulate).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
+            ends[rank] = {name: b.clone() for name, b in model.named_buffers()}
         for i, p in enumerate(model.parameters()):
             p.grad = sum(g[i] / world for g in grads)
         opt.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return [{**{k: v.clone() for k, v in model.state_dict().items()}, **ends[rank]} for rank in range(world)]
 
 
 def _blocked_in_cpp() -> None:

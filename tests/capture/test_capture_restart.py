@@ -6,9 +6,12 @@ at step 47 (attempt 1), then rank 0, the local rank that keeps the node's copy, 
 inside step 53's backward (attempt 2): rank 1 writes the node's copy. Saves go to memory
 every 20 steps, so without capture the restarts load 20, 40 and 46 (the second capture);
 with it, 32, 46 and 52. With gradient accumulation (4 micro-batches an update, steps counted in
-micro-batches, ``steps_per_update=4``) rank 1 SIGKILLed inside micro-batch 31's backward (under
-``no_sync``) restarts at 28, the last update. Single-process runs take SIGTERM after a
-step, inside an update, before the first step and while the main thread waits in C++.
+micro-batches, ``steps_per_update=4``, a BatchNorm before the linear layer) rank 1 SIGKILLed inside
+micro-batch 31's backward (under ``no_sync``) restarts at 28, the last update, with rank 0's running
+statistics of 28. (The three-failure job has no BatchNorm: its captures of 46 and 52 are rank 1's,
+whose running statistics are its own, not rank 0's that DDP broadcasts, so its buffers would end
+unlike an uninterrupted run's.) Single-process runs take SIGTERM after a step, inside an update,
+before the first step and while the main thread waits in C++.
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ def _report(out, attempt: int, rank: int = 0) -> dict:
     return json.loads((out / f"attempt{attempt}-rank{rank}.json").read_text())
 
 
-def _assert_final(out, world: int, steps: int, accumulate: int = 1) -> None:
-    ref = reference(world, steps, accumulate)  # the same training, uninterrupted
+def _assert_final(out, world: int, steps: int, accumulate: int = 1, batchnorm: bool = False) -> None:
+    """Every rank's final state dict (weights, and BatchNorm's buffers where the model has them)
+    is the uninterrupted run's, bit for bit."""
+    ref = reference(world, steps, accumulate, batchnorm)  # the same training, uninterrupted
     for rank in range(world):
         final = torch.load(out / f"final{rank}.pt")
-        assert torch.equal(final["weight"], ref["weight"]) and torch.equal(final["bias"], ref["bias"]), rank
+        assert final.keys() == ref[rank].keys(), (rank, sorted(final))
+        differ = [name for name, value in ref[rank].items() if not torch.equal(final[name], value)]
+        assert not differ, (rank, differ)
 
 
 def test_ddp_restart_loads_the_captured_steps(tmp_path):
@@ -61,20 +68,22 @@ def test_ddp_restart_loads_the_captured_steps(tmp_path):
 def test_ddp_restart_with_gradient_accumulation_loads_the_last_update(tmp_path):
     """Saves every 20 micro-batches, an update every 4: rank 1 dies inside micro-batch 31's
     backward (a ``no_sync`` one: rank 0 goes on to 32's all-reduce), rank 0 captures step 28
-    (not 22, last save + updates); the restart loads it, its save of 40 fits the count (no
-    warning), and the run ends with an uninterrupted run's weights."""
+    (not 22, last save + updates) with BatchNorm's statistics of 28 (its forwards of 29-31 moved
+    them); the restart loads it, its save of 40 fits the count (no warning), and every rank ends
+    with an uninterrupted run's weights and running statistics (DDP's: rank 0's broadcast at each
+    update's first forward, then the rank's own)."""
     out = tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
            "--monitor-interval=0.1", SCRIPT, str(tmp_path / "ckpt"), str(out), "40", "-", "kill9:1:31:0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, CAPTURE_ACCUMULATE="4"))
+                          env=dict(os.environ, CAPTURE_ACCUMULATE="4", CAPTURE_BATCHNORM="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         assert _report(out, 0, rank)["step"] is None
         assert _report(out, 1, rank) == {"step": 28, "source": "memory", "captured": True}, proc.stderr[-4000:]
     assert "captured step 28" in proc.stderr and "steps_per_update" not in proc.stderr, proc.stderr[-4000:]
-    _assert_final(out, 2, 40, accumulate=4)
+    _assert_final(out, 2, 40, accumulate=4, batchnorm=True)
 
 
 def _run(tmp_path, attempt: int, *faults: str, steps: int = 40, timeout: float = 60) -> tuple[int, str]:

@@ -63,6 +63,19 @@ def train_step(model, opt, rank: int, step: int) -> float:
     return loss.item()
 
 
+def micro_batch(model, opt, rank: int, step: int, per: int) -> None:
+    """Micro-batch ``step`` of gradient accumulation over ``per`` (FSDP2: no reduce-scatter
+    but at the last micro-batch of an update, which steps the optimizer)."""
+    x, y = batch(rank, step)
+    if step % per == 1 % per:
+        opt.zero_grad()
+    updates = step % per == 0
+    model.set_requires_gradient_sync(updates)
+    (nn.functional.mse_loss(model(x), y) / per).backward()
+    if updates:
+        opt.step()
+
+
 def full_state(model, opt=None) -> dict:
     """The consolidated model (and optimizer) state on every rank (collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict

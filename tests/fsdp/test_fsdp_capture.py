@@ -7,9 +7,17 @@ the local shards. The restart (a new pair) loads step 5 from memory, bit-exact, 
 ``extra``. Where only rank 1 captures (rank 0 died first), the restart loads step 2 exactly
 and rank 0 logs why the capture is not loaded. Bad input (no model known yet, another
 optimizer, FSDP1) is ``_fsdp_ranks.capture_bad_input`` in the shared 2-rank run.
+
+With gradient accumulation (``steps_per_update=4``, steps counted in micro-batches, saves at
+8 and 16) SIGTERM inside micro-batch 22's backward captures update 20 on both ranks; the
+restart loads it exactly, saves 24 (fitting the count), and rank 0 is SIGKILLed inside
+micro-batch 30's backward: rank 1's collective fails and it captures 28, which rank 0 lacks,
+so the next restart loads 24 exactly and rank 0 logs why.
 """
 
 from __future__ import annotations
+
+import pytest
 
 from tests._fork import run_ranks
 from tests.capture._blocked import SigtermWhileBlocked, logged
@@ -140,6 +148,121 @@ def test_a_capture_one_rank_lacks_falls_back_to_the_newest_save(tmp_path, job_id
     assert "step 5" in said[0] and "rank(s) 1" in said[0] and "loading step 2 from memory" in said[0] \
         and "rank(s) 0 hold no copy" in said[0], said
     assert not any("captured" in line for line in results[1][6]), results[1][6]
+
+
+PER = 4
+"""Micro-batches per optimizer update in the accumulation tests."""
+
+
+def _in_backward(model, act) -> None:
+    """``act()`` at the start of the next backward (once the output's gradient is computed)."""
+    def hook(_module, _inputs, out) -> None:
+        out.register_hook(lambda grad: act())
+    model.register_forward_hook(hook)
+
+
+def _accumulate_to_sigterm(rank: int, world: int, directory: str, job: str) -> bytes:
+    """Micro-batches 1-21 (updates at 4, 8, ..., 20; saves at 8, persisted, and 16), then
+    SIGTERM inside micro-batch 22's backward, no update begun: the watcher captures 20 (not
+    the last save plus one update, 17). The data position is written as of update 20."""
+    from flashckpt.torch import FsdpCheckpointer
+
+    from ._fsdp_common import local_state, make, micro_batch
+
+    term = SigtermWhileBlocked()
+    model, opt = make(0)
+    ckpt = FsdpCheckpointer(directory, job_id=job, persist_every=100)
+    assert ckpt.load(model, opt) is None
+    now = {"step": 0}
+
+    def state() -> dict:
+        return {"position": now["step"] * 8 + rank}
+    capture = ckpt.save_on_failure(state, optimizer=opt, boundary_state=state, steps_per_update=PER)
+    ckpt.save(0, model, opt, extra=state())
+    for step in range(1, 23):
+        now["step"] = step
+        if step == 22:
+            _in_backward(model, term.block)
+        micro_batch(model, opt, rank, step, PER)
+        if step % 8 == 0:
+            ckpt.save(step, model, opt, extra=state(), persist=step == 8)
+        if step == 20:
+            at20 = local_state(model, opt)
+    term.assert_captured(20, capture)
+    return _pack(at20)
+
+
+def _restart_then_kill_rank_0(rank: int, world: int, directory: str, job: str, out: str) -> None:
+    """Load (the captured 20), train micro-batches 21-29 (save 24, persisted), then SIGKILL
+    rank 0 inside micro-batch 30's backward; rank 1's collective fails and it captures 28.
+    Each rank's report goes to ``out`` (rank 0's before it dies)."""
+    import os
+    import signal
+
+    import torch
+
+    from flashckpt.torch import FsdpCheckpointer
+
+    from ._fsdp_common import local_state, make, micro_batch
+
+    lines: list[str] = []
+    logged(lines)
+    model, opt = make(3, lr=0.5)
+    ckpt = FsdpCheckpointer(directory, job_id=job, persist_every=100)
+    step = ckpt.load(model, opt)
+    captured = ckpt.last_load.source == "memory" and bool(ckpt.engine.memory_info(step).get("captured"))
+    report = {"loaded": (step, ckpt.last_load.source, captured), "extra": ckpt.extra,
+              "lr": opt.param_groups[0]["lr"], "state": local_state(model, opt), "lines": lines}
+    now = {"step": step}
+
+    def state() -> dict:
+        return {"position": now["step"] * 8 + rank}
+    capture = ckpt.save_on_failure(state, optimizer=opt, boundary_state=state, steps_per_update=PER)
+    for step in range(step + 1, 30):
+        now["step"] = step
+        micro_batch(model, opt, rank, step, PER)
+        if step == 24:
+            ckpt.save(24, model, opt, extra=state(), persist=True)
+            report["at24"] = local_state(model, opt)
+    if rank == 0:
+        torch.save(report, os.path.join(out, "rank0.pt"))
+        _in_backward(model, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    try:
+        for step in (30, 31, 32):
+            now["step"] = step
+            micro_batch(model, opt, rank, step, PER)
+    except Exception as exc:  # a peer died: gloo's "Connection closed by peer"
+        report["failed"] = step
+        report["captured"] = capture.capture(f"{type(exc).__name__} in a collective")
+    torch.save(report, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_accumulation_restarts_at_the_captured_update_or_the_newest_save(tmp_path, job_id):
+    import torch
+
+    from ._fsdp_common import assert_equal_states
+
+    directory, out = str(tmp_path / "ckpt"), tmp_path / "out"
+    out.mkdir()
+    at20 = run_ranks(_accumulate_to_sigterm, 2, directory, job_id)
+    with pytest.raises(AssertionError) as died:
+        run_ranks(_restart_then_kill_rank_0, 2, directory, job_id, str(out))
+    assert "rank 0: exited with code -9 and no result" in str(died.value) and "rank 1" not in str(died.value), \
+        str(died.value)
+    reports = [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
+    for rank, report in enumerate(reports):
+        assert report["loaded"] == (20, "memory", True), (rank, report["lines"])
+        assert report["extra"] == {"position": 20 * 8 + rank} and report["lr"] == 0.01, (rank, report)
+        assert_equal_states(report["state"], _unpack(at20[rank]), f"rank {rank} at 20: ")
+        assert not any("steps_per_update" in line for line in report["lines"]), report["lines"]
+    assert (reports[1]["failed"], reports[1]["captured"]) == (30, 28), reports[1]["lines"]
+    results = run_ranks(_restart, 2, directory, job_id)
+    for rank, (step, source, captured, extra, state, _, _) in enumerate(results):
+        assert (step, source, captured, extra) == (24, "memory", False, {"position": 24 * 8 + rank}), rank
+        assert_equal_states(_unpack(state), reports[rank]["at24"], f"rank {rank} at 24: ")
+    said = [line for line in results[0][6] if "captured" in line]
+    assert len(said) == 1 and "step 28" in said[0] and "rank(s) 1" in said[0] \
+        and "loading step 24 from memory" in said[0] and "rank(s) 0 hold no copy" in said[0], said
 
 
 def test_bad_input(ran2):
