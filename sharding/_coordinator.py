@@ -39,6 +39,12 @@ def _lease(shard: Shard) -> Lease:
     return shard.epoch, shard.slot, shard.lease
 
 
+def _position(step: int, consumed: int, before: list[int] | None, as_of: int | None) -> int:
+    """A lease's position as of ``as_of``, from its last report (of ``step``) and the one
+    before it at an earlier step."""
+    return before[1] if as_of is not None and step > as_of and before is not None else consumed
+
+
 def _check_step(step: Any) -> None:
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise InvalidArgument(f"step must be None or an int >= 0, got {step!r}")
@@ -195,8 +201,8 @@ class Dataset:
         and was handed to another worker, :class:`AlreadyCompleted` if done before.
 
         ``step``: the training step the shard was consumed whole at (as :meth:`report`'s): a
-        read as of the step before still holds it at its position then, also once the
-        epoch moved on, until a report of a later step."""
+        read as of an earlier step still holds it at its position then (from its last two
+        reports, as a held lease), also once the epoch moved on, until a report two steps later."""
         self._own(shard)
         _check_step(step)
         status = self._store.complete(self.name, epoch=shard.epoch, slot=shard.slot, token=shard.lease, step=step)
@@ -280,16 +286,15 @@ class Dataset:
             raise InvalidArgument(f"as_of must be None or an int (a step), got {as_of!r}")
         snap = self._store.snapshot(self.name)
         epoch, cursor, queue, leases = snap["epoch"], snap["cursor"], snap["queue"], snap["leases"]
-        later = [] if as_of is None else [(int(slot), *entry) for slot, entry in snap["completed_at"].items()
+        later = [] if as_of is None else [(int(slot), entry) for slot, entry in snap["completed_at"].items()
                                           if entry[1] > as_of]
-        if later and min(e for _, e, _, _ in later) < epoch:  # an epoch that ended after as_of
-            epoch, cursor, queue, leases = min(e for _, e, _, _ in later), self.definition.num_shards, [], {}
+        if later and min(entry[0] for _, entry in later) < epoch:  # an epoch that ended after as_of
+            epoch, cursor, queue, leases = min(entry[0] for _, entry in later), self.definition.num_shards, [], {}
         mine = {(shard.epoch, shard.slot, shard.lease): consumed for shard, consumed in (positions or {}).items()}
-        held = [(slot, consumed) for slot, e, _, consumed in later if e == epoch]
+        held = [(slot, _position(at, consumed, before, as_of)) for slot, (e, _, at, consumed, before) in later
+                if e == epoch]
         for slot, lease in leases.items():
-            consumed = lease["consumed"]
-            if as_of is not None and lease["step"] > as_of and lease["before"] is not None:
-                consumed = lease["before"][1]
+            consumed = _position(lease["step"], lease["consumed"], lease["before"], as_of)
             held.append((int(slot), mine.get((epoch, int(slot), lease["token"]), consumed)))
         unfinished = []
         for slot, consumed in held:

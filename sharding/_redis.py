@@ -268,7 +268,7 @@ class RedisStore:
             "queue": [[int(s), int(c)] for s, c in zip(queued, positions)],
             "leases": dict(sorted(table.items(), key=lambda kv: int(kv[0]))),
             "workers": workers,
-            "completed_at": {completed[i].decode(): [int(x) for x in completed[i + 1].decode().split("|")]
+            "completed_at": {completed[i].decode(): _completion(completed[i + 1].decode())
                              for i in range(0, len(completed), 2)},
         }
 
@@ -292,6 +292,12 @@ class RedisStore:
             if self._connection is not None:
                 self._connection.close()
             self._connection = None
+
+
+def _completion(entry: str) -> list[Any]:
+    """``epoch|step|consumed|at|before`` as ``LeaseTable.completed_at`` holds it."""
+    epoch, step, consumed, at, before = entry.split("|")
+    return [int(epoch), int(step), int(at), int(consumed), [int(x) for x in before.split(":")] if before else None]
 
 
 def _retryable(error: ReplyError | OSError) -> bool:

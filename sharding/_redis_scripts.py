@@ -8,8 +8,8 @@ the leases its first attempt took instead of taking more), ``dl`` (a sorted set 
 slots by deadline, so reclaiming expired leases is a range query), ``w:WORKER`` (a
 worker's slots, for heartbeat, release and retries), ``hist`` (slot -> ``step|before``: the step a
 lease's position was reported at and ``step:consumed`` of its report at the step before, if
-any; dropped with the lease), ``completed`` (slot -> ``epoch|step|consumed``: a shard completed at a
-step and its position of the step before, until a report of a later step) and ``stats`` (per worker ``c:``
+any; dropped with the lease), ``completed`` (slot -> ``epoch|step|consumed|`` and its ``hist``
+entry: a shard completed at a step and its last reported positions, until a report two steps later) and ``stats`` (per worker ``c:``
 completed and ``l:`` lost: leases that expired or were released; a worker's acquired
 count is completed + lost + held, so taking a lease writes no counter).
 Deadlines use the server clock (``TIME``), so worker clocks need not agree.
@@ -203,15 +203,9 @@ _COMPLETE = """
 local epoch, slot, token, step = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local status, worker, info = check(position(), epoch, slot, token)
 if status == 'ok' then
-  if step ~= '' then  -- consumed whole at step: keep its position of the step before
+  if step ~= '' then  -- consumed whole at step: keep its last reported positions
     local _, consumed = parse(info)
-    local h = redis.call('HGET', hist, slot)
-    if h then
-      local at, before = string.match(h, '^(-?%d+)|(.*)$')
-      if tonumber(at) >= tonumber(step) and before ~= '' then consumed = string.match(before, ':(%d+)$') end
-    end
-    forget_completions(tonumber(step))
-    redis.call('HSET', completed, slot, ARGV[1]..'|'..step..'|'..consumed)
+    redis.call('HSET', completed, slot, ARGV[1]..'|'..step..'|'..consumed..'|'..(redis.call('HGET', hist, slot) or '-1|'))
   end
   finish(slot, worker)
 end

@@ -96,8 +96,8 @@ class Store(Protocol):
         self, name: str, *, epoch: int, slot: int, token: int, step: int | None = None
     ) -> tuple[Status, str | None]:
         """Finish a held lease; the holder on HELD. With ``step``, the shard was consumed
-        whole at that step, and its position as of the step before stays readable
-        (``snapshot``'s ``completed_at``) until a report of a later step."""
+        whole at that step, and its last reported positions stay readable (``snapshot``'s
+        ``completed_at``) until a report two steps later."""
 
     def heartbeat(self, name: str, worker: str, *, lease_timeout: float) -> int:
         """Extend all of ``worker``'s leases (registering the worker); return how many."""

@@ -40,9 +40,9 @@ class LeaseTable:
     leases: dict[int, _Lease] = field(default_factory=dict)
     #: worker -> [acquired, completed]
     workers: dict[str, list[int]] = field(default_factory=dict)
-    #: shards completed with a step, which a read as of the step before still holds:
-    #: slot -> [epoch, step, consumed as of the step before] (see :meth:`complete`)
-    completed_at: dict[int, list[int]] = field(default_factory=dict)
+    #: shards completed with a step, which a read as of an earlier step still holds: slot ->
+    #: [epoch, step, the lease's last reported step, consumed then, its ``before``] (see :meth:`complete`)
+    completed_at: dict[int, list[Any]] = field(default_factory=dict)
 
     # -- transitions -------------------------------------------------------------
 
@@ -75,7 +75,7 @@ class LeaseTable:
         status = self._check(epoch, slot, token)
         if status[0] is Status.OK:
             lease = self.leases[slot]
-            if step is not None:
+            if step is not None and self.completed_at:
                 self._forget_completions(step)
             if step is None:
                 lease.step, lease.before = -1, None
@@ -85,16 +85,14 @@ class LeaseTable:
         return status
 
     def complete(self, epoch: int, slot: int, token: int, step: int | None = None) -> tuple[Status, str | None]:
-        """With ``step``: the shard was consumed whole at that step; its position as of the
-        step before (what ``as_of`` reads take, as for a report) stays in ``completed_at``."""
+        """With ``step``: the shard was consumed whole at that step; its last reported positions
+        (what ``as_of`` reads of earlier steps take, as of a held lease) stay in ``completed_at``."""
         status = self._check(epoch, slot, token)
         if status[0] is Status.OK:
             lease = self._drop(slot)
             self.workers.setdefault(lease.worker, [0, 0])[1] += 1
             if step is not None:
-                self._forget_completions(step)
-                before = lease.before[1] if lease.step >= step and lease.before is not None else lease.consumed
-                self.completed_at[slot] = [epoch, step, before]
+                self.completed_at[slot] = [epoch, step, lease.step, lease.consumed, lease.before]
         return status
 
     def complete_and_acquire(
@@ -135,9 +133,10 @@ class LeaseTable:
         return self.leases.pop(slot)
 
     def _forget_completions(self, step: int) -> None:
-        """A holder reports ``step``: lock-step ranks are all past step ``step - 1``'s
-        gradients, so no read is as of a step before it, and none is ahead by two steps (an
-        entry past that is of an earlier run whose steps counted higher)."""
+        """A holder reports ``step`` (at a boundary or as its update begins): lock-step ranks
+        are all past step ``step``'s gradients, so no read is as of a step before ``step - 1``,
+        and no completion is tagged beyond ``step + 2`` (an entry past that is of an earlier run
+        whose steps counted higher)."""
         self.completed_at = {slot: entry for slot, entry in self.completed_at.items()
                              if step <= entry[1] <= step + 2}
 
@@ -174,7 +173,8 @@ class LeaseTable:
                 for slot, lease in sorted(self.leases.items())
             },
             "workers": {w: list(counts) for w, counts in self.workers.items()},
-            "completed_at": {str(slot): list(entry) for slot, entry in sorted(self.completed_at.items())},
+            "completed_at": {str(slot): [*entry[:4], None if entry[4] is None else list(entry[4])]
+                             for slot, entry in sorted(self.completed_at.items())},
         }
 
     @classmethod
