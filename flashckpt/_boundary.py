@@ -30,7 +30,10 @@ buffers (``benchmarks/capture_overhead.py``); the values are those at the end of
 ``optimizer.step()``, so state the loop changes after ``step()`` returns and before the
 failure (a scheduler's step, an EMA update) is a step behind in a capture when it is in
 ``boundary_state`` or one of those tensors -- leave it to ``state_fn``. A module buffer
-replaced by a new tensor after the first boundary is written as it is.
+replaced by a new tensor after the first boundary is written as it is. Under DDP, whose
+next forward broadcasts rank 0's buffers, the copies of a DDP module's buffers are taken again
+right after that broadcast (:mod:`flashckpt._ddp_buffers`): a capture by any rank writes rank
+0's, which the run goes on from.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
+
+from ._ddp_buffers import DdpBroadcasts
 
 __all__ = ["BoundarySnapshot", "ModuleBuffers"]
 
@@ -89,6 +94,10 @@ class BoundarySnapshot:
         self._buffers: list[tuple[Path, Any, Any]] | None = \
             None if optimizer is not None or buffers is not None else []
         """(path, live tensor, its copy) of the tensors outside the optimizer; None: not found yet."""
+        self._spare: list[Any] = []
+        """Copies of those tensors that a DDP broadcast is written into (no capture reads them), then
+        swapped with ``_buffers``' (see :meth:`_broadcast`)."""
+        self._ddp = DdpBroadcasts(self._broadcast)
 
     def take(self) -> None:
         """At a step boundary, on the thread that ends the update (no capture runs meanwhile)."""
@@ -98,6 +107,7 @@ class BoundarySnapshot:
             import torch
 
             torch._foreach_copy_([copy for _, _, copy in self._buffers], [live for _, live, _ in self._buffers])
+            self._ddp.boundary()
         if self.boundary_state is not None:
             self._given = _copied(self.boundary_state())
         self._taken = True
@@ -105,6 +115,27 @@ class BoundarySnapshot:
     def forget(self) -> None:
         """A load replaced the live state: what the last boundary kept is of another step."""
         self._taken, self._given = False, None
+        self._ddp.forget()
+
+    def close(self) -> None:
+        """Remove the forward hooks that watch DDP's broadcasts."""
+        self._ddp.close()
+
+    def _broadcast(self, ddp: Any) -> None:
+        """DDP broadcast rank 0's buffers of the last boundary into ``ddp``'s module: they are
+        what the run goes on from, kept in place of this rank's own (the same for rank 0). Written
+        into the spare copies, which then take the place of the ones a capture may be reading."""
+        import torch
+
+        current = self._buffers
+        if not current:
+            return
+        if len(self._spare) != len(current):
+            self._spare = [copy.clone() for _, _, copy in current]
+        broadcast = {_key(b) for b in ddp.module.buffers()} - {None}
+        torch._foreach_copy_(self._spare, [live if _key(live) in broadcast else copy for _, live, copy in current])
+        self._buffers = [(path, live, spare) for (path, live, _), spare in zip(current, self._spare)]
+        self._spare = [copy for _, _, copy in current]
 
     def apply(self, state: Any) -> Any:
         """The whole tree of ``state`` (a fresh ``state_fn()``) with the values of the last

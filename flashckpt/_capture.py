@@ -421,6 +421,7 @@ class FailureCapture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._boundary.close()
 
 
 def _signature(state: Any, allow_pickle: bool) -> dict[str, Any]:

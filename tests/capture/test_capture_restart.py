@@ -8,10 +8,12 @@ every 20 steps, so without capture the restarts load 20, 40 and 46 (the second c
 with it, 32, 46 and 52. With gradient accumulation (4 micro-batches an update, steps counted in
 micro-batches, ``steps_per_update=4``, a BatchNorm before the linear layer) rank 1 SIGKILLed inside
 micro-batch 31's backward (under ``no_sync``) restarts at 28, the last update, with rank 0's running
-statistics of 28. (The three-failure job has no BatchNorm: its captures of 46 and 52 are rank 1's,
-whose running statistics are its own, not rank 0's that DDP broadcasts, so its buffers would end
-unlike an uninterrupted run's.) Single-process runs take SIGTERM after a step, inside an update,
-before the first step and while the main thread waits in C++.
+statistics of 28, and then rank 0 SIGKILLed inside micro-batch 37's backward restarts at 36 from
+rank 1's capture, with the statistics DDP broadcast from rank 0 at 37's forward. (The three-failure
+job has no BatchNorm: its capture of 46 is rank 1's, made before the forward that would broadcast
+rank 0's statistics, so its buffers would end unlike an uninterrupted run's.) Single-process runs
+take SIGTERM after a step, inside an update, before the first step and while the main thread waits
+in C++.
 """
 
 from __future__ import annotations
@@ -66,22 +68,28 @@ def test_ddp_restart_loads_the_captured_steps(tmp_path):
 
 
 def test_ddp_restart_with_gradient_accumulation_loads_the_last_update(tmp_path):
-    """Saves every 20 micro-batches, an update every 4: rank 1 dies inside micro-batch 31's
-    backward (a ``no_sync`` one: rank 0 goes on to 32's all-reduce), rank 0 captures step 28
-    (not 22, last save + updates) with BatchNorm's statistics of 28 (its forwards of 29-31 moved
-    them); the restart loads it, its save of 40 fits the count (no warning), and every rank ends
-    with an uninterrupted run's weights and running statistics (DDP's: rank 0's broadcast at each
-    update's first forward, then the rank's own)."""
+    """Saves every 20 micro-batches, an update every 4, a BatchNorm before the linear layer:
+    rank 1 dies inside micro-batch 31's backward (a ``no_sync`` one: rank 0 goes on to 32's
+    all-reduce), rank 0 captures step 28 (not 22, last save + updates) with BatchNorm's
+    statistics of 28 (its forwards of 29-31 moved them); the restart loads it, its save of 40
+    fits the count (no warning). Then rank 0, the local rank that keeps the node's copy, dies
+    inside micro-batch 37's backward: rank 1 notices at 40's all-reduce and writes the node's
+    copy of 36 with rank 0's statistics of 36, which DDP broadcast at 37's forward (before, its
+    own: DDP broadcasts rank 0's at each update's first forward, so its own are not what the
+    run goes on from). Every rank ends with an uninterrupted run's weights and running
+    statistics."""
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "--monitor-interval=0.1", SCRIPT, str(tmp_path / "ckpt"), str(out), "40", "-", "kill9:1:31:0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+           "--monitor-interval=0.1", SCRIPT, str(tmp_path / "ckpt"), str(out), "40", "-", "kill9:1:31:0",
+           "kill9:0:37:1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                           env=dict(os.environ, CAPTURE_ACCUMULATE="4", CAPTURE_BATCHNORM="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         assert _report(out, 0, rank)["step"] is None
         assert _report(out, 1, rank) == {"step": 28, "source": "memory", "captured": True}, proc.stderr[-4000:]
+        assert _report(out, 2, rank) == {"step": 36, "source": "memory", "captured": True}, proc.stderr[-4000:]
     assert "captured step 28" in proc.stderr and "steps_per_update" not in proc.stderr, proc.stderr[-4000:]
     _assert_final(out, 2, 40, accumulate=4, batchnorm=True)
 
