@@ -144,6 +144,8 @@ class ShardSampler(Sampler[int]):
         torch.distributed are tagged with (lock-step ranks count alike)."""
         self._settled_step = 0
         """The step whose positions ``settled`` holds (see :meth:`_report_step`)."""
+        self._first_update: Optional[int] = None
+        """The thread that iterates, until its first update began (reported as step 1)."""
         try:
             if self._ds.release(self.worker):
                 log.info("%s: took back the leases of an earlier %s", name, self.worker)
@@ -181,8 +183,19 @@ class ShardSampler(Sampler[int]):
             lease.sent = lease.done
         if self._stepped():
             self._complete_received()
+        elif self._boundary is None and self._boundaries == 0 and _default_sync(None):
+            self._await_first_update()
         self._finish_done()
         return self._generate()
+
+    def _await_first_update(self) -> None:
+        """Under failure capture, report as the first update begins too, before any boundary
+        (its own registration comes at the first boundary): a rank that dies inside its first
+        update is then at step 1 in a peer's capture of it."""
+        capture = sys.modules.get("flashckpt._capture")
+        if capture is not None and self._first_update is None:
+            self._first_update = threading.get_ident()
+            capture.on_update_begins(self._update_begins)
 
     def _complete_received(self) -> None:
         """An iteration begins after the last one's steps: complete what it received entirely,
@@ -324,6 +337,9 @@ class ShardSampler(Sampler[int]):
         """An optimizer update begins (flashckpt's hook, see :meth:`boundary_state`)."""
         if self._stepped() and threading.get_ident() == self._boundary[0]:
             self._report_step(self._boundaries + 1)
+        elif self._first_update == threading.get_ident() and self._boundaries == 0 and _default_sync(None):
+            self._first_update = 0  # once: a loop without boundaries reports at its saves, as before
+            self._report_step(1)
 
     def _stepped(self) -> bool:
         """Boundaries under torch.distributed: positions go to the coordinator by step."""
@@ -382,16 +398,15 @@ class ShardSampler(Sampler[int]):
         boundary's step (the boundaries since construction or load, alike on lock-step
         ranks), and completes the shards it had received entirely at its boundary before (a
         write). Under flashckpt's failure capture that report is made as the optimizer
-        update begins (``flashckpt._capture.on_update_begins``, from the first boundary on),
-        so that it holds for a rank that dies inside the update; the boundary then writes
+        update begins (``flashckpt._capture.on_update_begins``; the first update's from the
+        first iteration, where ``flashckpt._capture`` was imported by then), so that it holds for a rank that dies inside the update; the boundary then writes
         only what changed since. It returns the state's identity without the coordinator's part, which a
         capture's ``state_dict()`` reads itself, as of the capturing rank's last boundary:
         every rank's positions as of that step, also for a rank that went through the next
         step's boundary meanwhile (the coordinator keeps each lease's position of the step
         before too, and a shard finished at the next boundary is not yet completed). Exact
         when each rank's last boundary is the captured step's or the next, or it died inside
-        the captured step's update under failure capture (from its second update on: the hook
-        is registered at the first boundary), and every rank takes every update (the steps are
+        the captured step's update under failure capture, and every rank takes every update (the steps are
         counted per rank: a rank that sits out updates, as under ``Join``, counts apart). A
         rank a step ahead that begins a new iteration completes the shards it received
         entirely at once, tagged with their step, which a capture of the step before reads
@@ -488,6 +503,7 @@ class ShardSampler(Sampler[int]):
         self._pending = None
         self._boundary = None  # of the state replaced
         self._boundaries = self._settled_step = 0
+        self._first_update = None
 
 
 def _capturing() -> bool:

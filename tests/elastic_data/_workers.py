@@ -206,11 +206,11 @@ def peer_a_step_ahead(rank: int, world: int, url: str, then: str = "draws") -> d
     return {"step1": step1, "later": later, "state": state}
 
 
-def peer_dead_inside_its_update(rank: int, world: int, url: str) -> dict:
+def peer_dead_inside_its_update(rank: int, world: int, url: str, dies_at: int = 2) -> dict:
     """Two lockstep ranks under failure capture (a real ``FailureCapture`` on an SGD
-    optimizer, the sampler in ``boundary_state``), batches of 4 from shards of 6. After step 1,
-    both draw step 2; rank 1 begins its update of step 2 and dies there (it never reaches its
-    boundary), rank 0 finishes step 2 and its capture then reads the state of step 2."""
+    optimizer, the sampler in ``boundary_state``), batches of 4 from shards of 6, steps 1 to
+    ``dies_at``: rank 1 begins its update of step ``dies_at`` and dies there (it never reaches
+    its boundary), rank 0 finishes that step and its capture then reads the state of it."""
     import torch.distributed as dist
 
     import flashckpt._capture as capture
@@ -223,12 +223,12 @@ def peer_dead_inside_its_update(rank: int, world: int, url: str) -> dict:
                                      boundary_state=lambda: {"sampler": sampler.boundary_state()})
     it = iter(sampler)
     trained = []
-    for step in (1, 2):
+    for step in range(1, dies_at + 1):
         batch = [next(it) for _ in range(4)]
         trained += batch
         model(torch.ones(1, 1)).sum().backward()
-        if step == 2 and rank == 1:
-            failure.update_begins()  # killed inside this update: no boundary of step 2
+        if step == dies_at and rank == 1:
+            failure.update_begins()  # killed inside this update: no boundary of this step
         else:
             optimizer.step()
     dist.barrier()

@@ -288,13 +288,15 @@ def test_a_capture_takes_a_peer_a_step_ahead_at_the_captured_step(tmp_path, requ
     assert set(ranks[0]["later"] + ranks[1]["later"]) <= set(rest)
 
 
-def test_a_capture_takes_a_peer_dead_inside_its_update_at_the_captured_step(tmp_path):
+@pytest.mark.parametrize("dies_at", [2, 1])
+def test_a_capture_takes_a_peer_dead_inside_its_update_at_the_captured_step(tmp_path, dies_at):
     """Under failure capture each rank reports its positions as its optimizer update begins:
-    a peer killed inside its update of step 2 (never reaching its boundary) is at step 2 in
-    rank 0's capture of step 2, so a restart replays exactly what neither trained (before, the
-    peer's batch of step 2 was trained again)."""
+    a peer killed inside its update of step 2 (never reaching its boundary), or of its first
+    step (no boundary yet: the sampler reports as of its first iteration), is at that step in
+    rank 0's capture of it, so a restart replays exactly what neither trained (before, the
+    peer's batch of that step was trained again)."""
     url = sqlite_url(tmp_path)
-    ranks = run_ranks(peer_dead_inside_its_update, 2, url)
+    ranks = run_ranks(peer_dead_inside_its_update, 2, url, dies_at)
     restored = ShardSampler(48, coordinator=url, name="behind", shard_size=6, num_epochs=1, worker="w9")
     restored.load_state_dict(ranks[0]["state"], sync=False)
     assert Counter(ranks[0]["trained"] + ranks[1]["trained"] + list(restored)) == Counter(range(48))
