@@ -43,6 +43,7 @@ from torch.utils.data import Sampler
 
 import sharding
 
+from ._capture_read import capturing, read_as_of
 from ._heartbeat import process_heartbeats
 from ._progress import tick_agent
 
@@ -52,8 +53,6 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 _KIND = "ShardSampler"
-CAPTURE_READ_SECONDS = 10.0
-"""How long a failure capture on the training thread waits to read the coordinator."""
 
 
 @dataclass(slots=True, eq=False)
@@ -370,11 +369,11 @@ class ShardSampler(Sampler[int]):
         which may wait behind other processes' writes to the store).
         """
         boundary = self._boundary
-        if boundary is not None and (boundary[0] != threading.get_ident() or _capturing()):
+        if boundary is not None and (boundary[0] != threading.get_ident() or capturing()):
             if boundary[1] is not None:
                 return copy.deepcopy(boundary[1])
-            return self._state(self._read_at_capture(boundary[0], self._boundaries))
-        sync = _default_sync(sync) and not _capturing()  # a capture makes no collective: a peer may be dead
+            return self._state(read_as_of(self._ds, self._boundaries, boundary[0]))
+        sync = _default_sync(sync) and not capturing()  # a capture makes no collective: a peer may be dead
         if self._stepped():  # as a boundary's report: a peer may still capture the step before
             self._report_step(self._boundaries)
         else:
@@ -432,32 +431,6 @@ class ShardSampler(Sampler[int]):
             state["coordinator"] = coordinator
         return state
 
-    def _read_at_capture(self, training_thread: int, step: int) -> dict[str, Any]:
-        """The coordinator's state as of ``step``, for a capture. On the training thread (a
-        signal handled there) that thread may be inside a call into the same store, whose
-        lock it holds: the read goes on a thread of its own and gives up after
-        ``CAPTURE_READ_SECONDS``."""
-        if threading.get_ident() != training_thread:
-            return self._ds.state_dict(as_of=step)  # the training thread goes on and frees the store
-        got: list[Any] = []
-
-        def read() -> None:
-            try:
-                got.append(self._ds.state_dict(as_of=step))
-            except BaseException as exc:
-                got.append(exc)
-
-        reader = threading.Thread(target=read, name="shard-sampler-capture", daemon=True)
-        reader.start()
-        reader.join(CAPTURE_READ_SECONDS)
-        if not got:
-            raise sharding.CoordinatorError(
-                f"{self.name}: the coordinator's state could not be read within {CAPTURE_READ_SECONDS:.0f}s for the "
-                "failure capture (the capture interrupted this thread inside a call into the same store?)")
-        if isinstance(got[0], BaseException):
-            raise got[0]
-        return got[0]
-
     def reset(self, sync: Optional[bool] = None) -> None:
         """Start the data set over (epoch 0, every shard to do, no lease held): what a job
         with no checkpoint to load calls, so that shards a failed attempt completed before
@@ -504,12 +477,6 @@ class ShardSampler(Sampler[int]):
         self._boundary = None  # of the state replaced
         self._boundaries = self._settled_step = 0
         self._first_update = None
-
-
-def _capturing() -> bool:
-    """Inside a flashckpt failure capture's ``state_fn`` (on whichever thread)."""
-    capture = sys.modules.get("flashckpt._capture")
-    return capture is not None and capture.capturing()
 
 
 def _default_sync(sync: Optional[bool]) -> bool:

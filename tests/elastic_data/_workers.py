@@ -126,7 +126,7 @@ def boundary_ranks(rank: int, world: int, url: str) -> dict:
     import torch.distributed as dist
 
     import sharding
-    from elastic import ShardSampler, _shard_sampler
+    from elastic import ShardSampler, _capture_read
 
     sampler = ShardSampler(48, coordinator=url, name="boundary", shard_size=6, num_epochs=1)
     it = iter(sampler)
@@ -149,7 +149,7 @@ def boundary_ranks(rank: int, world: int, url: str) -> dict:
     thread.join()
     # a capture on the training thread while that thread is inside a call into the store (a
     # signal handled there): the store's lock is held, the capture's read must give up
-    _shard_sampler.CAPTURE_READ_SECONDS = 0.5
+    _capture_read.CAPTURE_READ_SECONDS = 0.5
     try:
         with sampler._ds._store._lock:
             captured_state(sampler)
