@@ -130,10 +130,11 @@ class BoundarySnapshot:
         current = self._buffers
         if not current:
             return
-        if len(self._spare) != len(current):
-            self._spare = [copy.clone() for _, _, copy in current]
         broadcast = {_key(b) for b in ddp.module.buffers()} - {None}
-        torch._foreach_copy_(self._spare, [live if _key(live) in broadcast else copy for _, live, copy in current])
+        with torch.inference_mode(False), torch.no_grad():  # a validation forward's: still copies to write later
+            if len(self._spare) != len(current):
+                self._spare = [copy.clone() for _, _, copy in current]
+            torch._foreach_copy_(self._spare, [live if _key(live) in broadcast else copy for _, live, copy in current])
         self._buffers = [(path, live, spare) for (path, live, _), spare in zip(current, self._spare)]
         self._spare = [copy for _, _, copy in current]
 

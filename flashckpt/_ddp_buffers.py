@@ -9,11 +9,16 @@ rank's own. :class:`DdpBroadcasts` calls back right after each DDP module's firs
 since a step boundary, before the wrapped module's own forward, with the DDP module: the
 boundary's copy of its buffers is then taken again, now rank 0's.
 
-DDP modules are found by a global forward pre-hook during the first step after the first
-boundary (and after a load: the module may be wrapped anew), one Python call per module
-forward of that step; each gets a forward pre-hook of its own (one call per forward), which
-arms a one-shot pre-hook on the wrapped module when the forward broadcasts. A module wrapped
-anew without a load is not found: its captures keep the rank's own buffers, as before.
+The DDP module is found by a global forward pre-hook from the first boundary (and from each
+load: the module may be wrapped anew) until its first forward, or for one step where none comes
+(one Python call per module forward meanwhile); it gets a forward pre-hook of its own (one call
+per forward), which arms a one-shot pre-hook on the wrapped module when the forward broadcasts.
+The hooks run outside ``torch.compile``'s graphs (``torch.compiler.disable``: traced, their copy
+would be of the rank's own buffers). Not found, so their captures keep the rank's own buffers:
+a second DDP module (the first one found ends the search, which spares ``DDP(torch.compile(m))``
+a compile for the global hook), a module wrapped anew without a load, one first called after the
+step that looked. Under ``torch.compile`` the step that looks may still compile a module called
+before the DDP module's forward once more (the global hook is part of its guards).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class DdpBroadcasts:
         """The global forward pre-hook's handle while DDP modules are looked for."""
         self._looked = False
         self._handles: list[Any] = []
+        self._armed: Any = None
+        """The one-shot hook of a broadcast armed and not yet done (one that raised leaves it)."""
         self._refreshed: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         """DDP module -> the boundary whose broadcast it last called back for."""
 
@@ -48,23 +55,26 @@ class DdpBroadcasts:
             from torch.nn.modules.module import register_module_forward_pre_hook
 
             self._looked = True
-            self._looking = register_module_forward_pre_hook(self._find)
+            self._looking = register_module_forward_pre_hook(_eager(self._find))
 
     def forget(self) -> None:
         """A load: look for the DDP modules again at the next boundary."""
         self._looked = False
 
     def close(self) -> None:
-        for handle in [*self._handles, *([self._looking] if self._looking is not None else [])]:
-            handle.remove()
-        self._handles, self._looking = [], None
+        for handle in [*self._handles, self._looking, self._armed]:
+            if handle is not None:
+                handle.remove()
+        self._handles, self._looking, self._armed = [], None, None
 
     def _find(self, module: Any, args: Any) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         if isinstance(module, DistributedDataParallel) and module not in self._refreshed:
+            self._looking.remove()
+            self._looking = None
             self._refreshed[module] = 0
-            self._handles.append(module.register_forward_pre_hook(self._forward))
+            self._handles.append(module.register_forward_pre_hook(_eager(self._forward)))
             self._forward(module, args)  # its own hook runs from its next forward on
 
     def _forward(self, ddp: Any, args: Any) -> None:
@@ -74,17 +84,28 @@ class DdpBroadcasts:
         if self._refreshed.get(ddp) == boundary:
             return
         self._refreshed[ddp] = boundary
+        if self._armed is not None:
+            self._armed.remove()
+            self._armed = None
         broadcasts = getattr(ddp, "_check_sync_bufs_pre_fwd", None)  # torch's own test, where it has one
         if not (broadcasts() if callable(broadcasts) else getattr(ddp, "broadcast_buffers", False)):
             return
-        handle: Any = None
 
         def broadcast_done(module: Any, inner_args: Any) -> None:
-            handle.remove()
+            if self._armed is not None:
+                self._armed.remove()
+                self._armed = None
             if self._boundaries == boundary:  # not a forward after a broadcast that raised
                 self._on_broadcast(ddp)
 
-        handle = ddp.module.register_forward_pre_hook(broadcast_done)
+        self._armed = ddp.module.register_forward_pre_hook(_eager(broadcast_done))
+
+
+def _eager(hook: Callable[..., None]) -> Callable[..., None]:
+    """``hook`` run as it is where ``torch.compile`` traces the module calling it."""
+    import torch
+
+    return torch.compiler.disable(hook)
 
 
 def _distributed() -> bool:
