@@ -286,7 +286,7 @@ class Dataset:
             raise InvalidArgument(f"as_of must be None or an int (a step), got {as_of!r}")
         snap = self._store.snapshot(self.name)
         epoch, cursor, queue, leases = snap["epoch"], snap["cursor"], snap["queue"], snap["leases"]
-        later = [] if as_of is None else [(int(slot), entry) for slot, entry in snap["completed_at"].items()
+        later = [] if as_of is None else [(int(key.split(":")[1]), entry) for key, entry in snap["completed_at"].items()
                                           if entry[1] > as_of]
         if later and min(entry[0] for _, entry in later) < epoch:  # an epoch that ended after as_of
             epoch, cursor, queue, leases = min(entry[0] for _, entry in later), self.definition.num_shards, [], {}

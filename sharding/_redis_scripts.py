@@ -8,7 +8,7 @@ the leases its first attempt took instead of taking more), ``dl`` (a sorted set 
 slots by deadline, so reclaiming expired leases is a range query), ``w:WORKER`` (a
 worker's slots, for heartbeat, release and retries), ``hist`` (slot -> ``step|before``: the step a
 lease's position was reported at and ``step:consumed`` of its report at the step before, if
-any; dropped with the lease), ``completed`` (slot -> ``epoch|step|consumed|`` and its ``hist``
+any; dropped with the lease), ``completed`` (``epoch:slot`` -> ``epoch|step|consumed|`` and its ``hist``
 entry: a shard completed at a step and its last reported positions, until a report two steps later) and ``stats`` (per worker ``c:``
 completed and ``l:`` lost: leases that expired or were released; a worker's acquired
 count is completed + lost + held, so taking a lease writes no counter).
@@ -205,7 +205,8 @@ local status, worker, info = check(position(), epoch, slot, token)
 if status == 'ok' then
   if step ~= '' then  -- consumed whole at step: keep its last reported positions
     local _, consumed = parse(info)
-    redis.call('HSET', completed, slot, ARGV[1]..'|'..step..'|'..consumed..'|'..(redis.call('HGET', hist, slot) or '-1|'))
+    redis.call('HSET', completed, ARGV[1]..':'..slot,
+               ARGV[1]..'|'..step..'|'..consumed..'|'..(redis.call('HGET', hist, slot) or '-1|'))
   end
   finish(slot, worker)
 end

@@ -40,9 +40,9 @@ class LeaseTable:
     leases: dict[int, _Lease] = field(default_factory=dict)
     #: worker -> [acquired, completed]
     workers: dict[str, list[int]] = field(default_factory=dict)
-    #: shards completed with a step, which a read as of an earlier step still holds: slot ->
-    #: [epoch, step, the lease's last reported step, consumed then, its ``before``] (see :meth:`complete`)
-    completed_at: dict[int, list[Any]] = field(default_factory=dict)
+    #: shards completed with a step, which a read as of an earlier step still holds: "epoch:slot"
+    #: -> [epoch, step, the lease's last reported step, consumed then, its ``before``] (see :meth:`complete`)
+    completed_at: dict[str, list[Any]] = field(default_factory=dict)
 
     # -- transitions -------------------------------------------------------------
 
@@ -92,7 +92,7 @@ class LeaseTable:
             lease = self._drop(slot)
             self.workers.setdefault(lease.worker, [0, 0])[1] += 1
             if step is not None:
-                self.completed_at[slot] = [epoch, step, lease.step, lease.consumed, lease.before]
+                self.completed_at[f"{epoch}:{slot}"] = [epoch, step, lease.step, lease.consumed, lease.before]
         return status
 
     def complete_and_acquire(
@@ -137,8 +137,7 @@ class LeaseTable:
         are all past step ``step``'s gradients, so no read is as of a step before ``step - 1``,
         and no completion is tagged beyond ``step + 2`` (an entry past that is of an earlier run
         whose steps counted higher)."""
-        self.completed_at = {slot: entry for slot, entry in self.completed_at.items()
-                             if step <= entry[1] <= step + 2}
+        self.completed_at = {key: entry for key, entry in self.completed_at.items() if step <= entry[1] <= step + 2}
 
     def _check(self, epoch: int, slot: int, token: int) -> tuple[Status, str | None]:
         if epoch < self.epoch:
@@ -173,8 +172,8 @@ class LeaseTable:
                 for slot, lease in sorted(self.leases.items())
             },
             "workers": {w: list(counts) for w, counts in self.workers.items()},
-            "completed_at": {str(slot): [*entry[:4], None if entry[4] is None else list(entry[4])]
-                             for slot, entry in sorted(self.completed_at.items())},
+            "completed_at": {key: [*entry[:4], None if entry[4] is None else list(entry[4])]
+                             for key, entry in sorted(self.completed_at.items())},
         }
 
     @classmethod
@@ -188,5 +187,5 @@ class LeaseTable:
             for slot, v in data["leases"].items()
         }
         table.workers = {w: list(c) for w, c in data["workers"].items()}
-        table.completed_at = {int(slot): list(entry) for slot, entry in data.get("completed_at", {}).items()}
+        table.completed_at = {key: list(entry) for key, entry in data.get("completed_at", {}).items()}
         return table

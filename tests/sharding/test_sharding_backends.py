@@ -287,6 +287,22 @@ def test_a_completion_after_the_last_boundary_keeps_both_positions_and_forgets_n
     assert ds.state_dict(as_of=6)["queue"] == ds.state_dict()["queue"] == []
 
 
+def test_completions_of_one_shard_in_two_epochs_are_both_kept(backend: Backend) -> None:
+    """One shard an epoch: completed at step 2 in epoch 0 and at step 3 in epoch 1 (a rank
+    that began a new iteration after its boundary of step 2), the state as of step 1 is still
+    epoch 0's, with the shard at its position of step 1."""
+    ds = backend.connect().dataset("one-shard", size=10, shard_size=10, num_epochs=3)
+    a = ds.acquire("w")
+    ds.report(a, consumed=4, step=1)
+    ds.complete(a, step=2)
+    b = ds.acquire("w")
+    ds.report(b, consumed=3, step=2)
+    ds.complete(b, step=3)
+    before = ds.state_dict(as_of=1)
+    assert (before["epoch"], before["queue"]) == (0, [[0, 4]])
+    assert (ds.state_dict(as_of=2)["epoch"], ds.state_dict(as_of=2)["queue"]) == (1, [[0, 3]])
+
+
 def test_load_state_dict_rejects_bad_state(backend: Backend) -> None:
     ds = backend.connect().dataset("bad-state", size=100, shard_size=10)
     good = ds.state_dict()
