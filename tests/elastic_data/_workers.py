@@ -195,6 +195,7 @@ def peer_a_step_ahead(rank: int, world: int, url: str, then: str = "draws") -> d
     step1 = [next(it) for _ in range(4)]
     sampler.boundary_state()
     later = [next(it) for _ in range(4)]
+    dist.barrier()  # both drew step 2 (a new iteration would otherwise take every shard first)
     if rank == 1:
         sampler.boundary_state()
         if then == "saves":
