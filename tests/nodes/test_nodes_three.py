@@ -1,4 +1,4 @@
-"""Three nodes under torchrun, one worker each, node-local checkpoint directories (issue 43).
+"""Three nodes under torchrun (two workers each for per-rank state, else one), node-local checkpoint directories (issue 43).
 
 On three nodes the replica ring is 0 -> 1 -> 2 -> 0: node ``k`` holds node ``k - 1``'s newest
 steps in memory and commits its own rank's shards and node ``k - 1``'s in its directory (on
@@ -12,10 +12,10 @@ time: ZeRO-1 on node-local directories with replicas is tested on two nodes
 three nodes passed when run by hand (``--zero-stage``), not in the suite.
 
 - Node 1 lost whole at step 7 (its processes SIGKILLed, its ``/dev/shm`` gone, its directory
-  wiped), a fresh node 1 joins: every rank restores step 7 from memory, rank 1's sent by node 2
+  wiped), a fresh node 1 joins: every rank restores step 7 from memory, node 1's ranks' sent by node 2
   (which holds node 1's replica), 0 steps lost, every rank's restored state (parameters and
   optimizer state) equal to its state at step 7; at the end each directory committed step 10 of
-  its own rank and its predecessor's.
+  its own ranks and its predecessor's.
 - Node 1 gone after step 3 (its link down, as a machine without power answers nothing, then its
   processes SIGKILLed), then nodes 0 and 2 save step 4 and ``close()``: node 2's commit of 4
   needs rank 1's shard (an error), node 0 commits 4 and only its second copy on node 1 is
@@ -51,19 +51,22 @@ pytestmark = pytest.mark.skipif(missing_requirements() is not None, reason=str(m
 def test_a_lost_node_restores_from_its_successors_replica(tmp_path, state):
     local = disks(tmp_path, 3)
     deepspeed = "--deepspeed" in state
+    nproc = 2 if state == ("--per-rank",) else 1  # per-rank state: two ranks a node, for the suite's time
     job = replace_node1(tmp_path, count=3, steps=STEPS, kill_step=KILL_STEP, worker_args=state,
-                        disks=local, nproc=1, lost=lambda: wipe(local[1]))
+                        disks=local, nproc=nproc, lost=lambda: wipe(local[1]))
+    on_node = [tuple(range(node * nproc, (node + 1) * nproc)) for node in range(3)]
     restored = {e["rank"]: e for e in job.events("restored")}
     assert sorted((r, e["step"], e["source"]) for r, e in restored.items()) == \
-        [(rank, KILL_STEP, "memory") for rank in range(3)], restored  # 0 steps lost
-    # rank 1's step came from node 2, which keeps node 1's replica; the others had it in memory
-    assert {r: e["peers"] for r, e in restored.items()} == {0: [], 1: [job.nodes.addresses[2]], 2: []}, restored
+        [(rank, KILL_STEP, "memory") for rank in range(3 * nproc)], restored  # 0 steps lost
+    # node 1's ranks' step came from node 2, which keeps node 1's replica; the others had it in memory
+    assert {r: e["peers"] for r, e in restored.items()} == \
+        {r: [job.nodes.addresses[2]] if r in on_node[1] else [] for r in range(3 * nproc)}, restored
     at_kill = {e["rank"]: e["digest"] for e in job.events("step")}
     assert {r: e["digest"] for r, e in restored.items()} == at_kill  # parameters and optimizer state, exactly
     check_every_step_once(job)
     flash = "flashckpt" if deepspeed else ""  # DeepSpeedCheckpointer's flash steps
-    for disk, scope in zip(local, [(0, 2), (0, 1), (1, 2)]):  # its own rank and its predecessor's
-        check_committed_here(disk / flash, STEPS, scope)
+    for node, disk in enumerate(local):  # its own ranks and its predecessor's
+        check_committed_here(disk / flash, STEPS, tuple(sorted(on_node[node] + on_node[node - 1])))
     if deepspeed:  # no node's directory holds every rank's files of a tag: none is exported, as said
         assert not [p for disk in local for p in disk.glob("global_step*")], [list(d.iterdir()) for d in local]
         said = {e["rank"]: [w for w in e["warnings"] if "DeepSpeed tags" in w] for e in job.events("done")}
