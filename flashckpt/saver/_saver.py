@@ -261,6 +261,9 @@ class Saver:
                 if isinstance(key.data, tuple):
                     os.close(key.data[0])
         client.conn.close()
+        if not client.greeted:  # a liveness check (``flashckpt gc``), which says nothing
+            log.debug("pid %d %s without a hello", client.pid, why)
+            return
         self._ended_cleanly = client.closed_cleanly
         if client.closed_cleanly:
             log.info("trainer pid %d closed", client.pid)
@@ -323,6 +326,7 @@ class Saver:
                 return
             client.slots = slots
             client.info = dict(msg.get("info") or {})
+            client.greeted = True
             client.send({"op": "welcome", "pid": os.getpid()})
         elif op == "info":
             client.info = dict(msg["info"])

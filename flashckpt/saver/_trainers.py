@@ -27,6 +27,8 @@ class TrainerConnection:
     """Where this trainer's slots go on storage and how (its ``hello``/``info``)."""
     saved: dict[str, dict[str, Any]] = field(default_factory=dict)
     """slot -> the newest ``saved`` message for it (what a crash flush writes)."""
+    greeted: bool = False
+    """It said ``hello``: a trainer, not a process asking whether the saver serves (``gc``)."""
     closed_cleanly: bool = False
     buffer: bytes = b""
     send_lock: threading.Lock = field(default_factory=threading.Lock)

@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
-from flashckpt import cli
+from flashckpt import _names, cli
 from flashckpt.torch import Checkpointer
 
 from .conftest import shm_objects
@@ -77,6 +78,24 @@ def test_persist_rescues_a_dead_job_and_gc_cleans_up(tmp_path, job_id):
     assert out.returncode == 0
     assert not [p for p in shm_objects(job_id) if ".slot" in p or ".rank" in p]
 
+
+
+def test_gc_asking_a_saver_whether_it_serves_is_no_trainer_that_died(tmp_path, job_id):
+    """``gc`` tells a live job by connecting to its saver's socket; the saver must not take
+    that connection for a trainer that went without closing (a crash flush, a warning, and
+    a job it no longer sees as ended cleanly)."""
+    with Checkpointer(tmp_path, job_id=job_id) as ck:
+        ck.save(1, {"w": torch.ones(10)})
+        assert job_id not in flashckpt("gc", "--dry-run").stdout  # a live job: left alone
+    [saver] = saver_pids(job_id)
+    assert cli._job_alive(job_id, cli._segments()[job_id])  # after it closed, before the saver exits
+    deadline = time.monotonic() + 30
+    while saver in saver_pids(job_id):
+        assert time.monotonic() < deadline, "the saver did not exit after its trainer closed"
+        time.sleep(0.1)
+    with open(_names.saver_log_path(job_id)) as f:
+        log = f.read()
+    assert "closed" in log and "without closing" not in log, log
 
 _DEAD_JOB = textwrap.dedent("""
     import sys
