@@ -1,6 +1,8 @@
-import glob
 import os
+import re
+import subprocess
 import threading
+import time
 import uuid
 
 import pytest
@@ -9,18 +11,68 @@ import pytest
 # each (torch's default, one per core, made the suite's processes contend; about 10% of its CPU)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from flashckpt._names import job_prefix  # noqa: E402
+from flashckpt.cli import _job_alive, _segments  # noqa: E402
 from flashckpt.memory import _slot  # noqa: E402
+
+_STARTED = pytest.StashKey[float]()
 
 
 @pytest.fixture
 def job_id():
-    """A fresh job id, with every shared-memory object of it removed afterwards."""
+    """A fresh job id, with every shared-memory object of it (and of the ids ``<job>-*`` a
+    test derives from it) removed afterwards, saver logs included."""
     job = "t" + uuid.uuid4().hex[:12]
     yield job
-    for path in glob.glob(job_prefix(job) + ".*"):
-        if not path.endswith((".sock", ".saver.lock")):
-            os.unlink(path)
+    for other, paths in _segments().items():
+        if other == job or other.startswith(job + "-"):
+            for path in paths:
+                if not path.endswith((".sock", ".saver.lock")):
+                    _unlink(path)
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_STARTED] = time.time()
+
+
+def pytest_sessionfinish(session):
+    """Remove the shared-memory objects of the jobs this run's tests left (processes they
+    killed, jobs a test never closes, saver logs): every job first seen since the run began
+    that no process serves any more. Once, in the process that ran the whole session (with
+    xdist its controller, once every worker is done), after their savers exit (at most 10 s:
+    a saver lingers a few seconds after its last trainer)."""
+    started = session.config.stash.get(_STARTED, None)
+    if started is None or hasattr(session.config, "workerinput"):
+        return
+    def jobs():
+        return {job: paths for job, paths in _segments().items() if _first_seen(paths) >= started}
+
+    deadline = time.monotonic() + 10
+    while jobs().keys() & _saver_jobs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for job, paths in jobs().items():
+        if not _job_alive(job, paths):
+            for path in paths:
+                _unlink(path)
+
+
+def _first_seen(paths):
+    try:
+        return min(os.stat(path).st_mtime for path in paths)
+    except FileNotFoundError:
+        return 0.0
+
+
+def _saver_jobs():
+    """The job ids of the savers running on this machine."""
+    out = subprocess.run(["pgrep", "-af", "flashckpt.saver._saver"], capture_output=True, text=True).stdout
+    return set(re.findall(r"--job-id (\S+)", out))
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 @pytest.fixture(scope="module")
