@@ -15,7 +15,7 @@ step's time after its save returned) to see whether the first pays anything more
 
 Modes, each with a job of its own (so a saver of its own):
 - ``parallel``: ``FLASHCKPT_PERSIST_THREADS=4``, up to 4 ranks at once (the default is
-  one thread per 4 cores, 1 to 4: see ``flashckpt.saver._client.persist_threads``);
+  one thread per 4 cores, 1 to 4: see ``flashckpt.saver._settings.persist_threads``);
 - ``serial``: ``FLASHCKPT_PERSIST_THREADS=1``, one slot at a time, as before;
 - ``dd``: N ``dd if=/dev/zero bs=16M oflag=direct`` processes started together, each
   writing one rank's bytes into the same directory: the disk's floor for N writers.

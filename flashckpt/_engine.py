@@ -21,7 +21,8 @@ from .restore._agreement import agree
 from .restore._load import LoadInfo, agreed_image, load_agreed
 from .restore._ranks import flush_on_every_rank, on_all_ranks
 from .restore._sources import Agreement, Source, Sources, memory_keys
-from .saver._client import SaverClient, saver_timeout
+from .saver._client import SaverClient
+from .saver._settings import saver_timeout
 from ._errors import CheckpointError, CheckpointTimeoutError
 from .memory._format import Image, plan_image
 from .memory._overlap import OverlappedCopy
@@ -226,7 +227,8 @@ class Engine:
     def _handle(self, step: int, persisting: bool, key: tuple[str | None, int],
                 copy: OverlappedCopy | None = None) -> SaveHandle:
         return SaveHandle(step, persisting, key, self._line_token, saver=self._client, storage=self.storage,
-                          wait=self.wait, copy=copy, finish_copy=self.finish_copy)
+                          wait=self.wait, raise_errors=self._raise_persist_errors, copy=copy,
+                          finish_copy=self.finish_copy)
 
     def finish_copy(self, timeout: float | None = None, copy: OverlappedCopy | None = None) -> None:
         """Wait for the copy of an overlapped save (``copy``; None: the one still running,

@@ -19,14 +19,14 @@ class SaveHandle:
 
     def __init__(self, step: int, persisting: bool, key: tuple[str | None, int], token: str, *,
                  saver: SaverClient, storage: Any, wait: Callable[[float | None], None],
-                 copy: OverlappedCopy | None = None,
+                 raise_errors: Callable[[], None], copy: OverlappedCopy | None = None,
                  finish_copy: Callable[[float | None, OverlappedCopy], None] | None = None) -> None:
         self.step = step
         self.persisting = persisting
         """True when this save was due for storage (``persist_every``, or ``persist=True``)."""
         self._key = key
         """(slot path, generation) of the copy the saver persists."""
-        self._saver, self._storage, self._wait = saver, storage, wait
+        self._saver, self._storage, self._wait, self._raise_errors = saver, storage, wait, raise_errors
         self._token = token
         """The line this save belongs to: a step of another line with the same number is not this save."""
         self._copy, self._finish_copy = copy, finish_copy
@@ -68,9 +68,12 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until this save (and every persist asked before it) is done, raising what
-        failed; ``timeout`` as :meth:`flashckpt._engine.Engine.wait`."""
+        failed, also a failure :meth:`done` or another call heard of first and nothing
+        raised yet; ``timeout`` as :meth:`flashckpt._engine.Engine.wait`."""
         self.wait_copy(timeout)
-        if not self.done():
+        if self.done():
+            self._raise_errors()
+        else:
             self._wait(timeout)
 
     def __repr__(self) -> str:

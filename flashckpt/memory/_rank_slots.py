@@ -41,9 +41,22 @@ class Saver(Protocol):
     """What the slots need of the node's saver (``flashckpt.saver._client.SaverClient``)."""
 
     saver_pid: int
-    last_committed: int | None
+
+    def covers(self, token: Any, step: int) -> bool:
+        """Storage holds a step of this trainer's at least as new, by (line, step), as
+        ``step`` of the line ``token``: a memory copy of it is not the only one."""
+        ...
+
+    def persisting(self, path: str, generation: int) -> bool:
+        """The copy ``generation`` of slot ``path`` is asked to persist and not yet done
+        (its saver may have died, and a new one been told of it)."""
+        ...
 
     def drain(self) -> None: ...
+
+    def revive(self) -> None:
+        """Replace a saver found dead, telling the new one what the old was asked."""
+        ...
 
     def saved(self, path: str, generation: int, step: int, info: dict[str, Any], *, persist: bool) -> None: ...
 
@@ -116,8 +129,9 @@ class RankSlots:
         return any(h.writer_pid not in (0, me) and pid_alive(h.writer_pid) for h in self.headers())
 
     def choose(self, saver: Saver, bound: float) -> int:
-        """A slot the saver is not holding (reading, or due to read) that does not hold
-        the newest complete copy, so a crash during this save still leaves that copy.
+        """A slot the saver is not holding (reading, or due to read, also a persist told
+        again to a new saver) that does not hold the newest complete copy, so a crash
+        during this save still leaves that copy.
         With one slot, or when the newest copy is committed, its slot may be reused. A slot
         another live process is writing (a local rank's failure capture) is never taken.
         Waits only when storage lags the requested persists, and at most ``bound`` seconds."""
@@ -126,11 +140,11 @@ class RankSlots:
         while True:
             with self.lock.held():
                 headers = self.headers()
-                free = [i for i, h in enumerate(headers) if _free(h)]
+                free = [i for i, h in enumerate(headers)
+                        if _free(h) and not saver.persisting(self.paths[i], h.generation)]
                 newest = self._newest(headers)
                 choice = [i for i in free if i != newest]
-                committed = saver.last_committed is not None and newest is not None and \
-                    saver.last_committed >= headers[newest].step  # its memory copy is not the only one
+                committed = newest is not None and saver.covers(headers[newest].info.get("token"), headers[newest].step)
                 if not choice and (len(headers) == 1 or committed):
                     choice = free
                 if choice:
@@ -145,6 +159,7 @@ class RankSlots:
                     f"save waited {bound:g}s for the saver (pid {saver.saver_pid}) to release a "
                     f"memory slot of job {self.job_id}; see {_names.saver_log_path(self.job_id)}")
             saver.drain()
+            saver.revive()  # a persist this waits for is not done by a dead saver
             time.sleep(0.001)
 
     def claim(self, saver: Saver, bound: float, size: int, step: int, info: dict[str, Any], *,

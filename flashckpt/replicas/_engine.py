@@ -21,7 +21,7 @@ from ._protocol import ReplicaError, advertised_host, fetch
 from ._store import replica_index
 from ..memory._rank_slots import RankSlots, Saver, Writer
 from ..restore._ranks import gather, raise_errors
-from ..saver._client import saver_timeout
+from ..saver._settings import saver_timeout
 from ..storage._step_meta import line_key
 
 __all__ = ["PeerReplicas", "ReplicaSaver"]

@@ -34,12 +34,14 @@ from typing import Any
 from .. import _names
 from ._exporters import export_timeout
 from .._errors import CheckpointTimeoutError, SaverError
-from .._options import env_count
 from ..memory._slot import pid_alive
 from ..storage._client_options import saver_environment
+from ..storage._step_meta import line_key
+from ._lock import lock_holder, stopped_saver
+from ._settings import TIMEOUT_ENV, persist_threads, saver_timeout
 from ._wire import Dial, Made, encode, goodbye, peer_uid, process_state, read_line
 
-__all__ = ["SaverClient", "persist_threads", "saver_timeout", "stopped_saver"]
+__all__ = ["SaverClient"]
 
 log = logging.getLogger(__name__)
 
@@ -51,33 +53,6 @@ CPU with a saver's start (an interpreter and its imports, most of a second), whi
 by a quarter to a half on two cores."""
 _CHECK_SECONDS = 0.5
 _PROTOCOL = 2
-_TIMEOUT_ENV = "FLASHCKPT_SAVER_TIMEOUT"
-_THREADS_ENV = "FLASHCKPT_PERSIST_THREADS"
-_THREADS_MAX_DEFAULT = 4
-_CORES_PER_THREAD = 4
-
-
-def saver_timeout() -> float:
-    """The default bound, in seconds, on any wait on the saver (``FLASHCKPT_SAVER_TIMEOUT``)."""
-    raw = os.environ.get(_TIMEOUT_ENV, "600")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{_TIMEOUT_ENV} must be positive, got {raw!r}")
-    return value
-
-
-def persist_threads() -> int:
-    """How many local ranks the saver persists at once (``FLASHCKPT_PERSIST_THREADS``;
-    1 writes one slot at a time). The saver takes it from the environment of the
-    trainer that started it. Default: one per 4 CPU cores, 1 to 4: a persist keeps about a
-    core busy (checksums, feeding the device), taken from the trainers on a small machine.
-    On a loaded 2-core machine whose disk one O_DIRECT stream nearly fills, 4 threads over
-    1 with 4 ranks measured 0.73x-1.52x (median 1.13x, 11 repeats; ``benchmarks/persist.py``),
-    no clear gain; parallel and network file systems want several streams."""
-    return env_count(_THREADS_ENV, min(_THREADS_MAX_DEFAULT, max(1, (os.cpu_count() or 1) // _CORES_PER_THREAD)))
 
 
 def _spawn_saver(job_id: str) -> subprocess.Popen:
@@ -108,7 +83,8 @@ class SaverClient:
         self._ids = itertools.count()
         self._buffer = b""
         self.errors: list[str] = []
-        self.last_committed: int | None = None
+        self._committed: tuple[str, int] | None = None
+        """(line, step) of the newest step this trainer's persists committed."""
         self._saver_pid = 0
         self._slots = slots
         self.info = info
@@ -263,7 +239,7 @@ class SaverClient:
             time.sleep(0.02)
 
     def _unreachable(self, path: str, seconds: float) -> CheckpointTimeoutError:
-        holder = _lock_holder(self.job_id)
+        holder = lock_holder(self.job_id)
         state = f" (the saver holding its lock, pid {holder}, is {process_state(holder)})" if holder else ""
         return CheckpointTimeoutError(f"could not reach the flashckpt saver at {path} within {seconds:g}s{state}; "
                                       f"see {_names.saver_log_path(self.job_id)}")
@@ -334,7 +310,8 @@ class SaverClient:
         if msg.get("skipped"):
             return
         if msg.get("committed"):
-            self.last_committed = max(self.last_committed or -1, msg["step"])
+            key = (line_key(msg.get("token")), msg["step"])
+            self._committed = key if self._committed is None else max(self._committed, key)
         mib = msg.get("bytes", 0) / 2**20
         seconds = msg.get("seconds", 0.0)
         since_save = f", durable {msg['finished_at'] - saved_at:.2f}s after the save" if saved_at else ""
@@ -398,7 +375,7 @@ class SaverClient:
                 raise CheckpointTimeoutError(
                     f"the flashckpt saver (pid {self._saver_pid}, {process_state(self._saver_pid)}) did not finish "
                     f"{op} within {bound:g}s ({self.outstanding} persists outstanding); see "
-                    f"{_names.saver_log_path(self.job_id)}, or raise {_TIMEOUT_ENV}")
+                    f"{_names.saver_log_path(self.job_id)}, or raise {TIMEOUT_ENV}")
             msg = self._read_message(self.link(), min(remaining, _CHECK_SECONDS))
             if msg is not None:
                 if msg.get("op") == answer and msg.get("id") == ident:
@@ -414,6 +391,13 @@ class SaverClient:
             replaced += 1
             self._reconnect("it exited")
             self.link().sendall(encode(request))
+
+    def revive(self) -> None:
+        """Replace the saver now if it is found dead (it exited, or dropped this trainer): the
+        new one is told again every save and every persist not yet reported done."""
+        if self.sock is not None and (not pid_alive(self._saver_pid) or self._closed_by_peer()):
+            self._reap()
+            self._reconnect("it exited")
 
     def _closed_by_peer(self) -> bool:
         """The saver's end of the socket is closed (it exited, or dropped us)."""
@@ -459,6 +443,30 @@ class SaverClient:
         self._replica_config[1:] = [msg]
         self._send(msg)
 
+    def covers(self, token: Any, step: int) -> bool:
+        """Storage holds a step of this trainer's at least as new, by (line, step), as
+        ``step`` of the line ``token`` (a newer line's step covers any of an older one)."""
+        return self._committed is not None and self._committed >= (line_key(token), step)
+
+    def persisting(self, path: str, generation: int) -> bool:
+        """The copy ``generation`` of slot ``path`` is asked to persist, not yet done, and
+        still needed: no newer step (by line, step) is committed or asked to persist since."""
+        if (path, generation) not in self.pending:
+            return False
+        key = self._asked(path, generation)
+        if key is None:
+            return True
+        if self._committed is not None and self._committed >= key:
+            return False
+        return not any(k is not None and k > key for k in (self._asked(*p) for p in list(self.pending)))
+
+    def _asked(self, path: str, generation: int) -> tuple[str, int] | None:
+        """(line, step) of the copy ``generation`` of slot ``path`` as this trainer told it."""
+        msg = self._saved.get(path)
+        if msg is None or msg["generation"] != generation:
+            return None
+        return line_key(msg["info"].get("token")), msg["step"]
+
     def take_errors(self) -> list[str]:
         errors, self.errors = self.errors, []
         return errors
@@ -474,27 +482,3 @@ class SaverClient:
         if self.sock is not None:
             goodbye(self.sock)
         self._reap()
-
-
-def stopped_saver(job_id: str) -> int:
-    """The pid of this job's saver if it is stopped (``kill -STOP``, a debugger), else 0: the
-    pid in its lock file, when that process is stopped and runs this job's saver (a pid
-    reused by another process is not)."""
-    holder = _lock_holder(job_id)
-    if not holder or process_state(holder) != "stopped":
-        return 0
-    try:
-        with open(f"/proc/{holder}/cmdline", "rb") as f:
-            argv = f.read(4096).split(b"\0")
-    except OSError:
-        return 0
-    return holder if b"flashckpt.saver._saver" in argv and job_id.encode() in argv else 0
-
-
-def _lock_holder(job_id: str) -> int:
-    """The pid the running saver wrote into its lock file (0 if unknown)."""
-    try:
-        with open(_names.job_prefix(job_id) + ".saver.lock", "rb") as f:
-            return int(f.read(32).strip() or 0)
-    except (OSError, ValueError):
-        return 0

@@ -12,9 +12,11 @@ from __future__ import annotations
 import fcntl
 import os
 
+from .. import _names
 from ..memory._slot import open_private
+from ._wire import process_state
 
-__all__ = ["ServingLock"]
+__all__ = ["ServingLock", "lock_holder", "stopped_saver"]
 
 
 class ServingLock:
@@ -67,3 +69,27 @@ class ServingLock:
             return False
         mine = os.fstat(fd)
         return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def stopped_saver(job_id: str) -> int:
+    """The pid of this job's saver if it is stopped (``kill -STOP``, a debugger), else 0: the
+    pid in its lock file, when that process is stopped and runs this job's saver (a pid
+    reused by another process is not)."""
+    holder = lock_holder(job_id)
+    if not holder or process_state(holder) != "stopped":
+        return 0
+    try:
+        with open(f"/proc/{holder}/cmdline", "rb") as f:
+            argv = f.read(4096).split(b"\0")
+    except OSError:
+        return 0
+    return holder if b"flashckpt.saver._saver" in argv and job_id.encode() in argv else 0
+
+
+def lock_holder(job_id: str) -> int:
+    """The pid the running saver wrote into its lock file (0 if unknown)."""
+    try:
+        with open(_names.job_prefix(job_id) + ".saver.lock", "rb") as f:
+            return int(f.read(32).strip() or 0)
+    except (OSError, ValueError):
+        return 0

@@ -5,7 +5,7 @@ Trainers connect over a Unix socket in the user's private shared-memory director
 ``info``, ``warm``, ``flush``, ``wait``, ``close``; on several nodes ``replicate`` and
 ``replica_peer``, which start peer-memory replicas, see ``flashckpt.replicas._protocol``). Where a slot goes on storage, its retention,
 exporter and pickling come from these messages of an authenticated trainer, never from
-the bytes in shared memory. Worker threads (``FLASHCKPT_PERSIST_THREADS``, see ``flashckpt.saver._client.persist_threads``)
+the bytes in shared memory. Worker threads (``FLASHCKPT_PERSIST_THREADS``, see ``flashckpt.saver._settings.persist_threads``)
 write slots to storage, several local ranks at once but each rank's saves one after
 another (see ``flashckpt.saver._jobs``), and exports run on threads of their own (see
 ``flashckpt.saver._exporters.ExportQueue``); persisting never competes with training for the
@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from .. import _names
-from ._client import persist_threads
+from ._settings import persist_threads
 from .._errors import CheckpointError
 from ._exporters import ExportQueue
 from ._persist import persist_slot

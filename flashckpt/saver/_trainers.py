@@ -50,10 +50,10 @@ def report(job: Job, *, result: PersistResult | None = None, error: Exception | 
         job.client.send({"op": "persisted", "error": f"{type(error).__name__}: {error}", "slot": job.slot,
                          "generation": job.generation})
     else:
-        job.client.send(_result_message(result, job.slot, job.generation))
+        job.client.send(_result_message(result, job.slot, job.generation, job.info.get("token")))
 
 
-def _result_message(result: PersistResult, slot: str, generation: int) -> dict[str, Any]:
+def _result_message(result: PersistResult, slot: str, generation: int, token: Any) -> dict[str, Any]:
     return {"op": "persisted", "slot": slot, "generation": generation, "step": result.step,
-            "committed": result.committed, "skipped": result.skipped, "seconds": result.seconds,
+            "token": token, "committed": result.committed, "skipped": result.skipped, "seconds": result.seconds,
             "bytes": result.nbytes, "finished_at": time.time()}

@@ -14,7 +14,8 @@ import signal
 import time
 
 from flashckpt import _names
-from flashckpt.saver._client import SaverClient, _lock_holder
+from flashckpt.saver._client import SaverClient
+from flashckpt.saver._lock import lock_holder
 from flashckpt.memory._slot import pid_alive
 
 
@@ -30,7 +31,7 @@ def test_a_saver_whose_lock_file_was_removed_steps_down_for_the_next(job_id):
     sock = _names.socket_path(job_id)
     first = SaverClient(job_id, [], {})
     old = first.saver_pid
-    assert _lock_holder(job_id) == old
+    assert lock_holder(job_id) == old
     os.kill(old, signal.SIGSTOP)  # held still, so the next saver starts before it looks again
     try:
         os.unlink(lock)  # a wiped /dev/shm, while the old saver still serves a trainer
@@ -40,11 +41,11 @@ def test_a_saver_whose_lock_file_was_removed_steps_down_for_the_next(job_id):
     finally:
         os.kill(old, signal.SIGCONT)
     try:
-        assert new != old and _lock_holder(job_id) == new
+        assert new != old and lock_holder(job_id) == new
         bound = os.stat(sock).st_ino
         time.sleep(4 * 0.5)  # several ticks of both savers
         assert os.stat(sock).st_ino == bound, "the old saver took the socket back"
-        assert _lock_holder(job_id) == new
+        assert lock_holder(job_id) == new
         assert pid_alive(old), "the old saver still serves the trainer connected to it"
         first.close()
         _until(lambda: not pid_alive(old), "the old saver leaves once its trainers are done", seconds=3)
@@ -64,7 +65,7 @@ def test_a_saver_whose_lock_file_was_removed_takes_it_again_when_no_other_did(jo
     pid = client.saver_pid
     try:
         os.unlink(lock)
-        _until(lambda: _lock_holder(job_id) == pid, "the saver takes its lock path again", seconds=5)
+        _until(lambda: lock_holder(job_id) == pid, "the saver takes its lock path again", seconds=5)
         again = SaverClient(job_id, [], {})
         assert again.saver_pid == pid
         again.close()

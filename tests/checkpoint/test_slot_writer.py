@@ -18,10 +18,18 @@ from flashckpt.memory._slot import SlotState
 
 class _Saver:
     """The saver as the slots see it: nothing committed, nothing held."""
-    last_committed = None
     saver_pid = 0
 
+    def covers(self, token, step) -> bool:
+        return False
+
+    def persisting(self, path, generation) -> bool:
+        return False
+
     def drain(self) -> None:
+        pass
+
+    def revive(self) -> None:
         pass
 
     def saved(self, path, generation, step, info, *, persist) -> None:
