@@ -47,6 +47,8 @@ class MemoryCopy:
     saved_at: float
     image_len: int
     """Bytes of the image (what a save of this rank's items takes in a slot)."""
+    token: Any = None
+    """The line of the run that saved it."""
 
 
 def _saved_id(info: dict[str, Any]) -> Any:
@@ -73,17 +75,20 @@ def memory_ids(job_id: str, store: str, slots_per_rank: int) -> set[str]:
 
 
 def memory_copies(job_id: str, store: str, checkpoint_id: str, slots_per_rank: int) -> dict[int, MemoryCopy]:
-    """storage rank -> its newest complete copy in this node's memory of the save of
-    ``checkpoint_id`` into ``store``, all of one step (that of the newest copy)."""
+    """storage rank -> its copy in this node's memory of the newest save of ``checkpoint_id``
+    into ``store`` that finished: rank 0's newest copy (the coordinator copies in ``finish``,
+    after every rank copied its items), and each other rank's newest copy of that step and
+    line made before it. A save cut short leaves other ranks' newer copies, which are not
+    taken: a load reads one save whole. Empty without rank 0's copy on this node."""
     found = [MemoryCopy(path, h.generation, h.step, int(h.info.get("storage_rank", 0)),
-                        int(h.info.get("storage_world", 1)), h.saved_at, h.image_len)
+                        int(h.info.get("storage_world", 1)), h.saved_at, h.image_len, h.info.get("token"))
              for path, h in complete_headers(job_id, store, slots_per_rank) if _saved_id(h.info) == checkpoint_id]
-    if not found:
+    first = max((c for c in found if c.storage_rank == 0), key=lambda c: c.saved_at, default=None)
+    if first is None:
         return {}
-    step = max(found, key=lambda c: c.saved_at).step
     copies: dict[int, MemoryCopy] = {}
     for copy in sorted(found, key=lambda c: c.saved_at):
-        if copy.step == step:
+        if copy.step == first.step and copy.token == first.token and copy.saved_at <= first.saved_at:
             copies[copy.storage_rank] = copy
     return copies
 

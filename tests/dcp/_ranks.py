@@ -70,3 +70,34 @@ def load_step_4(rank: int, world: int, root: str) -> dict:
     info = reader.last_load
     close()
     return {"w": state["w"].flatten().tolist(), "epoch": state["epoch"], "source": info.source}
+
+
+def _halves(value: float) -> dict:
+    return {f"k{i}": torch.full((256,), value) for i in range(8)}
+
+
+def resave_dies_before_finish(rank: int, world: int, root: str, name: str) -> None:
+    """Save ``name`` (all 1.0), let it persist, then save it again (all 2.0) and die by
+    ``kill -9`` after rank 1 copied its items but before rank 0's ``finish`` (rank 0 copies there)."""
+    import threading
+
+    from flashckpt.dcp import _writer
+    from ._common import wait_for
+
+    dcp.save(_halves(1.0), storage_writer=FlashStorageWriter(f"{root}/{name}"))
+    dist.barrier()
+    wait_for(f"{root}/{name}/.metadata")
+    dist.barrier()
+    if rank == 0:
+        _writer.FlashStorageWriter.finish = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    else:  # waits for rank 0's finish in DCP's collectives: dies there
+        threading.Timer(5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    dcp.save(_halves(2.0), storage_writer=FlashStorageWriter(f"{root}/{name}"))
+
+
+def load_halves(rank: int, world: int, root: str, name: str) -> list[float]:
+    """Load ``name`` through the flash reader; the value of each of its items."""
+    state = _halves(0.0)
+    dcp.load(state, storage_reader=FlashStorageReader(f"{root}/{name}"))
+    close()
+    return [float(t[0]) for t in state.values()]
