@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .._errors import CheckpointError
 from .._options import Options
 from ._framing import framing
 from ._run import EXPORTER, Run, RunMember, check_store_free, normalize_id
@@ -110,6 +111,9 @@ class FlashStorageWriter(RunMember, StorageWriter):
         self._pending = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.get("use_collectives", True):
+            raise CheckpointError(f"{self.path}: FlashStorageWriter saves with DCP's collectives (its coordinator "
+                                  "writes the metadata of every rank's items); use_collectives=False is not supported")
         self._coordinator = is_coordinator
         self._rank = kwargs.get("rank", dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
 

@@ -169,3 +169,11 @@ def test_the_framing_is_what_torch_save_writes(dtype, shape):
     raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
     back = torch.load(io.BytesIO(prefix + raw + suffix), weights_only=True)
     assert back.dtype == dtype and back.shape == tensor.shape and torch.equal(back, tensor)
+
+
+def test_a_save_without_collectives_is_refused_on_every_rank(tmp_path):
+    """``use_collectives=False`` has each rank write metadata of its own; the writer's
+    coordinator writes every rank's, so such a save would commit only its own items."""
+    with pytest.raises(Exception, match="use_collectives=False is not supported"):
+        dcp.save(_state(1), storage_writer=FlashStorageWriter(str(tmp_path / "step-1")), use_collectives=False)
+    assert not os.path.exists(tmp_path / "step-1" / ".metadata")
