@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any, BinaryIO
 
 import torch
@@ -40,6 +41,8 @@ __all__ = ["METADATA", "export", "rank_pieces", "raw_bytes", "write_rank_file"]
 log = logging.getLogger(__name__)
 
 METADATA = ".metadata"
+DISTCP = re.compile(r"__(\d+)_(\d+)\.distcp")
+"""The name of a rank's data file (DCP's ``FileSystemWriter``: one file a rank)."""
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -113,7 +116,7 @@ def _write_local(target: str, files: list[dict[str, Any]], metadata: bytes) -> i
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(pending)
-        folders.publish(name, pending)
+        folders.publish(name, pending, keep=lambda entry: entry != METADATA and not DISTCP.fullmatch(entry))
     except BaseException:
         folders.discard(pending)
         raise

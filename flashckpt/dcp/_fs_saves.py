@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._options import Options
+from ._export import DISTCP
 from ._fs_write import CapturedFile
 from ._run import EXPORTER, Run, run_for, store_of
 
@@ -35,7 +35,6 @@ __all__ = ["DISTCP", "METADATA_TMP", "Saves"]
 
 log = logging.getLogger(__name__)
 
-DISTCP = re.compile(r"__(\d+)_(\d+)\.distcp")
 METADATA = ".metadata"
 METADATA_TMP = ".metadata.tmp"
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from typing import Callable
 
 from .._errors import CheckpointError, CheckpointNotFoundError
 from ._files import fsync_dir, write_atomic
@@ -56,9 +57,17 @@ class LocalFolders:
         os.makedirs(staged)
         return staged
 
-    def publish(self, name: str, staged: str) -> None:
-        """Make ``staged`` (its files fsynced by the writer) the folder ``name``, durably."""
+    def publish(self, name: str, staged: str, keep: Callable[[str], bool] | None = None) -> None:
+        """Make ``staged`` (its files fsynced by the writer) the folder ``name``, durably.
+        ``keep``: entries of the folder replaced that it accepts and ``staged`` lacks (files
+        of the user's beside the exporter's) go on in the new one (hard links: a failed
+        publish leaves them where they were)."""
         final = os.path.join(self.root, _plain(name, self.root))
+        if os.path.isdir(final) and keep is not None:
+            for entry in os.listdir(final):
+                if keep(entry) and not os.path.lexists(os.path.join(staged, entry)):
+                    _link(os.path.join(final, entry), os.path.join(staged, entry))
+            fsync_dir(staged)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(staged, final)
@@ -83,6 +92,14 @@ class LocalFolders:
         if len(data) > limit:
             raise CheckpointError(f"{os.path.join(self.root, name)} is larger than {limit} bytes")
         return data
+
+
+def _link(source: str, target: str) -> None:
+    """``target`` the same file (or, for a directory, a tree of the same files) as ``source``."""
+    if os.path.isdir(source) and not os.path.islink(source):
+        shutil.copytree(source, target, symlinks=True, copy_function=os.link)
+    else:
+        os.link(source, target, follow_symlinks=False)
 
 
 class ObjectFolders:

@@ -177,3 +177,20 @@ def test_a_save_without_collectives_is_refused_on_every_rank(tmp_path):
     with pytest.raises(Exception, match="use_collectives=False is not supported"):
         dcp.save(_state(1), storage_writer=FlashStorageWriter(str(tmp_path / "step-1")), use_collectives=False)
     assert not os.path.exists(tmp_path / "step-1" / ".metadata")
+
+
+def test_the_export_keeps_the_users_own_files_in_the_checkpoint_folder(tmp_path):
+    """The stock writer adds its files to the folder; so does the export, in the background."""
+    folder = tmp_path / "step-3"
+    (folder / "extra").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "extra" / "notes.txt").write_text("kept")
+    (folder / "__7_0.distcp").write_bytes(b"stale")  # DCP's own name: a file of an older save
+    dcp.save(_state(3), storage_writer=FlashStorageWriter(folder))
+    close()
+    deadline = time.monotonic() + 60
+    while not (folder / ".metadata").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "config.json", "extra"]
+    assert (folder / "extra" / "notes.txt").read_text() == "kept"
