@@ -25,7 +25,7 @@ from ..storage._protocol import Storage
 from ..torch._image_views import image_tree, unpickler
 
 __all__ = [
-    "MemoryCopy", "committed_step", "complete_headers", "memory_copies", "memory_ids", "memory_tree", "unmap_later",
+    "MemoryCopy", "committed_save", "committed_step", "complete_headers", "memory_copies", "memory_ids", "memory_tree", "unmap_later",
 ]
 
 _MAX_LOCAL_RANKS = 1024
@@ -139,11 +139,12 @@ def unmap_later(slots: list[Slot]) -> None:
     threading.Thread(target=close, name="flashckpt-unmap", daemon=True).start()
 
 
-def _id_in_skeleton(skeleton: Any) -> Any:
-    """The ``checkpoint_id`` a saved tree's skeleton holds (see ``flashckpt.memory._tree.flatten``)."""
+def _dcp_value(skeleton: Any, key: str) -> Any:
+    """The plain value ``key`` of the ``dcp`` entry a saved tree's skeleton holds (see
+    ``flashckpt.memory._tree.flatten``), None if it holds none."""
     try:
         top = dict(skeleton["d"])
-        return dict(top["dcp"]["d"])["checkpoint_id"]["v"]
+        return dict(top["dcp"]["d"])[key]["v"]
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -151,6 +152,13 @@ def _id_in_skeleton(skeleton: Any) -> Any:
 def committed_step(storage: Storage, checkpoint_id: str, named: int | None) -> int | None:
     """The newest committed step of ``storage`` saved as ``checkpoint_id`` (only ``named``
     when the id names its step), else None; reads only shard headers."""
+    found = committed_save(storage, checkpoint_id, named)
+    return None if found is None else found[0]
+
+
+def committed_save(storage: Storage, checkpoint_id: str, named: int | None) -> tuple[int, Any] | None:
+    """As :func:`committed_step`, with the save's id (the ``save_id`` its exported
+    ``.metadata`` carries; None for a save made before ids were recorded)."""
     steps = storage.committed_steps()
     candidates = [named] if named is not None else sorted(steps, reverse=True)[:_SCAN]
     for step in candidates:
@@ -158,8 +166,9 @@ def committed_step(storage: Storage, checkpoint_id: str, named: int | None) -> i
             continue
         try:
             with open_shard(storage, step, 0) as reader:
-                if _id_in_skeleton(reader.image.meta.get("tree")) == checkpoint_id:
-                    return step
+                skeleton = reader.image.meta.get("tree")
+                if _dcp_value(skeleton, "checkpoint_id") == checkpoint_id:
+                    return step, _dcp_value(skeleton, "save_id")
         except (CheckpointError, CorruptCheckpointError, OSError):
             continue
     return None

@@ -20,7 +20,7 @@ from .._errors import CheckpointError, CorruptCheckpointError
 from .._options import Options
 from ..restore._shard_read import open_shard
 from ..restore._sources import Source
-from ._images import _id_in_skeleton, _saved_id
+from ._images import _dcp_value, _saved_id
 from ._run import Run, is_url, normalize_id, run_for, store_of
 from ._url import CHAINED, PROTOCOL, folder_of
 
@@ -90,6 +90,6 @@ def _saved_as(run: Run, step: int, where: str) -> Any:
         return _saved_id(run.engine.memory_info(step))
     try:
         with open_shard(run.engine.storage, step, 0) as reader:
-            return _id_in_skeleton(reader.image.meta.get("tree"))
+            return _dcp_value(reader.image.meta.get("tree"), "checkpoint_id")
     except (CorruptCheckpointError, OSError) as exc:
         raise CheckpointError(f"step {step} of {run.store}: cannot read which checkpoint it is: {exc}") from exc

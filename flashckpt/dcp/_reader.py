@@ -37,7 +37,7 @@ from ..storage._protocol import Storage
 from ..torch._image_views import read_shard, unpickler
 from ..torch._tensors import TorchKind
 from ._export import METADATA, export, write_rank_file
-from ._images import MemoryCopy, committed_step, memory_copies, memory_tree, unmap_later
+from ._images import MemoryCopy, committed_save, committed_step, memory_copies, memory_tree, unmap_later
 from ._run import Run, RunMember, is_url, normalize_id, step_of
 from ._writer import distcp_name
 
@@ -114,20 +114,28 @@ class FlashStorageReader(RunMember, StorageReader):
         return metadata
 
     def _ensure_files(self, run: Run) -> None:
-        """Make sure the stock files exist: export a committed save that was never exported."""
-        if self._has_metadata():
+        """Make sure the stock files are those of the save committed as this id: export a
+        committed save that was never exported, or whose files are another save's of the
+        id (an abandoned line's, its saver dead between the commit and the export)."""
+        committed = committed_save(run.engine.storage, self.path, step_of(self.path))
+        files = self._has_metadata()
+        if files and (committed is None or committed[1] in (None, self._files_save_id())):
             if self._step is None:
                 self._step = step_of(self.path)
             return
-        step = committed_step(run.engine.storage, self.path, step_of(self.path))
-        if step is None:
+        if committed is None:
             raise CheckpointNotFoundError(
                 f"no DCP checkpoint {self.path}: not in this node's memory, no {METADATA} there, and "
                 f"nothing committed as it in {run.store}")
-        log.warning("DCP checkpoint %s is committed as step %d of %s but its files were never written: "
-                    "writing them now", self.path, step, run.store)
+        step = committed[0]
+        log.warning("DCP checkpoint %s is committed as step %d of %s but its files %s: writing them now",
+                    self.path, step, run.store, "are another save's" if files else "were never written")
         export(run.store, step, {"checkpoint_id": self.path})
         self._step = step
+
+    def _files_save_id(self) -> Any:
+        """The ``save_id`` of the stock ``.metadata`` (None if it records none)."""
+        return getattr(self._stock_files().read_metadata().storage_meta, "save_id", None)
 
     def _has_metadata(self) -> bool:
         if not is_url(self.path):

@@ -16,6 +16,7 @@ import logging
 import os
 import pickle
 import time
+import uuid
 from typing import Any
 
 import torch
@@ -147,8 +148,10 @@ class FlashStorageWriter(RunMember, StorageWriter):
         run, step, tree = self._pending
         self._pending = None
         metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
-        metadata.storage_meta = self.storage_meta()
+        save_id = uuid.uuid4().hex  # in the exported .metadata and the commit: whose files the folder holds
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=save_id)
         tree["dcp"]["metadata"] = torch.frombuffer(bytearray(pickle.dumps(metadata)), dtype=torch.uint8)
+        tree["dcp"]["save_id"] = save_id
         self._save(run, step, tree, start)
 
     # -- flashckpt -----------------------------------------------------------------

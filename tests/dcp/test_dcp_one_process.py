@@ -194,3 +194,31 @@ def test_the_export_keeps_the_users_own_files_in_the_checkpoint_folder(tmp_path)
         time.sleep(0.05)
     assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "config.json", "extra"]
     assert (folder / "extra" / "notes.txt").read_text() == "kept"
+
+
+def test_a_committed_save_is_read_not_an_older_saves_files_of_its_id(tmp_path):
+    """Step 20 saved, rolled back to 10, and saved again on the new line, whose saver died
+    between the commit and the export: the folder still holds the first step 20's files."""
+    def saved(value):
+        return {"w": torch.full((64,), float(value)), "n": torch.tensor(value)}
+
+    def wait_exported(name):
+        deadline = time.monotonic() + 60
+        while not (tmp_path / name / ".metadata").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    dcp.save(saved(10), storage_writer=FlashStorageWriter(tmp_path / "step-10"))
+    dcp.save(saved(20), storage_writer=FlashStorageWriter(tmp_path / "step-20"))
+    close()
+    wait_exported("step-20")
+    shutil.copytree(tmp_path / "step-20", tmp_path / "first-20")
+    dcp.load(saved(0), storage_reader=FlashStorageReader(tmp_path / "step-10"))  # the rollback
+    dcp.save(saved(2020), storage_writer=FlashStorageWriter(tmp_path / "step-20"))
+    close()
+    wait_exported("step-20")
+    shutil.rmtree(tmp_path / "step-20")  # as if its saver died before the export
+    shutil.copytree(tmp_path / "first-20", tmp_path / "step-20")
+    state = saved(0)
+    dcp.load(state, storage_reader=FlashStorageReader(tmp_path / "step-20"))
+    assert int(state["n"]) == 2020
