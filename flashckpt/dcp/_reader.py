@@ -39,7 +39,7 @@ from ..torch._tensors import TorchKind
 from ._export import METADATA, export, write_rank_file
 from ._images import MemoryCopy, committed_save, committed_step, memory_copies, memory_tree, unmap_later
 from ._run import Run, RunMember, is_url, normalize_id, step_of
-from ._writer import distcp_name
+from ._writer import SAVE_ID_PREFIX, distcp_name
 
 __all__ = ["FlashStorageReader"]
 
@@ -119,7 +119,7 @@ class FlashStorageReader(RunMember, StorageReader):
         id (an abandoned line's, its saver dead between the commit and the export)."""
         committed = committed_save(run.engine.storage, self.path, step_of(self.path))
         files = self._has_metadata()
-        if files and (committed is None or committed[1] in (None, self._files_save_id())):
+        if files and not (committed is not None and self._files_of_another_save(committed[1])):
             if self._step is None:
                 self._step = step_of(self.path)
             return
@@ -133,9 +133,12 @@ class FlashStorageReader(RunMember, StorageReader):
         export(run.store, step, {"checkpoint_id": self.path})
         self._step = step
 
-    def _files_save_id(self) -> Any:
-        """The ``save_id`` of the stock ``.metadata`` (None if it records none)."""
-        return getattr(self._stock_files().read_metadata().storage_meta, "save_id", None)
+    def _files_of_another_save(self, committed_id: Any) -> bool:
+        """The stock files are of another flashckpt save of this id than ``committed_id``
+        (files a stock writer saved, whose ``save_id`` flashckpt did not make, are left)."""
+        found = getattr(self._stock_files().read_metadata().storage_meta, "save_id", None)
+        return committed_id is not None and isinstance(found, str) and found.startswith(SAVE_ID_PREFIX) \
+            and found != committed_id
 
     def _has_metadata(self) -> bool:
         if not is_url(self.path):

@@ -32,9 +32,13 @@ from .._options import Options
 from ._framing import framing
 from ._run import EXPORTER, Run, RunMember, check_store_free, normalize_id
 
-__all__ = ["FlashStorageWriter", "distcp_name", "rank_tree"]
+__all__ = ["FlashStorageWriter", "SAVE_ID_PREFIX", "distcp_name", "rank_tree"]
 
 log = logging.getLogger(__name__)
+
+SAVE_ID_PREFIX = "flashckpt-"
+"""How a save's ``save_id`` begins (a stock writer's is a bare uuid): which save's files a
+folder holds, compared by the reader with the committed save's."""
 
 
 def distcp_name(rank: int) -> str:
@@ -148,7 +152,7 @@ class FlashStorageWriter(RunMember, StorageWriter):
         run, step, tree = self._pending
         self._pending = None
         metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
-        save_id = uuid.uuid4().hex  # in the exported .metadata and the commit: whose files the folder holds
+        save_id = SAVE_ID_PREFIX + uuid.uuid4().hex  # in the exported .metadata and the commit
         metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=save_id)
         tree["dcp"]["metadata"] = torch.frombuffer(bytearray(pickle.dumps(metadata)), dtype=torch.uint8)
         tree["dcp"]["save_id"] = save_id

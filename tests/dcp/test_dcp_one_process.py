@@ -222,3 +222,16 @@ def test_a_committed_save_is_read_not_an_older_saves_files_of_its_id(tmp_path):
     state = saved(0)
     dcp.load(state, storage_reader=FlashStorageReader(tmp_path / "step-20"))
     assert int(state["n"]) == 2020
+
+
+def test_a_stock_writers_later_save_of_the_id_is_left_as_it_is(tmp_path):
+    dcp.save({"n": torch.tensor(20)}, storage_writer=FlashStorageWriter(tmp_path / "step-20"))
+    close()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "step-20" / ".metadata").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    dcp.save({"n": torch.tensor(99)}, storage_writer=dcp.FileSystemWriter(tmp_path / "step-20"))
+    state = {"n": torch.tensor(0)}
+    dcp.load(state, storage_reader=FlashStorageReader(tmp_path / "step-20"))
+    assert int(state["n"]) == 99
