@@ -80,6 +80,7 @@ class FlashStorageReader(RunMember, StorageReader):
         self._read: list[Slot] = []
         """Slots this load read from, still mapped: see :meth:`_prepare_next_saves`."""
         self._step: int | None = None
+        self._files_ensured = False
         self._stored_image = 0
         """Bytes of this rank's image read from the store (its committed shard), if it was."""
         self._last_load: LoadInfo | None = None
@@ -116,7 +117,10 @@ class FlashStorageReader(RunMember, StorageReader):
     def _ensure_files(self, run: Run) -> None:
         """Make sure the stock files are those of the save committed as this id: export a
         committed save that was never exported, or whose files are another save's of the
-        id (an abandoned line's, its saver dead between the commit and the export)."""
+        id (an abandoned line's, its saver dead between the commit and the export). Once a load."""
+        if self._files_ensured:
+            return
+        self._files_ensured = True
         committed = committed_save(run.engine.storage, self.path, step_of(self.path))
         files = self._has_metadata()
         if files and not (committed is not None and self._files_of_another_save(committed[1])):
@@ -136,9 +140,10 @@ class FlashStorageReader(RunMember, StorageReader):
     def _files_of_another_save(self, committed_id: Any) -> bool:
         """The stock files are of another flashckpt save of this id than ``committed_id``
         (files a stock writer saved, whose ``save_id`` flashckpt did not make, are left)."""
+        if committed_id is None:
+            return False
         found = getattr(self._stock_files().read_metadata().storage_meta, "save_id", None)
-        return committed_id is not None and isinstance(found, str) and found.startswith(SAVE_ID_PREFIX) \
-            and found != committed_id
+        return isinstance(found, str) and found.startswith(SAVE_ID_PREFIX) and found != committed_id
 
     def _has_metadata(self) -> bool:
         if not is_url(self.path):

@@ -446,7 +446,10 @@ class SaverClient:
     def covers(self, token: Any, step: int) -> bool:
         """Storage holds a step of this trainer's at least as new, by (line, step), as
         ``step`` of the line ``token`` (a newer line's step covers any of an older one)."""
-        return self._committed is not None and self._committed >= (line_key(token), step)
+        return self._covered((line_key(token), step))
+
+    def _covered(self, key: tuple[str, int]) -> bool:
+        return self._committed is not None and self._committed >= key
 
     def persisting(self, path: str, generation: int) -> bool:
         """The copy ``generation`` of slot ``path`` is asked to persist, not yet done, and
@@ -456,9 +459,8 @@ class SaverClient:
         key = self._asked(path, generation)
         if key is None:
             return True
-        if self._committed is not None and self._committed >= key:
-            return False
-        return not any(k is not None and k > key for k in (self._asked(*p) for p in list(self.pending)))
+        newer = (k for k in (self._asked(*p) for p in list(self.pending)) if k is not None and k > key)
+        return not self._covered(key) and next(newer, None) is None
 
     def _asked(self, path: str, generation: int) -> tuple[str, int] | None:
         """(line, step) of the copy ``generation`` of slot ``path`` as this trainer told it."""
